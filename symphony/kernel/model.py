@@ -1,0 +1,95 @@
+"""The paged Llama forward pass: one pass over a batch of pred() calls.
+
+All the attention bookkeeping travels in an explicit `BatchMeta` (no global
+state).  Tokens of every sequence in the batch are packed into one dimension
+``T``; sequence b owns rows ``cu_q_lens[b]:cu_q_lens[b+1]``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .config import ModelConfig, RopeScaling
+from .kv_cache import KVPool
+from .weights import ModelWeights
+
+
+@dataclass
+class BatchMeta:
+    tokens: torch.Tensor      # [T] int64 token ids
+    positions: torch.Tensor   # [T] int64 RoPE positions
+    slots: torch.Tensor       # [T] int64 page * page_size + offset, where each token's K/V goes
+    page_table: torch.Tensor  # [B, max_pages] int32
+    cu_q_lens: torch.Tensor   # [B + 1] int32 query offsets
+    kv_lens: torch.Tensor     # [B] int32 slots per sequence, new tokens included
+    logit_rows: torch.Tensor  # [R] int64 rows of T whose next-token logits are wanted
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, with the model's scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s: RopeScaling = config.rope_scaling
+    if s.kind == "linear":
+        inv = inv / s.factor
+    elif s.kind == "llama3":
+        low_wavelen = s.original_context_length / s.low_freq_factor
+        high_wavelen = s.original_context_length / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (s.original_context_length / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+    if freq_factors is not None:  # GGUF llama3 files ship the factors as a tensor
+        inv = inv / freq_factors.to(torch.float64).cpu()
+    return inv.to(torch.float32)
+
+
+class PagedLlama:
+    """A Llama-family decoder whose attention reads and writes the paged KV pool."""
+
+    def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype):
+        self.config = weights.config
+        self.w = weights.to(device, dtype)
+        self.device, self.dtype = device, dtype
+        c = self.config
+        inv = rope_inv_freq(c, weights.rope_freq_factors)
+        angles = torch.outer(torch.arange(c.max_context, dtype=torch.float32), inv)
+        # [max_context, head_dim/2] complex64: e^{i * pos * freq}
+        self.rope = torch.polar(torch.ones_like(angles), angles).to(device)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
+        """Write the batch's K/V into the pool; return [R, vocab] float32 logits."""
+        c, w = self.config, self.w
+        T = meta.tokens.shape[0]
+        qk_heads = c.n_heads + c.n_kv_heads
+        rot = self.rope[meta.positions].unsqueeze(1)               # [T, 1, head_dim/2]
+        x = F.embedding(meta.tokens, w.embed)                      # [T, hidden]
+        for i, lw in enumerate(w.layers):
+            h = F.rms_norm(x, (c.hidden_size,), lw.attn_norm.to(x.dtype), c.rms_eps)
+            qkv = F.linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
+            # [T, n_heads + n_kv_heads, head_dim/2] as complex: rotate q and k at once
+            qk = torch.view_as_complex(
+                qkv[:, : c.q_size + c.kv_size].float().reshape(T, qk_heads, c.head_dim // 2, 2))
+            qk = torch.view_as_real(qk * rot).reshape(T, qk_heads, c.head_dim).to(x.dtype)
+            q = qk[:, : c.n_heads]                                  # [T, n_heads, head_dim]
+            k = qk[:, c.n_heads:]                                   # [T, n_kv_heads, head_dim]
+            v = qkv[:, c.q_size + c.kv_size:].view(T, c.n_kv_heads, c.head_dim)
+            k_cache, v_cache = kv.layer(i)
+            ops.write_kv(k, v.contiguous(), k_cache, v_cache, meta.slots)
+            o = ops.paged_attention(q.contiguous(), k_cache, v_cache, meta.page_table,
+                                    meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
+            x = x + F.linear(o.view(T, c.q_size), lw.wo)
+            h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps)
+            gu = F.linear(h, lw.w_gate_up)                          # [T, 2 * intermediate]
+            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
+        x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
+        x = F.rms_norm(x, (c.hidden_size,), w.norm.to(x.dtype), c.rms_eps)
+        return F.linear(x, w.lm_head).float()                       # [R, vocab]

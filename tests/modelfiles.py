@@ -1,0 +1,150 @@
+"""Write tiny model files (GGUF and Hugging Face safetensors directories) with
+known random weights, to test the loaders without downloading anything."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+                 "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def byte_unicode() -> list[str]:
+    """GPT-2's byte -> printable unicode map, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def tiny_vocab() -> list[str]:
+    return SPECIALS + byte_unicode() + ["Ġt", "he", "Ġthe"]
+
+
+TINY_VOCAB_SIZE = len(SPECIALS) + 256 + len(MERGES)  # 262
+
+
+def hf_state_dict(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights with Hugging Face Llama names and layout (rotate-half q/k)."""
+    g = torch.Generator().manual_seed(seed)
+    h, f, nh, nkv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // nh
+    r = lambda *s, scale=0.08: torch.randn(*s, generator=g) * scale
+    sd = {"model.embed_tokens.weight": r(cfg["vocab_size"], h, scale=1.0),
+          "model.norm.weight": 1 + r(h, scale=0.1)}
+    if not cfg.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = r(cfg["vocab_size"], h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": 1 + r(h, scale=0.1),
+                   p + "post_attention_layernorm.weight": 1 + r(h, scale=0.1),
+                   p + "self_attn.q_proj.weight": r(nh * d, h), p + "self_attn.k_proj.weight": r(nkv * d, h),
+                   p + "self_attn.v_proj.weight": r(nkv * d, h), p + "self_attn.o_proj.weight": r(h, nh * d),
+                   p + "mlp.gate_proj.weight": r(f, h), p + "mlp.up_proj.weight": r(f, h),
+                   p + "mlp.down_proj.weight": r(h, f)})
+        if cfg.get("attention_bias"):
+            sd.update({p + "self_attn.q_proj.bias": r(nh * d), p + "self_attn.k_proj.bias": r(nkv * d),
+                       p + "self_attn.v_proj.bias": r(nkv * d)})
+    return sd
+
+
+def tiny_hf_config(**over) -> dict:
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=TINY_VOCAB_SIZE, hidden_size=64,
+               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+               tie_word_embeddings=False)
+    cfg.update(over)
+    return cfg
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp's convert script: rotate-half rows -> interleaved rows, per head
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))
+
+
+def write_gguf(path: Path, cfg: dict, sd: dict[str, torch.Tensor], *, arch: str = "llama",
+               quant: str | None = None, chat_template: str = CHAT_TEMPLATE) -> Path:
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_name("tiny-test")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    vocab = tiny_vocab()
+    w.add_token_list(vocab)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(chat_template)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+           "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+           "self_attn.v_proj.bias": "attn_v.bias",
+           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+           "mlp.down_proj.weight": "ffn_down.weight"}
+    for k, t in sd.items():
+        if k.startswith("model.layers."):
+            _, _, i, rest = k.split(".", 3)
+            name = f"blk.{i}.{per[rest]}"
+            if arch == "llama" and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                t = _llama_cpp_permute(t, nh if "q_proj" in rest else nkv)
+        else:
+            name = names[k]
+        arr = t.numpy().astype(np.float32)
+        if quant and arr.ndim == 2:
+            qt = getattr(gguf.GGMLQuantizationType, quant)
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_tokenizer():
+    """The tiny byte-level BPE tokenizer, built the way a GGUF file's is."""
+    from symphony.kernel.tokenizer import Tokenizer
+    vocab = tiny_vocab()
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": vocab, "tokenizer.ggml.merges": MERGES,
+            "tokenizer.ggml.token_type": [3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)),
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.chat_template": CHAT_TEMPLATE}
+    return Tokenizer.from_gguf_fields(lambda k, d=None: meta.get(k, d), Path("tiny"))
+
+
+def write_hf_dir(path: Path, cfg: dict, sd: dict[str, torch.Tensor], tokenizer=None) -> Path:
+    from safetensors.torch import save_file
+    tokenizer = tokenizer or tiny_tokenizer()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    tokenizer._tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
+    return path

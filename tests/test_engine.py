@@ -1,0 +1,193 @@
+"""The paged engine against the plain PyTorch reference, on tiny random models."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_ATOL, tiny_config
+from symphony.kernel.config import EngineConfig, RopeScaling
+from symphony.kernel.engine import Engine, PredError, PredRequest
+from symphony.kernel.page_allocator import OutOfPages
+from symphony.kernel.reference import ReferenceLlama
+from symphony.kernel.weights import random_weights
+
+
+def make(cfg=None, pages=128, page_size=4, seed=0):
+    cfg = cfg or tiny_config()
+    w = random_weights(cfg, seed=seed)
+    return Engine(w, None, EngineConfig(page_size=page_size, num_pages=pages)), ReferenceLlama(w)
+
+
+def rand_tokens(n, vocab=101, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference_logits(ref, tokens, positions=None):
+    return ref.forward(tokens, positions)
+
+
+@pytest.mark.parametrize("cfg", [
+    tiny_config(),
+    tiny_config(n_kv_heads=4),                                         # MHA
+    tiny_config(n_heads=6, n_kv_heads=2, head_dim=8, hidden_size=48),  # GQA 3:1, like SmolLM2
+    tiny_config(arch="qwen2", attn_bias=True),
+    tiny_config(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64), rope_theta=500000.0),
+    tiny_config(rope_scaling=RopeScaling("linear", 2.0)),
+], ids=["gqa2", "mha", "gqa3", "qwen2-bias", "llama3-rope", "linear-rope"])
+def test_single_sequence_chunks_match_reference(cfg):
+    eng, ref = make(cfg)
+    toks = rand_tokens(40)
+    want = reference_logits(ref, toks)                               # [40, vocab]
+    kv = eng.new_sequence()
+    got, at = [], 0
+    for n in (1, 7, 16, 3, 1, 1, 5, 6):                              # prefill chunks and decodes
+        got.append(eng.pred(kv, toks[at:at + n], all_logits=True))
+        at += n
+    got = torch.cat(got)
+    assert kv.length == 40 and kv.positions == list(range(40))
+    torch.testing.assert_close(got, want, atol=TINY_ATOL, rtol=0)
+    last = eng.pred(eng.new_sequence(), toks)                         # default: last token only
+    assert last.shape == (101,)
+    torch.testing.assert_close(last, want[-1], atol=TINY_ATOL, rtol=0)
+
+
+def test_mixed_batch_matches_reference_and_members_alone():
+    eng, ref = make(pages=256)
+    alone, _ = make(pages=256)
+    hist = {i: rand_tokens(n, seed=i) for i, n in enumerate((1, 9, 17, 30))}
+    seqs, solo = [], []
+    for i, toks in hist.items():                                     # different existing lengths
+        s, t = eng.new_sequence(), alone.new_sequence()
+        eng.pred(s, toks[:-1] or toks)
+        alone.pred(t, toks[:-1] or toks)
+        seqs.append(s), solo.append(t)
+    new = [[5], rand_tokens(6, seed=10), [7], rand_tokens(13, seed=11)]   # decode + prefill mixed
+    reqs = [PredRequest(s, n, all_logits=(i % 2 == 1)) for i, (s, n) in enumerate(zip(seqs, new))]
+    out = eng.pred_batch(reqs)
+    assert eng.stats.max_batch_calls == 4
+    for i, (toks, n) in enumerate(zip(hist.values(), new)):
+        full = (toks[:-1] or toks) + n
+        want = reference_logits(ref, full)[-len(n):]
+        want = want if i % 2 == 1 else want[-1]
+        torch.testing.assert_close(out[i], want, atol=TINY_ATOL, rtol=0)
+        solo_out = alone.pred(solo[i], n, all_logits=(i % 2 == 1))
+        torch.testing.assert_close(out[i], solo_out, atol=1e-5, rtol=0)
+
+
+def test_explicit_positions_match_reference():
+    eng, ref = make()
+    toks = rand_tokens(12)
+    pos = [3, 4, 5, 6, 20, 21, 22, 23, 24, 100, 101, 102]
+    kv = eng.new_sequence()
+    got = torch.cat([eng.pred(kv, toks[:4], pos[:4], all_logits=True),
+                     eng.pred(kv, toks[4:], pos[4:], all_logits=True)])
+    assert kv.positions == pos and kv.next_position == 103
+    torch.testing.assert_close(got, reference_logits(ref, toks, pos), atol=TINY_ATOL, rtol=0)
+
+
+def test_fork_is_copy_on_write_and_each_side_matches_reference():
+    eng, ref = make(page_size=4)
+    base = rand_tokens(10)                                   # 2 full pages + a partial one
+    a = eng.new_sequence()
+    eng.pred(a, base)
+    used = eng.kv.allocator.num_used
+    b = eng.fork(a)
+    assert b.pages == a.pages and eng.kv.allocator.num_used == used
+    assert all(eng.kv.allocator.refcount(p) == 2 for p in a.pages)
+    la = eng.pred(a, [1, 2])                                 # a writes: its partial page is copied
+    assert a.pages[:2] == b.pages[:2] and a.pages[2] != b.pages[2]
+    assert eng.kv.allocator.num_used == used + 1
+    lb = eng.pred(b, [3, 4, 5])                              # b now owns the old partial page alone
+    assert eng.kv.allocator.num_used == used + 2
+    torch.testing.assert_close(la, reference_logits(ref, base + [1, 2])[-1], atol=TINY_ATOL, rtol=0)
+    torch.testing.assert_close(lb, reference_logits(ref, base + [3, 4, 5])[-1], atol=TINY_ATOL, rtol=0)
+    eng.release(a)
+    eng.release(b)
+    assert eng.kv.allocator.num_used == 0
+
+
+def test_truncate_then_pred_matches_recompute():
+    eng, ref = make(page_size=4)
+    toks = rand_tokens(15)
+    kv = eng.new_sequence()
+    eng.pred(kv, toks)
+    eng.truncate(kv, 6)
+    assert kv.length == 6 and len(kv.pages) == 2 and eng.kv.allocator.num_used == 2
+    got = eng.pred(kv, [9, 8, 7])
+    torch.testing.assert_close(got, reference_logits(ref, toks[:6] + [9, 8, 7])[-1], atol=TINY_ATOL, rtol=0)
+    with pytest.raises(PredError):
+        eng.truncate(kv, 10)
+
+
+BAD_CALLS = {
+    "token out of vocab": (dict(tokens=[1, 101]), "out of the vocabulary"),
+    "negative token": (dict(tokens=[-1]), "out of the vocabulary"),
+    "empty tokens": (dict(tokens=[]), "empty"),
+    "float tokens": (dict(tokens=[1.0, 2.0]), "must hold ints"),
+    "bool tokens": (dict(tokens=[True]), "must hold ints"),
+    "string tokens": (dict(tokens="hello"), "sequence of ints"),
+    "2-D array": (dict(tokens=np.zeros((2, 2), dtype=np.int64)), "1-D integer array"),
+    "float tensor": (dict(tokens=torch.zeros(3)), "1-D integer tensor"),
+    "positions length": (dict(tokens=[1, 2], positions=[5]), "1 positions given for 2 tokens"),
+    "position past context": (dict(tokens=[1], positions=[256]), "outside the model's context"),
+    "negative position": (dict(tokens=[1], positions=[-3]), "outside the model's context"),
+    "sequence too long": (dict(tokens=[1] * 250, positions=[0] * 250), "more than the limit"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS), ids=list(BAD_CALLS))
+def test_bad_input_raises_and_changes_nothing(case):
+    kwargs, msg = BAD_CALLS[case]
+    eng, _ = make()
+    kv = eng.new_sequence()
+    eng.pred(kv, rand_tokens(10))
+    before = (list(kv.pages), list(kv.positions), eng.kv.allocator.num_free)
+    with pytest.raises(PredError, match=msg):
+        eng.pred(kv, **kwargs)
+    # a bad call inside a batch of good ones: nothing in the batch happens
+    other = eng.new_sequence()
+    with pytest.raises(PredError):
+        eng.pred_batch([PredRequest(other, [1, 2, 3]), PredRequest(kv, **kwargs)])
+    assert (list(kv.pages), list(kv.positions), eng.kv.allocator.num_free) == before
+    assert other.length == 0 and other.pages == []
+
+
+def test_same_sequence_twice_in_a_batch_is_refused():
+    eng, _ = make()
+    kv = eng.new_sequence()
+    with pytest.raises(PredError, match="twice"):
+        eng.pred_batch([PredRequest(kv, [1]), PredRequest(kv, [2])])
+    assert kv.length == 0
+
+
+def test_out_of_pages_is_atomic_and_recoverable():
+    eng, ref = make(pages=6, page_size=4)                    # 5 usable pages = 20 slots
+    a, b = eng.new_sequence(), eng.new_sequence()
+    eng.pred(a, rand_tokens(12))                             # 3 pages
+    with pytest.raises(OutOfPages):
+        eng.pred_batch([PredRequest(b, [1, 2, 3]), PredRequest(a, rand_tokens(9, seed=3))])
+    assert b.length == 0 and a.length == 12 and eng.kv.allocator.num_free == 2
+    eng.release(a)
+    got = eng.pred(b, rand_tokens(20, seed=4))               # everything fits again
+    torch.testing.assert_close(got, reference_logits(ref, rand_tokens(20, seed=4))[-1], atol=TINY_ATOL, rtol=0)
+
+
+def test_forward_failure_rolls_back(monkeypatch):
+    eng, _ = make()
+    kv = eng.new_sequence()
+    eng.pred(kv, [1, 2, 3])
+    free = eng.kv.allocator.num_free
+
+    def boom(*a, **k):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(eng.model, "forward", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.pred(kv, list(range(20)))
+    assert kv.length == 3 and eng.kv.allocator.num_free == free
+
+
+def test_numpy_and_tensor_tokens_accepted():
+    eng, ref = make()
+    toks = rand_tokens(5)
+    a = eng.pred(eng.new_sequence(), np.array(toks, dtype=np.int32))
+    b = eng.pred(eng.new_sequence(), torch.tensor(toks))
+    torch.testing.assert_close(a, b)

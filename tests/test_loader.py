@@ -1,0 +1,170 @@
+"""Loading GGUF files and Hugging Face directories; tokenizers from metadata."""
+import json
+
+import pytest
+import torch
+
+from modelfiles import (CHAT_TEMPLATE, TINY_VOCAB_SIZE, hf_state_dict, tiny_hf_config, write_gguf,
+                        write_hf_dir)
+from symphony.kernel.config import EngineConfig
+from symphony.kernel.engine import Engine
+from symphony.kernel.loader import ModelLoadError, load_model
+from symphony.kernel.reference import ReferenceLlama
+from symphony.kernel.tokenizer import Tokenizer
+
+PROMPT = list(range(3, 40, 2))
+
+
+def run(weights, tokens=PROMPT):
+    eng = Engine(weights, None, EngineConfig(page_size=4, num_pages=64))
+    return eng.pred(eng.new_sequence(), tokens, all_logits=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_and_hf_dir_of_the_same_weights_agree(tmp_path, arch):
+    over = {"architectures": ["Qwen2ForCausalLM"], "attention_bias": True} if arch == "qwen2" else {}
+    cfg = tiny_hf_config(**over)
+    sd = hf_state_dict(cfg)
+    gguf_w, tok = load_model(write_gguf(tmp_path / "m.gguf", cfg, sd, arch=arch), progress=False)
+    hf_w, hf_tok = load_model(write_hf_dir(tmp_path / "hf", cfg, sd, tok), progress=False)
+    assert gguf_w.config.arch == hf_w.config.arch == arch
+    assert gguf_w.config.attn_bias == (arch == "qwen2")
+    a, b = run(gguf_w), run(hf_w)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a, ReferenceLlama(hf_w).forward(PROMPT), atol=1e-4, rtol=0)
+    assert hf_tok.encode("the theory") == tok.encode("the theory")
+
+
+def test_hf_weights_match_an_independent_rotate_half_forward(tmp_path):
+    """Our interleaved-RoPE layout must equal Hugging Face's rotate-half math on
+    the original (unpermuted) weights: check layer 0's attention scores."""
+    cfg = tiny_hf_config(num_hidden_layers=1)
+    sd = hf_state_dict(cfg)
+    w, _ = load_model(write_hf_dir(tmp_path / "hf", cfg, sd), progress=False)
+    x = torch.randn(5, 64)
+    nh, d = 4, 16
+    pos = torch.arange(5, dtype=torch.float32)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2) / d)
+    ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)[:, None, :]      # HF: [n, 1, d]
+
+    def rot_half(t):
+        return torch.cat((-t[..., d // 2:], t[..., : d // 2]), dim=-1)
+    q = (x @ sd["model.layers.0.self_attn.q_proj.weight"].t()).view(5, nh, d)
+    k = (x @ sd["model.layers.0.self_attn.k_proj.weight"].t()).view(5, 2, d).repeat_interleave(2, 1)
+    q, k = q * ang.cos() + rot_half(q) * ang.sin(), k * ang.cos() + rot_half(k) * ang.sin()
+    want = torch.einsum("qhd,khd->hqk", q, k)
+    ref = ReferenceLlama(w)
+    qkv = x @ w.layers[0].wqkv.t()
+    q2 = ref._rope(qkv[:, :64].view(5, nh, d), pos.long())
+    k2 = ref._rope(qkv[:, 64:96].view(5, 2, d), pos.long()).repeat_interleave(2, 1)
+    torch.testing.assert_close(torch.einsum("qhd,khd->hqk", q2, k2), want, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_gguf_dequantizes_close_to_float(tmp_path):
+    cfg = tiny_hf_config()
+    sd = hf_state_dict(cfg)
+    f32, _ = load_model(write_gguf(tmp_path / "f.gguf", cfg, sd), progress=False)
+    q8, _ = load_model(write_gguf(tmp_path / "q.gguf", cfg, sd, quant="Q8_0"), progress=False)
+    err = (q8.layers[0].wqkv - f32.layers[0].wqkv).abs().max()
+    assert 0 < err < 2e-3                                # quantized, and by Q8_0's step size
+    a, b = run(f32), run(q8)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_tokenizer_from_gguf_metadata(tmp_path):
+    cfg = tiny_hf_config()
+    _, tok = load_model(write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg)), progress=False)
+    assert tok.vocab_size == TINY_VOCAB_SIZE and tok.bos_id == 1 and tok.eos_ids == (2,)
+    ids = tok.encode("the theme")
+    assert ids[0] == tok.token_to_id("he") - 1 or tok.decode(ids) == "the theme"
+    assert tok.token_to_id("Ġthe") in ids                 # the merges are used
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    chat = tok.encode(text)
+    assert chat[0] == 1 and chat.count(2) == 1            # special tokens map to their ids
+    clone = Tokenizer.from_json(tok.to_json())
+    assert clone.encode(text) == chat and clone.eos_ids == tok.eos_ids
+    assert clone.apply_chat_template([{"role": "user", "content": "hi"}]) == text
+
+
+def test_chat_template_is_sandboxed_and_validates_messages(tmp_path):
+    cfg = tiny_hf_config()
+    _, tok = load_model(write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg),
+                                   chat_template="{{ messages.__class__.__mro__ }}"), progress=False)
+    from jinja2.exceptions import SecurityError
+    with pytest.raises((SecurityError, Exception)):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    _, tok = load_model(write_gguf(tmp_path / "n.gguf", cfg, hf_state_dict(cfg)), progress=False)
+    with pytest.raises(ValueError, match="chat message"):
+        tok.apply_chat_template([{"role": "user"}])
+
+
+# ---------------------------------------------------------------- clear errors
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_garbage_file(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"this is not a model" * 10)
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_model(p)
+    q = tmp_path / "weights.bin"
+    q.write_bytes(b"\0" * 100)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(q)
+
+
+def test_truncated_gguf(tmp_path):
+    cfg = tiny_hf_config()
+    p = write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg))
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=str(p.name)):
+        load_model(p)
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    p = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(p), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_model(p)
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load_model(d)
+
+
+def test_hf_dir_problems(tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(d)
+    cfg = tiny_hf_config()
+    sd = hf_state_dict(cfg)
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight.*missing"):
+        load_model(write_hf_dir(tmp_path / "hf", cfg, sd))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ModelLoadError, match="corrupt safetensors"):
+        load_model(tmp_path / "hf")
+    sd = hf_state_dict(cfg)
+    write_hf_dir(tmp_path / "hf2", cfg, sd)
+    (tmp_path / "hf2" / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="tokenizer.json is missing"):
+        load_model(tmp_path / "hf2")
+
+
+def test_wrong_shape_is_named(tmp_path):
+    cfg = tiny_hf_config()
+    sd = hf_state_dict(cfg)
+    sd["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 95)
+    with pytest.raises(ModelLoadError, match="down_proj.*shape"):
+        load_model(write_hf_dir(tmp_path / "hf", cfg, sd))

@@ -1,0 +1,93 @@
+import pytest
+
+from symphony.kernel.page_allocator import NULL_PAGE, OutOfPages, PageAllocator, PageError
+
+
+def test_allocates_in_order_and_never_the_null_page():
+    a = PageAllocator(6)
+    assert a.capacity == 5 and a.num_free == 5
+    assert a.allocate(3) == [1, 2, 3]
+    assert a.allocate(2) == [4, 5]
+    assert a.num_free == 0 and a.num_used == 5
+    assert NULL_PAGE not in a._free
+
+
+def test_refcounts_share_and_free_exactly():
+    a = PageAllocator(8)
+    p = a.allocate(2)                       # [1, 2]
+    a.incref(p)                             # fork
+    assert [a.refcount(i) for i in p] == [2, 2]
+    assert a.decref(p) == []                # one owner left
+    assert [a.refcount(i) for i in p] == [1, 1]
+    assert a.decref(p) == [1, 2]
+    assert a.num_free == 7 and a.refcount(1) == 0
+
+
+def test_freed_pages_are_reused_first_lifo():
+    a = PageAllocator(8)
+    a.allocate(3)                           # 1, 2, 3
+    a.decref([2])
+    assert a.allocate(2) == [2, 4]
+
+
+def test_out_of_pages_takes_nothing():
+    a = PageAllocator(4)
+    a.allocate(2)
+    with pytest.raises(OutOfPages, match="need 2 KV pages, only 1"):
+        a.allocate(2)
+    assert a.num_free == 1
+    assert a.can_allocate(1) and not a.can_allocate(2)
+
+
+def test_double_free_raises_and_changes_nothing():
+    a = PageAllocator(8)
+    p = a.allocate(2)
+    with pytest.raises(PageError, match="refcount 1"):
+        a.decref([p[0], p[0]])
+    assert a.refcount(p[0]) == 1 and a.num_free == 5
+    a.decref(p)
+    with pytest.raises(PageError, match="not allocated"):
+        a.decref([p[0]])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 8, "1", 1.0])
+def test_bad_page_ids_are_refused(bad):
+    a = PageAllocator(8)
+    a.allocate(1)
+    with pytest.raises(PageError):
+        a.incref([bad])
+
+
+def test_no_leak_after_random_workload():
+    import random
+    rng = random.Random(0)
+    a = PageAllocator(64)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        if held and rng.random() < 0.45:
+            a.decref(held.pop(rng.randrange(len(held))))
+        elif rng.random() < 0.2 and held:
+            src = held[rng.randrange(len(held))]
+            a.incref(src)
+            held.append(list(src))
+        else:
+            n = rng.randint(0, 4)
+            if a.can_allocate(n):
+                held.append(a.allocate(n))
+        refs = {}
+        for h in held:
+            for p in h:
+                refs[p] = refs.get(p, 0) + 1
+        assert all(a.refcount(p) == r for p, r in refs.items())
+        assert a.num_used == len(refs)
+    for h in held:
+        a.decref(h)
+    assert a.num_free == a.capacity
+    assert sorted(a._free) == list(range(1, 64))
+
+
+def test_constructor_validates():
+    with pytest.raises(ValueError):
+        PageAllocator(1)
+    with pytest.raises(ValueError):
+        PageAllocator(8).allocate(-1)
