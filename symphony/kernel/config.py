@@ -123,6 +123,8 @@ class EngineConfig:
             raise ConfigError("engine config: max_batch_tokens must be >= 1")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
+        if self.dtype not in (None, torch.float32) and torch.device(self.device).type == "cpu":
+            raise ConfigError(f"engine config: the CPU kernels run float32 only, got dtype {self.dtype}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -83,8 +83,8 @@ class PagedLlama:
             k = qk[:, c.n_heads:]                                   # [T, n_kv_heads, head_dim]
             v = qkv[:, c.q_size + c.kv_size:].view(T, c.n_kv_heads, c.head_dim)
             k_cache, v_cache = kv.layer(i)
-            ops.write_kv(k, v.contiguous(), k_cache, v_cache, meta.slots)
-            o = ops.paged_attention(q.contiguous(), k_cache, v_cache, meta.page_table,
+            ops.write_kv(k, v, k_cache, v_cache, meta.slots)         # token-strided views are fine
+            o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
                                     meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
             x = x + F.linear(o.view(T, c.q_size), lw.wo)
             h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps)

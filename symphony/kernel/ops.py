@@ -1,0 +1,393 @@
+"""Symphony's custom attention ops: loader, typed wrappers, fake impls and references.
+
+The ops are C++/CUDA kernels in ``<repo>/csrc`` registered as ``torch.ops.symphony.*``
+(schemas in ``csrc/ops.cpp``). They are compiled on first use with
+``torch.utils.cpp_extension`` into a cache directory (``$SYMPHONY_BUILD_DIR`` or
+``~/.cache/symphony/ops/<hash>``) and loaded into the process as a plain shared library.
+
+KV page pool layout of one layer: ``k_cache`` / ``v_cache`` are
+``[num_pages, page_size, n_kv_heads, head_dim]`` (views ``pool[layer, 0]`` / ``pool[layer, 1]``
+of a contiguous pool). Cache slot ``s`` is page ``s // page_size``, offset ``s % page_size``.
+
+``write_kv(k, v, k_cache, v_cache, slots)``
+    ``k``, ``v``: ``[T, n_kv_heads, head_dim]``; ``slots``: int64 ``[T]``. Writes ``k[t]``,
+    ``v[t]`` at slot ``slots[t]``; negative slots are skipped.
+
+``paged_attention(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale) -> out``
+    ``q``: ``[T, n_heads, head_dim]`` holding every sequence's query tokens back to back;
+    ``page_table``: int32 ``[B, max_pages]``; ``cu_q_lens``: int32 ``[B + 1]`` (sequence b's
+    queries are ``q[cu_q_lens[b]:cu_q_lens[b + 1]]``); ``kv_lens``: int32 ``[B]``, the number of
+    cache slots of sequence b, its new tokens included. Query i of a sequence sees slots
+    ``0 .. kv_len - q_len + i``; query head h uses kv head ``h // (n_heads // n_kv_heads)``.
+    Returns ``softmax(scale * q k^T) v`` as ``[T, n_heads, head_dim]`` in q's dtype, computed
+    with float32 accumulation.
+
+q, k and v may be strided along the token dimension (slices of a fused qkv projection) as long
+as each token's ``[heads, head_dim]`` block is contiguous. CPU kernels support float32; CUDA
+kernels float32, float16 and bfloat16.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "load",
+    "write_kv",
+    "paged_attention",
+    "write_kv_reference",
+    "paged_attention_reference",
+    "cuda_available",
+    "compile_cuda_object",
+    "csrc_dir",
+]
+
+logger = logging.getLogger("symphony.ops")
+
+_EXT_NAME = "symphony_ops"
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp")
+_CUDA_SOURCES = ("cuda/paged_attention.cu",)
+_STALE_LOCK_SECONDS = 30 * 60
+
+_lock = threading.Lock()
+_loaded = False
+_cuda_built = False
+
+
+# --------------------------------------------------------------------------------------------
+# Build / load
+# --------------------------------------------------------------------------------------------
+def csrc_dir() -> Path:
+    """The directory holding the C++/CUDA sources; raises if it is missing."""
+    if not (_CSRC / "ops.cpp").is_file():
+        raise RuntimeError(
+            f"symphony: the C++ op sources were not found at {_CSRC} (expected csrc/ops.cpp next "
+            "to the symphony package). Run from a source checkout of the repository.")
+    return _CSRC
+
+
+def _cpu_arch_flags() -> list[str]:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return ["-march=native"]
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a build is only reused on the same kind of CPU."""
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features", "model name"):
+                    sig += "|" + line.strip()
+                if key in ("flags", "features"):
+                    break
+    except OSError:
+        sig += "|" + platform.processor()
+    return sig
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("SYMPHONY_NO_CUDA", "") not in ("", "0"):
+        return False
+    if not torch.cuda.is_available():
+        return False
+    from torch.utils import cpp_extension
+    return bool(cpp_extension.CUDA_HOME)
+
+
+def _cflags() -> list[str]:
+    return ["-O3", "-fopenmp", *_cpu_arch_flags()]
+
+
+def _cxx_std() -> str:
+    """The C++ standard torch's headers are written for (torch >= 2.10 builds with C++20)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 10) else "-std=c++17"
+
+
+def _cuda_flags() -> list[str]:
+    # cpp_extension adds -std, --expt-relaxed-constexpr and the __CUDA_NO_HALF_* defines.
+    return ["-O3", "-lineinfo"]
+
+
+def _build_dir(with_cuda: bool) -> Path:
+    env = os.environ.get("SYMPHONY_BUILD_DIR")
+    if env:
+        return Path(env).expanduser()
+    h = hashlib.sha256()
+    root = csrc_dir()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        if path.suffix in (".cpp", ".cu", ".h", ".cuh", ".hpp"):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(f"cuda={with_cuda} {torch.version.cuda}".encode())
+    h.update(f"py={sys.version_info[:2]}".encode())
+    h.update(" ".join(_cflags() + (_cuda_flags() if with_cuda else [])).encode())
+    h.update(_cpu_signature().encode())
+    return Path.home() / ".cache" / "symphony" / "ops" / h.hexdigest()[:16]
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """cpp_extension waits forever on a lock left by a build that was killed; drop old ones."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("symphony: removing stale build lock %s (%.0f s old)", lock, age)
+        try:
+            lock.unlink()
+        except OSError:
+            pass
+
+
+def _announce(msg: str) -> None:
+    logger.info(msg)
+    # Also straight to stderr, so that users without logging configured see it.
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _build_and_load(with_cuda: bool) -> None:
+    root = csrc_dir()
+    sources = [str(root / s) for s in _CPU_SOURCES]
+    if with_cuda:
+        sources += [str(root / s) for s in _CUDA_SOURCES]
+    for s in sources:
+        if not Path(s).is_file():
+            raise RuntimeError(f"symphony: op source {s} is missing")
+    build_dir = _build_dir(with_cuda)
+    build_dir.mkdir(parents=True, exist_ok=True)  # cpp_extension's lock file lives in it
+    _clear_stale_lock(build_dir)
+    fresh = not (build_dir / f"{_EXT_NAME}.so").exists()
+    if fresh:
+        _announce(f"symphony: building C++ ops (first use, about a minute) in {build_dir}"
+                  f"{' with CUDA' if with_cuda else ''}...")
+    t0 = time.perf_counter()
+    from torch.utils import cpp_extension
+    cpp_extension.load(
+        name=_EXT_NAME,
+        sources=sources,
+        extra_cflags=_cflags(),
+        extra_cuda_cflags=_cuda_flags() if with_cuda else None,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(root)],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=os.environ.get("SYMPHONY_BUILD_VERBOSE", "") not in ("", "0"),
+    )
+    dt = time.perf_counter() - t0
+    if fresh or dt > 5.0:
+        _announce(f"symphony: C++ ops ready in {dt:.1f} s ({build_dir})")
+
+
+def load() -> None:
+    """Build (first use only) and load the ops. Idempotent and thread-safe.
+
+    The CUDA kernels are included when torch sees a GPU and a CUDA toolkit is found
+    (``SYMPHONY_NO_CUDA=1`` forces a CPU-only build); if that build fails, a CPU-only build
+    is tried so that CPU inference still works.
+    """
+    global _loaded, _cuda_built
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        with_cuda = _want_cuda()
+        if with_cuda:
+            try:
+                _build_and_load(True)
+            except Exception as e:  # noqa: BLE001 - fall back to the CPU kernels, loudly
+                logger.warning("symphony: building the CUDA ops failed (%s); falling back to a "
+                               "CPU-only build", e)
+                print(f"symphony: WARNING: building the CUDA ops failed ({e}); "
+                      "falling back to CPU-only ops", file=sys.stderr, flush=True)
+                with_cuda = False
+        if not with_cuda:
+            _build_and_load(False)
+        _register_fakes()
+        _cuda_built = with_cuda
+        _loaded = True
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels were built into the loaded library."""
+    load()
+    return _cuda_built
+
+
+# --------------------------------------------------------------------------------------------
+# Ops
+# --------------------------------------------------------------------------------------------
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write k[t], v[t] into k_cache / v_cache at slots[t] (negative slots skipped), in place."""
+    if not _loaded:
+        load()
+    torch.ops.symphony.write_kv(k, v, k_cache, v_cache, slots)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of packed queries over the paged KV cache; see the module docstring."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.paged_attention(q, k_cache, v_cache, page_table, cu_q_lens,
+                                              kv_lens, float(scale))
+
+
+# Fake (meta) implementations, for torch.compile / FakeTensor tracing. They can only be
+# registered once the ops exist, so load() registers them; the C++ library also names this
+# module (set_python_module) so that torch imports it when it needs them.
+def _write_kv_fake(k, v, k_cache, v_cache, slots) -> None:
+    torch._check(k.dim() == 3 and k.shape == v.shape)
+    torch._check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape)
+    torch._check(slots.dim() == 1 and slots.shape[0] == k.shape[0])
+    return None
+
+
+def _paged_attention_fake(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale):
+    torch._check(q.dim() == 3)
+    torch._check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape)
+    torch._check(page_table.dim() == 2 and kv_lens.dim() == 1 and cu_q_lens.dim() == 1)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+_fakes_registered = False
+
+
+def _ops_exist() -> bool:
+    try:
+        torch.ops.symphony.write_kv
+        torch.ops.symphony.paged_attention
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _register_fakes() -> None:
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    torch.library.register_fake("symphony::write_kv", _write_kv_fake)
+    torch.library.register_fake("symphony::paged_attention", _paged_attention_fake)
+    _fakes_registered = True
+
+
+if _ops_exist():  # the library was loaded by other means before this module was imported
+    _register_fakes()
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-PyTorch references (tests and documentation)
+# --------------------------------------------------------------------------------------------
+def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference write_kv: scatter rows into the flattened [num_pages * page_size] slot axis."""
+    keep = slots >= 0
+    idx = slots[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[idx] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[idx] = v[keep]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              page_table: torch.Tensor, cu_q_lens: torch.Tensor,
+                              kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference paged_attention: per sequence, gather K/V, build the causal mask, softmax."""
+    T, n_heads, head_dim = q.shape
+    _, page_size, n_kv_heads, _ = k_cache.shape
+    group = n_heads // n_kv_heads
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # float32 accumulation
+    out = torch.zeros(T, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    cu = cu_q_lens.tolist()
+    kvl = kv_lens.tolist()
+    for b in range(len(kvl)):
+        q0, q1, kv_len = cu[b], cu[b + 1], kvl[b]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        n_pages = -(-kv_len // page_size)
+        pages = page_table[b, :n_pages].long()
+        # [kv_len, n_kv_heads, head_dim] -> one K/V head per query head
+        k = k_cache[pages].reshape(-1, n_kv_heads, head_dim)[:kv_len].to(acc)
+        v = v_cache[pages].reshape(-1, n_kv_heads, head_dim)[:kv_len].to(acc)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[q0:q1].to(acc)
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale      # [n_heads, q_len, kv_len]
+        i = torch.arange(q_len, device=q.device).unsqueeze(1)
+        j = torch.arange(kv_len, device=q.device).unsqueeze(0)
+        visible = j <= (kv_len - q_len + i)                         # [q_len, kv_len]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA compile check (no GPU needed)
+# --------------------------------------------------------------------------------------------
+def _find_nvcc() -> Optional[str]:
+    from torch.utils import cpp_extension
+    nvcc = shutil.which("nvcc")
+    if nvcc is None and cpp_extension.CUDA_HOME:
+        cand = Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"
+        if cand.exists():
+            nvcc = str(cand)
+    return nvcc
+
+
+def compile_cuda_object(out_dir, arch: str = "sm_90") -> Path:
+    """Compile csrc/cuda/paged_attention.cu to an object file with nvcc; returns its path.
+
+    Proves the CUDA kernels compile on a machine without a GPU (or a CUDA build of torch).
+    """
+    from torch.utils import cpp_extension
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("symphony: nvcc not found (not on PATH, no CUDA_HOME)")
+    root = csrc_dir()
+    src = root / "cuda" / "paged_attention.cu"
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    obj = out_dir / "paged_attention.cuda.o"
+    includes = [*cpp_extension.include_paths(), str(root)]
+    cmd = [nvcc, "-c", str(src), "-o", str(obj), _cxx_std(), "-O3", "--expt-relaxed-constexpr",
+           "-Xcompiler", "-fPIC",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={_EXT_NAME}",
+           "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+           "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+           f"-gencode=arch=compute_{arch[3:]},code={arch}"]
+    torch_inc = Path(cpp_extension.include_paths()[0])
+    if not (torch_inc / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists():
+        # CPU wheels ship the c10/cuda headers but not this generated one.
+        cmd.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    for inc in includes:
+        cmd += ["-I", inc]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"symphony: nvcc failed ({proc.returncode}):\n{' '.join(cmd)}\n"
+                           f"{proc.stdout}\n{proc.stderr}")
+    return obj

@@ -1,0 +1,278 @@
+"""Tests of the symphony C++/CUDA ops against their pure-PyTorch references."""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+
+import pytest
+import torch
+
+from symphony.kernel import ops
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    ops.load()
+
+
+def _device_ok(device: str) -> None:
+    if device == "cuda" and not ops.cuda_available():
+        pytest.skip("CUDA kernels were not built")
+
+
+def make_batch(q_lens, kv_lens, *, n_heads, n_kv_heads, head_dim, page_size=16, dtype=torch.float32,
+               device="cpu", seed=0, spare_pages=7, extra_cols=3):
+    """A random paged batch: caches filled with noise, each sequence's pages shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(q_lens)
+    need = [-(-kv // page_size) for kv in kv_lens]
+    num_pages = sum(need) + spare_pages
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    max_pages = max(need + [0]) + extra_cols
+    # Unused entries hold garbage (here: huge / negative ids): the op must not read them.
+    page_table = torch.randint(-5, 10**6, (B, max_pages), generator=g, dtype=torch.int32)
+    pos = 0
+    for b, n in enumerate(need):
+        page_table[b, :n] = torch.tensor(perm[pos:pos + n], dtype=torch.int32)
+        pos += n
+    T = sum(q_lens)
+    shape = (num_pages, page_size, n_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(T, n_heads, head_dim, generator=g).to(dtype)
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    kvl = torch.tensor(kv_lens, dtype=torch.int32)
+    t = [x.to(device) for x in (q, k_cache, v_cache, page_table, cu, kvl)]
+    return t
+
+
+MIXED = dict(  # decodes, prefill chunks, an empty sequence, kv_len not a multiple of page_size
+    q_lens=[1, 37, 0, 1, 5, 130, 1, 2, 16],
+    kv_lens=[1, 37, 20, 300, 77, 181, 16, 33, 16 * 9 + 5],
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_paged_attention_matches_reference(device, n_heads, n_kv_heads, head_dim):
+    _device_ok(device)
+    for seed, page_size in ((0, 16), (1, 5)):
+        q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                            head_dim=head_dim, page_size=page_size, seed=seed,
+                                            device=device)
+        scale = 1.0 / math.sqrt(head_dim)
+        out = ops.paged_attention(q, kc, vc, pt, cu, kvl, scale)
+        ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, scale)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["decode_batch", "single_prefill", "long_decode", "odd_dims"])
+def test_paged_attention_shapes(device, case):
+    """Decode batches, one long prefill, a lone long decode (split keys), unusual dims."""
+    _device_ok(device)
+    kw = dict(n_heads=9, n_kv_heads=3, head_dim=64, page_size=16, device=device)
+    if case == "decode_batch":
+        batch = make_batch([1] * 12, [1, 2, 15, 16, 17, 100, 255, 256, 257, 500, 31, 64], seed=2, **kw)
+    elif case == "single_prefill":
+        batch = make_batch([300], [300], seed=3, **kw)
+    elif case == "long_decode":
+        batch = make_batch([1, 3], [3000, 1500], seed=4, **kw)
+    else:  # head_dim not a multiple of the vector width, large GQA group, page size 1
+        kw.update(n_heads=20, n_kv_heads=2, head_dim=40, page_size=1)
+        batch = make_batch([1, 9, 2], [10, 40, 2], seed=5, **kw)
+    q, kc, vc, pt, cu, kvl = batch
+    scale = 0.125
+    out = ops.paged_attention(q, kc, vc, pt, cu, kvl, scale)
+    ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_strided_q_and_threads(device):
+    """q may be a token-strided slice of a fused projection; results do not depend on threads."""
+    _device_ok(device)
+    q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=9, n_kv_heads=3, head_dim=64, seed=6,
+                                        device=device)
+    fused = torch.randn(q.shape[0], 15, 64, device=device)
+    fused[:, 2:11] = q
+    qs = fused[:, 2:11]
+    assert not qs.is_contiguous()
+    ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, 0.1)
+    out = ops.paged_attention(qs, kc, vc, pt, cu, kvl, 0.1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    if device == "cpu":
+        n = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            out1 = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.1)
+        finally:
+            torch.set_num_threads(n)
+        torch.testing.assert_close(out1, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_half_cuda(device, dtype):
+    _device_ok(device)
+    q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=9, n_kv_heads=3, head_dim=64, seed=7,
+                                        device=device, dtype=dtype)
+    out = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.125)
+    ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, 0.125)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv(device):
+    _device_ok(device)
+    g = torch.Generator().manual_seed(10)
+    num_pages, page_size, n_kv, d = 6, 4, 3, 32
+    pool = torch.randn(2, 2, num_pages, page_size, n_kv, d, generator=g).to(device)
+    k_cache, v_cache = pool[1, 0], pool[1, 1]
+    before = pool.clone()
+    T = 9
+    slots = torch.tensor([5, -1, 0, 23, 7, -3, 12, 13, 1], dtype=torch.int64)
+    fused = torch.randn(T, 2 * n_kv + 4, d, generator=g).to(device)
+    k = fused[:, 1:1 + n_kv]  # token-strided slice
+    v = torch.randn(T, n_kv, d, generator=g).to(device)
+    ops.write_kv(k, v, k_cache, v_cache, slots.to(device))
+
+    expect = before.clone()
+    ops.write_kv_reference(k, v, expect[1, 0], expect[1, 1], slots.to(device))
+    torch.testing.assert_close(pool, expect, atol=0, rtol=0)
+    # Explicitly: written rows landed at page s // page_size, offset s % page_size ...
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(k_cache[s // page_size, s % page_size], k[t])
+            assert torch.equal(v_cache[s // page_size, s % page_size], v[t])
+    # ... and nothing else changed (layer 0 untouched, unwritten slots untouched).
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat_now = pool[1].reshape(2, -1, n_kv, d)
+    flat_before = before[1].reshape(2, -1, n_kv, d)
+    assert torch.equal(flat_now[:, ~written.to(device)], flat_before[:, ~written.to(device)])
+    assert torch.equal(pool[0], before[0])
+
+
+def test_write_kv_then_attention_roundtrip():
+    """Engine-style use: write the new tokens' K/V, then attend; equals dense causal SDPA."""
+    torch.manual_seed(11)
+    n_heads, n_kv, d, ps = 9, 3, 64, 16
+    pool = torch.zeros(1, 2, 12, ps, n_kv, d)
+    kc, vc = pool[0, 0], pool[0, 1]
+    L = 70
+    pages = torch.tensor([7, 2, 9, 0, 5], dtype=torch.int32)
+    k = torch.randn(L, n_kv, d)
+    v = torch.randn(L, n_kv, d)
+    q = torch.randn(L, n_heads, d)
+    slots = (pages.long()[torch.arange(L) // ps] * ps + torch.arange(L) % ps)
+    ops.write_kv(k, v, kc, vc, slots)
+    out = ops.paged_attention(q, kc, vc, pages[None], torch.tensor([0, L], dtype=torch.int32),
+                              torch.tensor([L], dtype=torch.int32), 1 / 8)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(3, 0),
+        v.transpose(0, 1).repeat_interleave(3, 0), is_causal=True, scale=1 / 8).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# opcheck
+# --------------------------------------------------------------------------------------------
+def test_opcheck_paged_attention():
+    q, kc, vc, pt, cu, kvl = make_batch([1, 6, 0, 3], [9, 6, 4, 40], n_heads=4, n_kv_heads=2,
+                                        head_dim=32, page_size=8, seed=12)
+    torch.library.opcheck(torch.ops.symphony.paged_attention.default,
+                          (q, kc, vc, pt, cu, kvl, 0.25))
+
+
+def test_opcheck_write_kv():
+    g = torch.Generator().manual_seed(13)
+    kc = torch.randn(5, 4, 2, 16, generator=g)
+    vc = torch.randn(5, 4, 2, 16, generator=g)
+    k = torch.randn(6, 2, 16, generator=g)
+    v = torch.randn(6, 2, 16, generator=g)
+    slots = torch.tensor([0, 3, -1, 19, 8, 4], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.symphony.write_kv.default, (k, v, kc, vc, slots))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+def _good_args():
+    q, kc, vc, pt, cu, kvl = make_batch([2, 1], [5, 20], n_heads=4, n_kv_heads=2, head_dim=32,
+                                        page_size=4, seed=14, spare_pages=1, extra_cols=0)
+    return dict(q=q, k_cache=kc, v_cache=vc, page_table=pt, cu_q_lens=cu, kv_lens=kvl, scale=0.2)
+
+
+def _attn(a):
+    return ops.paged_attention(a["q"], a["k_cache"], a["v_cache"], a["page_table"],
+                               a["cu_q_lens"], a["kv_lens"], a["scale"])
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.update(page_table=a["page_table"].long()), "page_table must be int32"),
+    (lambda a: a.update(cu_q_lens=a["cu_q_lens"].long()), "cu_q_lens must be int32"),
+    (lambda a: a.update(kv_lens=a["kv_lens"].float()), "kv_lens must be int32"),
+    (lambda a: a.update(q=a["q"][:, :3]), "must be a positive multiple of n_kv_heads"),
+    (lambda a: a["page_table"].__setitem__((1, 4), 1000), r"page_table\[1, 4\] = 1000 is out of range"),
+    (lambda a: a["page_table"].__setitem__((0, 0), -1), r"page_table\[0, 0\] = -1 is out of range"),
+    (lambda a: a.update(q=a["q"][:2]), r"cu_q_lens\[B\] = 3 must equal .* T = q.size\(0\) = 2"),
+    (lambda a: a["cu_q_lens"].__setitem__(1, 4), "cu_q_lens must be non-decreasing"),
+    (lambda a: a["kv_lens"].__setitem__(0, 1), "kv_len 1 < q_len 2"),
+    (lambda a: a["kv_lens"].__setitem__(1, 21), "only 5 columns"),
+    (lambda a: a.update(q=a["q"].double()), "must be float32, float16 or bfloat16|dtype"),
+    (lambda a: a.update(q=a["q"][..., :16]), "head_dim"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+    (lambda a: a.update(v_cache=a["v_cache"][:-1]), "v_cache shape"),
+    (lambda a: a.update(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+    (lambda a: a.update(kv_lens=a["kv_lens"][:1]), "kv_lens must be 1-D"),
+    (lambda a: a.update(page_table=a["page_table"][0]), "page_table must be 2-D"),
+])
+def test_bad_attention_input_raises(mutate, match):
+    a = _good_args()
+    _attn(a)  # the unmodified arguments are fine
+    mutate(a)
+    with pytest.raises(RuntimeError, match=match):
+        _attn(a)
+
+
+def test_bad_write_kv_input_raises():
+    kc = torch.zeros(3, 4, 2, 8)
+    vc = torch.zeros(3, 4, 2, 8)
+    k = torch.randn(2, 2, 8)
+    v = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        ops.write_kv(k, v, kc, vc, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 12 is out of range"):
+        ops.write_kv(k, v, kc, vc, torch.tensor([0, 12]))
+    with pytest.raises(RuntimeError, match="n_kv_heads, head_dim"):
+        ops.write_kv(torch.randn(2, 1, 8), torch.randn(2, 1, 8), kc, vc, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="slots must be 1-D"):
+        ops.write_kv(k, v, kc, vc, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.write_kv(k.double(), v.double(), kc, vc, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.write_kv(k.transpose(1, 2).contiguous().transpose(1, 2), v, kc, vc, torch.tensor([0, 1]))
+    assert kc.abs().sum() == 0 and vc.abs().sum() == 0  # nothing written on failure
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA compile check (no GPU needed)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_cuda_source_compiles_with_nvcc(tmp_path):
+    t0 = time.perf_counter()
+    obj = ops.compile_cuda_object(tmp_path, arch="sm_90")
+    assert obj.exists() and obj.stat().st_size > 0
+    print(f"nvcc compile took {time.perf_counter() - t0:.1f} s")
