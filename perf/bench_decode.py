@@ -70,9 +70,17 @@ class LlamaCpp:
     def __init__(self, path, n_ctx, n_seq, threads):
         import llama_cpp as lc
         self.lc = lc
-        self.llm = lc.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                            n_threads_batch=threads, n_seq_max=n_seq, logits_all=False, verbose=False)
-        self.ctx = self.llm.ctx
+        # the high-level Llama() loads the model; its own context holds one sequence only,
+        # so a second context with n_seq_max sequences is made through the C API
+        self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+        p = lc.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, 512, n_seq
+        p.n_threads = p.n_threads_batch = threads
+        if hasattr(p, "kv_unified"):
+            p.kv_unified = True
+        self.ctx = lc.llama_init_from_model(self.llm._model.model, p)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp context creation failed")
         self.vocab = self.llm.n_vocab()
 
     def _decode(self, items):
@@ -124,7 +132,7 @@ class LlamaCpp:
     def batch(self, prompt_ids, steps, n):
         self._clear()
         prompts = [prompt_ids[:-1] + [i + 100] for i in range(n)]
-        nxt = self._decode([(i, p, 0) for i, p in enumerate(prompts)])
+        nxt = [self._decode([(i, p, 0)])[0] for i, p in enumerate(prompts)]   # prefill under n_batch
         pos = len(prompt_ids)
         t0 = time.perf_counter()
         for _ in range(steps):

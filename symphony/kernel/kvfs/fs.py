@@ -1,0 +1,400 @@
+"""KVFS: the KV cache as a file system, inside the kernel's engine.
+
+    fs = KVFS(engine, KVFSConfig(host_pages=4096, swap_dir="/var/tmp/symphony"))
+    alice = Principal("alice", pid=7)
+    h = fs.create(alice, "/home/alice/sys.kv")          # read-write handle (an int)
+    fs.pred(alice, h, tokens)                           # append tokens, get logits
+    c = fs.fork(alice, h)                               # anonymous copy-on-write clone
+    fs.close(alice, h)
+
+Every call names its caller (`Principal`: user + pid).  Handles are ints that
+only their own process may use.  Errors are the typed `KVFSError` subclasses
+of `errors.py`, raised before anything changes.  Data operations (pred, fork,
+truncate, extract, merge) are in `data.DataOps`; tier moves in `pager.Pager`;
+durable files in `store`.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from ..engine import Engine
+from .data import DataOps
+from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, IsADirectory,
+                     NotADirectory, NotFound, PermissionDenied)
+from .namespace import (ADVICE, ROOT_USER, STICKY, Block, Directory, Handle, Inode, Node, Principal,
+                        may, may_unlink, split_path)
+from .pager import Pager
+from .quota import Quotas
+
+log = logging.getLogger("symphony.kvfs")
+
+KERNEL = Principal(ROOT_USER, 0)
+
+
+@dataclass(frozen=True)
+class KVFSConfig:
+    host_pages: int = 1024                  # host-memory tier, in pages
+    swap_dir: Optional[str] = None          # disk tier (swap file) directory; None: no disk tier
+    disk_pages: int = 65536
+    durable_dir: Optional[str] = None       # where sync() writes durable files; None: no sync
+    user_page_quota: Optional[int] = None   # pages a user may hold (all tiers); None: unlimited
+    process_page_quota: Optional[int] = None
+    per_user_quota: Optional[dict] = None   # {user: pages} overrides
+    default_file_mode: int = 0o644
+    max_handles_per_process: int = 4096
+
+
+class KVFS(DataOps):
+    def __init__(self, engine: Engine, config: KVFSConfig = KVFSConfig(), *, restore: bool = True):
+        self.engine, self.config = engine, config
+        self.page_size = engine.page_size
+        self.pager = Pager(engine.kv, config.host_pages,
+                           Path(config.swap_dir) if config.swap_dir else None, config.disk_pages)
+        self.quotas = Quotas(config.user_page_quota, config.process_page_quota, config.per_user_quota)
+        self.root = Directory("", None, ROOT_USER, 0o755)
+        for name, mode in (("shared", 0o1777), ("home", 0o755), ("tmp", 0o1777)):
+            self.root.children[name] = Directory(name, self.root, ROOT_USER, mode)
+        self.handles: dict[int, Handle] = {}
+        self._hids = itertools.count(3)
+        self.inodes: dict[int, Inode] = {}
+        # eviction order: least recently used first; "keep" files are in neither
+        self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()
+        self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
+        self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
+        if restore and config.durable_dir:
+            from .store import restore_all
+            self.restore_report = restore_all(self)
+        else:
+            self.restore_report = None
+
+    # ================================================================== namespace
+    def create(self, who: Principal, path: Optional[str] = None, mode: Optional[int] = None) -> int:
+        """A new empty file, opened read-write.  No path: anonymous, freed when
+        its handles close (and with its creating process)."""
+        self._tick()
+        mode = self.config.default_file_mode if mode is None else self._check_mode(mode)
+        inode = Inode(who.user, mode, who.pid)
+        if path is not None:
+            parent, name = self._parent_for_create(who, path)
+            self._link(parent, name, inode)
+        self.inodes[inode.ino] = inode
+        self._lru_touch(inode)
+        return self._new_handle(who, inode, writable=True)
+
+    def open(self, who: Principal, path: str, mode: str = "r") -> int:
+        """Open a named file, ``mode`` 'r' (read-only) or 'rw'."""
+        self._tick()
+        if mode not in ("r", "rw"):
+            raise InvalidArgument(f"open mode must be 'r' or 'rw', got {mode!r}")
+        node = self._lookup(path)
+        if isinstance(node, Directory):
+            raise IsADirectory(f"{path} is a directory")
+        if not may(who, node, "r") or (mode == "rw" and not may(who, node, "w")):
+            raise PermissionDenied(f"{who.user} may not open {path} for {'writing' if mode == 'rw' else 'reading'}")
+        node.atime = time.time()
+        return self._new_handle(who, node, writable=(mode == "rw"))
+
+    def close(self, who: Principal, hid: int) -> None:
+        h = self._handle(who, hid)
+        h.closed = True
+        del self.handles[hid]
+        h.inode.handles -= 1
+        self._maybe_free(h.inode)
+
+    def remove(self, who: Principal, path: str) -> None:
+        """Unlink a file; its pages are freed when its last handle closes."""
+        self._tick()
+        parent, name = self._parent_of(path)
+        node = parent.children.get(name)
+        if node is None:
+            raise NotFound(f"{path} does not exist")
+        if isinstance(node, Directory):
+            raise IsADirectory(f"{path} is a directory (use rmdir)")
+        if not may_unlink(who, parent, node):
+            raise PermissionDenied(f"{who.user} may not remove {path}")
+        self._unlink(parent, name)
+
+    def mkdir(self, who: Principal, path: str, mode: int = 0o755) -> None:
+        self._tick()
+        parent, name = self._parent_for_create(who, path)
+        d = Directory(name, parent, who.user, self._check_mode(mode))
+        parent.children[name] = d
+
+    def rmdir(self, who: Principal, path: str) -> None:
+        parent, name = self._parent_of(path)
+        node = parent.children.get(name)
+        if node is None:
+            raise NotFound(f"{path} does not exist")
+        if not isinstance(node, Directory):
+            raise NotADirectory(f"{path} is not a directory")
+        if node.children:
+            raise DirectoryNotEmpty(f"{path} is not empty")
+        if len(split_path(path)) < 2 or (split_path(path)[0] == "home" and len(split_path(path)) == 2
+                                          and not who.is_root):
+            raise PermissionDenied(f"{path} is a system directory")
+        if not may_unlink(who, parent, node):
+            raise PermissionDenied(f"{who.user} may not remove {path}")
+        del parent.children[name]
+
+    def rename(self, who: Principal, old: str, new: str) -> None:
+        """Move a file or directory; ``new`` must not exist."""
+        self._tick()
+        op, oname = self._parent_of(old)
+        node = op.children.get(oname)
+        if node is None:
+            raise NotFound(f"{old} does not exist")
+        if isinstance(node, Directory) and len(split_path(old)) <= 2 and split_path(old)[0] in ("home",) \
+                or len(split_path(old)) < 2:
+            raise PermissionDenied(f"{old} is a system directory")
+        if not may_unlink(who, op, node):
+            raise PermissionDenied(f"{who.user} may not move {old}")
+        np_, nname = self._parent_for_create(who, new)
+        if isinstance(node, Directory):
+            d = np_
+            while d is not None:
+                if d is node:
+                    raise InvalidArgument(f"cannot move {old} into itself")
+                d = d.parent
+        del op.children[oname]
+        node.name, node.parent = nname, np_
+        np_.children[nname] = node
+        if isinstance(node, Inode) and node.durable:
+            from .store import rename_durable
+            rename_durable(self, old, node)
+
+    def chmod(self, who: Principal, path: str, mode: int) -> None:
+        node = self._lookup(path)
+        if not (who.is_root or who.user == node.owner):
+            raise PermissionDenied(f"only the owner of {path} may change its mode")
+        node.mode = self._check_mode(mode) | (node.mode & STICKY if isinstance(node, Directory) else 0)
+
+    def stat(self, who: Principal, target: Union[str, int]) -> dict:
+        """Length, pages per tier, owner, mode, times, advice of a path or handle."""
+        self._tick()
+        if isinstance(target, str):
+            node = self._lookup(target)
+        else:
+            node = self._handle(who, target).inode
+        if isinstance(node, Directory):
+            return {"type": "dir", "path": node.path, "owner": node.owner, "mode": node.mode,
+                    "entries": len(node.children), "ctime": node.ctime, "mtime": node.mtime}
+        tiers = {"device": 0, "host": 0, "disk": 0}
+        for b in node.blocks:
+            tiers[b.tier] += 1
+        return {"type": "file", "path": node.path, "ino": node.ino, "length": node.length,
+                "pages": len(node.blocks), "residency": tiers, "owner": node.owner, "mode": node.mode,
+                "ctime": node.ctime, "mtime": node.mtime, "atime": node.atime, "advice": node.advice,
+                "expire_at": node.expire_at, "durable": node.durable, "open_handles": node.handles,
+                "next_position": node.positions[-1] + 1 if node.positions else 0}
+
+    def list(self, who: Principal, path: str = "/") -> list[dict]:
+        """Entries of a directory (needs read permission on it)."""
+        self._tick()
+        if path != "/" and split_path(path)[:2] == ["home", who.user]:
+            self._home(who.user)
+        node = self._lookup(path)
+        if not isinstance(node, Directory):
+            raise NotADirectory(f"{path} is not a directory")
+        if not may(who, node, "r"):
+            raise PermissionDenied(f"{who.user} may not list {path}")
+        out = []
+        for name, child in sorted(node.children.items()):
+            e = {"name": name, "type": "dir" if isinstance(child, Directory) else "file",
+                 "owner": child.owner, "mode": child.mode}
+            if isinstance(child, Inode):
+                e.update(length=child.length, pages=len(child.blocks))
+            out.append(e)
+        return out
+
+    def advise(self, who: Principal, hid: int, hint: str, seconds: Optional[float] = None) -> None:
+        """Pager hints: 'keep' (never evicted), 'drop_first' (evicted before
+        others), 'normal'; 'expire' with ``seconds``: the file is removed from
+        the namespace that many seconds from now."""
+        h = self._handle(who, hid)
+        inode = h.inode
+        if not (may(who, inode, "w") or who.user == inode.owner):
+            raise PermissionDenied(f"{who.user} may not advise this file")
+        if hint == "expire":
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
+                raise InvalidArgument("expire needs seconds >= 0")
+            inode.expire_at = time.monotonic() + seconds
+            heapq.heappush(self._expiry, (inode.expire_at, inode.ino))
+        elif hint in ADVICE:
+            if seconds is not None:
+                raise InvalidArgument(f"advice {hint!r} takes no seconds")
+            inode.advice = hint
+            self._lru_touch(inode)
+        else:
+            raise InvalidArgument(f"unknown advice {hint!r} (keep, drop_first, normal, expire)")
+        self._tick()
+
+    def sync(self, who: Principal, hid: int) -> None:
+        """Write a named file to the durable directory; it is there again after
+        a restart (until removed)."""
+        from .store import write_durable
+        h = self._handle(who, hid)
+        if h.inode.path is None:
+            raise InvalidArgument("an anonymous file cannot be made durable")
+        if not may(who, h.inode, "w") and who.user != h.inode.owner:
+            raise PermissionDenied(f"{who.user} may not sync {h.inode.path}")
+        write_durable(self, h.inode)
+
+    def exit_process(self, pid: int) -> int:
+        """Close every handle of a process (its anonymous files die with it) and
+        pass its page charges to its user.  Returns the handles closed."""
+        hids = [hid for hid, h in self.handles.items() if h.pid == pid]
+        for hid in hids:
+            h = self.handles.pop(hid)
+            h.closed = True
+            h.inode.handles -= 1
+            self._maybe_free(h.inode)
+        for inode in self.inodes.values():
+            for b in inode.blocks:
+                if b.pid == pid:
+                    b.pid = 0                      # the user keeps the charge
+        self.quotas.by_pid.pop(pid, None)
+        return len(hids)
+
+    def close_all(self) -> None:
+        """Shut down: release the swap file (durable files are already on disk)."""
+        self.pager.close()
+
+    # ================================================================== helpers
+    def _tick(self) -> None:
+        """Apply due expirations (lazy: on each namespace operation)."""
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, ino = heapq.heappop(self._expiry)
+            inode = self.inodes.get(ino)
+            if inode is None or inode.expire_at is None or inode.expire_at > now:
+                continue
+            inode.expire_at = None
+            log.info("KV file %s expired", inode.path or f"<anonymous {ino}>")
+            if inode.linked:
+                self._unlink(inode.parent, inode.name)
+            inode.advice = "drop_first"
+            self._lru_touch(inode)
+
+    def _check_mode(self, mode) -> int:
+        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+            raise InvalidArgument(f"mode must be an int in 0..0o777, got {mode!r}")
+        return mode
+
+    def _home(self, user: str) -> Directory:
+        home = self.root.children["home"]
+        d = home.children.get(user)
+        if d is None:
+            d = home.children[user] = Directory(user, home, user, 0o755)
+        return d
+
+    def _lookup(self, path: str) -> Node:
+        parts = split_path(path)
+        node: Node = self.root
+        for i, p in enumerate(parts):
+            if not isinstance(node, Directory):
+                raise NotADirectory(f"/{'/'.join(parts[:i])} is not a directory")
+            nxt = node.children.get(p)
+            if nxt is None:
+                raise NotFound(f"{path} does not exist")
+            node = nxt
+        return node
+
+    def _parent_of(self, path: str) -> tuple[Directory, str]:
+        parts = split_path(path)
+        if len(parts) < 2:
+            raise InvalidPath_(path)
+        parent = self._lookup("/" + "/".join(parts[:-1]))
+        if not isinstance(parent, Directory):
+            raise NotADirectory(f"{'/' + '/'.join(parts[:-1])} is not a directory")
+        return parent, parts[-1]
+
+    def _parent_for_create(self, who: Principal, path: str) -> tuple[Directory, str]:
+        parts = split_path(path)
+        if len(parts) < 2 or (parts[0] == "home" and len(parts) < 3):
+            raise InvalidPath_(path)
+        if parts[0] == "home" and parts[1] == who.user:
+            self._home(who.user)
+        parent, name = self._parent_of(path)
+        if name in parent.children:
+            raise AlreadyExists(f"{path} already exists")
+        if not may(who, parent, "w"):
+            raise PermissionDenied(f"{who.user} may not create entries in {parent.path}")
+        return parent, name
+
+    def _link(self, parent: Directory, name: str, inode: Inode) -> None:
+        inode.name, inode.parent, inode.linked = name, parent, True
+        parent.children[name] = inode
+        parent.mtime = time.time()
+
+    def _unlink(self, parent: Directory, name: str) -> None:
+        inode = parent.children.pop(name)
+        parent.mtime = time.time()
+        if isinstance(inode, Inode):
+            if inode.durable:
+                from .store import remove_durable
+                remove_durable(self, inode)
+            inode.linked = False
+            inode.parent = None
+            self._maybe_free(inode)
+
+    def _new_handle(self, who: Principal, inode: Inode, writable: bool) -> int:
+        n = sum(1 for h in self.handles.values() if h.pid == who.pid) if who.pid else 0
+        if who.pid and n >= self.config.max_handles_per_process:
+            raise InvalidArgument(f"process {who.pid} has {n} open KV handles (limit "
+                                  f"{self.config.max_handles_per_process})")
+        hid = next(self._hids)
+        self.handles[hid] = Handle(hid, inode, who.pid, who.user, writable)
+        inode.handles += 1
+        return hid
+
+    def _handle(self, who: Principal, hid) -> Handle:
+        if not isinstance(hid, int) or isinstance(hid, bool):
+            raise BadHandle(f"a KV handle is an int, got {type(hid).__name__}")
+        h = self.handles.get(hid)
+        if h is None or h.pid != who.pid:
+            raise BadHandle(f"no open KV handle {hid} in process {who.pid}")
+        return h
+
+    def _maybe_free(self, inode: Inode) -> None:
+        if inode.linked or inode.handles > 0:
+            return
+        self._drop_blocks(inode.blocks)
+        inode.blocks, inode.positions = [], []
+        self.inodes.pop(inode.ino, None)
+        self.lru_drop.pop(inode.ino, None)
+        self.lru_normal.pop(inode.ino, None)
+
+    def _drop_blocks(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            b.ref -= 1
+            if b.ref == 0:
+                self.pager.release(b)
+                self.quotas.uncharge(b.user, b.pid)
+
+    def _lru_touch(self, inode: Inode) -> None:
+        self.lru_drop.pop(inode.ino, None)
+        self.lru_normal.pop(inode.ino, None)
+        if inode.advice == "drop_first":
+            self.lru_drop[inode.ino] = inode
+        elif inode.advice == "normal":
+            self.lru_normal[inode.ino] = inode
+
+    def _victims(self, protect: set[int]) -> Iterator[Block]:
+        """Device blocks to evict: drop-first files, then least recently used."""
+        for lru in (self.lru_drop, self.lru_normal):
+            for inode in list(lru.values()):
+                for b in inode.blocks:
+                    if b.device >= 0 and b.id not in protect:
+                        yield b
+
+
+def InvalidPath_(path: str):
+    from .errors import InvalidPath
+    return InvalidPath(f"{path!r} names a system directory, not an entry that can be made or removed")

@@ -1,0 +1,198 @@
+"""KV tiers and the pager: device pages -> host memory -> disk.
+
+    device   the engine's KVPool pages (GPU memory, or RAM on a CPU engine)
+    host     a pool of the same page shape in host memory, pinned when CUDA is
+             present so copies to and from the device are DMA transfers
+    disk     a swap file of page-sized slots in ``swap_dir``
+
+A `Block` is in exactly one tier.  `swap_out` moves device blocks to the host
+(demoting the least recently swapped host blocks to disk to make room);
+`swap_in` brings any blocks back to device pages.  Which blocks to evict is
+the file system's choice (advice, then LRU), passed in as an iterator.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from ..kv_cache import KVPool
+from .errors import NoSpace
+from .namespace import Block
+
+log = logging.getLogger("symphony.kvfs.pager")
+
+
+@dataclass
+class PagerStats:
+    swap_outs: int = 0       # device -> host
+    swap_ins: int = 0        # host/disk -> device
+    demotions: int = 0       # host -> disk
+    disk_reads: int = 0
+
+
+class Pager:
+    def __init__(self, kv: KVPool, host_pages: int, swap_dir: Optional[Path], disk_pages: int):
+        self.kv, self.alloc = kv, kv.allocator
+        pool = kv.pool
+        pin = pool.is_cuda
+        # [n_layers, 2, host_pages, page_size, n_kv_heads, head_dim]
+        shape = list(pool.shape)
+        shape[2] = max(host_pages, 0)
+        self.host = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
+        self.host_free = list(range(shape[2] - 1, -1, -1))
+        self.host_lru: "OrderedDict[Block, None]" = OrderedDict()   # oldest first, for demotion
+        self.page_shape = [shape[0], shape[1]] + shape[3:]             # one page: [L, 2, S, H, D]
+        self.page_bytes = pool[:, :, 0].numel() * pool.element_size()
+        self.disk_pages = disk_pages if swap_dir is not None else 0
+        self.disk_free: list[int] = []
+        self.disk_next = 0
+        self._fd = -1
+        if self.disk_pages:
+            swap_dir = Path(swap_dir)
+            swap_dir.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix="swap-", suffix=".kv", dir=swap_dir)
+            os.unlink(name)                  # anonymous: vanishes with the process
+            self._fd = fd
+        self.stats = PagerStats()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def host_capacity(self) -> int:
+        return self.host.shape[2]
+
+    def free_slots(self) -> int:
+        """Non-device slots left (host + disk)."""
+        return len(self.host_free) + len(self.disk_free) + (self.disk_pages - self.disk_next)
+
+    # ------------------------------------------------------------------ moves
+    def make_room(self, n: int, victims: Iterator[Block]) -> None:
+        """Evict blocks from ``victims`` until ``n`` device pages are free."""
+        short = n - self.alloc.num_free
+        if short <= 0:
+            return
+        batch = []
+        for b in victims:
+            if b.device >= 0:
+                batch.append(b)
+                if len(batch) == short:
+                    break
+        if len(batch) < short:
+            raise NoSpace(f"need {n} free device KV pages; {self.alloc.num_free} free and only "
+                          f"{len(batch)} evictable")
+        self.swap_out(batch)
+
+    def swap_out(self, blocks: list[Block]) -> None:
+        """Move device blocks off the device: to host slots, demoting the oldest
+        host blocks to disk for room; what the host cannot take goes to disk.
+        Victims come oldest first, so the oldest go furthest."""
+        blocks = [b for b in blocks if b.device >= 0]
+        if not blocks:
+            return
+        if self.free_slots() < len(blocks):
+            raise NoSpace(f"cannot swap out {len(blocks)} KV pages: host and disk tiers have "
+                          f"{self.free_slots()} free slots")
+        short = len(blocks) - len(self.host_free)
+        if short > 0:
+            self._demote(min(short, len(self.host_lru)))
+        n_disk = max(0, len(blocks) - len(self.host_free))
+        to_disk, to_host = blocks[:n_disk], blocks[n_disk:]
+        for b in to_disk:
+            slot = self.disk_free.pop() if self.disk_free else self._grow_disk()
+            self._write_disk(slot, self.kv.pool[:, :, b.device])
+            b.disk = slot
+        if to_host:
+            slots = [self.host_free.pop() for _ in to_host]
+            src = torch.tensor([b.device for b in to_host], device=self.kv.pool.device)
+            self.host[:, :, slots] = self.kv.pool[:, :, src].to("cpu")
+            for b, h in zip(to_host, slots):
+                b.host = h
+                self.host_lru[b] = None
+        self.alloc.decref([b.device for b in blocks])
+        for b in blocks:
+            b.device = -1
+        self.stats.swap_outs += len(blocks)
+        log.debug("swapped out %d blocks (%d to disk)", len(blocks), len(to_disk))
+
+    def swap_in(self, blocks: Iterable[Block]) -> None:
+        """Bring blocks to device pages; the caller made room first."""
+        todo = [b for b in blocks if b.device < 0]
+        if not todo:
+            return
+        pages = self.alloc.allocate(len(todo))
+        dev = self.kv.pool.device
+        on_host = [(b, p) for b, p in zip(todo, pages) if b.host >= 0]
+        if on_host:
+            dst = torch.tensor([p for _, p in on_host], device=dev)
+            src = [b.host for b, _ in on_host]
+            self.kv.pool[:, :, dst] = self.host[:, :, src].to(dev, non_blocking=True)
+            for b, _ in on_host:
+                self.host_free.append(b.host)
+                self.host_lru.pop(b, None)
+                b.host = -1
+        for b, p in zip(todo, pages):
+            if b.disk >= 0:
+                self.kv.pool[:, :, p] = self._read_disk(b.disk).to(dev)
+                self.disk_free.append(b.disk)
+                b.disk = -1
+                self.stats.disk_reads += 1
+            b.device = p
+        self.stats.swap_ins += len(todo)
+
+    def release(self, b: Block) -> None:
+        """Free whatever the block occupies (its last reference is gone)."""
+        if b.device >= 0:
+            self.alloc.decref([b.device])
+            b.device = -1
+        elif b.host >= 0:
+            self.host_free.append(b.host)
+            self.host_lru.pop(b, None)
+            b.host = -1
+        elif b.disk >= 0:
+            self.disk_free.append(b.disk)
+            b.disk = -1
+
+    def read(self, b: Block) -> torch.Tensor:
+        """A block's data, [n_layers, 2, page_size, n_kv_heads, head_dim], on the CPU."""
+        if b.device >= 0:
+            return self.kv.pool[:, :, b.device].cpu()
+        if b.host >= 0:
+            return self.host[:, :, b.host].clone()
+        return self._read_disk(b.disk)
+
+    # ------------------------------------------------------------------ helpers
+    def _demote(self, n: int) -> None:
+        """Move the ``n`` least recently swapped host blocks to disk."""
+        for _ in range(n):
+            b, _ = self.host_lru.popitem(last=False)
+            slot = self.disk_free.pop() if self.disk_free else self._grow_disk()
+            self._write_disk(slot, self.host[:, :, b.host])
+            self.host_free.append(b.host)
+            b.host, b.disk = -1, slot
+            self.stats.demotions += 1
+
+    def _write_disk(self, slot: int, page: torch.Tensor) -> None:
+        data = page.contiguous().cpu()
+        os.pwrite(self._fd, data.view(torch.uint8).numpy().tobytes(), slot * self.page_bytes)
+
+    def _grow_disk(self) -> int:
+        slot = self.disk_next
+        self.disk_next += 1
+        return slot
+
+    def _read_disk(self, slot: int) -> torch.Tensor:
+        raw = os.pread(self._fd, self.page_bytes, slot * self.page_bytes)
+        if len(raw) != self.page_bytes:
+            raise NoSpace(f"swap file read of slot {slot} came back short")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.kv.pool.dtype).view(self.page_shape)

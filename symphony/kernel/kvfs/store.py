@@ -1,0 +1,188 @@
+"""Durable KV files: ``sync`` writes a named file to the durable directory;
+a new KVFS on the same model restores it at start-up.
+
+File format (one file per KV file, named by a hash of its path)::
+
+    b"SYMKV001"                     magic
+    u32 little-endian               header length
+    header                          orjson: path, owner, mode, times, advice,
+                                    length, positions, dtype, page shape,
+                                    model fingerprint, data length
+    data                            K/V of `length` slots: [n_layers, 2, length,
+                                    n_kv_heads, head_dim] raw, in `dtype`
+    32 bytes                        SHA-256 of header + data
+
+A file whose hash, magic or layout does not match is refused as corrupt; one
+written by another model (different fingerprint) is refused as foreign.
+Refused files are logged and left in place, never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+
+import orjson
+import torch
+
+from .errors import CorruptFile, InvalidArgument
+from .namespace import ROOT_USER, Block, Directory, Inode, split_path
+
+log = logging.getLogger("symphony.kvfs.store")
+
+MAGIC = b"SYMKV001"
+
+
+def model_fingerprint(engine) -> str:
+    """Identifies the model and KV layout: config, dtype, and a sample of weights."""
+    cached = getattr(engine, "_kv_fingerprint", None)
+    if cached:
+        return cached
+    c = engine.model_config
+    w = engine.model.w
+    h = hashlib.sha256()
+    h.update(orjson.dumps({k: str(v) for k, v in vars(c).items()}))
+    h.update(str(engine.dtype).encode())
+    for t in (w.embed[:4], w.layers[0].wqkv[:4], w.layers[-1].w_down[:4]):
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    engine._kv_fingerprint = h.hexdigest()
+    return engine._kv_fingerprint
+
+
+def _file_for(fs, path: str) -> Path:
+    return Path(fs.config.durable_dir) / (hashlib.sha256(path.encode()).hexdigest()[:32] + ".kvf")
+
+
+def write_durable(fs, inode: Inode) -> Path:
+    if not fs.config.durable_dir:
+        raise InvalidArgument("this kernel has no durable directory (durable_dir) configured")
+    n = inode.length
+    if inode.blocks:
+        data = torch.cat([fs.pager.read(b) for b in inode.blocks], dim=2)[:, :, :n].contiguous()
+    else:
+        data = torch.empty(0)
+    raw = data.view(torch.uint8).numpy().tobytes() if n else b""
+    pool = fs.engine.kv.pool
+    header = orjson.dumps({
+        "version": 1, "path": inode.path, "owner": inode.owner, "mode": inode.mode,
+        "ctime": inode.ctime, "mtime": inode.mtime, "advice": inode.advice, "length": n,
+        "positions": inode.positions, "dtype": str(pool.dtype).replace("torch.", ""),
+        "page_shape": [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]],
+        "model": model_fingerprint(fs.engine), "data_bytes": len(raw)})
+    digest = hashlib.sha256(header + raw).digest()
+    dest = _file_for(fs, inode.path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<I", len(header)) + header + raw + digest)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    if inode.durable and getattr(inode, "durable_file", None) not in (None, dest):
+        Path(inode.durable_file).unlink(missing_ok=True)
+    inode.durable, inode.durable_file = True, dest
+    log.info("synced %s (%d tokens) to %s", inode.path, n, dest)
+    return dest
+
+
+def remove_durable(fs, inode: Inode) -> None:
+    f = getattr(inode, "durable_file", None)
+    if f is not None:
+        Path(f).unlink(missing_ok=True)
+    inode.durable, inode.durable_file = False, None
+
+
+def rename_durable(fs, old_path: str, inode: Inode) -> None:
+    write_durable(fs, inode)
+
+
+def read_durable(fs, file: Path) -> tuple[dict, torch.Tensor]:
+    """Parse and verify one durable file; raises `CorruptFile`."""
+    blob = Path(file).read_bytes()
+    if len(blob) < len(MAGIC) + 4 + 32 or blob[:len(MAGIC)] != MAGIC:
+        raise CorruptFile(f"{file}: not a Symphony KV file (bad magic or too short)")
+    (hlen,) = struct.unpack("<I", blob[8:12])
+    body, digest = blob[12:-32], blob[-32:]
+    if hlen > len(body):
+        raise CorruptFile(f"{file}: header length {hlen} past the end of the file")
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptFile(f"{file}: content hash mismatch (corrupt or truncated)")
+    try:
+        header = orjson.loads(body[:hlen])
+    except orjson.JSONDecodeError as e:
+        raise CorruptFile(f"{file}: unreadable header: {e}") from None
+    if header.get("model") != model_fingerprint(fs.engine):
+        raise CorruptFile(f"{file}: written by a different model or KV layout (foreign file)")
+    pool = fs.engine.kv.pool
+    n = header.get("length")
+    shape = header.get("page_shape")
+    if shape != [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]] \
+            or header.get("dtype") != str(pool.dtype).replace("torch.", ""):
+        raise CorruptFile(f"{file}: KV layout {shape}/{header.get('dtype')} does not match this kernel")
+    raw = body[hlen:]
+    per_slot = pool.shape[0] * 2 * pool.shape[4] * pool.shape[5] * pool.element_size()
+    if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
+        raise CorruptFile(f"{file}: data length does not match {n} tokens")
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(pool.dtype) if n else torch.empty(0, dtype=pool.dtype)
+    return header, data.view(pool.shape[0], 2, n, pool.shape[4], pool.shape[5])
+
+
+def load_durable(fs, file: Path) -> Inode:
+    """Restore one durable file into the namespace (device pages, evicting as needed)."""
+    header, data = read_durable(fs, file)
+    path = header["path"]
+    parts = split_path(path)
+    S = fs.page_size
+    n = header["length"]
+    n_pages = -(-n // S)
+    fs.pager.make_room(n_pages, fs._victims(set()))
+    pages = fs.engine.kv.allocator.allocate(n_pages)
+    pool = fs.engine.kv.pool
+    for i, p in enumerate(pages):
+        chunk = data[:, :, i * S:(i + 1) * S]
+        pool[:, :, p, :chunk.shape[2]] = chunk.to(pool.device)
+    owner = header["owner"]
+    inode = Inode(owner, int(header["mode"]) & 0o777, 0)
+    inode.blocks = [Block(p, owner, 0) for p in pages]
+    fs.quotas.charge(owner, 0, n_pages)
+    inode.positions = list(header["positions"])
+    inode.ctime, inode.mtime = header["ctime"], header["mtime"]
+    inode.advice = header.get("advice", "normal")
+    d = fs.root
+    for i, name in enumerate(parts[:-1]):
+        nxt = d.children.get(name)
+        if nxt is None:
+            dir_owner = name if (i == 1 and parts[0] == "home") else ROOT_USER
+            nxt = d.children[name] = Directory(name, d, dir_owner, 0o755)
+        d = nxt
+    if parts[-1] in d.children:
+        fs._drop_blocks(inode.blocks)
+        raise CorruptFile(f"{file}: {path} already exists")
+    fs._link(d, parts[-1], inode)
+    fs.inodes[inode.ino] = inode
+    inode.durable, inode.durable_file = True, Path(file)
+    fs._lru_touch(inode)
+    return inode
+
+
+def restore_all(fs) -> dict:
+    """Load every durable file; refuse (log, skip) corrupt or foreign ones."""
+    d = Path(fs.config.durable_dir)
+    report = {"restored": [], "refused": []}
+    if not d.is_dir():
+        return report
+    t0 = time.perf_counter()
+    for f in sorted(d.glob("*.kvf")):
+        try:
+            inode = load_durable(fs, f)
+            report["restored"].append(inode.path)
+        except CorruptFile as e:
+            log.warning("refusing durable KV file: %s", e)
+            report["refused"].append((str(f), str(e)))
+    if report["restored"] or report["refused"]:
+        log.info("restored %d durable KV files in %.2f s (%d refused)", len(report["restored"]),
+                 time.perf_counter() - t0, len(report["refused"]))
+    return report
