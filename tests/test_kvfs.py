@@ -130,6 +130,19 @@ def test_swap_out_and_in_round_trip(weights, tmp_path):
     assert fs.pager.stats.swap_ins > 0 and fs.pager.stats.demotions > 0
 
 
+def test_eviction_of_blocks_shared_by_forks(weights):
+    fs = make_fs(weights, pages=9, host_pages=16)          # 8 device pages
+    a = fs.create(ALICE)
+    fs.pred(ALICE, a, toks(8))                             # 2 pages
+    b = fs.fork(ALICE, a)
+    fs.pred(ALICE, b, toks(4, 1))                          # + 1 own page; 5 free
+    x = fs.create(ALICE)
+    fs.pred(ALICE, x, toks(32, 2))                         # 8 pages: evict 3, the shared 2 once
+    assert fs.stat(ALICE, b)["residency"] == {"device": 0, "host": 3, "disk": 0}
+    close(fs.pred(ALICE, b, [5]), ref_logits(weights, toks(8) + toks(4, 1) + [5]))
+    fs.pager.swap_out(fs.handles[a].inode.blocks * 2)      # duplicates in the list are harmless
+
+
 def test_advice_keep_and_drop_first_choose_victims(weights):
     fs = make_fs(weights, pages=9, host_pages=16)  # 8 device pages
     k, d, n = fs.create(ALICE), fs.create(ALICE), fs.create(ALICE)

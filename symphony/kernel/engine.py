@@ -124,7 +124,7 @@ class Engine:
         if not requests:
             return []
         with self._lock:
-            calls = [self._validate(i, r) for i, r in enumerate(requests)]
+            calls = [self.validate(i, r) for i, r in enumerate(requests)]
             if len({id(r.seq) for r in requests}) != len(requests):
                 raise PredError("the same KV sequence appears twice in one batch")
             n_tokens = sum(len(t) for t, _ in calls)
@@ -160,7 +160,9 @@ class Engine:
             return out
 
     # ------------------------------------------------------------------ helpers
-    def _validate(self, i: int, r: PredRequest) -> tuple[list[int], list[int]]:
+    def validate(self, i: int, r: PredRequest) -> tuple[list[int], list[int]]:
+        """Check one call without running it; returns (tokens, positions) as
+        lists, or raises `PredError`.  ``i`` numbers the call in messages."""
         where = f"pred call {i}: " if i else "pred: "
         if not isinstance(r.seq, KVSequence):
             raise PredError(f"{where}kv must be a KVSequence, got {type(r.seq).__name__}")

@@ -55,7 +55,7 @@ class DataOps:
         checked = []
         for i, (c, inode) in enumerate(zip(calls, inodes)):
             probe = KVSequence([], inode.positions)
-            checked.append(eng._validate(i, PredRequest(probe, c.tokens, c.positions, c.all_logits)))
+            checked.append(eng.validate(i, PredRequest(probe, c.tokens, c.positions, c.all_logits)))
         cow = [i.length % S != 0 and i.blocks[-1].ref > 1 for i in inodes]
         new_pages = [-(-(i.length + len(t)) // S) - len(i.blocks) for i, (t, _) in zip(inodes, checked)]
         need = Counter()

@@ -40,7 +40,7 @@ KERNEL = Principal(ROOT_USER, 0)
 
 @dataclass(frozen=True)
 class KVFSConfig:
-    host_pages: int = 1024                  # host-memory tier, in pages
+    host_pages: int = 256                   # host-memory tier, in pages
     swap_dir: Optional[str] = None          # disk tier (swap file) directory; None: no disk tier
     disk_pages: int = 65536
     durable_dir: Optional[str] = None       # where sync() writes durable files; None: no sync

