@@ -1,12 +1,9 @@
 """Command-line entry points: ``symphony`` and ``symphony-kernel``.
 
-Implemented now (in-process engine):
-    symphony chat "question"        chat completion with the model's template, streamed
-    symphony generate "text"        plain text continuation, streamed
-    symphony-kernel [--model PATH]  loads the model, builds the engine, self-checks
-
-The kernel daemon, ``symphony run lip.py``, ``ps``, ``kill`` and ``kv`` arrive
-with the microkernel (see README, "Status").
+    symphony-kernel [--model PATH] [--gpus 0] [--socket PATH] ...   the kernel daemon
+    symphony run lip.py [args] [--grant http:HOST] [--grant read:DIR]
+    symphony ps | kill ID | kv ls [DIR] | kv rm PATH | kv stat PATH
+    symphony chat "question" / generate "text"    in-process engine, no kernel needed
 """
 from __future__ import annotations
 
@@ -90,7 +87,10 @@ def main(argv=None) -> int:
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--system", default=None, help="system message (chat)")
         _engine_args(s)
+    _add_client_cmds(sub)
     args = p.parse_args(argv)
+    if args.cmd in ("run", "ps", "kill", "kv"):
+        return _client_cmd(args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     if args.max_tokens < 1:
@@ -115,11 +115,17 @@ def main(argv=None) -> int:
 
 
 def kernel_main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="symphony-kernel",
-        description="Load the model and build the engine. (Serving LIPs over a socket arrives "
-                    "with the microkernel; today this command loads, self-checks and exits.)")
+    p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
     _engine_args(p)
+    p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
+                   "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
+    p.add_argument("--host-pages", type=int, default=256, help="host-memory KV tier, pages (default 256)")
+    p.add_argument("--swap-dir", default=None, help="directory for the disk KV tier (default: none)")
+    p.add_argument("--durable-dir", default=None, help="directory for durable KV files (default: none)")
+    p.add_argument("--user-quota", type=int, default=None, help="KV pages one user may hold")
+    p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
+    p.add_argument("--max-lips", type=int, default=256)
+    p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
@@ -130,14 +136,152 @@ def kernel_main(argv=None) -> int:
     except ModelLoadError as e:
         log.error("%s", e)
         return 2
-    kv = engine.new_sequence()
-    ids = engine.tokenizer.encode("The")
-    t0 = time.perf_counter()
-    engine.pred(kv, ids)
-    engine.release(kv)
-    log.info("self-check: one forward pass in %.0f ms", (time.perf_counter() - t0) * 1e3)
-    log.error("serving LIPs (socket, shared-memory system calls) is not implemented yet; exiting")
-    return 3
+    from .kernel.daemon import Kernel, default_socket_path
+    from .kernel.kvfs import KVFS, KVFSConfig
+    fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
+                                 durable_dir=args.durable_dir, user_page_quota=args.user_quota,
+                                 process_page_quota=args.process_quota))
+    kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
+                    default_limits={"memory_bytes": args.lip_memory_mb << 20})
+    try:
+        import uvloop
+        uvloop.run(kernel.serve())
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    return 0
+
+
+def _client_cmd(args) -> int:
+    from .client import Client, KernelError
+    try:
+        c = Client(args.socket, user=getattr(args, "as_user", None))
+    except ConnectionError as e:
+        print(f"symphony: {e}", file=sys.stderr)
+        return 2
+    try:
+        with c:
+            if args.cmd == "run":
+                return _run(c, args)
+            if args.cmd == "ps":
+                r = c.ps()
+                print(f"{'LIP':>5} {'USER':<10} {'STATE':<9} {'PID':>7} {'PREDS':>7} {'TOKENS':>8}  PROGRAM")
+                for l in r["lips"]:
+                    print(f"{l['lip']:>5} {l['user']:<10} {l['state']:<9} {l['pid']:>7} {l['preds']:>7} "
+                          f"{l['tokens']:>8}  {l['file']} {' '.join(l['args'])}"[:160])
+                return 0
+            if args.cmd == "kill":
+                c.kill(args.lip)
+                print(f"killed LIP {args.lip}")
+                return 0
+            if args.cmd == "kv":
+                if args.kv_cmd == "ls":
+                    for e in c.kv_ls(args.path):
+                        extra = f"{e['length']:>7} tok {e['pages']:>5} pages" if e["type"] == "file" else f"{'<dir>':>23}"
+                        print(f"{oct(e['mode'])[2:]:>5} {e['owner']:<10} {extra}  {e['name']}")
+                    return 0
+                if args.kv_cmd == "rm":
+                    c.kv_rm(args.path)
+                    return 0
+                if args.kv_cmd == "stat":
+                    import json
+                    print(json.dumps(c.kv_stat(args.path), indent=2))
+                    return 0
+    except KernelError as e:
+        print(f"symphony: {e} ({e.code})", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _run(c, args) -> int:
+    import json
+    import os
+    import select
+    import threading
+    path = args.lip_file
+    try:
+        source = open(path, encoding="utf-8").read()
+    except OSError as e:
+        print(f"symphony: cannot read {path}: {e}", file=sys.stderr)
+        return 2
+    grants = {"http": [], "read": []}
+    for g in args.grant:
+        kind, _, val = g.partition(":")
+        if kind not in grants or not val:
+            print(f"symphony: bad --grant {g!r} (http:HOST[:PORT] or read:DIR)", file=sys.stderr)
+            return 2
+        grants[kind].append(os.path.abspath(val) if kind == "read" else val)
+    limits = {}
+    if args.timeout:
+        limits["timeout"] = args.timeout
+    if args.cpu:
+        limits["cpu_seconds"] = args.cpu
+    if args.memory_mb:
+        limits["memory_bytes"] = args.memory_mb << 20
+    lip = c.spawn(source, args.lip_args, filename=os.path.basename(path), grants=grants, limits=limits)
+    if args.verbose:
+        print(f"symphony: LIP {lip} started", file=sys.stderr)
+
+    def pump_stdin():
+        try:
+            if sys.stdin is None or sys.stdin.closed or (sys.stdin.isatty() and not args.interactive):
+                c.send_input(lip, None)
+                return
+            for line in sys.stdin:
+                c.send_input(lip, line.rstrip("\n"))
+            c.send_input(lip, None)
+        except (OSError, ValueError):
+            pass
+    threading.Thread(target=pump_stdin, daemon=True).start()
+    status = 1
+    try:
+        for ev in c.events():
+            kind = ev.get("event")
+            if kind == "out":
+                d = ev["data"]
+                sys.stdout.write(d if isinstance(d, str) else json.dumps(d) + "\n")
+                sys.stdout.flush()
+            elif kind == "stdout":
+                sys.stdout.write(ev["data"])
+                sys.stdout.flush()
+            elif kind == "stderr":
+                sys.stderr.write(ev["data"])
+                sys.stderr.flush()
+            elif kind == "exit":
+                status = ev["status"]
+                if ev.get("reason") not in ("finished",):
+                    print(f"symphony: LIP {lip} {ev['reason']} (status {status})", file=sys.stderr)
+    except KeyboardInterrupt:
+        c.kill(lip)
+        return 130
+    return status
+
+
+def _add_client_cmds(sub) -> None:
+    def common(s):
+        s.add_argument("--socket", default=None, help="kernel socket (default $SYMPHONY_SOCKET or the default path)")
+        s.add_argument("--as-user", default=None, help="act as this user (root only)")
+    r = sub.add_parser("run", help="run a LIP on the kernel and stream its output")
+    r.add_argument("lip_file")
+    r.add_argument("lip_args", nargs=argparse.REMAINDER)
+    r.add_argument("--grant", action="append", default=[], help="http:HOST[:PORT] or read:DIR (repeatable)")
+    r.add_argument("--timeout", type=float, default=None, help="wall-clock limit, seconds")
+    r.add_argument("--cpu", type=int, default=None, help="CPU-time limit, seconds")
+    r.add_argument("--memory-mb", type=int, default=None, help="address-space limit, MiB")
+    r.add_argument("-i", "--interactive", action="store_true", help="forward terminal input to recv()")
+    r.add_argument("-v", "--verbose", action="store_true")
+    common(r)
+    ps = sub.add_parser("ps", help="list running LIPs")
+    common(ps)
+    k = sub.add_parser("kill", help="kill a LIP")
+    k.add_argument("lip", type=int)
+    common(k)
+    kv = sub.add_parser("kv", help="inspect KV files")
+    kvs = kv.add_subparsers(dest="kv_cmd", required=True)
+    for name, helptext in (("ls", "list a KVFS directory"), ("rm", "remove a KV file"), ("stat", "show a KV file")):
+        x = kvs.add_parser(name, help=helptext)
+        x.add_argument("path", nargs="?" if name == "ls" else None, default="/")
+        common(x)
 
 
 if __name__ == "__main__":

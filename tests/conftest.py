@@ -34,3 +34,75 @@ def smollm():
 def smollm_reference(smollm):
     from symphony.kernel.reference import ReferenceLlama
     return ReferenceLlama(smollm.model.w)     # the same weights, shared, not reloaded
+
+
+# ---------------------------------------------------------------- a real kernel
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class KernelProc:
+    """symphony-kernel running in a subprocess on its own socket."""
+
+    def __init__(self, tmp: Path, *extra: str):
+        self.socket = str(tmp / "kernel.sock")
+        self.log = open(tmp / "kernel.log", "w+")
+        self.env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
+             "--socket", self.socket, "--kv-memory-mb", "192", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("kernel died at start:\n" + self.read_log())
+            if "ready on" in self.read_log():
+                break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("kernel did not start:\n" + self.read_log())
+        self.instance = self.client().stats()["instance"]
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def client(self, user=None):
+        from symphony.client import Client
+        return Client(self.socket, user=user)
+
+    def run(self, lip: str, *args: str, user=None, timeout=120, stdin=None, extra=()):
+        """`symphony run` as a user would type it; returns CompletedProcess."""
+        cmd = [sys.executable, "-m", "symphony.cli", "run", str(lip), *args]
+        if user:
+            cmd[4:4] = ["--as-user", user]
+        cmd[4:4] = list(extra)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env,
+                              cwd=REPO, input=stdin)
+
+    def shm_names(self) -> list[str]:
+        return [n for n in os.listdir("/dev/shm") if f"sym{self.instance}" in n]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def kernel(tmp_path_factory):
+    k = KernelProc(tmp_path_factory.mktemp("kernel"), "--process-quota", "128",
+                   "--durable-dir", str(tmp_path_factory.mktemp("durable")))
+    yield k
+    k.stop()
+    assert k.proc.returncode == 0, k.read_log()[-3000:]
+    assert k.shm_names() == [], "shared memory left behind after shutdown"

@@ -1,0 +1,384 @@
+"""symphony-kernel: the kernel daemon.
+
+    main thread   asyncio (uvloop) event loop: the Unix-socket program RPC,
+                  the zygote's pipe, LIP lifecycles, output streaming
+    syscall thread `syscalls.SyscallServer`: owns the engine and KVFS, serves
+                  every LIP's shared-memory ring, runs the forward passes
+    zygote        `zygote.py`: forks one sandboxed worker per LIP
+
+Client requests (framed JSON, see `protocol.py`), each answered on the same
+connection:
+    {"op": "spawn", "source", "filename", "args", "grants", "limits", "attach"}
+        -> {"event": "started", "lip": id} then, if attached, the LIP's events:
+           {"event": "out"|"stdout"|"stderr", "data"}, {"event": "exit", "status", "reason"}
+    {"op": "input", "lip", "data"} / {"op": "input", "lip", "eof": true}
+    {"op": "kill", "lip"}, {"op": "ps"}, {"op": "kv_ls", "path"}, {"op": "kv_rm", "path"},
+    {"op": "kv_stat", "path"}, {"op": "stats"}, {"op": "shutdown"} (root only)
+The caller's user is the peer's Unix user (SO_PEERCRED); root may act as any
+user by naming it in the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+import re
+import secrets
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import orjson
+
+from .kvfs import KVFS, KVFSError, Principal
+from .protocol import ProtocolError, encode_frame, read_frame
+from .shm import Doorbell, KernelSide
+from .syscalls import LipProc, SyscallServer
+
+log = logging.getLogger("symphony.kernel")
+
+MAX_SOURCE = 4 << 20
+_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def default_socket_path() -> str:
+    env = os.environ.get("SYMPHONY_SOCKET")
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(run, "symphony.sock") if run else f"/tmp/symphony-{os.getuid()}.sock"
+
+
+class Kernel:
+    def __init__(self, engine, fs: KVFS, socket_path: str, *, max_lips: int = 256,
+                 n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None):
+        self.engine, self.fs, self.socket_path = engine, fs, socket_path
+        self.max_lips, self.n_slots = max_lips, n_slots
+        self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
+        self.default_limits = {"memory_bytes": 4 << 30, "cpu_seconds": None, "timeout": None,
+                               "open_files": 64, **(default_limits or {})}
+        self.instance = secrets.token_hex(4)
+        self.prefix = f"sym{self.instance}"
+        self.doorbell = Doorbell.create(self.prefix)
+        self.sys = SyscallServer(engine, fs, self.doorbell, self._emit_threadsafe, self._kill_threadsafe)
+        self.lips: dict[int, LipProc] = {}
+        self.finished: deque = deque(maxlen=100)
+        self.by_pid: dict[int, LipProc] = {}
+        self.watchers: dict[int, set] = {}
+        self.kill_reason: dict[int, str] = {}
+        self.history: dict[int, deque] = {}
+        self.next_id = 1
+        self.zygote = None
+        self.stopping: Optional[asyncio.Event] = None
+
+    # ================================================================== lifecycle
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        self._tokfile = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="symphony-tok-", delete=False)
+        self._tokfile.write(self.engine.tokenizer.to_json())
+        self._tokfile.close()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] +
+                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        self.zygote = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+        first = await asyncio.wait_for(self.zygote.stdout.readline(), 60)
+        if b"ready" not in first:
+            raise RuntimeError(f"the zygote did not start: {first!r}")
+        self._zy_task = asyncio.create_task(self._read_zygote())
+        self.sys.thread.start()
+        if os.path.exists(self.socket_path):
+            if _socket_alive(self.socket_path):
+                raise RuntimeError(f"another kernel is serving {self.socket_path}")
+            os.unlink(self.socket_path)
+        self.server = await asyncio.start_unix_server(self._client, path=self.socket_path)
+        os.chmod(self.socket_path, 0o666)       # any local user may connect; SO_PEERCRED says who
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.stopping.set)
+        log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.zygote.pid)
+        print(f"symphony-kernel: ready on {self.socket_path}", file=sys.stderr, flush=True)
+        await self.stopping.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        log.info("shutting down: stopping %d LIPs", len(self.lips))
+        self.server.close()
+        for lip in list(self.lips.values()):
+            self._kill(lip.id, "kernel shutting down")
+        deadline = time.monotonic() + 3
+        while self.lips and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for lip_id in list(self.lips):                     # never reported: reclaim anyway
+            await self._reclaim(lip_id, -9, 9)
+        from .kvfs.store import write_durable
+        synced = self.sys.call(lambda: [write_durable(self.fs, i) for i in list(self.fs.inodes.values())
+                                        if i.durable and i.linked])
+        self.sys.stop.set()
+        self.doorbell.ring()
+        self.sys.thread.join(5)
+        self.fs.close_all()
+        try:
+            self.zygote.stdin.write(b'{"cmd": "exit"}\n')
+            await asyncio.wait_for(self.zygote.wait(), 3)
+        except Exception:
+            self.zygote.kill()
+        self.doorbell.unlink()
+        for p in (self.socket_path, self._tokfile.name):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        log.info("kernel stopped (%d durable KV files synced)", len(synced or []))
+
+    # ================================================================== LIPs
+    async def spawn(self, user: str, msg: dict) -> LipProc:
+        source, filename, args = msg.get("source"), msg.get("filename", "lip.py"), msg.get("args", [])
+        if not isinstance(source, str) or len(source) > MAX_SOURCE:
+            raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ValueError("args must be a list of strings")
+        if len(self.lips) >= self.max_lips:
+            raise ValueError(f"too many LIPs running ({self.max_lips})")
+        grants = _check_grants(msg.get("grants") or {})
+        limits = _check_limits({**self.default_limits, **(msg.get("limits") or {})})
+        lip_id = self.next_id
+        self.next_id += 1
+        ring = KernelSide.create(f"{self.prefix}_{lip_id}", n_slots=self.n_slots,
+                                 arena_bytes=self.arena_bytes, doorbell=self.doorbell)
+        lip = LipProc(lip_id, user, str(filename)[:200], args, ring, grants, limits)
+        lip.state = "running"
+        self.lips[lip_id] = lip
+        self.sys.call(lambda: self.sys.add(lip))
+        names = ring.names
+        cmd = {"cmd": "spawn", "lip": lip_id, "names": names, "source": source, "filename": lip.filename,
+               "args": args, "limits": limits}
+        self.zygote.stdin.write(orjson.dumps(cmd) + b"\n")
+        await self.zygote.stdin.drain()
+        if limits.get("timeout"):
+            self.loop.call_later(limits["timeout"], self._kill, lip_id,
+                                 f"killed: wall-clock limit of {limits['timeout']} s")
+        log.info("LIP %d spawned: %s %s (user %s)", lip_id, lip.filename, " ".join(args)[:80], user)
+        return lip
+
+    def _kill(self, lip_id: int, reason: str) -> bool:
+        lip = self.lips.get(lip_id)
+        if lip is None:
+            return False
+        self.kill_reason.setdefault(lip_id, reason)
+        if lip.pid:
+            try:
+                os.kill(lip.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return True
+
+    def _kill_threadsafe(self, lip_id: int, reason: str) -> None:
+        self.loop.call_soon_threadsafe(self._kill, lip_id, reason)
+
+    async def _read_zygote(self) -> None:
+        while True:
+            line = await self.zygote.stdout.readline()
+            if not line:
+                if not self.stopping.is_set():
+                    log.error("the zygote exited unexpectedly; no new LIPs can start")
+                return
+            msg = orjson.loads(line)
+            if "spawned" in msg:
+                lip = self.lips.get(msg["spawned"])
+                if lip is not None:
+                    lip.pid = msg["pid"]
+                    self.by_pid[lip.pid] = lip
+                    if lip.id in self.kill_reason:
+                        self._kill(lip.id, self.kill_reason[lip.id])
+            elif "exited" in msg:
+                await self._reclaim(msg["exited"], msg["status"], msg["signal"])
+
+    async def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
+        lip = self.lips.pop(lip_id, None)
+        if lip is None:
+            return
+        self.by_pid.pop(lip.pid, None)
+        await self.loop.run_in_executor(None, self.sys.call, lambda: self.sys.remove(lip_id))
+        reason = self.kill_reason.pop(lip_id, None)
+        if reason is None:
+            reason = {0: "finished", 1: "error"}.get(status, f"exit status {status}") if sig == 0 else \
+                {signal.SIGXCPU: "killed: CPU time limit exceeded", signal.SIGKILL: "killed",
+                 signal.SIGSEGV: "crashed (segmentation fault)",
+                 signal.SIGSYS: "killed by the sandbox (forbidden system call)"}.get(sig, f"killed by signal {sig}")
+        lip.state = "exited"
+        event = {"event": "exit", "lip": lip_id, "status": status if sig == 0 else 128 + sig, "reason": reason}
+        log.info("LIP %d exited: %s (%s); %d calls, %d preds", lip_id, event["status"], reason, lip.calls, lip.preds)
+        self._deliver(lip_id, event)
+        self.finished.append((lip, event))
+        self.watchers.pop(lip_id, None)
+
+    # ================================================================== events
+    def _emit_threadsafe(self, lip_id: int, event: dict) -> None:
+        self.loop.call_soon_threadsafe(self._deliver, lip_id, event)
+
+    def _deliver(self, lip_id: int, event: dict) -> None:
+        ws = self.watchers.get(lip_id)
+        if not ws:
+            self.history.setdefault(lip_id, deque(maxlen=1000)).append(event)
+            return
+        frame = encode_frame(event)
+        for w in list(ws):
+            if w.is_closing():
+                ws.discard(w)
+            else:
+                w.write(frame)
+
+    # ================================================================== clients
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        uid = _peer_uid(writer)
+        attached: set[int] = set()
+        try:
+            while True:
+                try:
+                    msg = await read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                try:
+                    reply = await self._request(uid, msg, writer, attached)
+                except (ValueError, KVFSError, PermissionError, TimeoutError) as e:
+                    reply = {"error": getattr(e, "code", "EINVAL"), "type": type(e).__name__, "message": str(e)}
+                if reply is not None:
+                    writer.write(encode_frame(reply))
+                    await writer.drain()
+        except ProtocolError as e:
+            log.warning("client protocol error: %s", e)
+        finally:
+            for lip_id in attached:                        # a session's LIPs end with it
+                self._kill(lip_id, "killed: the client that ran it disconnected")
+            writer.close()
+
+    async def _request(self, uid: int, msg: dict, writer, attached: set) -> Optional[dict]:
+        op = msg.get("op")
+        user = _user_for(uid, msg.get("user"))
+        if op == "spawn":
+            lip = await self.spawn(user, msg)
+            if msg.get("attach", True):
+                self.watchers.setdefault(lip.id, set()).add(writer)
+                attached.add(lip.id)
+            return {"event": "started", "lip": lip.id}
+        if op == "input":
+            lip = self._own(uid, user, msg.get("lip"))
+            data = None if msg.get("eof") else msg.get("data")
+            if data is not None and not isinstance(data, str):
+                raise ValueError("input data must be a string")
+            self.sys.submit(lambda: self.sys.give_input(lip.id, data))
+            return None
+        if op == "kill":
+            lip = self._own(uid, user, msg.get("lip"))
+            self._kill(lip.id, f"killed by {user}")
+            return {"ok": True, "lip": lip.id}
+        if op == "ps":
+            return {"lips": [self._ps(l) for l in self.lips.values()],
+                    "finished": [dict(self._ps(l), **e) for l, e in list(self.finished)[-20:]]}
+        if op == "stats":
+            s = self.sys
+            e = self.engine.stats
+            return {"lips": len(self.lips), "batches": s.batches, "batch_calls": s.batch_calls,
+                    "max_batch": s.max_batch, "forward_passes": e.forward_passes, "pred_calls": e.pred_calls,
+                    "engine_max_batch": e.max_batch_calls, "kv_pages_used": self.engine.kv.allocator.num_used,
+                    "kv_pages_total": self.engine.kv.allocator.capacity, "instance": self.instance}
+        who = Principal(user, 0)
+        if op == "kv_ls":
+            return {"entries": self.sys.call(lambda: self.fs.list(who, msg.get("path") or "/"))}
+        if op == "kv_stat":
+            return self.sys.call(lambda: self.fs.stat(who, msg.get("path")))
+        if op == "kv_rm":
+            self.sys.call(lambda: self.fs.remove(who, msg.get("path")))
+            return {"ok": True}
+        if op == "shutdown":
+            if uid != 0:
+                raise PermissionError("only root may shut the kernel down")
+            self.stopping.set()
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r}")
+
+    def _own(self, uid: int, user: str, lip_id) -> LipProc:
+        lip = self.lips.get(lip_id) if isinstance(lip_id, int) else None
+        if lip is None:
+            raise ValueError(f"no running LIP {lip_id!r}")
+        if uid != 0 and lip.user != user:
+            raise PermissionError(f"LIP {lip_id} belongs to {lip.user}")
+        return lip
+
+    @staticmethod
+    def _ps(l: LipProc) -> dict:
+        return {"lip": l.id, "user": l.user, "file": l.filename, "args": l.args, "state": l.state,
+                "pid": l.pid, "started": l.started, "calls": l.calls, "preds": l.preds, "tokens": l.tokens}
+
+
+# ---------------------------------------------------------------- helpers
+def _peer_uid(writer) -> int:
+    sock = writer.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _user_for(uid: int, asked) -> str:
+    if asked is not None:
+        if uid != 0:
+            try:
+                own = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                own = f"uid{uid}"
+            if asked != own:
+                raise PermissionError("only root may act as another user")
+        if not isinstance(asked, str) or not _USER_RE.fullmatch(asked):
+            raise ValueError(f"bad user name {asked!r}")
+        return asked
+    try:
+        name = pwd.getpwuid(uid).pw_name.lower()
+    except KeyError:
+        name = f"uid{uid}"
+    return name if _USER_RE.fullmatch(name) else f"uid{uid}"
+
+
+def _check_grants(g: dict) -> dict:
+    if not isinstance(g, dict) or set(g) - {"http", "read"}:
+        raise ValueError("grants must be {'http': [hosts], 'read': [dirs]}")
+    http = g.get("http", [])
+    read = g.get("read", [])
+    if not all(isinstance(h, str) and re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+", h) for h in http):
+        raise ValueError(f"bad http grant {http!r}: host or host:port")
+    for d in read:
+        if not isinstance(d, str) or not os.path.isabs(d) or not os.path.isdir(d):
+            raise ValueError(f"read grant {d!r} is not an existing absolute directory")
+    return {"http": list(http), "read": [os.path.realpath(d) for d in read]}
+
+
+def _check_limits(lim: dict) -> dict:
+    out = {}
+    for k, lo, hi in (("memory_bytes", 256 << 20, 1 << 40), ("cpu_seconds", 1, 10 ** 6),
+                      ("timeout", 0.1, 10 ** 7), ("open_files", 16, 65536)):
+        v = lim.get(k)
+        if v is None:
+            out[k] = None
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"limit {k} must be in [{lo}, {hi}], got {v!r}")
+        out[k] = v if k == "timeout" else int(v)
+    return out
+
+
+def _socket_alive(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

@@ -1,0 +1,601 @@
+"""The system-call layer: one thread that owns the engine and KVFS.
+
+Loop (never blocks on a LIP):
+    1. run control commands from the event loop (add/remove LIP, input, ...)
+    2. poll every LIP's slots for requests; validate and dispatch each:
+       KVFS and message calls are answered at once, pred calls are queued,
+       capability calls go to a thread pool, recv waits for input
+    3. if pred calls are queued, run them as one batch (one forward pass)
+    4. nothing to do: wait on the kernel doorbell (spin briefly, then block)
+
+Every request is hostile until checked: a malformed ring entry is answered
+with EINVAL and counted; a LIP with too many strikes is killed.  Errors are
+replied as {"error": code, "type": name, "message": text}.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import orjson
+import torch
+
+from . import abi
+from .engine import PredError
+from .kvfs import KVFS, KVFSError, KVPred, Principal
+from .page_allocator import OutOfPages
+from .shm import KernelSide, RingError
+
+log = logging.getLogger("symphony.syscalls")
+
+MAX_STRIKES = 8
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class SyscallFailure(Exception):
+    def __init__(self, type_: str, code: str, message: str):
+        super().__init__(message)
+        self.type, self.code = type_, code
+
+
+def _fail(type_: str, code: str, message: str):
+    raise SyscallFailure(type_, code, message)
+
+
+@dataclass
+class LipProc:
+    """The kernel's record of one LIP."""
+
+    id: int
+    user: str
+    filename: str
+    args: list
+    ring: KernelSide
+    grants: dict
+    limits: dict
+    pid: int = 0
+    state: str = "starting"
+    started: float = field(default_factory=time.time)
+    inbox: deque = field(default_factory=deque)
+    eof: bool = False
+    parked_recv: Optional[tuple] = None
+    strikes: int = 0
+    calls: int = 0
+    preds: int = 0
+    tokens: int = 0
+
+    @property
+    def principal(self) -> Principal:
+        return Principal(self.user, self.id)
+
+
+@dataclass
+class _Pending:
+    lip: LipProc
+    slot: int
+    call_id: int
+    body: dict
+    tokens: np.ndarray
+    mask: Optional[np.ndarray]
+
+
+class SyscallServer:
+    def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
+                 kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None):
+        self.engine, self.fs, self.door = engine, fs, doorbell
+        self.emit, self.kill = emit, kill
+        self.vocab = engine.model_config.vocab_size
+        self.max_batch_tokens = max_batch_tokens or engine.config.max_batch_tokens
+        self.lips: dict[int, LipProc] = {}
+        self.commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self.pending: list[_Pending] = []
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="symphony-cap")
+        self.stop = threading.Event()
+        self.batches = 0
+        self.gather_window = 0.003          # seconds a batch may wait for its last callers
+        self._expect, self._gather_until = 0, 0.0
+        self.batch_calls = 0
+        self.max_batch = 0
+        self.thread = threading.Thread(target=self.run, name="symphony-syscalls", daemon=True)
+
+    # ------------------------------------------------------------------ control (any thread)
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the syscall thread (it owns the engine and KVFS)."""
+        self.commands.put(fn)
+        self.door.ring()
+
+    def call(self, fn: Callable[[], object], timeout: float = 30.0):
+        """Run ``fn`` on the syscall thread and wait for its result."""
+        done, box = threading.Event(), {}
+
+        def run():
+            try:
+                box["v"] = fn()
+            except BaseException as e:       # handed back to the caller
+                box["e"] = e
+            done.set()
+        self.submit(run)
+        if not done.wait(timeout):
+            raise TimeoutError("kernel syscall thread did not answer")
+        if "e" in box:
+            raise box["e"]
+        return box.get("v")
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        log.info("syscall thread running")
+        while not self.stop.is_set():
+            self._run_commands()
+            work = self._poll()
+            for lip, slot in work:
+                self._handle(lip, slot)
+            if self.pending:
+                if self._gathering():
+                    continue
+                self._run_preds()
+                continue
+            if not work:
+                self.door.wait(0.2, self._has_work)
+        log.info("syscall thread stopped")
+
+    def _gathering(self) -> bool:
+        """Hold the batch briefly while callers of the last batch may still come
+        back (sibling threads answer within microseconds of their reply): wait
+        until as many calls are queued as the last batch had, or the window ends."""
+        if len(self.pending) >= self._expect or self._expect <= 1:
+            return False
+        now = time.perf_counter()
+        if self._gather_until == 0.0:
+            self._gather_until = now + self.gather_window
+        if now < self._gather_until:
+            return True
+        return False
+
+    def _has_work(self) -> bool:
+        if not self.commands.empty():
+            return True
+        return any(l.ring.pending() for l in self.lips.values() if l.state == "running")
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("kernel command failed")
+
+    def _poll(self) -> list:
+        out = []
+        for lip in list(self.lips.values()):
+            if lip.state != "running":
+                continue
+            try:
+                slots = lip.ring.poll()
+            except RingError as e:
+                self._strike(lip, str(e))
+                continue
+            out.extend((lip, s) for s in slots)
+        return out
+
+    # ------------------------------------------------------------------ LIP lifecycle (syscall thread)
+    def add(self, lip: LipProc) -> None:
+        self.lips[lip.id] = lip
+
+    def remove(self, lip_id: int) -> None:
+        """The LIP is gone: reclaim its handles, anonymous files and ring."""
+        lip = self.lips.pop(lip_id, None)
+        if lip is None:
+            return
+        lip.state = "exited"
+        self.pending = [p for p in self.pending if p.lip is not lip]
+        closed = self.fs.exit_process(lip.id)
+        lip.ring.unlink()
+        lip.ring.close()
+        log.info("LIP %d (%s) reclaimed: %d KV handles closed", lip.id, lip.filename, closed)
+
+    def give_input(self, lip_id: int, data: Optional[str]) -> None:
+        lip = self.lips.get(lip_id)
+        if lip is None:
+            return
+        if data is None:
+            lip.eof = True
+        else:
+            lip.inbox.append(data)
+        self._serve_recv(lip)
+
+    def _strike(self, lip: LipProc, why: str) -> None:
+        lip.strikes += 1
+        log.warning("LIP %d: malformed ring entry (%s), strike %d", lip.id, why, lip.strikes)
+        if lip.strikes >= MAX_STRIKES and lip.state == "running":
+            lip.state = "killing"
+            self.kill(lip.id, f"killed: {lip.strikes} malformed system calls ({why})")
+
+    # ------------------------------------------------------------------ dispatch
+    def _handle(self, lip: LipProc, slot: int) -> None:
+        try:
+            req = lip.ring.read_request(slot)
+        except RingError as e:
+            self._strike(lip, str(e))
+            self._reply_error(lip, slot, 0, SyscallFailure("InvalidArgument", "EINVAL",
+                                                           f"malformed ring entry: {e}"))
+            return
+        lip.calls += 1
+        try:
+            body = orjson.loads(req.json) if req.json else {}
+            if not isinstance(body, dict):
+                _fail("InvalidArgument", "EINVAL", "a system call body must be a JSON object")
+            handler = self._handlers.get(req.op)
+            if handler is None:
+                _fail("InvalidArgument", "ENOSYS", f"unknown system call {req.op}")
+            result = handler(self, lip, slot, req.call_id, body, req.tokens)
+            if result is not None:
+                self._reply(lip, slot, req.call_id, result)
+        except orjson.JSONDecodeError as e:
+            self._strike(lip, "bad JSON")
+            self._reply_error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", "EINVAL",
+                                                                     f"malformed JSON body: {e}"))
+        except Exception as e:
+            self._reply_error(lip, slot, req.call_id, e)
+
+    def _reply(self, lip, slot, call_id, body: dict, arena=(abi.ARENA_NONE, 0, 0)) -> None:
+        if lip.state not in ("running", "killing"):
+            return
+        lip.ring.respond(slot, call_id, abi.OK, orjson.dumps(body), *arena)
+
+    def _reply_error(self, lip, slot, call_id, e: BaseException) -> None:
+        if isinstance(e, SyscallFailure):
+            t, code, msg = e.type, e.code, str(e)
+        elif isinstance(e, KVFSError):
+            t, code, msg = type(e).__name__, e.code, str(e)
+        elif isinstance(e, PredError):
+            t, code, msg = "PredError", "EINVAL", str(e)
+        elif isinstance(e, OutOfPages):
+            t, code, msg = "NoSpace", "ENOSPC", str(e)
+        else:
+            log.exception("LIP %d: system call failed unexpectedly", lip.id)
+            t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"
+        if lip.state in ("running", "killing"):
+            lip.ring.respond(slot, call_id, abi.ERR,
+                             orjson.dumps({"error": code, "type": t, "message": msg}))
+
+    # ------------------------------------------------------------------ handlers
+    def _nop(self, lip, slot, cid, body, toks):
+        return {}
+
+    def _info(self, lip, slot, cid, body, toks):
+        c = self.engine.model_config
+        return {"lip": lip.id, "user": lip.user, "grants": lip.grants, "limits": lip.limits,
+                "vocab_size": c.vocab_size, "max_context": c.max_context,
+                "eos_ids": list(self.engine.tokenizer.eos_ids) if self.engine.tokenizer else []}
+
+    def _pred(self, lip, slot, cid, body, toks):
+        n = _int(body.get("n_tokens"), "n_tokens", 1, abi.MAX_TOKENS_PER_CALL)
+        n_mask = _int(body.get("n_mask", 0), "n_mask", 0, self.vocab)
+        if toks.size != n + n_mask:
+            _fail("InvalidArgument", "EINVAL", f"token array holds {toks.size} ids, body says {n}+{n_mask}")
+        out = body.get("output", "logits")
+        if out not in abi.OUTPUTS:
+            _fail("InvalidArgument", "EINVAL", f"output must be one of {abi.OUTPUTS}")
+        rows = n if body.get("all_logits") else 1
+        if out in ("logits", "topk"):
+            k = _int(body.get("k", 20), "k", 1, 1024) if out == "topk" else self.vocab
+            need = rows * (2 * k if out == "topk" else self.vocab) * 4
+            if need > lip.ring.arena_bytes:
+                _fail("InvalidArgument", "EINVAL", f"{rows} rows of {out} need {need} bytes; the arena "
+                      f"holds {lip.ring.arena_bytes} (ask for fewer rows, or top-k)")
+        mask = toks[n:] if n_mask else None
+        if mask is not None and ((mask < 0) | (mask >= self.vocab)).any():
+            _fail("InvalidArgument", "EINVAL", "mask holds token ids outside the vocabulary")
+        self.pending.append(_Pending(lip, slot, cid, body, toks[:n], mask))
+        return None
+
+    def _run_preds(self) -> None:
+        """Run queued pred calls, as many as fit the token budget, in one pass."""
+        batch, total, seen = [], 0, set()
+        rest = []
+        for p in self.pending:
+            h = p.body.get("kv")
+            key = (p.lip.id, h)
+            if (batch and total + p.tokens.size > self.max_batch_tokens) or key in seen:
+                rest.append(p)
+                continue
+            seen.add(key)
+            batch.append(p)
+            total += p.tokens.size
+        self.pending = rest
+        self._expect, self._gather_until = len(batch), 0.0
+        calls = [KVPred(p.lip.principal, p.body.get("kv"), p.tokens, p.body.get("positions"),
+                        bool(p.body.get("all_logits"))) for p in batch]
+        try:
+            outs = self.fs.pred_batch(calls)
+            results = list(zip(batch, outs, [None] * len(batch)))
+        except Exception:
+            results = []                       # find the culprit(s): run each alone
+            for p, c in zip(batch, calls):
+                try:
+                    results.append((p, self.fs.pred_batch([c])[0], None))
+                except Exception as e:
+                    results.append((p, None, e))
+        self.batches += 1
+        self.batch_calls += len(batch)
+        self.max_batch = max(self.max_batch, len(batch))
+        for p, logits, err in results:
+            p.lip.preds += 1
+            p.lip.tokens += int(p.tokens.size)
+            if err is not None:
+                self._reply_error(p.lip, p.slot, p.call_id, err)
+                continue
+            try:
+                self._deliver(p, logits)
+            except Exception as e:
+                self._reply_error(p.lip, p.slot, p.call_id, e)
+
+    def _deliver(self, p: _Pending, logits: torch.Tensor) -> None:
+        b = p.body
+        x = logits if logits.dim() == 2 else logits.unsqueeze(0)        # [rows, vocab]
+        x = x.float().cpu()
+        if p.mask is not None:
+            m = torch.full((self.vocab,), float("-inf"))
+            m[torch.from_numpy(p.mask.astype(np.int64))] = 0.0
+            x = x + m
+        length = self.fs.handles[b["kv"]].inode.length
+        out = b.get("output", "logits")
+        if out == "logits":
+            view = p.lip.ring.arena(p.slot, x.shape[0], self.vocab)
+            torch.from_numpy(view).copy_(x)
+            self._reply(p.lip, p.slot, p.call_id, {"length": length},
+                        (abi.ARENA_LOGITS, x.shape[0], self.vocab))
+        elif out == "topk":
+            k = int(b.get("k", 20))
+            lp, ids = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
+            view = p.lip.ring.arena(p.slot, 2 * x.shape[0], k)
+            view[: x.shape[0]] = ids.to(torch.int32).numpy().view(np.float32)
+            view[x.shape[0]:] = lp.numpy()
+            self._reply(p.lip, p.slot, p.call_id, {"length": length}, (abi.ARENA_TOPK, 2 * x.shape[0], k))
+        else:
+            toks = [int(t) for t in (x.argmax(-1) if out == "argmax" else _sample(x, b))]
+            body = {"length": length, "token": toks[-1], "tokens": toks}
+            self._reply(p.lip, p.slot, p.call_id, body)
+
+    def _kv(self, fn):
+        def h(self, lip, slot, cid, body, toks):
+            return fn(self, lip.principal, body)
+        return h
+
+    def _send(self, lip, slot, cid, body, toks):
+        data = body.get("data")
+        if len(orjson.dumps(data)) > MAX_MESSAGE_BYTES:
+            _fail("InvalidArgument", "EINVAL", f"message larger than {MAX_MESSAGE_BYTES} bytes")
+        self.emit(lip.id, {"event": "out", "data": data})
+        return {}
+
+    def _write_stream(self, lip, slot, cid, body, toks):
+        stream, data = body.get("stream"), body.get("data")
+        if stream not in ("stdout", "stderr") or not isinstance(data, str):
+            _fail("InvalidArgument", "EINVAL", "bad stream write")
+        self.emit(lip.id, {"event": stream, "data": data[:MAX_MESSAGE_BYTES]})
+        return {}
+
+    def _recv(self, lip, slot, cid, body, toks):
+        if lip.parked_recv is not None:
+            _fail("InvalidArgument", "EBUSY", "another thread of this LIP is already in recv()")
+        lip.parked_recv = (slot, cid)
+        self._serve_recv(lip)
+        return None
+
+    def _serve_recv(self, lip: LipProc) -> None:
+        if lip.parked_recv is None or not (lip.inbox or lip.eof):
+            return
+        slot, cid = lip.parked_recv
+        lip.parked_recv = None
+        self._reply(lip, slot, cid, {"data": lip.inbox.popleft()} if lip.inbox else {"eof": True})
+
+    def _cap(self, fn):
+        def h(self, lip, slot, cid, body, toks):
+            def job():
+                try:
+                    res = fn(lip, body)
+                    self.submit(lambda: self._reply(lip, slot, cid, res))
+                except Exception as e:
+                    err = e                                  # `e` is unbound after the except block
+                    self.submit(lambda: self._reply_error(lip, slot, cid, err))
+            self.pool.submit(job)
+            return None
+        return h
+
+    _handlers: dict = {}
+
+
+# ---------------------------------------------------------------- KVFS calls
+def _path(body, key="path", optional=False):
+    v = body.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        _fail("InvalidArgument", "EINVAL", f"{key} must be a string path")
+    return v
+
+
+def _int(v, name, lo, hi):
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        _fail("InvalidArgument", "EINVAL", f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _sample(x: torch.Tensor, b: dict) -> torch.Tensor:
+    t = b.get("temperature", 1.0)
+    top_p, top_k, seed = b.get("top_p", 1.0), b.get("top_k", 0), b.get("seed")
+    if not isinstance(t, (int, float)) or t < 0 or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        _fail("InvalidArgument", "EINVAL", "temperature must be >= 0 and top_p in (0, 1]")
+    if t == 0:
+        return x.argmax(-1)
+    x = x / t
+    if isinstance(top_k, int) and 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = sp.cumsum(-1) - sp > top_p
+        sp = sp.masked_fill(drop, 0)
+        probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    g = torch.Generator()
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        g.manual_seed(seed & 0xFFFFFFFFFFFF)
+    else:
+        g.seed()
+    return torch.multinomial(probs, 1, generator=g).squeeze(-1)
+
+
+def _kv_create(s, who, b):
+    h = s.fs.create(who, _path(b, optional=True), b.get("mode", 0o644))
+    return {"handle": h}
+
+
+def _kv_open(s, who, b):
+    h = s.fs.open(who, _path(b), b.get("mode", "r"))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_close(s, who, b):
+    s.fs.close(who, b.get("kv"))
+    return {}
+
+
+def _kv_fork(s, who, b):
+    h = s.fs.fork(who, b.get("kv"), _path(b, optional=True))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_truncate(s, who, b):
+    s.fs.truncate(who, b.get("kv"), b.get("n"))
+    return {"length": s.fs.handles[b["kv"]].inode.length}
+
+
+def _kv_extract(s, who, b):
+    h = s.fs.extract(who, b.get("kv"), b.get("ranges"), _path(b, optional=True))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_merge(s, who, b):
+    kvs = b.get("kvs")
+    h = s.fs.merge(who, kvs, _path(b, optional=True))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_stat(s, who, b):
+    return s.fs.stat(who, b["kv"] if "kv" in b else _path(b))
+
+
+def _kv_list(s, who, b):
+    return {"entries": s.fs.list(who, _path(b))}
+
+
+def _kv_advise(s, who, b):
+    s.fs.advise(who, b.get("kv"), b.get("hint"), b.get("seconds"))
+    return {}
+
+
+def _kv_simple(method, *keys):
+    def h(s, who, b):
+        getattr(s.fs, method)(who, *[(_path(b, k) if k in ("path", "old", "new") else b.get(k)) for k in keys])
+        return {}
+    return h
+
+
+# ---------------------------------------------------------------- capabilities (thread pool)
+def _cap_http(lip: LipProc, b: dict) -> dict:
+    url = b.get("url")
+    if not isinstance(url, str):
+        _fail("InvalidArgument", "EINVAL", "url must be a string")
+    u = urllib.parse.urlsplit(url)
+    hosts = lip.grants.get("http", [])
+    host = u.hostname or ""
+    hostport = f"{host}:{u.port}" if u.port else host
+    if u.scheme not in ("http", "https") or not (host in hosts or hostport in hosts):
+        _fail("PermissionDenied", "EACCES", f"HTTP to {hostport or url!r} is not granted to this LIP "
+              f"(granted: {hosts or 'none'})")
+    method = b.get("method", "GET")
+    if method not in ("GET", "POST", "PUT", "DELETE", "HEAD"):
+        _fail("InvalidArgument", "EINVAL", f"bad HTTP method {method!r}")
+    data = b.get("body")
+    req = urllib.request.Request(url, method=method, data=data.encode() if isinstance(data, str) else None,
+                                 headers={str(k): str(v) for k, v in (b.get("headers") or {}).items()})
+    timeout = min(float(b.get("timeout", 10.0)), 60.0)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            body = r.read(MAX_MESSAGE_BYTES).decode("utf-8", "replace")
+            return {"status": r.status, "headers": dict(r.headers), "body": body}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "headers": dict(e.headers or {}), "body": e.read(MAX_MESSAGE_BYTES).decode("utf-8", "replace")}
+    except (urllib.error.URLError, OSError) as e:
+        _fail("CapabilityError", "EIO", f"HTTP request failed: {e}")
+
+
+def _granted_path(lip: LipProc, b: dict) -> Path:
+    p = b.get("path")
+    if not isinstance(p, str):
+        _fail("InvalidArgument", "EINVAL", "path must be a string")
+    real = Path(os.path.realpath(p))
+    for d in lip.grants.get("read", []):
+        root = Path(os.path.realpath(d))
+        if real == root or root in real.parents:
+            return real
+    _fail("PermissionDenied", "EACCES", f"{p} is not under a directory granted to this LIP "
+          f"(granted: {lip.grants.get('read') or 'none'})")
+
+
+def _cap_read(lip, b):
+    p = _granted_path(lip, b)
+    n = b.get("max_bytes", 1 << 20)
+    n = n if isinstance(n, int) and 0 < n <= MAX_MESSAGE_BYTES else MAX_MESSAGE_BYTES
+    try:
+        with open(p, "rb") as f:
+            return {"data": f.read(n).decode("utf-8", "replace")}
+    except FileNotFoundError:
+        _fail("NotFound", "ENOENT", f"{b['path']} does not exist")
+    except IsADirectoryError:
+        _fail("IsADirectory", "EISDIR", f"{b['path']} is a directory")
+
+
+def _cap_list(lip, b):
+    p = _granted_path(lip, b)
+    try:
+        return {"entries": sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(p))[:10000]}
+    except FileNotFoundError:
+        _fail("NotFound", "ENOENT", f"{b['path']} does not exist")
+    except NotADirectoryError:
+        _fail("NotADirectory", "ENOTDIR", f"{b['path']} is not a directory")
+
+
+S = SyscallServer
+S._handlers = {
+    abi.NOP: S._nop, abi.INFO: S._info, abi.PRED: S._pred,
+    abi.KV_CREATE: S._kv(S, _kv_create), abi.KV_OPEN: S._kv(S, _kv_open),
+    abi.KV_CLOSE: S._kv(S, _kv_close), abi.KV_FORK: S._kv(S, _kv_fork),
+    abi.KV_TRUNCATE: S._kv(S, _kv_truncate), abi.KV_EXTRACT: S._kv(S, _kv_extract),
+    abi.KV_MERGE: S._kv(S, _kv_merge), abi.KV_STAT: S._kv(S, _kv_stat), abi.KV_LIST: S._kv(S, _kv_list),
+    abi.KV_ADVISE: S._kv(S, _kv_advise), abi.KV_REMOVE: S._kv(S, _kv_simple("remove", "path")),
+    abi.KV_RENAME: S._kv(S, _kv_simple("rename", "old", "new")),
+    abi.KV_SYNC: S._kv(S, _kv_simple("sync", "kv")),
+    abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode", 0o755)) or {}),
+    abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
+    abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream,
+    abi.CAP_HTTP: S._cap(S, _cap_http), abi.CAP_READ_FILE: S._cap(S, _cap_read),
+    abi.CAP_LIST_DIR: S._cap(S, _cap_list),
+}

@@ -1,0 +1,22 @@
+"""The LIP library: what an LLM Inference Program imports.
+
+    from symphony.lip import kv, pred, tokenize, detokenize, send, EOS
+
+    def main(question):
+        f = kv.create()                                  # anonymous KV file
+        t = tokenize(question)
+        while (t := [pred(f, t).argmax()]) != [EOS]:
+            send(detokenize(t))
+
+Every function here is a system call to the kernel through the LIP's shared
+memory (except `tokenize`/`detokenize`, which run locally).  Errors raise the
+typed exceptions of `symphony.lip.errors`.  See the README, "Writing a LIP".
+"""
+from __future__ import annotations
+
+from .errors import *  # noqa: F401,F403
+from .runtime import (EOS, KVFile, capabilities, detokenize, http, info, kv, list_dir, pred,  # noqa: F401
+                      read_file, recv, send, tokenize, tokenizer)
+
+__all__ = ["kv", "KVFile", "pred", "tokenize", "detokenize", "send", "recv", "EOS", "http",
+           "read_file", "list_dir", "info", "tokenizer", "capabilities"]

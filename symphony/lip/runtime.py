@@ -1,0 +1,245 @@
+"""The LIP library's implementation: system calls over the shared-memory ring."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import orjson
+
+from ..kernel import abi
+from .errors import BY_NAME, NotInLIP, SyscallError
+
+_ring = None          # symphony.kernel.shm.LipSide, set by the worker before user code runs
+_tok = None           # symphony.kernel.tokenizer.Tokenizer
+_eos: tuple = ()
+EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach
+_local = threading.local()
+
+
+def _attach(ring, tok) -> None:
+    """Called once by the LIP worker (symphony.kernel.zygote) before user code."""
+    global _ring, _tok, _eos, EOS
+    _ring, _tok = ring, tok
+    _eos = tok.eos_ids
+    EOS = tok.eos_id if tok.eos_id is not None else -1
+    globals()["EOS"] = EOS
+
+
+def _call(op: int, body: Optional[dict] = None, tokens: Optional[np.ndarray] = None):
+    if _ring is None:
+        raise NotInLIP("symphony.lip calls work only inside a LIP run by the kernel (symphony run)")
+    r = _ring.call(op, orjson.dumps(body) if body is not None else b"", tokens)
+    data = orjson.loads(r.json) if r.json else {}
+    if r.status != abi.OK:
+        cls = BY_NAME.get(data.get("type"), SyscallError)
+        raise cls(data.get("message", "system call failed"), data.get("error", "EIO"))
+    return data, r.arena
+
+
+def _tokens(t) -> np.ndarray:
+    if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
+        t = [t]
+    a = np.asarray(t)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise BY_NAME["InvalidArgument"](f"tokens must be a 1-D sequence of ints, got {a.dtype} {a.shape}",
+                                         "EINVAL")
+    return a.astype(np.int32, copy=False)
+
+
+# ---------------------------------------------------------------- tokenizer (local)
+def tokenizer():
+    """The model's `Tokenizer` (encode, decode, apply_chat_template, eos_ids...)."""
+    if _tok is None:
+        raise NotInLIP("no tokenizer: not inside a LIP")
+    return _tok
+
+
+def tokenize(text: str) -> list[int]:
+    return tokenizer().encode(text)
+
+
+def detokenize(tokens) -> str:
+    return tokenizer().decode(_tokens(tokens).tolist())
+
+
+# ---------------------------------------------------------------- pred
+def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, output: str = "logits",
+         k: int = 20, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+         seed: Optional[int] = None, mask: Optional[Sequence[int]] = None):
+    """Append ``tokens`` to KV file ``f`` and run the model.
+
+    ``output``:
+      * ``"logits"`` (default): float32 logits, a zero-copy NumPy view ``[vocab]``
+        (``[n, vocab]`` with ``all_logits``), valid until this thread's next call;
+      * ``"topk"``: ``(ids int32 [k], logprobs float32 [k])`` (rows with all_logits);
+      * ``"sample"``: a token id sampled in the kernel (``temperature``, ``top_p``,
+        ``top_k``, ``seed``); ``"argmax"``: the greedy token id.
+    ``mask``: token ids allowed next; all others get -inf before any output.
+    """
+    if not isinstance(f, KVFile):
+        raise BY_NAME["InvalidArgument"]("pred needs a KVFile", "EINVAL")
+    toks = _tokens(tokens)
+    body = {"kv": f.handle, "positions": None if positions is None else _tokens(positions).tolist(),
+            "all_logits": bool(all_logits), "output": output, "k": k, "temperature": temperature,
+            "top_p": top_p, "top_k": top_k, "seed": seed, "n_tokens": int(toks.size)}
+    if mask is not None:
+        m = _tokens(mask)
+        body["n_mask"] = int(m.size)
+        toks = np.concatenate([toks, m])
+    data, arena = _call(abi.PRED, body, toks)
+    f._length = data.get("length", f._length)
+    if output in ("sample", "argmax"):
+        return data["token"] if not all_logits else data["tokens"]
+    if output == "topk":
+        rows = arena.shape[0] // 2
+        ids = arena[:rows].view(np.int32)
+        lp = arena[rows:]
+        return (ids[0], lp[0]) if not all_logits else (ids, lp)
+    return arena if all_logits else arena[0]
+
+
+# ---------------------------------------------------------------- KV files
+class KVFile:
+    """A handle to a KV file.  Use as a context manager to close it."""
+
+    __slots__ = ("handle", "path", "writable", "_length", "_closed")
+
+    def __init__(self, handle: int, path: Optional[str], writable: bool, length: int = 0):
+        self.handle, self.path, self.writable, self._length, self._closed = handle, path, writable, length, False
+
+    def __repr__(self):
+        return f"KVFile({self.path or 'anonymous'}, handle={self.handle}, {'rw' if self.writable else 'r'})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __len__(self):
+        return self._length
+
+    def fork(self, path: Optional[str] = None) -> "KVFile":
+        d, _ = _call(abi.KV_FORK, {"kv": self.handle, "path": path})
+        return KVFile(d["handle"], path, True, d["length"])
+
+    def close(self) -> None:
+        if not self._closed:
+            _call(abi.KV_CLOSE, {"kv": self.handle})
+            self._closed = True
+
+    def truncate(self, n: int) -> None:
+        d, _ = _call(abi.KV_TRUNCATE, {"kv": self.handle, "n": n})
+        self._length = d["length"]
+
+    def extract(self, ranges, path: Optional[str] = None) -> "KVFile":
+        d, _ = _call(abi.KV_EXTRACT, {"kv": self.handle, "ranges": ranges, "path": path})
+        return KVFile(d["handle"], path, True, d["length"])
+
+    def stat(self) -> dict:
+        d, _ = _call(abi.KV_STAT, {"kv": self.handle})
+        self._length = d["length"]
+        return d
+
+    def advise(self, hint: str, seconds: Optional[float] = None) -> None:
+        _call(abi.KV_ADVISE, {"kv": self.handle, "hint": hint, "seconds": seconds})
+
+    def sync(self) -> None:
+        _call(abi.KV_SYNC, {"kv": self.handle})
+
+    def remove(self) -> None:
+        """Close the handle and, for a named file, unlink it."""
+        path = self.path
+        self.close()
+        if path:
+            kv.remove(path)
+
+
+class _KV:
+    """The ``kv`` namespace: KVFS system calls that are not on a handle."""
+
+    @staticmethod
+    def create(path: Optional[str] = None, mode: int = 0o644) -> KVFile:
+        d, _ = _call(abi.KV_CREATE, {"path": path, "mode": mode})
+        return KVFile(d["handle"], path, True, 0)
+
+    @staticmethod
+    def open(path: str, mode: str = "r") -> KVFile:
+        d, _ = _call(abi.KV_OPEN, {"path": path, "mode": mode})
+        return KVFile(d["handle"], path, mode == "rw", d["length"])
+
+    @staticmethod
+    def merge(files: Sequence[KVFile], path: Optional[str] = None) -> KVFile:
+        d, _ = _call(abi.KV_MERGE, {"kvs": [f.handle for f in files], "path": path})
+        return KVFile(d["handle"], path, True, d["length"])
+
+    @staticmethod
+    def remove(path: str) -> None:
+        _call(abi.KV_REMOVE, {"path": path})
+
+    @staticmethod
+    def stat(path: str) -> dict:
+        return _call(abi.KV_STAT, {"path": path})[0]
+
+    @staticmethod
+    def list(path: str = "/") -> list:
+        return _call(abi.KV_LIST, {"path": path})[0]["entries"]
+
+    @staticmethod
+    def mkdir(path: str, mode: int = 0o755) -> None:
+        _call(abi.KV_MKDIR, {"path": path, "mode": mode})
+
+    @staticmethod
+    def rmdir(path: str) -> None:
+        _call(abi.KV_RMDIR, {"path": path})
+
+    @staticmethod
+    def rename(old: str, new: str) -> None:
+        _call(abi.KV_RENAME, {"old": old, "new": new})
+
+
+kv = _KV()
+
+
+# ---------------------------------------------------------------- messages and capabilities
+def send(msg: Any) -> None:
+    """Send a message (str, or anything JSON-serialisable) to the user who ran the LIP."""
+    _call(abi.SEND, {"data": msg})
+
+
+def recv() -> Optional[str]:
+    """The next line of input from the user; None at end of input."""
+    d, _ = _call(abi.RECV, {})
+    return None if d.get("eof") else d["data"]
+
+
+def http(url: str, method: str = "GET", body: Optional[str] = None, headers: Optional[dict] = None,
+         timeout: float = 10.0) -> dict:
+    """HTTP through the kernel, to hosts the LIP was granted (``--grant http:HOST``).
+    Returns {"status": int, "headers": {...}, "body": str}."""
+    return _call(abi.CAP_HTTP, {"url": url, "method": method, "body": body, "headers": headers or {},
+                                "timeout": timeout})[0]
+
+
+def read_file(path: str, max_bytes: int = 1 << 20) -> str:
+    """Read a text file under a directory the LIP was granted (``--grant read:DIR``)."""
+    return _call(abi.CAP_READ_FILE, {"path": path, "max_bytes": max_bytes})[0]["data"]
+
+
+def list_dir(path: str) -> list:
+    """List a directory under a granted directory."""
+    return _call(abi.CAP_LIST_DIR, {"path": path})[0]["entries"]
+
+
+def info() -> dict:
+    """This LIP's id, user, grants, limits and the model's vocabulary size and context."""
+    return _call(abi.INFO, {})[0]
+
+
+def capabilities() -> dict:
+    return info()["grants"]
+
+
+def _write_stream(stream: str, text: str) -> None:
+    _call(abi.WRITE_STREAM, {"stream": stream, "data": text})

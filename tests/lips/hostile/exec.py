@@ -1,0 +1,5 @@
+import os
+
+
+def main():
+    os.execv("/bin/sh", ["sh", "-c", "echo pwned"])

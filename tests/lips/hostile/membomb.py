@@ -1,0 +1,4 @@
+def main():
+    hog = []
+    while True:
+        hog.append(bytearray(64 << 20))

@@ -1,0 +1,5 @@
+import time
+
+
+def main():
+    time.sleep(3600)

@@ -1,0 +1,3 @@
+def main():
+    while True:
+        pass

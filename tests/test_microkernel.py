@@ -1,0 +1,139 @@
+"""End to end: the real kernel on SmolLM2, real LIPs through `symphony run`."""
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import REPO
+
+
+def test_generate_answers_paris(kernel):
+    r = kernel.run(REPO / "userland/generate.py", "What is the capital of France?", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_parallel_threads_share_batches(kernel):
+    before = kernel.client().stats()
+    qs = ["What is 2+2?", "Name a colour.", "What is the capital of Italy?", "Say hello."]
+    r = kernel.run(REPO / "userland/parallel.py", *qs)
+    assert r.returncode == 0, r.stderr
+    answers = [json.loads(line) for line in r.stdout.splitlines()]
+    assert sorted(a["question"] for a in answers) == [0, 1, 2, 3]
+    assert all(a["answer"].strip() for a in answers)
+    after = kernel.client().stats()
+    # the four threads' decode steps ran together: batches of several calls
+    assert after["max_batch"] >= 4                      # all four threads in one forward pass
+    assert "parallel-sys.kv" in [e["name"] for e in kernel.client().kv_ls("/shared")]
+
+
+def test_sibling_threads_are_batched_not_serialized(kernel):
+    before = kernel.client().stats()
+    r = kernel.run(REPO / "tests/lips/siblings.py", "4", "10")
+    assert r.returncode == 0, r.stderr
+    after = kernel.client().stats()
+    calls = after["batch_calls"] - before["batch_calls"]
+    batches = after["batches"] - before["batches"]
+    assert calls == 1 + 4 * 10
+    assert calls / batches >= 2.5, (calls, batches)     # serialized would be 1.0; ideal 41/11
+
+
+def test_syscall_errors_are_typed(kernel):
+    r = kernel.run(REPO / "tests/lips/errors.py")
+    assert r.returncode == 0, r.stderr
+    got = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    assert got["open missing"] == "NotFound ENOENT"
+    assert got["token out of range"].startswith("PredError")
+    assert got["empty tokens"].startswith(("PredError", "InvalidArgument"))
+    assert got["position past context"].startswith("PredError")
+    assert got["bad handle"] == "BadHandle EBADF"
+    assert got["bad path"] == "InvalidPath EINVAL"
+    assert got["http not granted"] == "PermissionDenied EACCES"
+    assert got["read not granted"] == "PermissionDenied EACCES"
+    assert got["huge all_logits"] == "InvalidArgument EINVAL"
+    assert got["write read-only"] == "ReadOnlyHandle EROFS"
+    assert r.stdout.rstrip().endswith("done")
+
+
+def test_ps_kv_ls_input_and_kill(kernel):
+    c = kernel.client(user="dora")
+    lip = c.spawn((REPO / "tests/lips/holder.py").read_text(), ["notes.kv"], filename="holder.py")
+    ev = next(c.events(timeout=60))
+    assert ev == {"event": "out", "data": "ready\n"}
+    ps = kernel.client().ps()["lips"]
+    assert any(l["lip"] == lip and l["user"] == "dora" and l["file"] == "holder.py" for l in ps)
+    ls = kernel.client(user="dora").kv_ls("/home/dora")
+    assert [(e["name"], e["owner"], e["length"] > 0) for e in ls] == [("notes.kv", "dora", True)]
+    with pytest.raises(Exception, match="may not"):                       # another user
+        kernel.client(user="eve").kv_rm("/home/dora/notes.kv")
+    c.send_input(lip, "hello")
+    assert next(c.events(timeout=30)) == {"event": "out", "data": "echo: hello\n"}
+    used = kernel.client().stats()["kv_pages_used"]
+    kernel.client(user="dora").kill(lip)
+    ev = [e for e in c.events(timeout=30)][-1]
+    assert ev["event"] == "exit" and ev["reason"] == "killed by dora"
+    c.close()
+    time.sleep(0.2)
+    assert kernel.client().stats()["kv_pages_used"] < used                 # anonymous file reclaimed
+    assert "notes.kv" in [e["name"] for e in kernel.client(user="dora").kv_ls("/home/dora")]
+    kernel.client(user="dora").kv_rm("/home/dora/notes.kv")
+    assert not [n for n in kernel.shm_names() if f"sym{kernel.instance}_{lip}-" in n]
+
+
+def test_stdin_reaches_recv(kernel):
+    r = kernel.run(REPO / "tests/lips/holder.py", "stdin.kv", stdin="one\ntwo\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["ready", "echo: one", "echo: two"]
+    kernel.client().kv_rm(f"/home/{_me()}/stdin.kv")
+
+
+def test_capabilities_read_and_http(kernel, tmp_path):
+    d = tmp_path / "granted"
+    d.mkdir()
+    (d / "notes.txt").write_text("the answer is 42")
+    (tmp_path / "outside.txt").write_text("secret")
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"tool says hi")
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        r = kernel.run(REPO / "tests/lips/caps.py", str(d), f"http://127.0.0.1:{port}/x",
+                       extra=["--grant", f"read:{d}", "--grant", f"http:127.0.0.1:{port}"])
+    finally:
+        srv.shutdown()
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(l) if l.startswith("{") else l for l in r.stdout.splitlines()]
+    assert lines[0] == {"list": ["notes.txt"]}
+    assert lines[1] == {"read": "the answer is 42"}
+    assert lines[2] == "outside refused"
+    assert lines[3] == {"http": 200, "body": "tool says hi"}
+
+
+def test_bad_lip_files(kernel, tmp_path):
+    p = tmp_path / "nomain.py"
+    p.write_text("x = 1\n")
+    r = kernel.run(p)
+    assert r.returncode == 1 and "must define main" in r.stderr
+    p.write_text("def main(:\n")
+    r = kernel.run(p)
+    assert r.returncode == 1 and "SyntaxError" in r.stderr
+    p.write_text("def main():\n    raise ValueError('boom')\n")
+    r = kernel.run(p)
+    assert r.returncode == 1 and "ValueError: boom" in r.stderr
+    r = kernel.run(tmp_path / "missing.py")
+    assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def _me():
+    import pwd, os
+    return pwd.getpwuid(os.getuid()).pw_name

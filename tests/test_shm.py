@@ -1,0 +1,562 @@
+"""The shared-memory system-call ring (symphony/kernel/shm.py)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import struct
+import threading
+import time
+
+import numpy as np
+import orjson
+import pytest
+
+from symphony.kernel import shm
+from symphony.kernel.shm import (ARENA_F32, BUSY, FREE, REQUEST, RESPONSE, Doorbell, KernelSide,
+                                 LipSide, RingClosed, RingError)
+
+EINVAL = -22
+
+
+def _prefix() -> str:
+    return "symtest" + secrets.token_hex(4)
+
+
+def _dev_shm(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if prefix in n)
+
+
+def serve_once(k: KernelSide, slot: int) -> None:
+    """The echo kernel: json back, tokens back as a float32 arena row (x 0.5)."""
+    try:
+        req = k.read_request(slot)
+    except RingError as e:
+        k.respond(slot, 0, EINVAL, orjson.dumps({"error": str(e)}))
+        return
+    if req.tokens.size:
+        a = k.arena(slot, 1, req.tokens.size)
+        a[0] = req.tokens.astype(np.float32) * 0.5
+        k.respond(slot, req.call_id, req.op, req.json, ARENA_F32, 1, req.tokens.size)
+    else:
+        k.respond(slot, req.call_id, req.op, req.json)
+
+
+class KernelThread:
+    """A tiny kernel loop in a thread: wait on the doorbell, poll, echo."""
+
+    def __init__(self, k: KernelSide, db: Doorbell, serve=serve_once):
+        self.k, self.db, self.serve = k, db, serve
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            while not self.stop.is_set():
+                self.db.wait(0.05, self.k.pending)
+                for s in self.k.poll():
+                    self.serve(self.k, s)
+        except BaseException as e:   # pragma: no cover - reported by the test
+            self.errors.append(e)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join(5)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def ring():
+    prefix = _prefix()
+    db = Doorbell.create(prefix, spin_us=20)
+    k = KernelSide.create(prefix, n_slots=4, slot_bytes=4096, arena_bytes=4096, doorbell=db)
+    lip = LipSide.attach(k.names, spin_us=20)
+    yield prefix, db, k, lip
+    lip.close()
+    k.close()
+    k.unlink()
+    db.close()
+    db.unlink()
+    assert _dev_shm(prefix) == []
+
+
+# ------------------------------------------------------------------ round trip
+def test_round_trip_one_process(ring):
+    _, db, k, lip = ring
+    with KernelThread(k, db):
+        body = orjson.dumps({"hello": "world", "n": 3})
+        toks = np.array([1, 2, 3, 40000, -5], dtype=np.int32)
+        r = lip.call(7, body, toks)
+        assert r.status == 7
+        assert r.json == body
+        assert r.arena.dtype == np.float32 and r.arena.shape == (1, 5)
+        np.testing.assert_array_equal(r.arena[0], toks.astype(np.float32) * 0.5)
+        # zero-copy: a view into the segment, read-only on the LIP side
+        seg = np.frombuffer(lip.buffer, dtype=np.uint8)
+        assert np.shares_memory(r.arena, seg)
+        assert r.arena.ctypes.data % 64 == 0
+        assert not r.arena.flags.writeable
+        del seg
+        # no tokens, no arena; empty json
+        r2 = lip.call(0, b"", None)
+        assert (r2.status, r2.json, r2.arena) == (0, b"", None)
+        # int64 tokens are converted (values fit)
+        r3 = lip.call(1, b"{}", np.arange(10, dtype=np.int64))
+        np.testing.assert_array_equal(r3.arena[0], np.arange(10) * 0.5)
+    assert set(k._states.tolist()) == {FREE}
+
+
+def test_request_is_copied_out(ring):
+    """The kernel's Request must not alias the segment: the LIP can scribble after validation."""
+    _, db, k, lip = ring
+    got = {}
+
+    def serve(k, slot):
+        req = k.read_request(slot)
+        k._u8[k._slots_off + slot * k.slot_bytes:][:k.slot_bytes] = 0xAB   # "LIP" scribbles
+        got["req"] = req
+        k.respond(slot, req.call_id, 0, b"")
+
+    with KernelThread(k, db, serve):
+        lip.call(3, b'{"a":1}', np.array([9, 8, 7], dtype=np.int32), flags=5)
+    req = got["req"]
+    assert (req.op, req.json, req.flags) == (3, b'{"a":1}', 5)
+    assert req.tokens.tolist() == [9, 8, 7] and req.tokens.dtype == np.int32
+    assert req.tokens.flags.writeable and not np.shares_memory(req.tokens, k._u8)
+    assert isinstance(req.json, bytes)
+
+
+def test_request_too_large_raises_before_writing(ring):
+    _, db, k, lip = ring
+    snap = bytes(lip.buffer)
+    with pytest.raises(ValueError):
+        lip.call(0, b"x" * 5000)
+    with pytest.raises(ValueError):
+        lip.call(0, b"", np.zeros(lip.max_tokens() + 1, dtype=np.int32))
+    with pytest.raises(ValueError):
+        lip.call(0, b"", np.array([1 << 40]))
+    with pytest.raises(ValueError):
+        lip.call(0, b"", np.zeros((2, 2), dtype=np.int32))
+    assert bytes(lip.buffer) == snap
+    # exactly full fits
+    with KernelThread(k, db):
+        n = lip.max_tokens(5)
+        r = lip.call(0, b"12345", np.arange(n, dtype=np.int32))
+        assert r.json == b"12345" and r.arena.shape == (1, n)
+
+
+def test_arena_view_stays_valid_per_thread(ring):
+    _, db, k, lip = ring
+    with KernelThread(k, db):
+        first = lip.call(0, b"", np.array([2, 4], dtype=np.int32)).arena
+        keep = first.copy()
+
+        def other():
+            for _ in range(20):
+                lip.call(0, b"", np.array([100, 200, 300], dtype=np.int32))
+
+        ts = [threading.Thread(target=other) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        np.testing.assert_array_equal(first, keep)     # other threads used other slots
+        second = lip.call(0, b"", np.array([6, 8], dtype=np.int32)).arena
+        assert np.shares_memory(first, second)          # the same thread reuses its slot
+
+
+def test_many_threads_more_than_slots(ring):
+    _, db, k, lip = ring
+    errors = []
+
+    def worker(w):
+        try:
+            for j in range(50):
+                body = orjson.dumps([w, j])
+                r = lip.call(1, body, np.array([w, j], dtype=np.int32))
+                assert r.json == body
+                assert r.arena[0].tolist() == [w * 0.5, j * 0.5]
+        except BaseException as e:
+            errors.append(e)
+
+    with KernelThread(k, db):
+        ts = [threading.Thread(target=worker, args=(w,)) for w in range(10)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(15)
+    assert not errors, errors[:3]
+
+
+def test_stale_posts_are_not_responses(ring):
+    """Posts left by calls whose spin won must not end a later call early."""
+    _, db, k, lip = ring
+    delay = {"s": 0.0}
+
+    def serve(k, slot):
+        req = k.read_request(slot)
+        if delay["s"]:
+            time.sleep(delay["s"])
+        k.respond(slot, req.call_id, 0, req.json)
+
+    with KernelThread(k, db, serve):
+        for j in range(200):                      # many spin wins: leftover posts possible
+            assert lip.call(0, b"%d" % j).json == b"%d" % j
+        slot = lip._by_owner[threading.get_ident()].idx
+        for _ in range(5):
+            lip._sems[slot].release()             # and some blatantly stale ones
+        delay["s"] = 0.1
+        t0 = time.monotonic()
+        r = lip.call(0, b"slow")
+        assert r.json == b"slow"
+        assert time.monotonic() - t0 >= 0.09
+
+
+# ------------------------------------------------------------------ two processes
+def _lip_child(names, conn, n_threads, n_calls):
+    try:
+        lip = LipSide.attach(names, spin_us=20)
+        errors = []
+        per = n_calls // n_threads
+
+        def worker(w):
+            rng = np.random.default_rng(w)
+            try:
+                for j in range(per):
+                    body = orjson.dumps({"w": w, "j": j, "pad": "x" * int(rng.integers(0, 50))})
+                    toks = rng.integers(-1000, 1000, size=int(rng.integers(0, 20))).astype(np.int32)
+                    r = lip.call(5, body, toks)
+                    if r.status != 5 or r.json != body:
+                        errors.append(f"thread {w} call {j}: wrong echo {r.json[:60]!r}")
+                    if toks.size and not np.array_equal(r.arena[0], toks.astype(np.float32) * 0.5):
+                        errors.append(f"thread {w} call {j}: wrong arena")
+                    if not toks.size and r.arena is not None:
+                        errors.append(f"thread {w} call {j}: unexpected arena")
+            except BaseException as e:
+                errors.append(f"thread {w}: {e!r}")
+
+        ts = [threading.Thread(target=worker, args=(w,)) for w in range(n_threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        lip.close()
+        conn.send(errors[:10])
+    except BaseException as e:
+        conn.send([repr(e)])
+    finally:
+        conn.close()
+
+
+def test_two_processes_concurrent_threads():
+    prefix = _prefix()
+    db = Doorbell.create(prefix, spin_us=20)
+    k = KernelSide.create(prefix, n_slots=8, slot_bytes=4096, arena_bytes=4096, doorbell=db)
+    try:
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_lip_child, args=(k.names, child, 4, 2000))
+        p.start()
+        child.close()
+        served = 0
+        t_end = time.monotonic() + 15
+        while p.exitcode is None and time.monotonic() < t_end:
+            db.wait(0.05, k.pending)
+            for s in k.poll():
+                serve_once(k, s)
+                served += 1
+        p.join(5)
+        errors = parent.recv() if parent.poll(1) else ["child sent nothing"]
+        assert p.exitcode == 0
+        assert errors == []
+        assert served == 2000
+    finally:
+        k.close()
+        k.unlink()
+        db.close()
+        db.unlink()
+    assert _dev_shm(prefix) == []
+
+
+# ------------------------------------------------------------------ hostile input
+def _slot_off(k, i):
+    return k._slots_off + i * k.slot_bytes
+
+
+def _state(k, i, v):
+    struct.pack_into("<I", k._mm, shm.STATES_OFF + 4 * i, v)   # what a LIP could do
+
+
+def test_hostile_bad_lengths(ring):
+    _, db, k, lip = ring
+    off = _slot_off(k, 0)
+    mm = k._mm
+    cases = [
+        (1, 0, 0xFFFFFFFF, 0, 0),             # json_len huge
+        (1, 0, 0, 0xFFFFFFFF, 0),             # n_tokens huge
+        (1, 0, 0, 0x40000000, 0),             # n_tokens * 4 wraps a u32
+        (1, 0, 4096 - 24 + 1, 0, 0),          # json one byte past the slot
+        (1, 0, 2000, 600, 0),                 # json + tokens overflow together
+        (1, 0, 4096 - 24, 1, 0),              # json exactly fills, then one token
+    ]
+    for hdr in cases:
+        shm._REQ_HDR.pack_into(mm, off, *hdr)
+        _state(k, 0, REQUEST)
+        assert k.poll() == [0]
+        with pytest.raises(RingError):
+            k.read_request(0)
+        k.respond(0, 0, EINVAL, b"")
+    # exact fits are accepted
+    shm._REQ_HDR.pack_into(mm, off, 1, 0, 4096 - 24, 0, 0)
+    _state(k, 0, REQUEST)
+    assert k.poll() == [0]
+    assert len(k.read_request(0).json) == 4096 - 24
+    k.respond(0, 1, 0, b"")
+    shm._REQ_HDR.pack_into(mm, off, 1, 0, 0, (4096 - 24) // 4, 0)
+    _state(k, 0, REQUEST)
+    assert k.poll() == [0]
+    assert k.read_request(0).tokens.size == (4096 - 24) // 4
+    k.respond(0, 1, 0, b"")
+
+
+def test_hostile_states_and_header(ring):
+    _, db, k, lip = ring
+    # invalid state values are ignored, not taken
+    for v in (7, 0xFFFFFFFF, 0x01000000, 0x0100, BUSY, RESPONSE):
+        for i in range(k.n_slots):
+            _state(k, i, v)
+        assert not k.pending()
+        assert k.poll() == []
+    # unaligned byte pattern 01 00 00 00 across two state words: no false take
+    struct.pack_into("<II", k._mm, shm.STATES_OFF, 0x01000000, 0)
+    assert not k.pending() and k.poll() == []
+    # a slot re-flipped to REQUEST while the kernel holds it is not taken twice
+    _state(k, 1, REQUEST)
+    shm._REQ_HDR.pack_into(k._mm, _slot_off(k, 1), 9, 0, 0, 0, 0)
+    assert k.poll() == [1]
+    _state(k, 1, REQUEST)
+    assert not k.pending() and k.poll() == []
+    k.respond(1, 9, 0, b"")
+    # scribbled header (geometry, magic): the kernel never reads it back
+    k._mm[0:shm.HEADER_BYTES] = os.urandom(shm.HEADER_BYTES)
+    struct.pack_into("<I", k._mm, 20, 0)   # keep 'closed' clear so the LIP goes on
+    for i in range(k.n_slots):
+        _state(k, i, FREE)
+    with KernelThread(k, db):
+        r = lip.call(2, b'{"ok":true}', np.array([1], dtype=np.int32))
+        assert r.json == b'{"ok":true}' and r.arena[0, 0] == 0.5
+
+
+def test_hostile_random_garbage_then_valid_calls(ring):
+    _, db, k, lip = ring
+    rng = np.random.default_rng(1234)
+    mm = k._mm
+    raised = ok = 0
+    for _ in range(300):
+        i = int(rng.integers(0, k.n_slots))
+        off = _slot_off(k, i)
+        mm[off:off + k.slot_bytes] = rng.bytes(k.slot_bytes)
+        if rng.random() < 0.5:   # small plausible lengths sometimes
+            struct.pack_into("<II", mm, off + 12, int(rng.integers(0, 5000)), int(rng.integers(0, 1100)))
+        # random garbage in the whole state array, then one REQUEST
+        mm[shm.STATES_OFF:shm.STATES_OFF + 4 * k.n_slots] = rng.bytes(4 * k.n_slots)
+        _state(k, i, REQUEST)
+        for s in k.poll():
+            try:
+                req = k.read_request(s)
+            except RingError:
+                raised += 1
+                k.respond(s, 0, EINVAL, b"")
+                continue
+            ok += 1
+            assert len(req.json) + 4 * req.tokens.size <= k.slot_bytes - 24
+            k.respond(s, req.call_id, 0, b"")
+    assert raised > 100 and ok > 10
+    # garbage in the arena and a hostile LIP making the kernel answer a garbage slot
+    # through the normal loop: error status, then valid calls still work
+    mm[k._arena_off:k._arena_off + 4 * k.arena_bytes] = rng.bytes(4 * k.arena_bytes)
+    for i in range(k.n_slots):
+        _state(k, i, FREE)
+    with KernelThread(k, db):
+        off = _slot_off(k, 3)
+        shm._REQ_HDR.pack_into(mm, off, 77, 1, 0xFFFFFF, 0, 0)
+        _state(k, 3, REQUEST)
+        db.ring()
+        t_end = time.monotonic() + 5
+        while k._states[3] != RESPONSE and time.monotonic() < t_end:
+            time.sleep(0.001)
+        status = shm._RESP_HDR.unpack_from(mm, off)[1]
+        assert status == EINVAL
+        _state(k, 3, FREE)
+        for j in range(50):
+            body = orjson.dumps({"j": j})
+            r = lip.call(4, body, np.array([j, j + 1], dtype=np.int32))
+            assert (r.status, r.json) == (4, body)
+            assert r.arena[0].tolist() == [j * 0.5, (j + 1) * 0.5]
+
+
+def test_arena_bounds(ring):
+    _, db, k, lip = ring
+    a = k.arena(3, 4, 256)           # exactly 4096 bytes
+    assert a.shape == (4, 256) and a.flags.writeable and a.ctypes.data % 64 == 0
+    with pytest.raises(ValueError):
+        k.arena(0, 5, 256)
+    with pytest.raises(ValueError):
+        k.arena(0, -1, 4)
+    with pytest.raises(IndexError):
+        k.arena(4, 1, 1)
+    with pytest.raises(ValueError):
+        k.respond(0, 1, 0, b"", ARENA_F32, 2, 1024)
+    with pytest.raises(ValueError):
+        k.respond(0, 1, 0, b"x" * 5000)
+    with pytest.raises(IndexError):
+        k.read_request(-1)
+
+
+# ------------------------------------------------------------------ closing, names, cleanup
+def test_closed_flag(ring):
+    _, db, k, lip = ring
+    box = {}
+
+    def blocked_call():
+        try:
+            lip.call(0, b"")          # nobody serves it
+        except BaseException as e:
+            box["e"] = e
+
+    t = threading.Thread(target=blocked_call)
+    t.start()
+    time.sleep(0.1)
+    assert k.poll() == [next(i for i in range(k.n_slots) if k._inflight[i])]
+    k.mark_closed()
+    t.join(2)
+    assert not t.is_alive()
+    assert isinstance(box.get("e"), RingClosed)
+    assert lip.closed
+    with pytest.raises(RingClosed):
+        lip.call(0, b"")
+
+
+def test_call_timeout_then_late_answer(ring):
+    _, db, k, lip = ring
+    with pytest.raises(TimeoutError):
+        lip.call(0, b"late", timeout=0.05)
+    [s] = k.poll()
+    req = k.read_request(s)
+    k.respond(s, req.call_id, 0, b"late")     # arrives after the LIP gave up
+    with KernelThread(k, db):
+        for j in range(2 * k.n_slots):
+            assert lip.call(0, b"%d" % j).json == b"%d" % j
+
+
+def test_names_unique_and_cleanup():
+    prefix = _prefix()
+    before = _dev_shm(prefix)
+    assert before == []
+    db = Doorbell.create(prefix)
+    k1 = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=1024, doorbell=db)
+    k2 = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=1024, doorbell=db)
+    n1, n2 = k1.names, k2.names
+    all1 = {n1["segment"], *n1["slot_sems"]}
+    all2 = {n2["segment"], *n2["slot_sems"]}
+    assert len(all1) == 3 and len(all2) == 3 and not all1 & all2
+    assert db.name not in all1 | all2
+    assert n1["doorbell"] == n2["doorbell"] == db.name
+    for name in all1 | all2 | {db.name}:
+        assert name.startswith(f"/{prefix}-") and len(name) == len(prefix) + 2 + 32
+    # segment and semaphores are on /dev/shm with mode 0600
+    listed = _dev_shm(prefix)
+    assert len(listed) == 7
+    for n in listed:
+        assert os.stat(f"/dev/shm/{n}").st_mode & 0o777 == 0o600
+    lip = LipSide.attach(n1)
+    lip.close()
+    for obj in (k1, k2):
+        obj.close()
+        obj.unlink()
+        obj.unlink()                  # idempotent
+    db.close()
+    db.unlink()
+    db.unlink()
+    assert _dev_shm(prefix) == []
+    with pytest.raises(Exception):
+        LipSide.attach(n1)            # gone
+
+
+def test_create_failure_cleans_up():
+    prefix = _prefix()
+    with pytest.raises(ValueError):
+        KernelSide.create(prefix, n_slots=0)
+    with pytest.raises(ValueError):
+        KernelSide.create("bad/prefix")
+    assert _dev_shm(prefix) == []
+
+
+def test_attach_rejects_bad_header():
+    prefix = _prefix()
+    k = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=0)
+    try:
+        k._mm[0:8] = b"NOTARING"
+        with pytest.raises(RingError):
+            LipSide.attach(k.names)
+        k._mm[0:8] = shm.MAGIC
+        with pytest.raises(RingError):
+            LipSide.attach({**k.names, "slot_sems": k.names["slot_sems"][:1]})
+        LipSide.attach(k.names).close()
+    finally:
+        k.close()
+        k.unlink()
+    assert _dev_shm(prefix) == []
+
+
+# ------------------------------------------------------------------ doorbell
+def test_doorbell_spin_and_block():
+    prefix = _prefix()
+    db = Doorbell.create(prefix, spin_us=200)
+    try:
+        # nothing ready, nothing rung: times out, the spin budget shrinks
+        assert db.wait(0.01, lambda: False) is False
+        assert db.spin_us == 200           # one failure is not a trend
+        assert db.wait(0.01, lambda: False) is False
+        assert db.spin_us < 200
+        for _ in range(12):
+            db.wait(0.001, lambda: False)
+        assert db.spin_us == 0
+        # a block woken quickly (a spin would have won) grows it from 0 ...
+        db.ring()
+        assert db.wait(1.0, lambda: False) is True
+        assert db.spin_us > 0
+        # ... and so do spins that win (ready() turns true during the spin)
+        for _ in range(12):
+            calls = [0]
+
+            def ready_second_time():
+                calls[0] += 1
+                return calls[0] >= 2
+            db.ring()        # so a spin too short to call ready() twice still wakes at once
+            assert db.wait(1.0, ready_second_time) is True
+        assert db.spin_us == 200
+        # ready() during the spin: returns True and drains stale posts
+        for _ in range(5):
+            db.ring()
+        flag = [0]
+
+        def ready():
+            flag[0] += 1
+            return flag[0] > 3
+        assert db.wait(1.0, ready) is True
+        assert db._sem.value == 0
+        # blocking wait woken from another thread; no ready callable
+        threading.Timer(0.05, db.ring).start()
+        t0 = time.monotonic()
+        assert db.wait(2.0) is True
+        assert 0.03 < time.monotonic() - t0 < 1.5
+    finally:
+        db.close()
+        db.unlink()
+    assert _dev_shm(prefix) == []
