@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up, then run the main job (default) or the test suite.
-#   bash scripts/quickstart.sh          # install, then answer a question with the embedded model
+#   bash scripts/quickstart.sh          # install, start the kernel, run a stock LIP, stop the kernel
 #   bash scripts/quickstart.sh test     # install, then run the tests
 #   bash scripts/quickstart.sh setup    # install only
 # Uses the current python3 (activate a virtualenv first if you want one).
@@ -34,8 +34,24 @@ $PY -c "from symphony.kernel import ops; ops.load()"
 case "$mode" in
     setup) ;;
     demo)
-        step "main job: SmolLM2-135M-Instruct answers a question through the paged engine"
-        $PY -m symphony.cli chat --max-tokens 48 "${@:-What is the capital of France?}"
+        step "main job: start the kernel on the embedded model, run a stock LIP, stop the kernel"
+        sock="$(mktemp -u /tmp/symphony-quickstart-XXXXXX.sock)"
+        log="$(mktemp /tmp/symphony-kernel-XXXXXX.log)"
+        $PY -m symphony.kernel --socket "$sock" >"$log" 2>&1 &
+        kpid=$!
+        trap 'kill -TERM $kpid 2>/dev/null; wait $kpid 2>/dev/null' EXIT
+        for _ in $(seq 600); do
+            grep -q "ready on" "$log" && break
+            if ! kill -0 $kpid 2>/dev/null; then cat "$log" >&2; echo "the kernel failed to start" >&2; exit 1; fi
+            sleep 0.2
+        done
+        grep -q "ready on" "$log" || { cat "$log" >&2; echo "the kernel did not start in time" >&2; exit 1; }
+        step "kernel ready (log: $log); symphony run userland/generate.py"
+        $PY -m symphony.cli run --socket "$sock" userland/generate.py "${@:-What is the capital of France?}"
+        step "stopping the kernel"
+        kill -TERM $kpid
+        wait $kpid
+        trap - EXIT
         ;;
     test)
         step "running the test suite"

@@ -146,7 +146,7 @@ class SyscallServer:
                 self._run_preds()
                 continue
             if not work:
-                self.door.wait(0.2, self._has_work)
+                self.door.wait(0.05, self._has_work)      # short: a LIP may steal doorbell posts
         log.info("syscall thread stopped")
 
     def _gathering(self) -> bool:
