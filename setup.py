@@ -26,6 +26,7 @@ setup(
         "posix_ipc",
         "uvloop",
         "tqdm",
+        "llguidance",           # grammar engine for constrained decoding (token masks), no torch
     ],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
     entry_points={"console_scripts": [

@@ -137,3 +137,9 @@ def test_bad_lip_files(kernel, tmp_path):
 def _me():
     import pwd, os
     return pwd.getpwuid(os.getuid()).pw_name
+
+
+def test_token_mask_applies_in_the_kernel(kernel):
+    r = kernel.run(REPO / "tests/lips/masked.py")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"argmax_in_mask": True, "logits_masked": True, "sample_in_mask": True}

@@ -284,7 +284,9 @@ class SyscallServer:
 
     def _pred(self, lip, slot, cid, body, toks):
         n = _int(body.get("n_tokens"), "n_tokens", 1, abi.MAX_TOKENS_PER_CALL)
-        n_mask = _int(body.get("n_mask", 0), "n_mask", 0, self.vocab)
+        n_mask = _int(body.get("n_mask_words", 0), "n_mask_words", 0, (self.vocab + 31) // 32)
+        if n_mask and n_mask != (self.vocab + 31) // 32:
+            _fail("InvalidArgument", "EINVAL", f"a mask is {(self.vocab + 31) // 32} uint32 words, got {n_mask}")
         if toks.size != n + n_mask:
             _fail("InvalidArgument", "EINVAL", f"token array holds {toks.size} ids, body says {n}+{n_mask}")
         out = body.get("output", "logits")
@@ -297,9 +299,12 @@ class SyscallServer:
             if need > lip.ring.arena_bytes:
                 _fail("InvalidArgument", "EINVAL", f"{rows} rows of {out} need {need} bytes; the arena "
                       f"holds {lip.ring.arena_bytes} (ask for fewer rows, or top-k)")
-        mask = toks[n:] if n_mask else None
-        if mask is not None and ((mask < 0) | (mask >= self.vocab)).any():
-            _fail("InvalidArgument", "EINVAL", "mask holds token ids outside the vocabulary")
+        mask = None
+        if n_mask:                                   # bit i of the words: token i allowed
+            bits = np.unpackbits(np.ascontiguousarray(toks[n:]).view(np.uint8), bitorder="little")
+            mask = bits[: self.vocab].astype(bool)
+            if not mask.any():
+                _fail("InvalidArgument", "EINVAL", "the mask allows no token")
         self.pending.append(_Pending(lip, slot, cid, body, toks[:n], mask))
         return None
 
@@ -349,9 +354,7 @@ class SyscallServer:
         x = logits if logits.dim() == 2 else logits.unsqueeze(0)        # [rows, vocab]
         x = x.float().cpu()
         if p.mask is not None:
-            m = torch.full((self.vocab,), float("-inf"))
-            m[torch.from_numpy(p.mask.astype(np.int64))] = 0.0
-            x = x + m
+            x = x.masked_fill(~torch.from_numpy(p.mask), float("-inf"))
         length = self.fs.handles[b["kv"]].inode.length
         out = b.get("output", "logits")
         if out == "logits":

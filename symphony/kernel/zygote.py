@@ -42,7 +42,9 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "copy", "struct", "hashlib", "base64", "datetime", "decimal", "fractions", "operator",
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
            "secrets", "unicodedata", "numpy", "numpy.random", "numpy.linalg", "orjson", "symphony.lip", "symphony.kernel.shm",
-           "symphony.kernel.sandbox", "symphony.kernel.tokenizer"]
+           "symphony.kernel.sandbox", "symphony.kernel.tokenizer",
+           # the LIP standard library and the libraries stock programs use
+           "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy"]
 
 
 class _RingStream(io.TextIOBase):
@@ -125,7 +127,10 @@ def main() -> None:
     import importlib
     tok_file = sys.argv[1]
     for m in PRELOAD:
-        importlib.import_module(m)
+        try:
+            importlib.import_module(m)
+        except ImportError as e:                        # LIPs that import it will fail clearly
+            print(f"symphony zygote: cannot preload {m}: {e}", file=sys.stderr, flush=True)
     from symphony.kernel.tokenizer import Tokenizer
     with open(tok_file, encoding="utf-8") as f:
         tok = Tokenizer.from_json(f.read())

@@ -15,8 +15,8 @@ typed exceptions of `symphony.lip.errors`.  See the README, "Writing a LIP".
 from __future__ import annotations
 
 from .errors import *  # noqa: F401,F403
-from .runtime import (EOS, KVFile, capabilities, detokenize, http, info, kv, list_dir, pred,  # noqa: F401
-                      read_file, recv, send, tokenize, tokenizer)
+from .runtime import (EOS, KVFile, capabilities, detokenize, http, info, kv, list_dir,  # noqa: F401
+                      mask_words, pred, read_file, recv, send, tokenize, tokenizer, vocab_size)
 
 __all__ = ["kv", "KVFile", "pred", "tokenize", "detokenize", "send", "recv", "EOS", "http",
-           "read_file", "list_dir", "info", "tokenizer", "capabilities"]
+           "read_file", "list_dir", "info", "tokenizer", "capabilities", "mask_words", "vocab_size"]

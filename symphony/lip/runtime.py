@@ -75,7 +75,9 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
       * ``"topk"``: ``(ids int32 [k], logprobs float32 [k])`` (rows with all_logits);
       * ``"sample"``: a token id sampled in the kernel (``temperature``, ``top_p``,
         ``top_k``, ``seed``); ``"argmax"``: the greedy token id.
-    ``mask``: token ids allowed next; all others get -inf before any output.
+    ``mask``: the tokens allowed next, as a list of ids or a bitmask of
+    ceil(vocab/32) uint32 words (see `mask_words`); all others get -inf in the
+    kernel before any output.
     """
     if not isinstance(f, KVFile):
         raise BY_NAME["InvalidArgument"]("pred needs a KVFile", "EINVAL")
@@ -84,9 +86,9 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
             "all_logits": bool(all_logits), "output": output, "k": k, "temperature": temperature,
             "top_p": top_p, "top_k": top_k, "seed": seed, "n_tokens": int(toks.size)}
     if mask is not None:
-        m = _tokens(mask)
-        body["n_mask"] = int(m.size)
-        toks = np.concatenate([toks, m])
+        words = mask_words(mask)
+        body["n_mask_words"] = int(words.size)
+        toks = np.concatenate([toks, words.view(np.int32)])
     data, arena = _call(abi.PRED, body, toks)
     f._length = data.get("length", f._length)
     if output in ("sample", "argmax"):
@@ -97,6 +99,32 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         lp = arena[rows:]
         return (ids[0], lp[0]) if not all_logits else (ids, lp)
     return arena if all_logits else arena[0]
+
+
+def vocab_size() -> int:
+    """The model's vocabulary size (logit rows have this many entries)."""
+    v = getattr(_local, "vocab", None) or globals().get("_vocab")
+    if v is None:
+        v = info()["vocab_size"]
+        globals()["_vocab"] = v
+    return v
+
+
+def mask_words(mask) -> np.ndarray:
+    """A token mask as the kernel takes it: a bitmask of ceil(vocab/32) uint32
+    words, bit i set = token i allowed.  ``mask`` is either such a bitmask
+    (uint32 or int32 array of that length, e.g. from a grammar engine) or a
+    sequence of allowed token ids."""
+    n = (vocab_size() + 31) // 32
+    m = np.asarray(mask)
+    if m.dtype in (np.uint32, np.int32) and m.ndim == 1 and m.size == n:
+        return m.view(np.uint32)
+    ids = _tokens(m).astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size()):
+        raise BY_NAME["InvalidArgument"]("mask holds token ids outside the vocabulary", "EINVAL")
+    words = np.zeros(n, dtype=np.uint32)
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return words
 
 
 # ---------------------------------------------------------------- KV files

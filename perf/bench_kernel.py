@@ -1,0 +1,490 @@
+"""The kernel end to end: LIPs on the real embedded SmolLM2 vs the in-process engine.
+
+    python perf/bench_kernel.py [--steps 64] [--rounds 5] [--lips 32] [--lip-steps 32]
+                                [--conc-rounds 3] [--spawns 50] [--many 200] [--kv-memory-mb 512]
+
+Starts ``symphony-kernel`` in a subprocess on its own socket (as tests/conftest.py's
+KernelProc does, with ``--kv-memory-mb 512``) and loads the same model in this
+process as an in-process `Engine`.  The two are never busy at the same time: the
+rounds alternate (kernel round, in-process round, kernel round, ...), and every
+figure is the median over rounds.
+
+1. batch 1: a LIP prefills a 44-token chat prompt into an anonymous KV file, then
+   makes --steps greedy decode steps with ``pred(f, [t], output="argmax")``,
+   timing the decode steps itself (perf_counter) and send()ing tokens/s; vs the
+   in-process ``engine.pred(seq, [t])`` + argmax loop.  Target kernel/in-process >= 0.9.
+2. --lips concurrent LIPs, each decoding --lip-steps steps: all are spawned at once,
+   prefill, report "ready" and wait in recv(); once all are ready the benchmark
+   sends each one "go", so the decode phases start together.  Aggregate tokens/s =
+   lips * lip_steps / (last decode end - first decode start), timestamps taken in
+   the LIPs (CLOCK_MONOTONIC is shared by processes); vs ``engine.pred_batch`` on
+   the same prompts (batch --lips, --lip-steps steps).  Target >= 0.9.  The kernel's
+   batch statistics over the decode phase (``Client.stats()``: batches,
+   batch_calls) give the mean number of calls per forward pass.
+3. spawn latency: --spawns sequential spawns of a LIP whose main() is
+   ``send("hi")``; client-side time from sending the spawn request to the
+   "started" reply, to the "out" event, and to the "exit" event.  Target p50 <= 50 ms.
+4. --many LIPs spawned at once (one connection and thread each): create a KV file,
+   pred ~10 tokens, 4 greedy decode steps, send the tokens, exit.  Counts those
+   that exit with status 0 and a result; reports the wall time and how many
+   match an in-process (batched) greedy reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from symphony.client import Client                               # noqa: E402
+from symphony.kernel.config import EngineConfig                  # noqa: E402
+from symphony.kernel.engine import Engine, PredRequest           # noqa: E402
+
+PROMPT = "Write a short story about a robot who learns to play the violin."
+
+# ---------------------------------------------------------------- the LIPs
+LIP_DECODE = r'''
+import json, time
+from symphony.lip import kv, pred, recv, send
+
+def main(ids_json, steps, wait="0"):
+    ids, steps = json.loads(ids_json), int(steps)
+    with kv.create() as f:
+        t = pred(f, ids, output="argmax")
+        if wait == "1":
+            send("ready")
+            recv()
+        toks = [t]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = pred(f, [t], output="argmax")
+            toks.append(t)
+        t1 = time.perf_counter()
+    send({"t0": t0, "t1": t1, "tok_s": steps / (t1 - t0), "tokens": toks})
+'''
+
+LIP_HI = r'''
+from symphony.lip import send
+
+def main():
+    send("hi")
+'''
+
+LIP_SMALL = r'''
+from symphony.lip import kv, pred, send, tokenize
+
+def main(text, steps="4"):
+    ids = tokenize(text)
+    with kv.create() as f:
+        t = pred(f, ids, output="argmax")
+        out = [t]
+        for _ in range(int(steps)):
+            t = pred(f, [t], output="argmax")
+            out.append(t)
+    send({"n_prompt": len(ids), "tokens": out})
+'''
+
+
+# ---------------------------------------------------------------- the kernel process
+class KernelProc:
+    """symphony-kernel in a subprocess on its own socket (the logic of tests/conftest.py)."""
+
+    def __init__(self, tmp: Path, *extra: str):
+        self.socket = str(tmp / "kernel.sock")
+        self.log_path = tmp / "kernel.log"
+        self.log = open(self.log_path, "w+")
+        env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
+             "--socket", self.socket, *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("kernel died at start:\n" + self.read_log())
+            if "ready on" in self.read_log():
+                break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("kernel did not start:\n" + self.read_log())
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout: float = 60) -> Client:
+        return Client(self.socket, timeout=timeout)
+
+    def problems(self, since: int = 0, limit: int = 40) -> list[str]:
+        """Warning / error / traceback lines of the kernel log after character ``since``."""
+        lines = self.read_log()[since:].splitlines()
+        bad = [l for l in lines if any(w in l for w in (" WARNING ", " ERROR ", "Traceback", "Error"))]
+        return bad[:limit]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+class LipConn(threading.Thread):
+    """One LIP on its own connection, run from its own thread: spawn, then read
+    its events until exit.  A ``"ready"`` message sets ``self.ready``."""
+
+    def __init__(self, socket: str, source: str, args, *, filename: str, timeout: float,
+                 barrier: threading.Barrier | None = None):
+        super().__init__(daemon=True)
+        self.socket, self.source, self.args, self.filename = socket, source, list(args), filename
+        self.timeout, self.barrier = timeout, barrier
+        self.ready = threading.Event()
+        self.client = None
+        self.lip = None
+        self.result = None
+        self.exit = None
+        self.error = None
+        self.stderr = ""
+        self.t_spawn = self.t_started = self.t_out = self.t_exit = None
+
+    def run(self):
+        try:
+            self.client = Client(self.socket, timeout=self.timeout)
+            if self.barrier is not None:
+                self.barrier.wait()
+            self.t_spawn = time.perf_counter()
+            self.lip = self.client.spawn(self.source, self.args, filename=self.filename)
+            self.t_started = time.perf_counter()
+            for ev in self.client.events(timeout=self.timeout):
+                kind = ev.get("event")
+                if kind == "out":
+                    if ev.get("data") == "ready":
+                        self.ready.set()
+                    else:
+                        self.result, self.t_out = ev.get("data"), time.perf_counter()
+                elif kind in ("stdout", "stderr"):
+                    self.stderr += ev.get("data", "")
+                elif kind == "exit":
+                    self.exit, self.t_exit = ev, time.perf_counter()
+        except Exception as e:                      # reported, never raised from the thread
+            self.error = f"{type(e).__name__}: {e}"
+            if self.barrier is not None and self.t_spawn is None:
+                self.barrier.abort()                # never spawned: release the others
+        finally:
+            self.ready.set()                        # never leave a waiter hanging
+
+    @property
+    def ok(self) -> bool:
+        return (self.error is None and self.exit is not None and self.exit.get("status") == 0
+                and self.result is not None)
+
+    def describe(self) -> str:
+        return (f"LIP {self.lip}: error={self.error} exit={self.exit} "
+                f"stderr={self.stderr.strip()[-300:]!r}")
+
+    def close(self):
+        if self.client is not None:
+            self.client.close()
+
+
+def run_together(k: KernelProc, source, arg_lists, *, filename, timeout, go: bool = False,
+                 on_ready=None) -> tuple[list[LipConn], float]:
+    """Spawn len(arg_lists) LIPs at once; if ``go``, wait until all are ready, call
+    ``on_ready()``, then send each "go".  Returns (conns, client-side wall seconds)."""
+    barrier = threading.Barrier(len(arg_lists) + 1)
+    conns = [LipConn(k.socket, source, a, filename=filename, timeout=timeout, barrier=barrier)
+             for a in arg_lists]
+    for c in conns:
+        c.start()
+    try:
+        barrier.wait(timeout)
+    except threading.BrokenBarrierError:
+        pass                                        # a thread could not connect: see its error
+    t0 = time.perf_counter()
+    if go:
+        for c in conns:
+            c.ready.wait(timeout)
+        if on_ready is not None:
+            on_ready()
+        for c in conns:
+            if c.lip is not None and c.error is None and c.exit is None:
+                try:
+                    c.client.send_input(c.lip, "go")
+                except OSError as e:
+                    c.error = f"send go: {e}"
+    for c in conns:
+        c.join(timeout + 10)
+    wall = time.perf_counter() - t0
+    for c in conns:
+        c.close()
+    return conns, wall
+
+
+# ---------------------------------------------------------------- in-process contenders
+def engine_single(eng: Engine, ids: list[int], steps: int) -> tuple[float, list[int]]:
+    seq = eng.new_sequence()
+    t = int(eng.pred(seq, ids).argmax())
+    toks = [t]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = int(eng.pred(seq, [t]).argmax())
+        toks.append(t)
+    dt = time.perf_counter() - t0
+    eng.release(seq)
+    return steps / dt, toks
+
+
+def engine_batch(eng: Engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    seqs = [eng.new_sequence() for _ in prompts]
+    outs = eng.pred_batch([PredRequest(s, p) for s, p in zip(seqs, prompts)])   # prefill, untimed
+    toks = [[int(o.argmax())] for o in outs]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = eng.pred_batch([PredRequest(s, [tk[-1]]) for s, tk in zip(seqs, toks)])
+        for tk, o in zip(toks, outs):
+            tk.append(int(o.argmax()))
+    dt = time.perf_counter() - t0
+    for s in seqs:
+        eng.release(s)
+    return len(prompts) * steps / dt, toks
+
+
+# ---------------------------------------------------------------- kernel contenders
+def kernel_single(k: KernelProc, ids: list[int], steps: int, timeout: float) -> tuple[float, list[int]]:
+    [c], _ = run_together(k, LIP_DECODE, [[json.dumps(ids), str(steps)]], filename="decode.py",
+                          timeout=timeout)
+    if not c.ok:
+        raise RuntimeError("single-stream LIP failed: " + c.describe())
+    return c.result["tok_s"], c.result["tokens"]
+
+
+def kernel_concurrent(k: KernelProc, prompts: list[list[int]], steps: int, timeout: float) -> dict:
+    box = {}
+
+    def snapshot():
+        with k.client() as c:
+            box["before"] = c.stats()
+    conns, wall = run_together(k, LIP_DECODE, [[json.dumps(p), str(steps), "1"] for p in prompts],
+                               filename="decode.py", timeout=timeout, go=True, on_ready=snapshot)
+    with k.client() as c:
+        after = c.stats()
+    bad = [c for c in conns if not c.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)}/{len(conns)} concurrent LIPs failed; first: " + bad[0].describe())
+    res = [c.result for c in conns]
+    span = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+    slowest = max(r["t1"] - r["t0"] for r in res)
+    before = box["before"]
+    batches = after["batches"] - before["batches"]
+    calls = after["batch_calls"] - before["batch_calls"]
+    return {"agg": len(prompts) * steps / span, "agg_slowest": len(prompts) * steps / slowest,
+            "per_lip_median": statistics.median(r["tok_s"] for r in res),
+            "per_lip_min": min(r["tok_s"] for r in res), "span": span, "wall": wall,
+            "batches": batches, "calls": calls, "max_batch": after["max_batch"],
+            "tokens": [r["tokens"] for r in res]}
+
+
+def spawn_latency(k: KernelProc, n: int, warmup: int = 3) -> dict:
+    started, out, exited = [], [], []
+    with k.client(timeout=60) as c:
+        for i in range(warmup + n):
+            t0 = time.perf_counter()
+            c.spawn(LIP_HI, [], filename="hi.py")
+            t1 = time.perf_counter()
+            t_out = t_exit = None
+            for ev in c.events(timeout=60):
+                if ev.get("event") == "out" and t_out is None:
+                    t_out = time.perf_counter()
+                elif ev.get("event") == "exit":
+                    t_exit = time.perf_counter()
+                    if ev.get("status") != 0:
+                        raise RuntimeError(f"hi LIP failed: {ev}")
+            if t_out is None or t_exit is None:
+                raise RuntimeError("hi LIP: no out or exit event")
+            if i >= warmup:
+                started.append((t1 - t0) * 1e3)
+                out.append((t_out - t0) * 1e3)
+                exited.append((t_exit - t0) * 1e3)
+    return {"started": started, "out": out, "exit": exited}
+
+
+def many_lips(k: KernelProc, n: int, timeout: float) -> tuple[list[LipConn], float, list[str]]:
+    texts = [f"Item {i}: the quick brown fox jumps over the" for i in range(n)]
+    conns, wall = run_together(k, LIP_SMALL, [[t, "4"] for t in texts], filename="small.py",
+                               timeout=timeout)
+    return conns, wall, texts
+
+
+# ---------------------------------------------------------------- reporting helpers
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs, dtype=float), q))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=64, help="batch-1 decode steps (default 64)")
+    ap.add_argument("--rounds", type=int, default=5, help="batch-1 interleaved rounds (default 5)")
+    ap.add_argument("--lips", type=int, default=32, help="concurrent decoding LIPs (default 32)")
+    ap.add_argument("--lip-steps", type=int, default=32, help="decode steps per concurrent LIP (default 32)")
+    ap.add_argument("--conc-rounds", type=int, default=3, help="concurrent interleaved rounds (default 3)")
+    ap.add_argument("--spawns", type=int, default=50, help="sequential spawns timed (default 50)")
+    ap.add_argument("--many", type=int, default=200, help="LIPs spawned at once in part 4 (default 200)")
+    ap.add_argument("--kv-memory-mb", type=int, default=512)
+    ap.add_argument("--timeout", type=float, default=300, help="per-LIP client timeout, seconds")
+    args = ap.parse_args()
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # one socket per concurrent LIP
+    want = 4 * max(args.many, args.lips) + 256
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard) if hard != resource.RLIM_INFINITY else want, hard))
+
+    threads = torch.get_num_threads()
+    print(f"# SmolLM2-135M-Instruct (float32), CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{threads} torch threads per process", flush=True)
+    t_load = time.perf_counter()
+    eng = Engine.load(config=EngineConfig(page_size=16, kv_memory_bytes=256 * 2**20), progress=False)
+    ids = eng.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    print(f"# in-process engine loaded in {time.perf_counter() - t_load:.1f} s; prompt {len(ids)} tokens",
+          flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-kernel-"))
+    t_load = time.perf_counter()
+    k = KernelProc(tmp, "--kv-memory-mb", str(args.kv_memory_mb), "--max-lips", "256")
+    print(f"# kernel started in {time.perf_counter() - t_load:.1f} s (log: {k.log_path})", flush=True)
+    prompts = [ids[:-1] + [i + 100] for i in range(args.lips)]     # distinct prompts of equal length
+    failures: list[str] = []
+    try:
+        # ------------------------------------------------ warm-up (both sides, every path)
+        kernel_single(k, ids, 4, args.timeout)
+        engine_single(eng, ids, 4)
+        kernel_concurrent(k, prompts, 2, args.timeout)
+        engine_batch(eng, prompts, 2)
+
+        # ------------------------------------------------ 1. batch 1
+        print(f"\n## 1. batch 1: {args.steps} greedy decode steps, {args.rounds} interleaved rounds", flush=True)
+        k1, e1, same1 = [], [], []
+        for r in range(args.rounds):
+            tk, toks_k = kernel_single(k, ids, args.steps, args.timeout)
+            te, toks_e = engine_single(eng, ids, args.steps)
+            k1.append(tk)
+            e1.append(te)
+            same1.append(toks_k == toks_e)
+            print(f"  round {r + 1}/{args.rounds}: kernel LIP {tk:.1f} tok/s, in-process {te:.1f} tok/s, "
+                  f"ratio {tk / te:.2f}, same tokens {toks_k == toks_e}", flush=True)
+
+        # ------------------------------------------------ 2. concurrent LIPs vs pred_batch
+        n, s = args.lips, args.lip_steps
+        print(f"\n## 2. {n} concurrent LIPs x {s} steps vs in-process pred_batch (batch {n}), "
+              f"{args.conc_rounds} interleaved rounds", flush=True)
+        kc, ec, same2 = [], [], []
+        for r in range(args.conc_rounds):
+            rk = kernel_concurrent(k, prompts, s, args.timeout)
+            te, toks_e = engine_batch(eng, prompts, s)
+            kc.append(rk)
+            ec.append(te)
+            match = sum(a == b for a, b in zip(rk["tokens"], toks_e))
+            same2.append(match)
+            print(f"  round {r + 1}/{args.conc_rounds}: kernel {rk['agg']:.1f} tok/s aggregate "
+                  f"(decode span {rk['span']:.2f} s; slowest LIP alone {rk['agg_slowest']:.1f}; "
+                  f"per LIP median {rk['per_lip_median']:.2f}, min {rk['per_lip_min']:.2f}), "
+                  f"in-process {te:.1f} tok/s, ratio {rk['agg'] / te:.2f}; "
+                  f"{rk['calls']} calls in {rk['batches']} passes = {rk['calls'] / max(rk['batches'], 1):.1f}"
+                  f"/pass; same tokens {match}/{n}", flush=True)
+
+        # ------------------------------------------------ 3. spawn latency
+        print(f"\n## 3. spawn latency: {args.spawns} sequential spawns of `send(\"hi\")`", flush=True)
+        lat = spawn_latency(k, args.spawns)
+
+        # ------------------------------------------------ 4. many LIPs at once
+        print(f"\n## 4. {args.many} LIPs at once", flush=True)
+        log_mark = len(k.read_log())
+        conns, wall, texts = many_lips(k, args.many, args.timeout)
+        ok = [c for c in conns if c.ok]
+        bad = [c for c in conns if not c.ok]
+        # greedy reference, batched in-process (batch composition may flip a near-tie)
+        ref_prompts = [eng.tokenizer.encode(t) for t in texts]
+        _, ref = engine_batch(eng, ref_prompts, 4)
+        n_match = sum(c.ok and c.result["tokens"] == r for c, r in zip(conns, ref))
+        spawn_ms = [(c.t_started - c.t_spawn) * 1e3 for c in conns if c.t_started]
+        exit_s = [c.t_exit - c.t_spawn for c in conns if c.t_exit]
+        with k.client() as c:
+            st = c.stats()
+            ps = c.ps()
+        problems = k.problems(log_mark)
+    finally:
+        rc = k.stop()
+
+    # ---------------------------------------------------------------- report
+    med = statistics.median
+    mk1, me1 = med(k1), med(e1)
+    mkc, mec = med(r["agg"] for r in kc), med(ec)
+    calls = sum(r["calls"] for r in kc)
+    batches = sum(r["batches"] for r in kc)
+    print("\n| measurement | kernel (LIPs) | in-process engine | kernel / in-process | target |")
+    print("|---|---|---|---|---|")
+    print(f"| batch 1: decode tok/s ({args.steps} steps, 44-token prompt) | {mk1:.1f} | {me1:.1f} | "
+          f"{mk1 / me1:.2f} | >= 0.9 |")
+    print(f"| {n} LIPs x {s} steps: aggregate decode tok/s | {mkc:.1f} | {mec:.1f} (pred_batch, batch {n}) | "
+          f"{mkc / mec:.2f} | >= 0.9 |")
+    print(f"\n* batch 1: kernel / in-process **{mk1 / me1:.2f}x** (target >= 0.9); greedy tokens identical "
+          f"in {sum(same1)}/{len(same1)} rounds")
+    print(f"* {n} concurrent LIPs / pred_batch: **{mkc / mec:.2f}x** (target >= 0.9); per-LIP tok/s median "
+          f"{med(r['per_lip_median'] for r in kc):.2f}; aggregate counted on the slowest LIP's own decode time "
+          f"{med(r['agg_slowest'] for r in kc):.1f} tok/s; client-side wall (go -> last exit) "
+          f"{med(r['wall'] for r in kc):.2f} s; greedy tokens identical to the in-process batch for "
+          f"{min(same2)}..{max(same2)}/{n} LIPs")
+    print(f"* kernel batching over the decode phases: {calls} pred calls in {batches} forward passes = "
+          f"**{calls / max(batches, 1):.1f} calls per pass** (ideal {n}); max batch {kc[-1]['max_batch']}")
+    print("\n| spawn -> | p50 ms | p99 ms | max ms |")
+    print("|---|---|---|---|")
+    for key, label in (("started", '"started" reply'), ("out", 'first message ("out" event)'),
+                       ("exit", '"exit" event')):
+        print(f"| {label} | {pct(lat[key], 50):.1f} | {pct(lat[key], 99):.1f} | {max(lat[key]):.1f} |")
+    print(f"\n* spawn -> first message p50 **{pct(lat['out'], 50):.1f} ms** (target <= 50 ms), "
+          f"p99 {pct(lat['out'], 99):.1f} ms, over {len(lat['out'])} spawns")
+    print(f"\n{len(ok)}/{args.many} ok  ({args.many} LIPs at once: status 0 with a result; wall "
+          f"{wall:.2f} s = {args.many * 5 / wall:.0f} generated tokens/s incl. spawn and prefill)")
+    if spawn_ms:
+        print(f"* spawn request -> \"started\" reply under that load: p50 {pct(spawn_ms, 50):.0f} ms, "
+              f"p99 {pct(spawn_ms, 99):.0f} ms, max {max(spawn_ms):.0f} ms")
+    if exit_s:
+        print(f"* spawn -> exit per LIP: p50 {pct(exit_s, 50):.2f} s, max {max(exit_s):.2f} s")
+    print(f"* greedy tokens equal to the in-process batched reference: {n_match}/{args.many}")
+    print(f"* kernel after the run: {st['lips']} LIPs alive, {len(ps['lips'])} in ps, "
+          f"{st['kv_pages_used']}/{st['kv_pages_total']} KV pages used, max batch {st['max_batch']}")
+    if bad:
+        failures.append(f"{len(bad)}/{args.many} of the concurrent LIPs failed")
+        for c in bad[:5]:
+            print("  FAILED " + c.describe())
+    if problems:
+        print("* kernel log, warnings/errors during part 4:")
+        for line in problems:
+            print("    " + line)
+    if rc != 0:
+        failures.append(f"kernel exited with status {rc}")
+        print(f"kernel exited with status {rc}; log tail:\n"
+              f"{k.log_path.read_text(errors='replace')[-3000:]}")
+    if failures:
+        print("\nFAILURES: " + "; ".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
