@@ -218,7 +218,8 @@ def _run(c, args) -> int:
         limits["cpu_seconds"] = args.cpu
     if args.memory_mb:
         limits["memory_bytes"] = args.memory_mb << 20
-    lip = c.spawn(source, args.lip_args, filename=os.path.basename(path), grants=grants, limits=limits)
+    lip = c.spawn(source, args.lip_args, filename=os.path.basename(path), grants=grants, limits=limits,
+                  priority=args.priority)
     if args.verbose:
         print(f"symphony: LIP {lip} started", file=sys.stderr)
 
@@ -269,6 +270,8 @@ def _add_client_cmds(sub) -> None:
     r.add_argument("--cpu", type=int, default=None, help="CPU-time limit, seconds")
     r.add_argument("--memory-mb", type=int, default=None, help="address-space limit, MiB")
     r.add_argument("-i", "--interactive", action="store_true", help="forward terminal input to recv()")
+    r.add_argument("--priority", default="normal", choices=["batch", "normal", "interactive"],
+                   help="scheduling class (default normal)")
     r.add_argument("-v", "--verbose", action="store_true")
     common(r)
     ps = sub.add_parser("ps", help="list running LIPs")

@@ -54,9 +54,10 @@ class Client:
         return reply
 
     def spawn(self, source: str, args=(), *, filename: str = "lip.py", grants: Optional[dict] = None,
-              limits: Optional[dict] = None, attach: bool = True) -> int:
+              limits: Optional[dict] = None, attach: bool = True, priority="normal") -> int:
         r = self.request({"op": "spawn", "source": source, "filename": filename, "args": list(args),
-                          "grants": grants or {}, "limits": limits or {}, "attach": attach})
+                          "grants": grants or {}, "limits": limits or {}, "attach": attach,
+                          "priority": priority})
         return r["lip"]
 
     def events(self, timeout: Optional[float] = None) -> Iterator[dict]:

@@ -37,6 +37,7 @@ from typing import Optional
 
 import orjson
 
+from ..sched import admit, priority_of
 from .kvfs import KVFS, KVFSError, Principal
 from .protocol import ProtocolError, encode_frame, read_frame
 from .shm import Doorbell, KernelSide
@@ -146,8 +147,11 @@ class Kernel:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ValueError("args must be a list of strings")
-        if len(self.lips) >= self.max_lips:
-            raise ValueError(f"too many LIPs running ({self.max_lips})")
+        free = self.engine.kv.allocator.num_free + self.fs.pager.free_slots()
+        ok, why = admit(len(self.lips), self.max_lips, free, pages_reserve=1)
+        if not ok:
+            raise ValueError(f"LIP not admitted: {why}")
+        priority = priority_of(msg.get("priority", "normal"))
         grants = _check_grants(msg.get("grants") or {})
         limits = _check_limits({**self.default_limits, **(msg.get("limits") or {})})
         lip_id = self.next_id
@@ -155,6 +159,7 @@ class Kernel:
         ring = KernelSide.create(f"{self.prefix}_{lip_id}", n_slots=self.n_slots,
                                  arena_bytes=self.arena_bytes, doorbell=self.doorbell)
         lip = LipProc(lip_id, user, str(filename)[:200], args, ring, grants, limits)
+        lip.priority = priority
         lip.state = "running"
         self.lips[lip_id] = lip
         self.sys.call(lambda: self.sys.add(lip))
@@ -317,6 +322,7 @@ class Kernel:
     @staticmethod
     def _ps(l: LipProc) -> dict:
         return {"lip": l.id, "user": l.user, "file": l.filename, "args": l.args, "state": l.state,
+                "priority": l.priority,
                 "pid": l.pid, "started": l.started, "calls": l.calls, "preds": l.preds, "tokens": l.tokens}
 
 

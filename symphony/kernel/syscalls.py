@@ -35,6 +35,7 @@ from . import abi
 from .engine import PredError
 from .kvfs import KVFS, KVFSError, KVPred, Principal
 from .page_allocator import OutOfPages
+from ..sched import BatchScheduler, Call, LipView, swap_out_order
 from .shm import KernelSide, RingError
 
 log = logging.getLogger("symphony.syscalls")
@@ -65,6 +66,10 @@ class LipProc:
     grants: dict
     limits: dict
     pid: int = 0
+    priority: int = 0
+    caps_in_flight: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+    blocked_since: float = 0.0
     state: str = "starting"
     started: float = field(default_factory=time.time)
     inbox: deque = field(default_factory=deque)
@@ -88,23 +93,25 @@ class _Pending:
     body: dict
     tokens: np.ndarray
     mask: Optional[np.ndarray]
+    orig_len: int = -1          # the file's length before the first chunk (rollback)
 
 
 class SyscallServer:
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
-                 kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None):
+                 kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
+                 chunk_tokens: int = 512):
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.vocab = engine.model_config.vocab_size
-        self.max_batch_tokens = max_batch_tokens or engine.config.max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens or min(engine.config.max_batch_tokens, 2048)
         self.lips: dict[int, LipProc] = {}
         self.commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self.pending: list[_Pending] = []
+        self.sched = BatchScheduler(token_budget=self.max_batch_tokens, chunk_tokens=chunk_tokens,
+                                    gather_s=0.003)
+        fs.evict_first = self._blocked_pids
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="symphony-cap")
         self.stop = threading.Event()
         self.batches = 0
-        self.gather_window = 0.003          # seconds a batch may wait for its last callers
-        self._expect, self._gather_until = 0, 0.0
         self.batch_calls = 0
         self.max_batch = 0
         self.thread = threading.Thread(target=self.run, name="symphony-syscalls", daemon=True)
@@ -140,27 +147,14 @@ class SyscallServer:
             work = self._poll()
             for lip, slot in work:
                 self._handle(lip, slot)
-            if self.pending:
-                if self._gathering():
-                    continue
-                self._run_preds()
+            if len(self.sched):
+                if not work and self.sched.should_wait(time.perf_counter()):
+                    continue                   # the last step's callers are coming back
+                self._run_step()
                 continue
             if not work:
                 self.door.wait(0.05, self._has_work)      # short: a LIP may steal doorbell posts
         log.info("syscall thread stopped")
-
-    def _gathering(self) -> bool:
-        """Hold the batch briefly while callers of the last batch may still come
-        back (sibling threads answer within microseconds of their reply): wait
-        until as many calls are queued as the last batch had, or the window ends."""
-        if len(self.pending) >= self._expect or self._expect <= 1:
-            return False
-        now = time.perf_counter()
-        if self._gather_until == 0.0:
-            self._gather_until = now + self.gather_window
-        if now < self._gather_until:
-            return True
-        return False
 
     def _has_work(self) -> bool:
         if not self.commands.empty():
@@ -201,7 +195,7 @@ class SyscallServer:
         if lip is None:
             return
         lip.state = "exited"
-        self.pending = [p for p in self.pending if p.lip is not lip]
+        self.sched.drop_lip(lip.id)
         closed = self.fs.exit_process(lip.id)
         lip.ring.unlink()
         lip.ring.close()
@@ -305,56 +299,92 @@ class SyscallServer:
             mask = bits[: self.vocab].astype(bool)
             if not mask.any():
                 _fail("InvalidArgument", "EINVAL", "the mask allows no token")
-        self.pending.append(_Pending(lip, slot, cid, body, toks[:n], mask))
+        positions = body.get("positions")
+        self.fs.check_pred(lip.principal, body.get("kv"), toks[:n], positions, bool(body.get("all_logits")))
+        if positions is not None and len(positions) != n:
+            _fail("InvalidArgument", "EINVAL", "positions and tokens differ in length")
+        pend = _Pending(lip, slot, cid, body, toks[:n], mask)
+        self.sched.add(Call(key=(lip.id, body.get("kv")), lip=lip.id, user=lip.user, n_tokens=n,
+                            priority=lip.priority, payload=pend, arrival=time.monotonic()))
+        lip.last_active = time.monotonic()
         return None
 
-    def _run_preds(self) -> None:
-        """Run queued pred calls, as many as fit the token budget, in one pass."""
-        batch, total, seen = [], 0, set()
-        rest = []
-        for p in self.pending:
-            h = p.body.get("kv")
-            key = (p.lip.id, h)
-            if (batch and total + p.tokens.size > self.max_batch_tokens) or key in seen:
-                rest.append(p)
-                continue
-            seen.add(key)
-            batch.append(p)
-            total += p.tokens.size
-        self.pending = rest
-        self._expect, self._gather_until = len(batch), 0.0
-        calls = [KVPred(p.lip.principal, p.body.get("kv"), p.tokens, p.body.get("positions"),
-                        bool(p.body.get("all_logits"))) for p in batch]
+    def _run_step(self) -> None:
+        """Run the scheduler's next step as one forward pass; reply to the calls
+        it completes.  A call that fails is answered with its error (its
+        earlier chunks rolled back); the others in the step are unaffected."""
+        step = self.sched.schedule(time.monotonic())
+        if step is None:
+            return
+        items = [(c, start, n) for c, start, n in step.items if c.payload.lip.state == "running"]
+        if not items:
+            return
+        calls = []
+        for c, start, n in items:
+            p: _Pending = c.payload
+            if start == 0:
+                p.orig_len = self.fs.handles[p.body["kv"]].inode.length if p.body["kv"] in self.fs.handles else 0
+            pos = p.body.get("positions")
+            final = start + n == c.n_tokens
+            calls.append(KVPred(p.lip.principal, p.body.get("kv"), p.tokens[start:start + n],
+                                None if pos is None else pos[start:start + n],
+                                bool(p.body.get("all_logits")) and final))
+        t0 = time.perf_counter()
         try:
             outs = self.fs.pred_batch(calls)
-            results = list(zip(batch, outs, [None] * len(batch)))
+            results = [(it, o, None) for it, o in zip(items, outs)]
+            # wait for late siblings at most a quarter of a forward pass (<= 10 ms)
+            self.sched.gather_s = min(0.010, 0.25 * (time.perf_counter() - t0))
         except Exception:
             results = []                       # find the culprit(s): run each alone
-            for p, c in zip(batch, calls):
+            for it, kc in zip(items, calls):
                 try:
-                    results.append((p, self.fs.pred_batch([c])[0], None))
+                    results.append((it, self.fs.pred_batch([kc])[0], None))
                 except Exception as e:
-                    results.append((p, None, e))
+                    results.append((it, None, e))
         self.batches += 1
-        self.batch_calls += len(batch)
-        self.max_batch = max(self.max_batch, len(batch))
-        for p, logits, err in results:
+        self.batch_calls += len(items)
+        self.max_batch = max(self.max_batch, len(items))
+        for (c, start, n), logits, err in results:
+            p = c.payload
+            if err is not None:
+                self._abandon(c, err)
+                continue
+            if start + n < c.n_tokens:
+                continue                       # more chunks to come
             p.lip.preds += 1
             p.lip.tokens += int(p.tokens.size)
-            if err is not None:
-                self._reply_error(p.lip, p.slot, p.call_id, err)
-                continue
             try:
                 self._deliver(p, logits)
             except Exception as e:
                 self._reply_error(p.lip, p.slot, p.call_id, e)
 
+    def _abandon(self, c: Call, err: BaseException) -> None:
+        """A call failed: drop its remaining chunks, undo its fed ones, reply."""
+        p: _Pending = c.payload
+        self.sched.queue = [q for q in self.sched.queue if q is not c]
+        if p.orig_len >= 0 and c.done > 0:
+            try:
+                inode = self.fs.handles[p.body["kv"]].inode
+                if inode.length > p.orig_len:
+                    self.fs.truncate(p.lip.principal, p.body["kv"], p.orig_len)
+            except Exception:
+                log.exception("LIP %d: rollback of a failed chunked pred failed", p.lip.id)
+        self._reply_error(p.lip, p.slot, p.call_id, err)
+
+    def _blocked_pids(self) -> list[int]:
+        views = [LipView(l.id, l.priority, l.parked_recv is not None or l.caps_in_flight > 0,
+                         l.blocked_since, l.last_active, 1) for l in self.lips.values()]
+        blocked = {v.id for v in views if v.blocked}
+        return [i for i in swap_out_order(views) if i in blocked]
+
     def _deliver(self, p: _Pending, logits: torch.Tensor) -> None:
         b = p.body
-        x = logits if logits.dim() == 2 else logits.unsqueeze(0)        # [rows, vocab]
-        x = x.float().cpu()
+        # computed where the logits are (the GPU on a GPU engine): only what the
+        # call asked for crosses to the host
+        x = (logits if logits.dim() == 2 else logits.unsqueeze(0)).float()   # [rows, vocab]
         if p.mask is not None:
-            x = x.masked_fill(~torch.from_numpy(p.mask), float("-inf"))
+            x = x.masked_fill(~torch.from_numpy(p.mask).to(x.device), float("-inf"))
         length = self.fs.handles[b["kv"]].inode.length
         out = b.get("output", "logits")
         if out == "logits":
@@ -366,11 +396,11 @@ class SyscallServer:
             k = int(b.get("k", 20))
             lp, ids = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
             view = p.lip.ring.arena(p.slot, 2 * x.shape[0], k)
-            view[: x.shape[0]] = ids.to(torch.int32).numpy().view(np.float32)
-            view[x.shape[0]:] = lp.numpy()
+            view[: x.shape[0]] = ids.to(torch.int32).cpu().numpy().view(np.float32)
+            view[x.shape[0]:] = lp.cpu().numpy()
             self._reply(p.lip, p.slot, p.call_id, {"length": length}, (abi.ARENA_TOPK, 2 * x.shape[0], k))
         else:
-            toks = [int(t) for t in (x.argmax(-1) if out == "argmax" else _sample(x, b))]
+            toks = (x.argmax(-1) if out == "argmax" else _sample(x, b)).cpu().tolist()
             body = {"length": length, "token": toks[-1], "tokens": toks}
             self._reply(p.lip, p.slot, p.call_id, body)
 
@@ -397,6 +427,7 @@ class SyscallServer:
         if lip.parked_recv is not None:
             _fail("InvalidArgument", "EBUSY", "another thread of this LIP is already in recv()")
         lip.parked_recv = (slot, cid)
+        lip.blocked_since = time.monotonic()
         self._serve_recv(lip)
         return None
 
@@ -409,13 +440,19 @@ class SyscallServer:
 
     def _cap(self, fn):
         def h(self, lip, slot, cid, body, toks):
+            def done(reply):
+                lip.caps_in_flight -= 1
+                reply()
+
             def job():
                 try:
                     res = fn(lip, body)
-                    self.submit(lambda: self._reply(lip, slot, cid, res))
+                    self.submit(lambda: done(lambda: self._reply(lip, slot, cid, res)))
                 except Exception as e:
                     err = e                                  # `e` is unbound after the except block
-                    self.submit(lambda: self._reply_error(lip, slot, cid, err))
+                    self.submit(lambda: done(lambda: self._reply_error(lip, slot, cid, err)))
+            lip.caps_in_flight += 1
+            lip.blocked_since = time.monotonic()
             self.pool.submit(job)
             return None
         return h
@@ -456,7 +493,7 @@ def _sample(x: torch.Tensor, b: dict) -> torch.Tensor:
         drop = sp.cumsum(-1) - sp > top_p
         sp = sp.masked_fill(drop, 0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    g = torch.Generator()
+    g = torch.Generator(device=x.device)
     if isinstance(seed, int) and not isinstance(seed, bool):
         g.manual_seed(seed & 0xFFFFFFFFFFFF)
     else:

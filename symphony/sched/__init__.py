@@ -1,5 +1,7 @@
-"""Schedulers (level 1: LIPs; level 2: batches of pred() calls).
+"""Schedulers.  Level 2 (`batch.BatchScheduler`): which pending pred() calls
+form each forward pass.  Level 1 (`lips`): admission, priorities, and which
+LIPs give up device pages first."""
+from .batch import BatchScheduler, Call, Step
+from .lips import LipView, admit, priority_of, swap_out_order
 
-Empty for now: the engine runs whatever batch it is given (`Engine.pred_batch`);
-the token-budget batch scheduler arrives with the scheduling work.
-"""
+__all__ = ["BatchScheduler", "Call", "Step", "LipView", "admit", "priority_of", "swap_out_order"]

@@ -77,6 +77,20 @@ class DataOps:
             self._lru_touch(inode)
         return out
 
+    def check_pred(self, who: Principal, hid: int, tokens, positions=None, all_logits: bool = False) -> None:
+        """Raise what pred() would raise for this whole call, changing nothing
+        (the scheduler checks a long prompt once before feeding it in chunks)."""
+        h = self._handle(who, hid)
+        if not h.writable:
+            raise ReadOnlyHandle(f"KV handle {hid} is read-only (fork it to write)")
+        inode = h.inode
+        toks, _ = self.engine.validate(0, PredRequest(KVSequence([], inode.positions), tokens, positions,
+                                                      all_logits))
+        S = self.page_size
+        new = -(-(inode.length + len(toks)) // S) - len(inode.blocks)
+        cow = int(inode.length % S != 0 and inode.blocks[-1].ref > 1)
+        self.quotas.check({(who.user, who.pid): new + cow})
+
     # ------------------------------------------------------------------ fork / truncate
     def fork(self, who: Principal, hid: int, path: Optional[str] = None) -> int:
         """A copy-on-write clone (anonymous unless ``path``), opened read-write.

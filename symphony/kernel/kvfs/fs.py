@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from ..engine import Engine
 from .data import DataOps
@@ -68,6 +68,8 @@ class KVFS(DataOps):
         self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()
         self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
+        # pids whose files leave the device first (blocked LIPs), set by the kernel
+        self.evict_first: Callable[[], list[int]] = lambda: []
         if restore and config.durable_dir:
             from .store import restore_all
             self.restore_report = restore_all(self)
@@ -387,12 +389,25 @@ class KVFS(DataOps):
             self.lru_normal[inode.ino] = inode
 
     def _victims(self, protect: set[int]) -> Iterator[Block]:
-        """Device blocks to evict: drop-first files, then least recently used."""
-        for lru in (self.lru_drop, self.lru_normal):
-            for inode in list(lru.values()):
+        """Device blocks to evict: drop-first files, then the files of blocked
+        LIPs (`evict_first`), then least recently used; never "keep" files."""
+        def of(inode):
+            if inode.advice != "keep":
                 for b in inode.blocks:
                     if b.device >= 0 and b.id not in protect:
                         yield b
+        for inode in list(self.lru_drop.values()):
+            yield from of(inode)
+        pids = self.evict_first()
+        if pids:
+            held = {}
+            for h in list(self.handles.values()):
+                held.setdefault(h.pid, []).append(h.inode)
+            for pid in pids:
+                for inode in held.get(pid, []):
+                    yield from of(inode)
+        for inode in list(self.lru_normal.values()):
+            yield from of(inode)
 
 
 def InvalidPath_(path: str):

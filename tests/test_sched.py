@@ -1,0 +1,150 @@
+"""Scheduler unit tests on a fake clock and a fake model (no torch, no kernel)."""
+import random
+
+import pytest
+
+from symphony.sched import BatchScheduler, Call, LipView, admit, priority_of, swap_out_order
+
+
+def comp(step):
+    return [(c.key, s, n) for c, s, n in step.items]
+
+
+def test_exact_batch_composition_decodes_first_then_a_prefill_chunk():
+    s = BatchScheduler(token_budget=64, chunk_tokens=32)
+    s.add(Call("c", lip=3, user="u", n_tokens=100, arrival=0.0))
+    s.add(Call("a", lip=1, user="u", n_tokens=1, arrival=1.0))
+    s.add(Call("b", lip=2, user="v", n_tokens=1, arrival=2.0))
+    assert comp(s.schedule()) == [("a", 0, 1), ("b", 0, 1), ("c", 0, 32)]
+    assert comp(s.schedule()) == [("c", 32, 32)]
+    assert comp(s.schedule()) == [("c", 64, 32)]
+    step = s.schedule()
+    assert comp(step) == [("c", 96, 4)] and [c.key for c in step.final()] == ["c"]
+    assert s.schedule() is None
+
+
+def test_token_budget_is_respected_under_random_load():
+    rng = random.Random(0)
+    s = BatchScheduler(token_budget=100, chunk_tokens=40)
+    fed = {}
+    for i in range(300):
+        n = rng.choice([1, 1, 1, 5, 60, 250])
+        s.add(Call(i, lip=i % 7, user=f"u{i % 3}", n_tokens=n, arrival=i))
+        fed[i] = n
+    got = {}
+    while (step := s.schedule()) is not None:
+        assert step.tokens <= 100
+        assert len({c.key for c, _, _ in step.items}) == len(step.items)
+        for c, start, n in step.items:
+            assert start == got.get(c.key, 0)              # chunks in order, no gap, no overlap
+            got[c.key] = start + n
+    assert got == fed                                       # every token fed exactly once
+
+
+def test_long_prompt_is_chunked():
+    s = BatchScheduler(token_budget=256, chunk_tokens=256)
+    s.add(Call("p", lip=1, user="u", n_tokens=1000))
+    steps = [comp(s.schedule()) for _ in range(4)]
+    assert steps == [[("p", 0, 256)], [("p", 256, 256)], [("p", 512, 256)], [("p", 768, 232)]]
+
+
+def test_no_starvation_long_prefill_and_32_decoders():
+    """Each decoder re-issues a one-token call after every reply (a LIP loop):
+    every decoder progresses every step while the prefill also advances."""
+    s = BatchScheduler(token_budget=128, chunk_tokens=64)
+    s.add(Call("prefill", lip=99, user="big", n_tokens=4000))
+    for d in range(32):
+        s.add(Call(f"d{d}", lip=d, user=f"user{d % 4}", n_tokens=1))
+    progress = {f"d{d}": 0 for d in range(32)}
+    prefill_fed = 0
+    for step_no in range(50):
+        step = s.schedule()
+        keys = [c.key for c, _, _ in step.items]
+        for d in range(32):
+            assert f"d{d}" in keys, f"decoder {d} skipped at step {step_no}"
+        for c in step.final():
+            if c.key.startswith("d"):
+                progress[c.key] += 1
+                s.add(Call(c.key, lip=c.lip, user=c.user, n_tokens=1))     # its next token
+        prefill_fed += sum(n for c, _, n in step.items if c.key == "prefill")
+    assert all(v == 50 for v in progress.values())
+    assert prefill_fed == 50 * 64                  # one chunk (<= chunk_tokens, <= the leftover 96) a step
+
+
+def test_sibling_calls_share_a_step_but_one_file_runs_in_order():
+    s = BatchScheduler(token_budget=64)
+    for t in range(4):                                      # 4 threads of LIP 1, 4 files
+        s.add(Call(("lip1", t), lip=1, user="u", n_tokens=1))
+    s.add(Call(("lip1", 0), lip=1, user="u", n_tokens=1))  # a second call on file 0
+    assert sorted(c.key for c, _, _ in s.schedule().items) == [("lip1", t) for t in range(4)]
+    assert [c.key for c, _, _ in s.schedule().items] == [("lip1", 0)]
+
+
+def test_priority_order_when_the_budget_is_short():
+    s = BatchScheduler(token_budget=2)
+    s.add(Call("low", lip=1, user="u", n_tokens=1, priority=-1, arrival=0))
+    s.add(Call("normal", lip=2, user="v", n_tokens=1, priority=0, arrival=1))
+    s.add(Call("high", lip=3, user="w", n_tokens=1, priority=1, arrival=2))
+    assert [c.key for c, _, _ in s.schedule().items] == ["high", "normal"]
+    assert [c.key for c, _, _ in s.schedule().items] == ["low"]
+
+
+def test_fairness_between_users_jain_index():
+    """User X runs 10 decoding LIPs, user Y one; with room for 4 tokens a step,
+    tokens are shared between the users, not between the LIPs."""
+    s = BatchScheduler(token_budget=4)
+    lips = [(f"x{i}", i, "X") for i in range(10)] + [("y0", 100, "Y")]
+    for key, lip, user in lips:
+        s.add(Call(key, lip=lip, user=user, n_tokens=1))
+    for _ in range(200):
+        for c in s.schedule().final():
+            s.add(Call(c.key, lip=c.lip, user=c.user, n_tokens=1))
+    x, y = s.served_user["X"], s.served_user["Y"]
+    # Y's single LIP can take at most one token a step: it must get one every step
+    assert y == 200 and x == 600
+    per_x = [s.served_lip[i] for i in range(10)]
+    assert max(per_x) - min(per_x) <= 1                          # X's LIPs share X's part evenly
+    jain = sum(per_x) ** 2 / (len(per_x) * sum(v * v for v in per_x))
+    assert jain >= 0.99
+
+
+def test_gather_window_on_a_fake_clock():
+    s = BatchScheduler(token_budget=64, gather_s=0.003)
+    for t in range(4):
+        s.add(Call(t, lip=1, user="u", n_tokens=1))
+    s.schedule()                                              # a step of 4
+    s.add(Call(0, lip=1, user="u", n_tokens=1))               # one caller is back
+    assert s.should_wait(now=10.000) is True                  # wait for the other three...
+    assert s.should_wait(now=10.002) is True
+    assert s.should_wait(now=10.004) is False                 # ...but not past the window
+    for t in (1, 2, 3):
+        s.add(Call(t, lip=1, user="u", n_tokens=1))
+    assert s.should_wait(now=10.005) is False                 # all back: launch
+
+
+def test_drop_lip_forgets_its_calls():
+    s = BatchScheduler()
+    s.add(Call("a", lip=1, user="u", n_tokens=5))
+    s.add(Call("b", lip=2, user="u", n_tokens=5))
+    assert [c.key for c in s.drop_lip(1)] == ["a"]
+    assert [c.key for c, _, _ in s.schedule().items] == ["b"]
+
+
+def test_swap_out_order_blocked_lips_first():
+    lips = [LipView(1, priority=0, blocked=False, last_active=5.0, device_pages=10),
+            LipView(2, priority=0, blocked=True, blocked_since=3.0, device_pages=4),
+            LipView(3, priority=1, blocked=True, blocked_since=1.0, device_pages=4),
+            LipView(4, priority=-1, blocked=False, last_active=9.0, device_pages=2),
+            LipView(5, priority=0, blocked=True, blocked_since=2.0, device_pages=0)]   # nothing to free
+    assert swap_out_order(lips) == [2, 3, 4, 1]
+
+
+def test_admission_and_priority_classes():
+    assert admit(running=3, max_lips=4, pages_free=100, pages_reserve=10) == (True, "")
+    ok, why = admit(running=4, max_lips=4, pages_free=100, pages_reserve=10)
+    assert not ok and "too many LIPs" in why
+    ok, why = admit(running=1, max_lips=4, pages_free=5, pages_reserve=10)
+    assert not ok and "KV memory is short" in why
+    assert priority_of("interactive") == 1 and priority_of("batch") == -1 and priority_of(3) == 3
+    with pytest.raises(ValueError):
+        priority_of("urgent")
