@@ -136,7 +136,8 @@ def kernel_main(argv=None) -> int:
     except ModelLoadError as e:
         log.error("%s", e)
         return 2
-    from .kernel.daemon import Kernel, default_socket_path
+    from .kernel.daemon import Kernel
+    from .kernel.protocol import default_socket_path
     from .kernel.kvfs import KVFS, KVFSConfig
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
                                  durable_dir=args.durable_dir, user_page_quota=args.user_quota,

@@ -23,7 +23,7 @@ class KernelError(Exception):
 
 class Client:
     def __init__(self, socket_path: Optional[str] = None, user: Optional[str] = None, timeout: float = 30):
-        from .kernel.daemon import default_socket_path
+        from .kernel.protocol import default_socket_path
         self.path = socket_path or default_socket_path()
         self.user = user
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -39,7 +39,7 @@ import orjson
 
 from ..sched import admit, priority_of
 from .kvfs import KVFS, KVFSError, Principal
-from .protocol import ProtocolError, encode_frame, read_frame
+from .protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
 from .shm import Doorbell, KernelSide
 from .syscalls import LipProc, SyscallServer
 
@@ -47,14 +47,6 @@ log = logging.getLogger("symphony.kernel")
 
 MAX_SOURCE = 4 << 20
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-
-
-def default_socket_path() -> str:
-    env = os.environ.get("SYMPHONY_SOCKET")
-    if env:
-        return env
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    return os.path.join(run, "symphony.sock") if run else f"/tmp/symphony-{os.getuid()}.sock"
 
 
 class Kernel:
@@ -162,7 +154,7 @@ class Kernel:
         lip.priority = priority
         lip.state = "running"
         self.lips[lip_id] = lip
-        self.sys.call(lambda: self.sys.add(lip))
+        self.sys.submit(lambda: self.sys.add(lip))     # queued before the zygote forks: FIFO, never blocks the loop
         names = ring.names
         cmd = {"cmd": "spawn", "lip": lip_id, "names": names, "source": source, "filename": lip.filename,
                "args": args, "limits": limits}

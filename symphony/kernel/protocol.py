@@ -4,12 +4,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 
 import orjson
 
 MAX_FRAME = 16 << 20
+
+
+def default_socket_path() -> str:
+    """$SYMPHONY_SOCKET, else $XDG_RUNTIME_DIR/symphony.sock, else /tmp/symphony-UID.sock."""
+    env = os.environ.get("SYMPHONY_SOCKET")
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(run, "symphony.sock") if run else f"/tmp/symphony-{os.getuid()}.sock"
 
 
 class ProtocolError(Exception):

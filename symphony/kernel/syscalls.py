@@ -188,6 +188,9 @@ class SyscallServer:
     # ------------------------------------------------------------------ LIP lifecycle (syscall thread)
     def add(self, lip: LipProc) -> None:
         self.lips[lip.id] = lip
+        if self.engine.device.type == "cuda":
+            _pin(lip.ring, True)
+
 
     def remove(self, lip_id: int) -> None:
         """The LIP is gone: reclaim its handles, anonymous files and ring."""
@@ -197,6 +200,8 @@ class SyscallServer:
         lip.state = "exited"
         self.sched.drop_lip(lip.id)
         closed = self.fs.exit_process(lip.id)
+        if self.engine.device.type == "cuda":
+            _pin(lip.ring, False)
         lip.ring.unlink()
         lip.ring.close()
         log.info("LIP %d (%s) reclaimed: %d KV handles closed", lip.id, lip.filename, closed)
@@ -460,6 +465,20 @@ class SyscallServer:
     _handlers: dict = {}
 
 
+def _pin(ring: KernelSide, on: bool) -> None:
+    """Register (or unregister) a LIP's arena as pinned host memory, so the
+    device-to-host copy of logits is a DMA straight into the LIP's view."""
+    try:
+        cudart = torch.cuda.cudart()
+        base = ring._u8.ctypes.data + ring._arena_off
+        size = ring.n_slots * ring.arena_bytes
+        rc = cudart.cudaHostRegister(base, size, 0) if on else cudart.cudaHostUnregister(base)
+        if int(rc) != 0:
+            log.warning("cudaHost%sregister of a LIP arena failed (%s)", "" if on else "Un", rc)
+    except Exception as e:                       # pinning is an optimisation: never fatal
+        log.warning("could not %spin a LIP arena: %s", "" if on else "un", e)
+
+
 # ---------------------------------------------------------------- KVFS calls
 def _path(body, key="path", optional=False):
     v = body.get(key)
@@ -490,7 +509,7 @@ def _sample(x: torch.Tensor, b: dict) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     if top_p < 1:
         sp, si = probs.sort(dim=-1, descending=True)
-        drop = sp.cumsum(-1) - sp > top_p
+        drop = sp.cumsum(-1) - sp >= top_p            # the smallest set holding top_p
         sp = sp.masked_fill(drop, 0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
     g = torch.Generator(device=x.device)

@@ -41,7 +41,8 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "statistics", "concurrent.futures", "concurrent.futures.thread", "threading", "queue", "textwrap", "enum", "abc",
            "copy", "struct", "hashlib", "base64", "datetime", "decimal", "fractions", "operator",
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
-           "secrets", "unicodedata", "numpy", "numpy.random", "numpy.linalg", "orjson", "symphony.lip", "symphony.kernel.shm",
+           "secrets", "unicodedata", "argparse", "gettext", "locale", "shutil", "numpy",
+           "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.kernel.shm",
            "symphony.kernel.sandbox", "symphony.kernel.tokenizer",
            # the LIP standard library and the libraries stock programs use
            "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy"]

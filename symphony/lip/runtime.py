@@ -94,9 +94,9 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
     if output in ("sample", "argmax"):
         return data["token"] if not all_logits else data["tokens"]
     if output == "topk":
-        rows = arena.shape[0] // 2
+        rows = arena.shape[0] // 2                     # the arena arrives as raw 32-bit words
         ids = arena[:rows].view(np.int32)
-        lp = arena[rows:]
+        lp = arena[rows:].view(np.float32)
         return (ids[0], lp[0]) if not all_logits else (ids, lp)
     return arena if all_logits else arena[0]
 
