@@ -141,6 +141,13 @@ def main() -> None:
         except Exception:
             pass
     tok.decode(tok.encode("warm up"))
+    try:                                                    # the grammar engine's view of the
+        import llguidance                                   # vocabulary, built once for all LIPs
+        from symphony.lip import runtime
+        runtime.ll_tokenizer = llguidance.LLTokenizer(tok._tok.to_str(), n_vocab=tok.vocab_size,
+                                                      eos_token=list(tok.eos_ids))
+    except Exception as e:
+        print(f"symphony zygote: no llguidance tokenizer: {e}", file=sys.stderr, flush=True)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     rd, wr = os.pipe()
     os.set_blocking(wr, False)
