@@ -232,6 +232,7 @@ class KVFS(DataOps):
             if seconds is not None:
                 raise InvalidArgument(f"advice {hint!r} takes no seconds")
             inode.advice = hint
+            inode.expire_at = None                        # a new hint replaces a pending expiry
             self._lru_touch(inode)
         else:
             raise InvalidArgument(f"unknown advice {hint!r} (keep, drop_first, normal, expire)")

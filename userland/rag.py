@@ -1,0 +1,232 @@
+"""Retrieval-augmented answers with each document's KV kept as a file.
+
+    symphony run --grant read:DOCS userland/rag.py [--docs DOCS] "question"
+        [--k 2] [--keep-after 3] [--ttl 600] [--max-tokens 32] [--no-cache]
+
+Retrieval is BM25 over the text files of DOCS (read through the read_file /
+list_dir capabilities).  The prompt is built from KV modules, Prompt Cache
+style, each computed once and kept in KVFS:
+
+    /shared/rag/instr-<hash>.kv   the chat template's head and the system message,
+                                  at positions 0..P-1
+    /shared/rag/<doc-hash>.kv     "Document: <text>" computed right after the
+                                  instruction (it attended to it) and extracted:
+                                  its own tokens at positions P..P+L-1
+    /shared/rag/hits/<doc-hash>.<n>   an empty file whose name is the hit count
+
+A question merges [instruction, doc1, doc2, ...] (`kv.merge` keeps every
+module at its own positions: the documents all start at P and do not see each
+other) and appends the question at positions after the longest document.
+With one document this is exactly the prompt computed in one pass; with more,
+it is parallel context encoding (an approximation).  A document's hash covers
+the instruction's, so a new instruction never reuses stale modules.
+
+Policy: each use of a document counts a hit (the counter file is renamed
+n -> n+1, an atomic step even with concurrent LIPs).  A document with at least
+--keep-after hits is pinned with advise("keep"); the others get
+advise("expire", --ttl) again on every use (a sliding lifetime).  A pending
+expiry cannot be cancelled, so promoting an expiring file replaces it by a
+fork (forks do not inherit expiry).
+
+--no-cache computes the same modules as anonymous files every time: the same
+tokens at the same positions, so the same answer, with nothing reused.
+The answer is sent as text, then one JSON line of statistics: the documents
+used, prefill tokens computed / reused, KV modules (instruction included)
+created / reused, and the advice each document got.
+"""
+import hashlib
+import math
+import re
+from collections import Counter
+
+from symphony.lip import (AlreadyExists, NotFound, PermissionDenied, info, kv, list_dir, pred,
+                          read_file, send, tokenizer)
+
+ROOT, HITS = "/shared/rag", "/shared/rag/hits"
+SYSTEM = "Answer the question using the documents. Be brief."
+STOP = set("a an the is are was were of in on at to for by with and or what who whom which how "
+           "when where why does did do it its this that from as be".split())
+
+
+def words(text):
+    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOP]
+
+
+def bm25(query, docs, k1=1.5, b=0.75):
+    """BM25 score of every document (a list of strings) for ``query``."""
+    bags = [Counter(words(d)) for d in docs]
+    avg = sum(sum(c.values()) for c in bags) / max(len(bags), 1) or 1
+    df = Counter(w for c in bags for w in c)
+    idf = {w: math.log(1 + (len(docs) - n + 0.5) / (n + 0.5)) for w, n in df.items()}
+    q = set(words(query))
+    return [sum(idf[w] * c[w] * (k1 + 1) / (c[w] + k1 * (1 - b + b * sum(c.values()) / avg))
+                for w in q if w in c) for c in bags]
+
+
+def parse(args):
+    opts = {"docs": None, "k": "2", "keep-after": "3", "ttl": "600", "max-tokens": "32"}
+    flags, rest, it = set(), [], iter(args)
+    for a in it:
+        if a == "--no-cache":
+            flags.add("no-cache")
+        elif a.startswith("--") and a[2:] in opts:
+            opts[a[2:]] = next(it, None)
+        elif a.startswith("--"):
+            raise SystemExit(f"rag: unknown option {a}")
+        else:
+            rest.append(a)
+    if len(rest) != 1:
+        raise SystemExit('usage: rag.py [--docs DIR] [--k N] [--no-cache] ... "question"')
+    return opts, flags, rest[0]
+
+
+def load_docs(d):
+    if d is None:                                  # default: the one directory granted to us
+        grants = info()["grants"].get("read", [])
+        if len(grants) != 1:
+            raise SystemExit("rag: pass --docs DIR (and --grant read:DIR)")
+        d = grants[0]
+    names = [n for n in list_dir(d) if not n.endswith("/")]
+    return names, [read_file(f"{d}/{n}").strip() for n in names]
+
+
+class Modules:
+    """Named (or, without the cache, anonymous) KV modules, and what they cost."""
+
+    def __init__(self, cache):
+        self.cache, self.stats = cache, Counter()
+        if cache:
+            for d in (ROOT, HITS):
+                try:
+                    kv.mkdir(d)
+                except (AlreadyExists, PermissionDenied):
+                    pass
+
+    def get(self, path, compute):
+        """Open ``path`` or compute it with ``compute() -> (anonymous KVFile, tokens computed)``."""
+        if self.cache:
+            try:
+                f = kv.open(path)
+                self.stats["kv_reused"] += 1
+                self.stats["prefill_reused"] += len(f)
+                return f, False
+            except NotFound:
+                pass
+        f, n = compute()
+        self.stats["prefill_computed"] += n
+        if self.cache:
+            try:                                   # name it: fork shares the pages, copies nothing
+                g = f.fork(path)
+                f.close()
+                self.stats["kv_created"] += 1
+                return g, True
+            except (AlreadyExists, PermissionDenied):   # a concurrent LIP won / not our cache
+                pass
+        return f, True
+
+
+def hit_counts():
+    counts = {}
+    for e in kv.list(HITS):
+        h, _, n = e["name"].rpartition(".")
+        counts[h] = max(counts.get(h, 0), int(n))
+    return counts
+
+
+def count_hit(h, counts):
+    """Add one to document ``h``'s hit counter; returns the new count."""
+    for _ in range(16):
+        n = counts.get(h, 0)
+        try:
+            if n == 0:
+                kv.create(f"{HITS}/{h}.1").close()
+            else:
+                kv.rename(f"{HITS}/{h}.{n}", f"{HITS}/{h}.{n + 1}")
+            counts[h] = n + 1
+            return n + 1
+        except (AlreadyExists, NotFound):          # another LIP counted meanwhile: look again
+            counts.update(hit_counts())
+    return counts.get(h, 0)
+
+
+def apply_policy(f, path, hits, keep_after, ttl):
+    """Pin a popular document, let the others expire; returns the advice given."""
+    if hits < keep_after:
+        f.advise("expire", ttl)                    # unpopular: gone ttl seconds after its last use
+        return "expire"
+    if f.stat()["expire_at"] is not None:          # newly popular: drop the expiry by forking
+        try:
+            with f.fork(path + ".new") as g:
+                kv.remove(path)
+                kv.rename(path + ".new", path)
+                g.advise("keep")
+            return "keep"
+        except (AlreadyExists, NotFound):          # a concurrent LIP is promoting it
+            return "expire"
+    f.advise("keep")
+    return "keep"
+
+
+def main(*args):
+    opts, flags, question = parse(args)
+    cache = "no-cache" not in flags
+    tok = tokenizer()
+    names, texts = load_docs(opts["docs"])
+    scores = bm25(question, texts)
+    top = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: -scores[i])[:int(opts["k"])]
+
+    # the prompt, cut into modules: head | Document: ... | Document: ... | Question: ... tail
+    full = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\0"}])
+    head, tail = full.split("\0")
+    head_ids = tok.encode(head)
+    ih = hashlib.sha256(head.encode()).hexdigest()[:16]
+    mods = Modules(cache)
+
+    def compute_instruction():
+        f = kv.create()
+        pred(f, head_ids)
+        return f, len(head_ids)
+    instr, _ = mods.get(f"{ROOT}/instr-{ih}.kv", compute_instruction)
+
+    docs = []                                      # (hash, path, KVFile)
+    for i in top:
+        ids = tok.encode(f"Document: {texts[i]}\n\n")
+
+        def compute_doc(ids=ids):
+            with instr.fork() as g:                # after the instruction, then keep only the doc
+                pred(g, ids)
+                return g.extract([[len(head_ids), len(head_ids) + len(ids)]]), len(ids)
+        dh = hashlib.sha256((ih + texts[i]).encode()).hexdigest()[:20]
+        path = f"{ROOT}/{dh}.kv"
+        docs.append((dh, path, mods.get(path, compute_doc)[0]))
+
+    q = tok.encode(f"Question: {question}" + tail)
+    with kv.merge([instr] + [f for _, _, f in docs]) as m:
+        start = max([f.stat()["next_position"] for _, _, f in docs] + [len(head_ids)])
+        mods.stats["prefill_computed"] += len(q)
+        t = pred(m, q, positions=list(range(start, start + len(q))), output="argmax")
+        out = []
+        for _ in range(int(opts["max-tokens"])):
+            if t in tok.eos_ids:
+                break
+            out.append(t)
+            t = pred(m, [t], output="argmax")
+    send(tok.decode(out).strip() + "\n")
+
+    policy = {}
+    if cache:
+        counts = hit_counts()
+        for dh, path, f in docs:
+            try:
+                policy[dh] = apply_policy(f, path, count_hit(dh, counts),
+                                          int(opts["keep-after"]), float(opts["ttl"]))
+            except (PermissionDenied, NotFound):   # someone else's cache: use it, leave its policy
+                pass
+    for _, _, f in docs:
+        f.close()
+    instr.close()
+    send({"docs": [names[i] for i in top], "files": [p for _, p, _ in docs] if cache else [],
+          "policy": policy,
+          "prefill_computed": mods.stats["prefill_computed"],
+          "prefill_reused": mods.stats["prefill_reused"],
+          "kv_created": mods.stats["kv_created"], "kv_reused": mods.stats["kv_reused"]})
