@@ -41,7 +41,7 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "statistics", "concurrent.futures", "concurrent.futures.thread", "threading", "queue", "textwrap", "enum", "abc",
            "copy", "struct", "hashlib", "base64", "datetime", "decimal", "fractions", "operator",
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
-           "secrets", "unicodedata", "argparse", "gettext", "locale", "shutil", "numpy",
+           "secrets", "unicodedata", "argparse", "gettext", "locale", "shutil", "ast", "numpy",
            "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.kernel.shm",
            "symphony.kernel.sandbox", "symphony.kernel.tokenizer",
            # the LIP standard library and the libraries stock programs use

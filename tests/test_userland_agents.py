@@ -1,0 +1,114 @@
+"""Stock LIPs on the real kernel: speculative decoding, a ReAct agent, graph of thoughts."""
+import http.server
+import importlib.util
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import REPO
+
+SPEC, REACT, GOT = (REPO / "userland" / n for n in ("speculative.py", "react.py", "got.py"))
+
+
+def finished(kernel, args):
+    """The kernel's own record of a finished LIP (its pred calls and tokens), by its args."""
+    return [l for l in kernel.client().ps()["finished"] if l["args"] == list(args)][-1]
+
+
+def run_ok(kernel, *args, **kw):
+    r = kernel.run(*args, **kw)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+# ---------------------------------------------------------------- speculative decoding
+CODE = ('Write the same Python functions for mul and div:\n```python\n'
+        'def add(a, b):\n    """Add a and b."""\n    return a + b\n\n'
+        'def sub(a, b):\n    """Subtract b from a."""\n    return a - b\n```')
+
+
+@pytest.mark.parametrize("prompt, n, repetitive", [(CODE, 48, True),
+                                                   ("Write one sentence about the ocean.", 16, False)],
+                         ids=["repetitive", "prose"])
+def test_speculative_equals_greedy(kernel, prompt, n, repetitive):
+    with ThreadPoolExecutor(2) as pool:                   # the two LIPs run side by side
+        spec = pool.submit(run_ok, kernel, SPEC, prompt, "--max-tokens", str(n))
+        plain = pool.submit(run_ok, kernel, REPO / "userland/generate.py", prompt, str(n))
+        spec, plain = spec.result(), plain.result()
+    text, stats_line = spec.stdout.rstrip("\n").rsplit("\n", 1)
+    stats = json.loads(stats_line)
+    # identical to plain greedy decoding (the top-2 logit gaps of these greedy paths are >= 0.05,
+    # far above the float noise of batching or of verifying 8 tokens in one pass)
+    assert text + "\n" == plain.stdout
+    assert stats["tokens"] == len(stats["ids"]) <= n
+    assert stats["pred_calls"] == finished(kernel, [prompt, "--max-tokens", str(n)])["preds"]
+    if repetitive:
+        assert stats["tokens"] >= 32 and stats["accepted"] > 0
+        assert stats["pred_calls"] <= stats["tokens"] / 2, stats      # >= 2 tokens per pred call
+
+
+# ---------------------------------------------------------------- ReAct agent
+def test_react_tools_results_in_answers_one_kv(kernel, tmp_path):
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "todo.txt").write_text("Buy milk.\nCall the plumber.\n")
+    (d / "zephyr.txt").write_text("Meeting notes.\nProject Zephyr's codename is BLUE-HERON-4417.\n")
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"The launch window opens at 0900 UTC.")
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    cases = [("What is 37 * 91?", "calc", "3367"),
+             ("What is the codename of project Zephyr?", "search", "BLUE-HERON-4417"),
+             (f"What does the page http://127.0.0.1:{port}/motd say?", "http", "0900 UTC")]
+    grants = ["--grant", f"read:{d}", "--grant", f"http:127.0.0.1:{port}"]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            runs = list(pool.map(lambda c: run_ok(kernel, REACT, c[0], extra=grants), cases))
+    finally:
+        srv.shutdown()
+    for (question, tool, result), r in zip(cases, runs):
+        out = json.loads(r.stdout.splitlines()[-1])
+        assert [a["tool"] for a in out["actions"]][:1] == [tool], out
+        assert result in out["actions"][0]["observation"], out
+        assert result in out["answer"], out                 # the tool's result reached the answer
+        assert f"Observation: {out['actions'][0]['observation']}" in r.stdout
+        # one KV file all along: it only grows, and every token was fed exactly once
+        lengths = out["kv_lengths"]
+        assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+        assert out["tokens_fed"] == lengths[-1] == finished(kernel, [question])["tokens"]
+
+
+def test_react_calculator_is_safe():
+    spec = importlib.util.spec_from_file_location("react_lip", REACT)     # the LIP's own code, in-process
+    react = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(react)
+    assert react.calc("2 * (3 + 4) ** 2") == "98"
+    assert react.calc("7 / 2") == "3.5" and react.calc("1,000 + 1 =") == "1001" and react.calc("-2^3") == "-8"
+    for bad in ("__import__('os')", "open('x')", "2 ** 10 ** 10", "a + 1", "(1).real", "[1] * 9"):
+        with pytest.raises((ValueError, SyntaxError)):
+            react.calc(bad)
+
+
+# ---------------------------------------------------------------- graph of thoughts
+def test_got_scores_merges_and_concludes(kernel):
+    problem = "A farmer has 3 fields with 12 cows in each field. How many cows does the farmer have?"
+    r = run_ok(kernel, GOT, problem, "--thoughts", "3", "--keep", "2", "--max-tokens", "24")
+    out = json.loads(r.stdout)
+    assert [t["thought"] for t in out["thoughts"]] == [1, 2, 3]
+    assert all(t["text"] and t["score"] <= 0 for t in out["thoughts"])          # log-probabilities
+    assert len({t["text"] for t in out["thoughts"]}) > 1                         # different seeds
+    best = sorted(out["thoughts"], key=lambda t: -t["score"])[:2]
+    assert sorted(out["kept"]) == sorted(t["thought"] for t in best)
+    assert len(out["merged_parts"]) == 3
+    assert out["merged_length"] == sum(out["merged_parts"])
+    assert out["answer"].strip()
