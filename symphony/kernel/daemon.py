@@ -133,7 +133,7 @@ class Kernel:
         log.info("kernel stopped (%d durable KV files synced)", len(synced or []))
 
     # ================================================================== LIPs
-    async def spawn(self, user: str, msg: dict) -> LipProc:
+    async def spawn(self, user: str, msg: dict, watcher=None) -> LipProc:
         source, filename, args = msg.get("source"), msg.get("filename", "lip.py"), msg.get("args", [])
         if not isinstance(source, str) or len(source) > MAX_SOURCE:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
@@ -155,6 +155,8 @@ class Kernel:
         lip.state = "running"
         self.lips[lip_id] = lip
         self.sys.submit(lambda: self.sys.add(lip))     # queued before the zygote forks: FIFO, never blocks the loop
+        if watcher is not None:                        # before the fork: no early output is lost
+            self.watchers.setdefault(lip_id, set()).add(watcher)
         names = ring.names
         cmd = {"cmd": "spawn", "lip": lip_id, "names": names, "source": source, "filename": lip.filename,
                "args": args, "limits": limits}
@@ -217,6 +219,7 @@ class Kernel:
         self._deliver(lip_id, event)
         self.finished.append((lip, event))
         self.watchers.pop(lip_id, None)
+        self.history.pop(lip_id, None)                 # a detached LIP's unread output goes with it
 
     # ================================================================== events
     def _emit_threadsafe(self, lip_id: int, event: dict) -> None:
@@ -262,9 +265,9 @@ class Kernel:
         op = msg.get("op")
         user = _user_for(uid, msg.get("user"))
         if op == "spawn":
-            lip = await self.spawn(user, msg)
-            if msg.get("attach", True):
-                self.watchers.setdefault(lip.id, set()).add(writer)
+            attach = msg.get("attach", True)
+            lip = await self.spawn(user, msg, watcher=writer if attach else None)
+            if attach:
                 attached.add(lip.id)
             return {"event": "started", "lip": lip.id}
         if op == "input":

@@ -50,11 +50,13 @@ def recv_frame_sync(sock: socket.socket):
     head = _recv_exact(sock, 4)
     if head is None:
         return None
+    if len(head) < 4:
+        raise ProtocolError("connection closed inside a frame header")
     (n,) = struct.unpack(">I", head)
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
     body = _recv_exact(sock, n)
-    if body is None:
+    if body is None or len(body) < n:
         raise ProtocolError("connection closed inside a frame")
     return orjson.loads(body)
 

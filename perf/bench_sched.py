@@ -1,0 +1,169 @@
+"""The scheduler under load, on the CPU with the real model.
+
+    python perf/bench_sched.py [--lips 64] [--prefill-lips 8] [--steps 24]
+
+Runs, through a real kernel, LIPs that decode concurrently: ``lips -
+prefill_lips`` decoders (a short prompt, then ``steps`` greedy steps, each
+step timed inside the LIP) and ``prefill_lips`` LIPs that keep sending
+600-token prompts (mixed prefill and decode).  Reports:
+  * aggregate decode tokens/s of the decoders vs the in-process engine running
+    the same number of sequences as one batch (pred_batch), measured in the
+    same run (target >= 0.85x);
+  * per-LIP decode step latency p50 / p99;
+  * fairness: Jain's index of the decoders' token rates (target >= 0.95);
+  * the kernel's batch statistics (calls per forward pass).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+DECODER = '''
+import time
+from symphony.lip import kv, pred, send, tokenize
+
+def main(i, steps):
+    with kv.create() as f:
+        t = pred(f, tokenize(f"Story number {i}: once upon a time"), output="argmax")
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(int(steps)):
+            s = time.perf_counter()
+            t = pred(f, [t], output="argmax")
+            lat.append(time.perf_counter() - s)
+        send({"kind": "decode", "wall": time.perf_counter() - t0, "lat": lat})
+'''
+
+PREFILLER = '''
+import time
+from symphony.lip import kv, pred, send
+
+def main(i, seconds):
+    end = time.time() + float(seconds)
+    n = 0
+    while time.time() < end:
+        with kv.create() as f:
+            pred(f, [(7 * k + int(i)) % 1000 + 100 for k in range(600)], output="argmax")
+            n += 600
+    send({"kind": "prefill", "tokens": n})
+'''
+
+
+def jain(xs):
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs else 0.0
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_kernel_round(k, n_dec, n_pre, steps):
+    from symphony.client import Client
+    results, errors = [], []
+    before = k.client().stats()
+
+    def one(source, args, name):
+        try:
+            with Client(k.socket) as c:
+                c.spawn(source, args, filename=name)
+                evs = list(c.events(timeout=600))
+            outs = [e["data"] for e in evs if e.get("event") == "out"]
+            if evs[-1].get("status") != 0:
+                errors.append((name, evs[-1], [e for e in evs if e.get("event") == "stderr"][:1]))
+            results.extend(outs)
+        except Exception as e:
+            errors.append((name, repr(e)))
+    threads = [threading.Thread(target=one, args=(DECODER, [str(i), str(steps)], f"dec{i}.py")) for i in range(n_dec)]
+    threads += [threading.Thread(target=one, args=(PREFILLER, [str(i), "8"], f"pre{i}.py")) for i in range(n_pre)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = k.client().stats()
+    dec = [r for r in results if isinstance(r, dict) and r.get("kind") == "decode"]
+    pre = [r for r in results if isinstance(r, dict) and r.get("kind") == "prefill"]
+    rates = [steps / r["wall"] for r in dec]
+    lat = [x for r in dec for x in r["lat"]]
+    span = max(r["wall"] for r in dec) if dec else float("nan")
+    return {"agg": n_dec * steps / span, "rates": rates, "lat": lat, "errors": errors, "wall": wall,
+            "prefill_tokens": sum(r["tokens"] for r in pre),
+            "calls_per_pass": (after["batch_calls"] - before["batch_calls"]) / max(1, after["batches"] - before["batches"]),
+            "ok": len(dec) + len(pre)}
+
+
+def run_inprocess(n_dec, steps):
+    from symphony.kernel.config import EngineConfig
+    from symphony.kernel.engine import Engine, PredRequest
+    eng = Engine.load(config=EngineConfig(kv_memory_bytes=512 << 20), progress=False)
+    tok = eng.tokenizer
+    seqs = [eng.new_sequence() for _ in range(n_dec)]
+    outs = eng.pred_batch([PredRequest(s, tok.encode(f"Story number {i}: once upon a time"))
+                           for i, s in enumerate(seqs)])
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = eng.pred_batch([PredRequest(s, [int(o.argmax())]) for s, o in zip(seqs, outs)])
+    dt = time.perf_counter() - t0
+    del eng
+    return n_dec * steps / dt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lips", type=int, default=64)
+    ap.add_argument("--prefill-lips", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    from conftest import KernelProc
+    import torch
+    n_dec = args.lips - args.prefill_lips
+    print(f"# SmolLM2-135M, CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{n_dec} decoding LIPs + {args.prefill_lips} prefill LIPs, {args.steps} steps, {args.rounds} rounds",
+          flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-sched-"))
+    rounds = []
+    for r in range(args.rounds):
+        k = KernelProc(tmp / f"k{r}", "--max-lips", "256")
+        try:
+            res = run_kernel_round(k, n_dec, args.prefill_lips, args.steps)
+        finally:
+            k.stop()
+        base = run_inprocess(n_dec, args.steps)
+        res["base"] = base
+        rounds.append(res)
+        print(f"  round {r + 1}: kernel {res['agg']:.1f} tok/s, in-process batch-{n_dec} {base:.1f} tok/s, "
+              f"jain {jain(res['rates']):.3f}, {res['ok']}/{args.lips} LIPs ok, errors {len(res['errors'])}",
+              flush=True)
+        for e in res["errors"][:3]:
+            print("   error:", e)
+    med = lambda key: statistics.median(x[key] for x in rounds)
+    lat = [x for r in rounds for x in r["lat"]]
+    print(f"\n| metric | value |\n|---|---|")
+    print(f"| decode tok/s through the kernel ({n_dec} LIPs + {args.prefill_lips} prefilling) | {med('agg'):.1f} |")
+    print(f"| in-process engine, batch {n_dec} decode tok/s | {med('base'):.1f} |")
+    print(f"| kernel / in-process | {med('agg') / med('base'):.2f}x (target >= 0.85) |")
+    print(f"| per-LIP decode step latency p50 / p99 | {pct(lat, 0.5) * 1e3:.0f} ms / {pct(lat, 0.99) * 1e3:.0f} ms |")
+    print(f"| fairness, Jain's index of decoder token rates | {statistics.median(jain(r['rates']) for r in rounds):.3f} (target >= 0.95) |")
+    print(f"| prefill tokens fed meanwhile (median per round) | {med('prefill_tokens'):.0f} |")
+    print(f"| kernel pred calls per forward pass | {med('calls_per_pass'):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
