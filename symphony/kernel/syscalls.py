@@ -148,8 +148,8 @@ class SyscallServer:
             for lip, slot in work:
                 self._handle(lip, slot)
             if len(self.sched):
-                if not work and self.sched.should_wait(time.perf_counter()):
-                    continue                   # the last step's callers are coming back
+                if self.sched.should_wait(time.perf_counter()):
+                    continue                   # the last step's callers are coming back: poll again
                 self._run_step()
                 continue
             if not work:
