@@ -125,6 +125,9 @@ def kernel_main(argv=None) -> int:
     p.add_argument("--user-quota", type=int, default=None, help="KV pages one user may hold")
     p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
     p.add_argument("--max-lips", type=int, default=256)
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
+                        "are fed in chunks of half of it")
     p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
@@ -143,7 +146,7 @@ def kernel_main(argv=None) -> int:
                                  durable_dir=args.durable_dir, user_page_quota=args.user_quota,
                                  process_page_quota=args.process_quota))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
-                    default_limits={"memory_bytes": args.lip_memory_mb << 20})
+                    default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget)
     try:
         import uvloop
         uvloop.run(kernel.serve())

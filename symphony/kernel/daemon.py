@@ -51,7 +51,8 @@ _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 class Kernel:
     def __init__(self, engine, fs: KVFS, socket_path: str, *, max_lips: int = 256,
-                 n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None):
+                 n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
+                 token_budget: Optional[int] = None):
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
         self.max_lips, self.n_slots = max_lips, n_slots
         self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
@@ -60,7 +61,8 @@ class Kernel:
         self.instance = secrets.token_hex(4)
         self.prefix = f"sym{self.instance}"
         self.doorbell = Doorbell.create(self.prefix)
-        self.sys = SyscallServer(engine, fs, self.doorbell, self._emit_threadsafe, self._kill_threadsafe)
+        self.sys = SyscallServer(engine, fs, self.doorbell, self._emit_threadsafe, self._kill_threadsafe,
+                                 max_batch_tokens=token_budget)
         self.lips: dict[int, LipProc] = {}
         self.finished: deque = deque(maxlen=100)
         self.by_pid: dict[int, LipProc] = {}

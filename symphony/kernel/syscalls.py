@@ -99,11 +99,15 @@ class _Pending:
 class SyscallServer:
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
-                 chunk_tokens: int = 512):
+                 chunk_tokens: Optional[int] = None):
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.vocab = engine.model_config.vocab_size
-        self.max_batch_tokens = max_batch_tokens or min(engine.config.max_batch_tokens, 2048)
+        # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
+        # step's share, so a small budget keeps every step (and every decoder) short
+        default = 256 if engine.device.type == "cpu" else 2048
+        self.max_batch_tokens = min(max_batch_tokens or default, engine.config.max_batch_tokens)
+        chunk_tokens = chunk_tokens or max(8, self.max_batch_tokens // 2)
         self.lips: dict[int, LipProc] = {}
         self.commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self.sched = BatchScheduler(token_budget=self.max_batch_tokens, chunk_tokens=chunk_tokens,
