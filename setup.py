@@ -28,7 +28,7 @@ setup(
         "tqdm",
         "llguidance",           # grammar engine for constrained decoding (token masks), no torch
     ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema"]},
     entry_points={"console_scripts": [
         "symphony=symphony.cli:main",
         "symphony-kernel=symphony.cli:kernel_main",
