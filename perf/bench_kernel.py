@@ -40,7 +40,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,6 +51,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import KernelProc as _TestKernelProc  # noqa: E402  (one way to start a kernel)
 
 from symphony.client import Client                               # noqa: E402
 from symphony.kernel.config import EngineConfig                  # noqa: E402
@@ -158,52 +159,19 @@ def _children(pid: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- the kernel process
-class KernelProc:
-    """symphony-kernel in a subprocess on its own socket (the logic of tests/conftest.py)."""
+class KernelProc(_TestKernelProc):
+    """symphony-kernel in a subprocess on its own socket: the test suite's
+    fixture class, plus a scan of its log for problems."""
 
-    def __init__(self, tmp: Path, *extra: str):
-        self.socket = str(tmp / "kernel.sock")
-        self.log_path = tmp / "kernel.log"
-        self.log = open(self.log_path, "w+")
-        env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
-             "--socket", self.socket, *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("kernel died at start:\n" + self.read_log())
-            if "ready on" in self.read_log():
-                break
-            time.sleep(0.2)
-        else:
-            self.stop()
-            raise RuntimeError("kernel did not start:\n" + self.log_path.read_text(errors="replace"))
-
-    def read_log(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, timeout: float = 60) -> Client:
-        return Client(self.socket, timeout=timeout)
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log.name)
 
     def problems(self, since: int = 0, limit: int = 40) -> list[str]:
         """Warning / error / traceback lines of the kernel log after character ``since``."""
         lines = self.read_log()[since:].splitlines()
         bad = [l for l in lines if any(w in l for w in (" WARNING ", " ERROR ", "Traceback", "Error"))]
         return bad[:limit]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 class LipConn(threading.Thread):

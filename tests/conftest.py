@@ -72,9 +72,9 @@ class KernelProc:
         self.log.flush()
         return Path(self.log.name).read_text()
 
-    def client(self, user=None):
+    def client(self, user=None, timeout: float = 30):
         from symphony.client import Client
-        return Client(self.socket, user=user)
+        return Client(self.socket, user=user, timeout=timeout)
 
     def run(self, lip: str, *args: str, user=None, timeout=120, stdin=None, extra=()):
         """`symphony run` as a user would type it; returns CompletedProcess."""
@@ -95,7 +95,9 @@ class KernelProc:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         self.log.close()
+        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

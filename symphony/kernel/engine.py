@@ -119,12 +119,22 @@ class Engine:
              *, all_logits: bool = False) -> torch.Tensor:
         return self.pred_batch([PredRequest(seq, tokens, positions, all_logits)])[0]
 
-    def pred_batch(self, requests: Sequence[PredRequest]) -> list[torch.Tensor]:
-        """Run many pred() calls as one forward pass; results in request order."""
+    def pred_batch(self, requests: Sequence[PredRequest],
+                   checked: Optional[Sequence[tuple[list[int], list[int]]]] = None) -> list[torch.Tensor]:
+        """Run many pred() calls as one forward pass; results in request order.
+
+        ``checked``: the (tokens, positions) lists `validate` already returned for
+        these requests, in order, so a caller that validated first (KVFS) does
+        not pay for it twice."""
         if not requests:
             return []
         with self._lock:
-            calls = [self.validate(i, r) for i, r in enumerate(requests)]
+            if checked is None:
+                calls = [self.validate(i, r) for i, r in enumerate(requests)]
+            else:
+                if len(checked) != len(requests):
+                    raise PredError("checked must hold one (tokens, positions) pair per request")
+                calls = list(checked)
             if len({id(r.seq) for r in requests}) != len(requests):
                 raise PredError("the same KV sequence appears twice in one batch")
             n_tokens = sum(len(t) for t, _ in calls)

@@ -68,7 +68,7 @@ class DataOps:
                 self._copy_on_write(inode, c.who)
         seqs = [KVSequence([b.device for b in i.blocks], i.positions) for i in inodes]
         out = eng.pred_batch([PredRequest(s, t, p, c.all_logits)
-                              for s, (t, p), c in zip(seqs, checked, calls)])
+                              for s, (t, p), c in zip(seqs, checked, calls)], checked=checked)
         for inode, seq, c in zip(inodes, seqs, calls):
             for page in seq.pages[len(inode.blocks):]:
                 inode.blocks.append(Block(page, c.who.user, c.who.pid))

@@ -26,8 +26,8 @@ from typing import Callable, Iterator, Optional, Union
 
 from ..engine import Engine
 from .data import DataOps
-from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, IsADirectory,
-                     NotADirectory, NotFound, PermissionDenied)
+from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, InvalidPath,
+                     IsADirectory, NotADirectory, NotFound, PermissionDenied)
 from .namespace import (ADVICE, ROOT_USER, STICKY, Block, Directory, Handle, Inode, Node, Principal,
                         may, may_unlink, split_path)
 from .pager import Pager
@@ -138,8 +138,7 @@ class KVFS(DataOps):
             raise NotADirectory(f"{path} is not a directory")
         if node.children:
             raise DirectoryNotEmpty(f"{path} is not empty")
-        if len(split_path(path)) < 2 or (split_path(path)[0] == "home" and len(split_path(path)) == 2
-                                          and not who.is_root):
+        if _is_home_dir(path) and not who.is_root:
             raise PermissionDenied(f"{path} is a system directory")
         if not may_unlink(who, parent, node):
             raise PermissionDenied(f"{who.user} may not remove {path}")
@@ -152,8 +151,7 @@ class KVFS(DataOps):
         node = op.children.get(oname)
         if node is None:
             raise NotFound(f"{old} does not exist")
-        if isinstance(node, Directory) and len(split_path(old)) <= 2 and split_path(old)[0] in ("home",) \
-                or len(split_path(old)) < 2:
+        if _is_home_dir(old):
             raise PermissionDenied(f"{old} is a system directory")
         if not may_unlink(who, op, node):
             raise PermissionDenied(f"{who.user} may not move {old}")
@@ -312,7 +310,7 @@ class KVFS(DataOps):
     def _parent_of(self, path: str) -> tuple[Directory, str]:
         parts = split_path(path)
         if len(parts) < 2:
-            raise InvalidPath_(path)
+            raise _system_entry(path)
         parent = self._lookup("/" + "/".join(parts[:-1]))
         if not isinstance(parent, Directory):
             raise NotADirectory(f"{'/' + '/'.join(parts[:-1])} is not a directory")
@@ -321,7 +319,7 @@ class KVFS(DataOps):
     def _parent_for_create(self, who: Principal, path: str) -> tuple[Directory, str]:
         parts = split_path(path)
         if len(parts) < 2 or (parts[0] == "home" and len(parts) < 3):
-            raise InvalidPath_(path)
+            raise _system_entry(path)
         if parts[0] == "home" and parts[1] == who.user:
             self._home(who.user)
         parent, name = self._parent_of(path)
@@ -411,6 +409,11 @@ class KVFS(DataOps):
             yield from of(inode)
 
 
-def InvalidPath_(path: str):
-    from .errors import InvalidPath
+def _is_home_dir(path: str) -> bool:
+    """/home/<user> (the top directories are refused earlier, by _parent_of)."""
+    parts = split_path(path)
+    return len(parts) == 2 and parts[0] == "home"
+
+
+def _system_entry(path: str) -> InvalidPath:
     return InvalidPath(f"{path!r} names a system directory, not an entry that can be made or removed")
