@@ -104,6 +104,11 @@ class EngineConfig:
     kv_memory_bytes: int = 512 * 1024 * 1024
     max_seq_len: Optional[int] = None   # slots per KV file; default: model context
     max_batch_tokens: int = 8192        # tokens one forward pass may carry
+    # Decode steps (every call one token) through static, padded buffers replayed
+    # as CUDA graphs.  None: on for CUDA devices, off on the CPU.  True on the CPU
+    # runs the same padded static-buffer path eagerly (no capture): tests use it.
+    cuda_graphs: Optional[bool] = None
+    graph_max_batch: int = 128          # largest decode batch with a graph
 
     def __post_init__(self) -> None:
         try:
@@ -121,6 +126,10 @@ class EngineConfig:
             raise ConfigError("engine config: kv_memory_bytes must be > 0")
         if self.max_batch_tokens < 1:
             raise ConfigError("engine config: max_batch_tokens must be >= 1")
+        if self.cuda_graphs not in (None, True, False):
+            raise ConfigError(f"engine config: cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        if not isinstance(self.graph_max_batch, int) or not 1 <= self.graph_max_batch <= 4096:
+            raise ConfigError(f"engine config: graph_max_batch must be in 1..4096, got {self.graph_max_batch!r}")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
         if self.dtype not in (None, torch.float32) and torch.device(self.device).type == "cpu":
@@ -129,6 +138,13 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def use_graphs(self) -> bool:
+        """Whether decode steps take the static padded (graph) path."""
+        if self.cuda_graphs is None:
+            return self.torch_device.type == "cuda"
+        return self.cuda_graphs
 
     @property
     def torch_dtype(self) -> torch.dtype:
