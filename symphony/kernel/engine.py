@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .config import EngineConfig
+from .graphs import DecodeGraphs, decode_step
 from .kv_cache import KVPool, KVSequence
 from .model import BatchMeta, PagedLlama
 from .page_allocator import OutOfPages
@@ -59,6 +60,7 @@ class EngineStats:
     tokens: int = 0
     max_batch_calls: int = 0
     forward_seconds: float = 0.0
+    graph_steps: int = 0                               # decode steps on the static (graph) path
     batch_sizes: dict = field(default_factory=dict)   # calls per pass -> count
 
 
@@ -76,6 +78,12 @@ class Engine:
                                self.model_config.max_context)
         self.stats = EngineStats()
         self._lock = threading.RLock()
+        self.graphs: Optional[DecodeGraphs] = None
+        if config.use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, config.graph_max_batch,
+                                       self.kv.pages_for(self.max_seq_len),
+                                       capture=self.device.type == "cuda")
+            self.graphs.capture()
         log.info("engine ready: %s on %s/%s, %d KV pages of %d positions (%.1f MiB)",
                  self.model_config.name or self.model_config.arch, self.device, self.dtype,
                  self.kv.num_pages, self.page_size, self.kv.num_pages * self.kv.page_bytes / 2**20)
@@ -143,9 +151,12 @@ class Engine:
                                 f"{self.config.max_batch_tokens}")
             plans = self._reserve_pages(requests, calls)
             try:
-                meta = self._build_meta(requests, calls, plans)
                 t0 = time.perf_counter()
-                logits = self.model.forward(meta, self.kv)          # [R, vocab]
+                if self._graph_step(requests, calls, plans):
+                    logits = self._decode_step(requests, calls, plans)   # [B, vocab]
+                else:
+                    meta = self._build_meta(requests, calls, plans)
+                    logits = self.model.forward(meta, self.kv)          # [R, vocab]
                 dt = time.perf_counter() - t0
             except BaseException:
                 for plan in plans:                                  # roll back: sequences untouched
@@ -225,6 +236,19 @@ class Engine:
             plans.append(_PagePlan(pages, fresh + added, replaced))
         return plans
 
+    def _graph_step(self, requests, calls, plans) -> bool:
+        """A decode step (one token per call, last logits only) the graphs can run."""
+        return (self.graphs is not None
+                and all(len(t) == 1 and not r.all_logits for r, (t, _) in zip(requests, calls))
+                and self.graphs.fits(len(requests), max(len(p.pages) for p in plans)))
+
+    def _decode_step(self, requests, calls, plans) -> torch.Tensor:
+        tables = [p.pages for p in plans]
+        slots, kv_lens = decode_step(tables, [r.seq.length for r in requests], self.page_size)
+        self.stats.graph_steps += 1
+        return self.graphs.run([t[0] for t, _ in calls], [p[0] for _, p in calls], slots,
+                               tables, kv_lens)
+
     def _build_meta(self, requests, calls, plans) -> BatchMeta:
         S = self.page_size
         tokens, positions, slots, cu, kv_lens, rows = [], [], [], [0], [], []
@@ -249,7 +273,9 @@ class Engine:
             page_table=torch.tensor(table, dtype=i32, device=dev),
             cu_q_lens=torch.tensor(cu, dtype=i32, device=dev),
             kv_lens=torch.tensor(kv_lens, dtype=i32, device=dev),
-            logit_rows=torch.tensor(rows, dtype=i64, device=dev))
+            logit_rows=torch.tensor(rows, dtype=i64, device=dev),
+            # one prompt into an empty file: plain causal attention over the new K/V
+            fresh_prefill=len(requests) == 1 and requests[0].seq.length == 0 and len(tokens) > 1)
 
 
 @dataclass

@@ -27,6 +27,7 @@ class BatchMeta:
     cu_q_lens: torch.Tensor   # [B + 1] int32 query offsets
     kv_lens: torch.Tensor     # [B] int32 slots per sequence, new tokens included
     logit_rows: torch.Tensor  # [R] int64 rows of T whose next-token logits are wanted
+    fresh_prefill: bool = False  # one sequence whose cache held nothing before this pass
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,12 +85,26 @@ class PagedLlama:
             v = qkv[:, c.q_size + c.kv_size:].view(T, c.n_kv_heads, c.head_dim)
             k_cache, v_cache = kv.layer(i)
             ops.write_kv(k, v, k_cache, v_cache, meta.slots)         # token-strided views are fine
-            o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
-                                    meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
-            x = x + F.linear(o.view(T, c.q_size), lw.wo)
+            if meta.fresh_prefill:   # nothing cached before: the library's fused causal attention
+                o = self._causal_attention(q, k, v)
+            else:
+                o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
+                                        meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
+            x = x + F.linear(o.reshape(T, c.q_size), lw.wo)
             h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps)
             gu = F.linear(h, lw.w_gate_up)                          # [T, 2 * intermediate]
             x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
         x = F.rms_norm(x, (c.hidden_size,), w.norm.to(x.dtype), c.rms_eps)
         return F.linear(x, w.lm_head).float()                       # [R, vocab]
+
+    def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a whole prompt over its own K/V ([T, heads, head_dim]
+        each) by ``scaled_dot_product_attention`` (flash attention on a GPU): the
+        same result as the paged kernel when the file was empty, without
+        walking the pages."""
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale,
+            enable_gqa=self.config.n_heads != self.config.n_kv_heads)   # [1, n_heads, T, head_dim]
+        return o[0].transpose(0, 1)
