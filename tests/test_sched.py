@@ -122,6 +122,37 @@ def test_gather_window_on_a_fake_clock():
     assert s.should_wait(now=10.005) is False                 # all back: launch
 
 
+def test_gather_waits_for_the_callers_not_a_count():
+    """Stragglers of one step must not set the size of the next: with 8 of 64
+    callers always late (queued while the step ran), a count-based window
+    would launch each step with 56 calls forever."""
+    s = BatchScheduler(token_budget=128, gather_s=0.003)
+    keys = list(range(64))
+    for k in keys[:56]:
+        s.add(Call(k, lip=k, user="u", n_tokens=1))
+    assert len(s.schedule().items) == 56                      # 8 missed this step
+    for k in keys[56:]:
+        s.add(Call(k, lip=k, user="u", n_tokens=1))           # the late 8 arrive
+    for k in keys[:48]:
+        s.add(Call(k, lip=k, user="u", n_tokens=1))           # 48 of the 56 are back: 56 queued
+    assert s.should_wait(now=1.0) is True                     # 8 callers of the last step missing
+    for k in keys[48:56]:
+        s.add(Call(k, lip=k, user="u", n_tokens=1))
+    assert s.should_wait(now=1.001) is False
+    assert len(s.schedule().items) == 64
+
+
+def test_a_caller_that_exits_does_not_hold_the_step():
+    s = BatchScheduler(token_budget=64, gather_s=0.003)
+    s.add(Call((1, 5), lip=1, user="u", n_tokens=1))
+    s.add(Call((2, 5), lip=2, user="u", n_tokens=1))
+    s.schedule()
+    s.add(Call((2, 5), lip=2, user="u", n_tokens=1))
+    assert s.should_wait(now=1.0) is True
+    s.drop_lip(1)                                             # LIP 1 exited
+    assert s.should_wait(now=1.0) is False
+
+
 def test_drop_lip_forgets_its_calls():
     s = BatchScheduler()
     s.add(Call("a", lip=1, user="u", n_tokens=5))

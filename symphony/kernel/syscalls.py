@@ -342,8 +342,8 @@ class SyscallServer:
         try:
             outs = self.fs.pred_batch(calls)
             results = [(it, o, None) for it, o in zip(items, outs)]
-            # wait for late siblings at most a quarter of a forward pass (<= 10 ms)
-            self.sched.gather_s = min(0.010, 0.25 * (time.perf_counter() - t0))
+            # wait for the last step's late callers at most a quarter of a forward pass (<= 50 ms)
+            self.sched.gather_s = min(0.050, 0.25 * (time.perf_counter() - t0))
         except Exception:
             results = []                       # find the culprit(s): run each alone
             for it, kc in zip(items, calls):

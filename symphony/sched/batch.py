@@ -71,7 +71,7 @@ class BatchScheduler:
         self.queue: list[Call] = []
         self.served_user: dict[str, int] = defaultdict(int)
         self.served_lip: dict[int, int] = defaultdict(int)
-        self.last_step_calls = 0
+        self.last_step_keys: dict = {}                    # callers of the last step: key -> lip
         self._gather_deadline: Optional[float] = None
 
     # ------------------------------------------------------------------ queue
@@ -85,6 +85,7 @@ class BatchScheduler:
         gone = [c for c in self.queue if c.lip == lip]
         self.queue = [c for c in self.queue if c.lip != lip]
         self.served_lip.pop(lip, None)
+        self.last_step_keys = {k: l for k, l in self.last_step_keys.items() if l != lip}
         return gone
 
     def __len__(self) -> int:
@@ -92,8 +93,17 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ decisions
     def should_wait(self, now: float) -> bool:
-        """Hold the step briefly while the last step's callers may still come back."""
-        if not self.queue or len(self.queue) >= self.last_step_calls:
+        """Hold the step briefly while some caller of the last step (a KV file
+        that was fed) has not come back yet.  Waiting for those callers, not
+        for as many calls as the last step had, matters: calls that missed a
+        step are queued when the next one forms, and a count would launch it
+        as soon as that many are there - leaving as many stragglers behind,
+        step after step."""
+        if not self.queue:
+            self._gather_deadline = None
+            return False
+        queued = {c.key for c in self.queue}
+        if self.last_step_keys.keys() <= queued:
             self._gather_deadline = None
             return False
         if self._gather_deadline is None:
@@ -125,7 +135,7 @@ class BatchScheduler:
             self.served_user[c.user] += n
             self.served_lip[c.lip] += n
         self.queue = [c for c in self.queue if c.remaining > 0]
-        self.last_step_calls = len(items)
+        self.last_step_keys = {c.key: c.lip for c, _, _ in items}
         self._gather_deadline = None
         return Step(items)
 
