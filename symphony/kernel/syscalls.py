@@ -354,6 +354,7 @@ class SyscallServer:
         self.batches += 1
         self.batch_calls += len(items)
         self.max_batch = max(self.max_batch, len(items))
+        finals = []
         for (c, start, n), logits, err in results:
             p = c.payload
             if err is not None:
@@ -364,7 +365,15 @@ class SyscallServer:
             p.lip.preds += 1
             p.lip.tokens += int(p.tokens.size)
             try:
-                self._deliver(p, logits)
+                finals.append((p, self._deliver(p, logits)))
+            except Exception as e:
+                self._reply_error(p.lip, p.slot, p.call_id, e)
+        # every call's copies to the host are queued: wait for them once, not once a call
+        if finals and self.engine.device.type == "cuda":
+            torch.cuda.current_stream(self.engine.device).synchronize()
+        for p, reply in finals:
+            try:
+                reply()
             except Exception as e:
                 self._reply_error(p.lip, p.slot, p.call_id, e)
 
@@ -387,31 +396,41 @@ class SyscallServer:
         blocked = {v.id for v in views if v.blocked}
         return [i for i in swap_out_order(views) if i in blocked]
 
-    def _deliver(self, p: _Pending, logits: torch.Tensor) -> None:
+    def _deliver(self, p: _Pending, logits: torch.Tensor):
+        """Compute what the call asked for where the logits are (the GPU on a
+        GPU engine) and queue its copy to the host; returns the function that
+        replies once the copies are done.  Only what the call asked for crosses
+        to the host, and no call waits for the device on its own."""
         b = p.body
-        # computed where the logits are (the GPU on a GPU engine): only what the
-        # call asked for crosses to the host
         x = (logits if logits.dim() == 2 else logits.unsqueeze(0)).float()   # [rows, vocab]
         if p.mask is not None:
             x = x.masked_fill(~torch.from_numpy(p.mask).to(x.device), float("-inf"))
         length = self.fs.handles[b["kv"]].inode.length
         out = b.get("output", "logits")
+        rows = x.shape[0]
         if out == "logits":
-            view = p.lip.ring.arena(p.slot, x.shape[0], self.vocab)
-            torch.from_numpy(view).copy_(x)
-            self._reply(p.lip, p.slot, p.call_id, {"length": length},
-                        (abi.ARENA_LOGITS, x.shape[0], self.vocab))
-        elif out == "topk":
+            view = p.lip.ring.arena(p.slot, rows, self.vocab)
+            torch.from_numpy(view).copy_(x, non_blocking=True)   # a DMA into the pinned arena
+            return lambda: self._reply(p.lip, p.slot, p.call_id, {"length": length},
+                                       (abi.ARENA_LOGITS, rows, self.vocab))
+        if out == "topk":
             k = int(b.get("k", 20))
             lp, ids = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
-            view = p.lip.ring.arena(p.slot, 2 * x.shape[0], k)
-            view[: x.shape[0]] = ids.to(torch.int32).cpu().numpy().view(np.float32)
-            view[x.shape[0]:] = lp.cpu().numpy()
-            self._reply(p.lip, p.slot, p.call_id, {"length": length}, (abi.ARENA_TOPK, 2 * x.shape[0], k))
-        else:
-            toks = (x.argmax(-1) if out == "argmax" else _sample(x, b)).cpu().tolist()
-            body = {"length": length, "token": toks[-1], "tokens": toks}
-            self._reply(p.lip, p.slot, p.call_id, body)
+            lp_h = lp.to("cpu", non_blocking=True)
+            ids_h = ids.to(torch.int32).to("cpu", non_blocking=True)
+
+            def reply_topk():
+                view = p.lip.ring.arena(p.slot, 2 * rows, k)
+                view[:rows] = ids_h.numpy().view(np.float32)
+                view[rows:] = lp_h.numpy()
+                self._reply(p.lip, p.slot, p.call_id, {"length": length}, (abi.ARENA_TOPK, 2 * rows, k))
+            return reply_topk
+        toks_h = (x.argmax(-1) if out == "argmax" else _sample(x, b)).to("cpu", non_blocking=True)
+
+        def reply_tokens():
+            toks = toks_h.tolist()
+            self._reply(p.lip, p.slot, p.call_id, {"length": length, "token": toks[-1], "tokens": toks})
+        return reply_tokens
 
     def _kv(self, fn):
         def h(self, lip, slot, cid, body, toks):
