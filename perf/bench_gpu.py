@@ -11,11 +11,10 @@ weights (normal, std ``--init-std``) in the bench dtype from a ``LlamaConfig``
 into a temporary directory.  Symphony loads that directory with its own loader
 (``symphony.kernel.loader.load_model``); transformers runs the model object it
 built.  Both systems thus run the very same weights, each through its real
-loading path.  Two things are added to the directory for our loader: a 3-token
-stub ``tokenizer.json`` (load_model requires one; the bench feeds token ids)
-and the keys ``rope_theta`` / ``rope_scaling`` beside the ``rope_parameters``
-that transformers 5 writes, because our loader reads only the former
-(``--raw-config`` loads the file as written: the logits check then fails).
+loading path.  One thing is added to the directory for our loader: a 3-token
+stub ``tokenizer.json`` (load_model requires one; the bench feeds token ids).
+``config.json`` is loaded as transformers wrote it (RoPE in ``rope_parameters``
+for transformers 5, ``rope_theta`` / ``rope_scaling`` before).
 
 Defaults: on CUDA the 1b shape in bfloat16, batches 1, 16, 64, 128 decode
 steps, a 2,000-token TTFT prompt, 5 rounds (sized for a few minutes on an
@@ -151,25 +150,6 @@ def build_hf_model(args, device, dtype):
     model.eval()
     n = sum(p.numel() for p in model.parameters())
     return transformers, model, n
-
-
-def fix_config_for_loader(model_dir: Path) -> list[str]:
-    """transformers 5 writes RoPE settings only as ``rope_parameters``; our loader
-    reads the (transformers 4 / Hub checkpoint) keys ``rope_theta`` and
-    ``rope_scaling``.  Add them; return the keys added."""
-    path = model_dir / "config.json"
-    hf = json.loads(path.read_text())
-    rp = hf.get("rope_parameters") or {}
-    added = []
-    if "rope_theta" not in hf and "rope_theta" in rp:
-        hf["rope_theta"] = rp["rope_theta"]
-        added.append("rope_theta")
-    if not hf.get("rope_scaling") and rp.get("rope_type", "default") != "default":
-        hf["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
-        added.append("rope_scaling")
-    if added:
-        path.write_text(json.dumps(hf, indent=2))
-    return added
 
 
 def write_stub_tokenizer(model_dir: Path) -> None:
@@ -384,8 +364,6 @@ def parse_args():
     ap.add_argument("--both-modes", action="store_true",
                     help="CPU: also run cuda_graphs=True (the static padded decode path, eagerly) vs False")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF timings (the model is still built with transformers)")
-    ap.add_argument("--raw-config", action="store_true",
-                    help="load config.json exactly as transformers wrote it (no legacy rope keys added)")
     ap.add_argument("--model-dir", default=None, help="save the model here (kept) instead of a temporary directory")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args()
@@ -429,10 +407,6 @@ def main():
     say(f"save_pretrained -> {model_dir}")
     model.save_pretrained(str(model_dir), safe_serialization=True)
     write_stub_tokenizer(model_dir)
-    added = [] if args.raw_config else fix_config_for_loader(model_dir)
-    if added:
-        say(f"config.json: added {', '.join(added)} beside transformers' rope_parameters "
-            "(symphony's loader reads only the legacy keys; see perf/RESULTS.md)")
 
     say("symphony: load_model (HF safetensors directory)...")
     weights, tok = load_model(model_dir, progress=False)
@@ -646,7 +620,7 @@ def main():
         Path(args.json).write_text(json.dumps(dict(
             device=dev_name, shape=args.shape, shape_config=shape_cfg, parameters=n_params,
             dtype=args.dtype, torch=torch.__version__, transformers=transformers.__version__,
-            args={k: v for k, v in vars(args).items()}, config_keys_added=added,
+            args={k: v for k, v in vars(args).items()},
             copy_bandwidth=copy_bw, peak_bandwidth=peak, b1_step_bytes=sb, checks=checks,
             results=out, ratios=ratios, raw=res), indent=2, default=str))
         say(f"wrote {args.json}")

@@ -168,3 +168,24 @@ def test_wrong_shape_is_named(tmp_path):
     sd["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 95)
     with pytest.raises(ModelLoadError, match="down_proj.*shape"):
         load_model(write_hf_dir(tmp_path / "hf", cfg, sd))
+
+
+def test_hf_config_rope_in_both_transformers_formats():
+    """transformers < 5 writes rope_theta + rope_scaling; 5 writes rope_parameters.
+    Both must give the same RoPE (a silent theta of 10000 ruins every logit)."""
+    from symphony.kernel.loader import ModelLoadError, hf_config_to_model_config
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    old = hf_config_to_model_config({**base, "rope_theta": 500000.0, "rope_scaling": scaling})
+    new = hf_config_to_model_config({**base, "rope_parameters": {"rope_theta": 500000.0, **scaling}})
+    plain = hf_config_to_model_config({**base, "rope_parameters": {"rope_type": "default",
+                                                                   "rope_theta": 250000.0}})
+    assert old.rope_theta == new.rope_theta == 500000.0
+    assert old.rope_scaling == new.rope_scaling and new.rope_scaling.kind == "llama3"
+    assert new.rope_scaling.factor == 32.0
+    assert plain.rope_theta == 250000.0 and plain.rope_scaling.kind == "none"
+    with pytest.raises(ModelLoadError, match="rope_parameters"):
+        hf_config_to_model_config({**base, "rope_parameters": [1, 2]})

@@ -280,7 +280,12 @@ def hf_config_to_model_config(hf: dict, where: str = "config.json") -> ModelConf
     if arch is None:
         raise ModelLoadError(f"{where}: unsupported architecture {archs or hf.get('model_type')!r} "
                              f"(supported: {', '.join(HF_ARCHS)})")
-    rs = hf.get("rope_scaling") or {}
+    # transformers < 5 writes rope_theta + rope_scaling; 5 writes one rope_parameters block
+    rp = hf.get("rope_parameters")
+    if rp is not None and not isinstance(rp, dict):
+        raise ModelLoadError(f"{where}: rope_parameters must be an object, got {type(rp).__name__}")
+    rs = hf.get("rope_scaling") or rp or {}
+    theta = hf.get("rope_theta", (rp or {}).get("rope_theta", 10000.0))
     kind = rs.get("rope_type", rs.get("type", "none")) if rs else "none"
     if kind == "default":
         kind = "none"
@@ -294,7 +299,7 @@ def hf_config_to_model_config(hf: dict, where: str = "config.json") -> ModelConf
             intermediate_size=int(hf["intermediate_size"]), n_layers=int(hf["num_hidden_layers"]),
             n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads", n_heads)),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // n_heads),
-            rms_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
             rope_scaling=scaling, max_context=int(hf.get("max_position_embeddings", 4096)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attn_bias=bool(hf.get("attention_bias", arch == "qwen2")),
