@@ -1,4 +1,9 @@
-// CPU kernels of the symphony ops: write_kv and paged_attention (float32).
+// CPU kernels of the symphony ops: write_kv and paged_attention, float32, float16 and bfloat16.
+//
+// write_kv copies rows and is dtype-agnostic. paged_attention is a float32 kernel; for float16
+// and bfloat16 caches (attention_half, at the end) the pages a batch reads are first widened,
+// each distinct page once, into float32 scratch pages, and the output is rounded back to q's
+// dtype: float32 accumulation throughout, the pool itself is never converted.
 //
 // paged_attention splits the batch into work items (sequence, kv head, query tile[, kv chunk]).
 // An item handles every query head of its GQA group at once, so each K/V row is read once per
@@ -18,6 +23,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -523,27 +530,16 @@ static KernelFn lanes_kernel_for(int64_t D) {
 // ------------------------------------------------------------------------------------------
 // Ops
 // ------------------------------------------------------------------------------------------
-at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
-                               const at::Tensor& v_cache, const at::Tensor& page_table,
-                               const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
-                               double scale) {
-  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
-  TORCH_CHECK(q.scalar_type() == at::kFloat,
-              "symphony::paged_attention: the CPU kernel supports float32 only, got ",
-              q.scalar_type());
-  const int32_t* pt = page_table.data_ptr<int32_t>();
-  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
-  const int32_t* kvl = kv_lens.data_ptr<int32_t>();
-  check_attention_tables_cpu(dims, pt, cu, kvl);
-
-  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  if (dims.T == 0) return out;
-
+// The float32 kernel proper. The tables have been checked (check_attention_tables_cpu); q rows
+// are token-strided by q_stride floats, out is contiguous [T, n_heads, head_dim]; T > 0.
+static void attention_f32(const AttnDims& dims, const float* q, int64_t q_stride,
+                          const float* k_cache, const float* v_cache, const int32_t* pt,
+                          const int32_t* cu, const int32_t* kvl, float* out, double scale) {
   Problem P;
-  P.q = q.data_ptr<float>();
-  P.q_stride = q.stride(0);
-  P.k_cache = k_cache.data_ptr<float>();
-  P.v_cache = v_cache.data_ptr<float>();
+  P.q = q;
+  P.q_stride = q_stride;
+  P.k_cache = k_cache;
+  P.v_cache = v_cache;
   P.n_heads = dims.n_heads;
   P.n_kv_heads = dims.n_kv_heads;
   P.group = dims.group;
@@ -554,7 +550,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   P.max_pages = dims.max_pages;
   P.cu_q_lens = cu;
   P.kv_lens = kvl;
-  P.out = out.data_ptr<float>();
+  P.out = out;
   P.scale_log2 = float(scale * 1.4426950408889634);
 
   const int64_t G = dims.group, D = dims.head_dim;
@@ -700,6 +696,119 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
       }
     }
   }
+}
+
+// ------------------------------------------------------------------------------------------
+// float16 / bfloat16: widen what the batch reads to float32, then run the float32 kernel.
+// ------------------------------------------------------------------------------------------
+
+// dst[i] = float(src[i]) for n float16 (BF16 = false) or bfloat16 (BF16 = true) values, given
+// as raw bits. Both conversions are exact.
+template <bool BF16>
+static void widen(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m512 f;
+    if constexpr (BF16) f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else f = _mm512_cvtph_ps(h);
+    _mm512_storeu_ps(dst + i, f);
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m256 f;
+    if constexpr (BF16) f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else f = _mm256_cvtph_ps(h);
+    _mm256_storeu_ps(dst + i, f);
+  }
+#endif
+  for (; i < n; ++i) {
+    if constexpr (BF16) dst[i] = float(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+    else dst[i] = float(c10::Half(src[i], c10::Half::from_bits()));
+  }
+}
+
+// Reduced-precision caches. Only the pages the batch reads are converted, each distinct page
+// once (forks share pages), into float32 scratch caches [n_distinct, page_size, n_kv_heads,
+// head_dim]; the page table is remapped onto them, q is widened, the float32 kernel runs, and
+// its output is rounded (to nearest even) to q's dtype. The conversions are exact, so the
+// result is the float32 kernel's on the same values, rounded once.
+static at::Tensor attention_half(const AttnDims& dims, const at::Tensor& q,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const int32_t* pt, const int32_t* cu, const int32_t* kvl,
+                                 double scale) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  // Distinct pages read by sequences that have queries.
+  std::vector<int32_t> pages;
+  for (int64_t b = 0; b < dims.B; ++b) {
+    if (cu[b + 1] == cu[b]) continue;
+    const int64_t n_pages = (int64_t(kvl[b]) + dims.page_size - 1) / dims.page_size;
+    pages.insert(pages.end(), pt + b * dims.max_pages, pt + b * dims.max_pages + n_pages);
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  const int64_t n_distinct = int64_t(pages.size());
+
+  // Remapped table: entries past a sequence's pages (never read) are left 0.
+  std::vector<int32_t> table(size_t(dims.B * dims.max_pages), 0);
+  for (int64_t b = 0; b < dims.B; ++b) {
+    if (cu[b + 1] == cu[b]) continue;
+    const int64_t n_pages = (int64_t(kvl[b]) + dims.page_size - 1) / dims.page_size;
+    for (int64_t p = 0; p < n_pages; ++p) {
+      const int32_t page = pt[b * dims.max_pages + p];
+      table[b * dims.max_pages + p] =
+          int32_t(std::lower_bound(pages.begin(), pages.end(), page) - pages.begin());
+    }
+  }
+
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  const int64_t page_elems = dims.page_size * dims.n_kv_heads * dims.head_dim;
+  at::Tensor kf = at::empty({std::max<int64_t>(n_distinct, 1), page_elems}, f32);
+  at::Tensor vf = at::empty({std::max<int64_t>(n_distinct, 1), page_elems}, f32);
+  const uint16_t* ks = static_cast<const uint16_t*>(k_cache.data_ptr());
+  const uint16_t* vs = static_cast<const uint16_t*>(v_cache.data_ptr());
+  float* kd = kf.data_ptr<float>();
+  float* vd = vf.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / page_elems);
+  at::parallel_for(0, n_distinct, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t i = p0; i < p1; ++i) {
+      const int64_t src = int64_t(pages[i]) * page_elems;
+      if (bf16) {
+        widen<true>(ks + src, kd + i * page_elems, page_elems);
+        widen<true>(vs + src, vd + i * page_elems, page_elems);
+      } else {
+        widen<false>(ks + src, kd + i * page_elems, page_elems);
+        widen<false>(vs + src, vd + i * page_elems, page_elems);
+      }
+    }
+  });
+
+  // q rows are dense (checked); .to() keeps a dense layout or makes a contiguous one.
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, f32);
+  attention_f32(dims, qf.data_ptr<float>(), qf.stride(0), kd, vd, table.data(), cu, kvl,
+                out.data_ptr<float>(), scale);
+  return out.to(q.scalar_type());
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& page_table,
+                               const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
+                               double scale) {
+  // Dtypes: float32, float16 or bfloat16, the same for q and the caches (checked).
+  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
+  const int32_t* pt = page_table.data_ptr<int32_t>();
+  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
+  const int32_t* kvl = kv_lens.data_ptr<int32_t>();
+  check_attention_tables_cpu(dims, pt, cu, kvl);
+
+  if (dims.T == 0) return at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  if (q.scalar_type() != at::kFloat) return attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  attention_f32(dims, q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
+                v_cache.data_ptr<float>(), pt, cu, kvl, out.data_ptr<float>(), scale);
   return out;
 }
 
