@@ -83,8 +83,16 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    """float32 on the CPU (fastest matmuls there), bfloat16 on a GPU."""
+    """float32 on the CPU, bfloat16 on a GPU.
+
+    Every device runs all three dtypes (weights, KV pool and attention alike);
+    float32 stays the CPU default because reduced precision buys no decode speed
+    there (perf/RESULTS.md, "bfloat16 on the CPU") and costs accuracy.
+    """
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
@@ -98,7 +106,7 @@ class EngineConfig:
     """
 
     device: str = "cpu"
-    dtype: Optional[torch.dtype] = None
+    dtype: Optional[torch.dtype] = None  # float32 / bfloat16 / float16; None: default_dtype(device)
     page_size: int = 16
     num_pages: Optional[int] = None
     kv_memory_bytes: int = 512 * 1024 * 1024
@@ -132,8 +140,6 @@ class EngineConfig:
             raise ConfigError(f"engine config: graph_max_batch must be in 1..4096, got {self.graph_max_batch!r}")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
-        if self.dtype not in (None, torch.float32) and torch.device(self.device).type == "cpu":
-            raise ConfigError(f"engine config: the CPU kernels run float32 only, got dtype {self.dtype}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -57,6 +57,9 @@ class PagedLlama:
         self.config = weights.config
         self.w = weights.to(device, dtype)
         self.device, self.dtype = device, dtype
+        # Logits come out of a float32 head in every dtype: bfloat16 logits step by 0.125 near 20
+        # and tie close candidates (SmolLM2's greedy answer changes). Costs a float32 copy.
+        self.lm_head = self.w.lm_head if dtype == torch.float32 else weights.lm_head.to(device, torch.float32)
         c = self.config
         inv = rope_inv_freq(c, weights.rope_freq_factors)
         angles = torch.outer(torch.arange(c.max_context, dtype=torch.float32), inv)
@@ -91,5 +94,5 @@ class PagedLlama:
             gu = F.linear(h, lw.w_gate_up)                          # [T, 2 * intermediate]
             x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
-        x = F.rms_norm(x, (c.hidden_size,), w.norm.to(x.dtype), c.rms_eps)
-        return F.linear(x, w.lm_head).float()                       # [R, vocab]
+        x = F.rms_norm(x.float(), (c.hidden_size,), w.norm, c.rms_eps)   # float32 from here on
+        return F.linear(x, self.lm_head)                            # [R, vocab]
