@@ -19,8 +19,9 @@ TORCH_LIBRARY(symphony, m) {
   // tokens included), stored in pages page_table[b, :]. Query i of a sequence with q_len
   // queries sees slots 0 .. kv_len - q_len + i. Returns [T, n_heads, head_dim] in q's dtype.
   // q and the caches share one dtype: float32, float16 or bfloat16, on the CPU and on CUDA.
-  // Softmax and accumulation are float32; with float16 / bfloat16 the CPU kernel widens the
-  // pages the batch reads (each once) to float32 scratch and rounds the output once.
+  // Softmax and accumulation are float32, the output is rounded to q's dtype once. On the CPU,
+  // float16 / bfloat16 caches are read directly by the decode kernel and widened page by page
+  // (only the pages prefill-like sequences read, each once) for the prefill kernel.
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
       "Tensor cu_q_lens, Tensor kv_lens, float scale) -> Tensor");

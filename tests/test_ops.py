@@ -133,7 +133,8 @@ def test_paged_attention_half_cuda(device, dtype):
 # --------------------------------------------------------------------------------------------
 # float16 / bfloat16 on the CPU
 # --------------------------------------------------------------------------------------------
-# The CPU kernel widens q and the pages it reads to float32 exactly, runs the float32 kernel and
+# The CPU kernel widens q and the K/V it reads to float32 exactly (in place for decode-like
+# sequences, through float32 scratch pages for prefill-like ones), computes in float32 and
 # rounds the output once. So against the float32 reference on the same (already rounded) values
 # it is off by at most half an ulp of the dtype, 2^-9 (bfloat16) / 2^-12 (float16) relative,
 # plus float32 summation-order noise (1e-5 absolute; the float32 tests use the same). Stated
@@ -187,8 +188,9 @@ def test_paged_attention_half_cpu_shapes(dtype, case):
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_paged_attention_half_cpu_shared_pages(dtype):
-    """Forked sequences share pages (each is widened once): every sequence must still see its
-    own table; one sharer's queries are absent (its pages still count for the others)."""
+    """Forked sequences share pages, read in place by decode-like sequences and widened once
+    for the prefill-like one: every sequence must still see its own table; one sharer has no
+    queries."""
     q_lens, kv_lens = [1, 4, 0, 1, 2], [40, 37, 48, 45, 33]
     q, kc, vc, pt, cu, kvl = make_batch(q_lens, kv_lens, n_heads=9, n_kv_heads=3, head_dim=64,
                                         page_size=8, seed=20, dtype=dtype)
