@@ -21,13 +21,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default=None, help="GPU index to run on, e.g. 0 (default: CPU)")
     p.add_argument("--kv-memory-mb", type=int, default=256, help="KV page pool size in MiB (default 256)")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV pool (default float32 on a CPU, bfloat16 on a GPU)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
 
 
 def _build_engine(args):
-    from .kernel.config import EngineConfig
+    from .kernel.config import DTYPES, EngineConfig
     from .kernel.engine import Engine
     device = "cpu"
     if args.gpus:
@@ -35,8 +37,8 @@ def _build_engine(args):
         if len(ids) != 1 or not ids[0].isdigit():
             raise SystemExit(f"--gpus: one GPU index is supported for now, got {args.gpus!r}")
         device = f"cuda:{ids[0]}"
-    cfg = EngineConfig(device=device, page_size=args.page_size,
-                       kv_memory_bytes=args.kv_memory_mb * 2**20,
+    cfg = EngineConfig(device=device, dtype=DTYPES[args.dtype] if args.dtype else None,
+                       page_size=args.page_size, kv_memory_bytes=args.kv_memory_mb * 2**20,
                        cuda_graphs=False if args.no_cuda_graphs else None)
     return Engine.load(args.model, cfg)
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_ATOL, tiny_config
+from conftest import HALF_TINY_ATOL, HALF_TINY_SAME_DTYPE_ATOL, TINY_ATOL, tiny_config
 from symphony.kernel.config import EngineConfig, RopeScaling
 from symphony.kernel.engine import Engine, PredError, PredRequest
 from symphony.kernel.page_allocator import OutOfPages
@@ -191,3 +191,125 @@ def test_numpy_and_tensor_tokens_accepted():
     a = eng.pred(eng.new_sequence(), np.array(toks, dtype=np.int32))
     b = eng.pred(eng.new_sequence(), torch.tensor(toks))
     torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- bfloat16 / float16 on the CPU
+HALF = [torch.bfloat16, torch.float16]
+HALF_IDS = ["bf16", "fp16"]
+
+
+def make_half(dtype, cfg=None, pages=128, page_size=4, seed=0):
+    cfg = cfg or tiny_config()
+    w = random_weights(cfg, seed=seed)
+    eng = Engine(w, None, EngineConfig(page_size=page_size, num_pages=pages, dtype=dtype))
+    return eng, ReferenceLlama(w), ReferenceLlama(w, dtype=dtype)
+
+
+def close_half(got, ref32, ref_dtype, dtype):
+    """Engine logits vs the float32 reference and vs the reference run in the dtype itself."""
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref32, atol=HALF_TINY_ATOL[dtype], rtol=0)
+    torch.testing.assert_close(got, ref_dtype, atol=HALF_TINY_SAME_DTYPE_ATOL[dtype], rtol=0)
+
+
+def test_engine_config_dtypes():
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert EngineConfig(dtype=dt).torch_dtype == dt
+    assert EngineConfig().torch_dtype == torch.float32                 # the CPU default
+    with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
+        EngineConfig(dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("cfg", [
+    tiny_config(),
+    tiny_config(n_kv_heads=4),
+    tiny_config(n_heads=6, n_kv_heads=2, head_dim=8, hidden_size=48),
+    tiny_config(arch="qwen2", attn_bias=True),
+    tiny_config(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64), rope_theta=500000.0),
+], ids=["gqa2", "mha", "gqa3", "qwen2-bias", "llama3-rope"])
+def test_half_chunks_match_reference(dtype, cfg):
+    eng, ref32, refd = make_half(dtype, cfg)
+    assert eng.kv.pool.dtype == dtype and eng.model.w.layers[0].wqkv.dtype == dtype
+    assert eng.kv.page_bytes == 2 * cfg.n_layers * 4 * cfg.kv_size * 2    # 2 bytes an element
+    toks = rand_tokens(40)
+    kv = eng.new_sequence()
+    got, at = [], 0
+    for n in (1, 7, 16, 3, 1, 1, 5, 6):                                  # prefill chunks and decodes
+        got.append(eng.pred(kv, toks[at:at + n], all_logits=True))
+        at += n
+    close_half(torch.cat(got), ref32.forward(toks), refd.forward(toks), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_half_mixed_batch_equals_members_alone(dtype):
+    """Batching does not change the numbers: measured <= 4e-7 (the float32 head's summation
+    order), so the tolerance is the float32 one."""
+    eng, ref32, refd = make_half(dtype, pages=256)
+    alone, _, _ = make_half(dtype, pages=256)
+    hist = {i: rand_tokens(n, seed=i) for i, n in enumerate((1, 9, 17, 30))}
+    seqs, solo = [], []
+    for toks in hist.values():
+        s, t = eng.new_sequence(), alone.new_sequence()
+        eng.pred(s, toks[:-1] or toks)
+        alone.pred(t, toks[:-1] or toks)
+        seqs.append(s), solo.append(t)
+    new = [[5], rand_tokens(6, seed=10), [7], rand_tokens(13, seed=11)]
+    out = eng.pred_batch([PredRequest(s, n, all_logits=(i % 2 == 1))
+                          for i, (s, n) in enumerate(zip(seqs, new))])
+    assert eng.stats.max_batch_calls == 4
+    for i, (toks, n) in enumerate(zip(hist.values(), new)):
+        full = (toks[:-1] or toks) + n
+        want32, wantd = ref32.forward(full)[-len(n):], refd.forward(full)[-len(n):]
+        if i % 2 == 0:
+            want32, wantd = want32[-1], wantd[-1]
+        close_half(out[i], want32, wantd, dtype)
+        torch.testing.assert_close(out[i], alone.pred(solo[i], n, all_logits=(i % 2 == 1)),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_half_fork_and_truncate(dtype):
+    eng, ref32, refd = make_half(dtype, page_size=4)
+    base = rand_tokens(10)
+    a = eng.new_sequence()
+    eng.pred(a, base)
+    used = eng.kv.allocator.num_used
+    b = eng.fork(a)
+    la = eng.pred(a, [1, 2])                                  # copies the shared partial page
+    lb = eng.pred(b, [3, 4, 5])
+    assert a.pages[:2] == b.pages[:2] and a.pages[2] != b.pages[2]
+    assert eng.kv.allocator.num_used == used + 2
+    close_half(la, ref32.forward(base + [1, 2])[-1], refd.forward(base + [1, 2])[-1], dtype)
+    close_half(lb, ref32.forward(base + [3, 4, 5])[-1], refd.forward(base + [3, 4, 5])[-1], dtype)
+    # the copy-on-write page is a bit-exact copy of the shared one's first two slots
+    k_a, k_b = eng.kv.pool[:, :, a.pages[2], :2], eng.kv.pool[:, :, b.pages[2], :2]
+    assert torch.equal(k_a.view(torch.int16), k_b.view(torch.int16))
+    eng.truncate(b, 6)
+    assert b.length == 6 and len(b.pages) == 2
+    got = eng.pred(b, [9, 8, 7])
+    full = base[:6] + [9, 8, 7]
+    close_half(got, ref32.forward(full)[-1], refd.forward(full)[-1], dtype)
+    eng.release(a)
+    eng.release(b)
+    assert eng.kv.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_head_in_the_model_dtype(dtype):
+    """float32_head=False (the GPU default): lm_head stays in the model dtype, no
+    float32 copy; logits differ from the float32 head only by the head's rounding."""
+    cfg = tiny_config()
+    w = random_weights(cfg, seed=0)
+    narrow = Engine(w, None, EngineConfig(page_size=4, num_pages=64, dtype=dtype, float32_head=False))
+    wide = Engine(w, None, EngineConfig(page_size=4, num_pages=64, dtype=dtype))   # CPU default: float32
+    assert narrow.model.lm_head.dtype == dtype and wide.model.lm_head.dtype == torch.float32
+    assert EngineConfig().use_float32_head and not EngineConfig(float32_head=False).use_float32_head
+    toks = rand_tokens(24)
+    a = narrow.pred(narrow.new_sequence(), toks, all_logits=True)
+    b = wide.pred(wide.new_sequence(), toks, all_logits=True)
+    assert a.dtype == torch.float32
+    ref32 = ReferenceLlama(w).forward(toks)
+    torch.testing.assert_close(a, ref32, atol=2 * HALF_TINY_ATOL[dtype], rtol=0)
+    diff = (a - b).abs().max().item()
+    assert 0 < diff <= HALF_TINY_ATOL[dtype]          # the head's rounding, and nothing else

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_ATOL, tiny_config
+from conftest import HALF_TINY_ATOL, HALF_TINY_SAME_DTYPE_ATOL, TINY_ATOL, tiny_config
 from symphony.kernel.config import EngineConfig
 from symphony.kernel.engine import Engine, PredError
 from symphony.kernel.kvfs import (KVFS, AlreadyExists, BadHandle, CorruptFile, DirectoryNotEmpty,
@@ -326,3 +326,98 @@ def test_sync_survives_restart_and_refuses_corrupt_or_foreign(weights, tmp_path)
     # removing a durable file removes it from disk
     fs2.remove(BOB, "/shared/other.kv")
     assert len(os.listdir(d)) == 1
+
+
+# ------------------------------------------------------------------ bfloat16
+
+BF16 = torch.bfloat16
+
+
+def make_fs_bf16(weights, pages=64, page_size=4, **kw):
+    eng = Engine(weights, None, EngineConfig(page_size=page_size, num_pages=pages, dtype=BF16))
+    return KVFS(eng, KVFSConfig(**kw))
+
+
+def close_bf16(got, weights, tokens, positions=None):
+    """bfloat16 engine logits vs ReferenceLlama in float32 and in bfloat16 (conftest tolerances)."""
+    torch.testing.assert_close(got, ref_logits(weights, tokens, positions),
+                               atol=HALF_TINY_ATOL[BF16], rtol=0)
+    torch.testing.assert_close(got, ReferenceLlama(weights, dtype=BF16).forward(tokens, positions)[-1],
+                               atol=HALF_TINY_SAME_DTYPE_ATOL[BF16], rtol=0)
+
+
+def file_pages(fs, hid):
+    """A file's K/V, [n_layers, 2, length, n_kv_heads, head_dim], from whatever tier holds it."""
+    ino = fs.handles[hid].inode
+    return torch.cat([fs.pager.read(b) for b in ino.blocks], dim=2)[:, :, :ino.length]
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def test_bf16_swap_to_host_and_disk_and_back_is_bit_exact(weights, tmp_path):
+    fs = make_fs_bf16(weights, pages=8, host_pages=1, swap_dir=str(tmp_path))   # 7 device pages
+    assert fs.pager.host.dtype == BF16
+    a = fs.create(ALICE, "/tmp/a.kv")
+    fs.pred(ALICE, a, toks(20, seed=2))                        # 5 pages
+    before = file_pages(fs, a).clone()
+    assert before.dtype == BF16 and before.abs().sum() > 0
+    b = fs.create(BOB, "/tmp/b.kv")
+    fs.pred(BOB, b, toks(16, seed=3))                          # evicts a's pages: host, then disk
+    blocks = fs.handles[a].inode.blocks
+    assert any(bl.host >= 0 for bl in blocks) and any(bl.disk >= 0 for bl in blocks)
+    assert torch.equal(bits(file_pages(fs, a)), bits(before))   # read back from host and disk
+    c = fs.create(BOB, "/tmp/c.kv")
+    fs.pred(BOB, c, toks(3, seed=4))                           # one more page: a's host block is
+    assert fs.pager.stats.demotions == 1                       # demoted to disk for room
+    assert sum(bl.disk >= 0 for bl in blocks) == 2
+    assert torch.equal(bits(file_pages(fs, a)), bits(before))
+    close_bf16(fs.pred(ALICE, a, [1]), weights, toks(20, seed=2) + [1])   # swapped back in
+    assert all(bl.device >= 0 for bl in fs.handles[a].inode.blocks)
+    assert torch.equal(bits(file_pages(fs, a)[:, :, :20]), bits(before))
+    assert fs.pager.stats.swap_ins > 0 and fs.pager.stats.disk_reads > 0
+    close_bf16(fs.pred(BOB, b, [2]), weights, toks(16, seed=3) + [2])
+
+
+def test_bf16_durable_file_reloads_bit_exact_and_dtype_mismatch_is_refused(weights, tmp_path):
+    d = str(tmp_path / "durable")
+    fs = make_fs_bf16(weights, durable_dir=d)
+    h = fs.create(ALICE, "/home/alice/keep.kv")
+    fs.pred(ALICE, h, toks(11), positions=list(range(5, 16)))
+    fs.sync(ALICE, h)
+    saved = file_pages(fs, h).clone()
+    (f,) = os.listdir(d)
+    size = os.path.getsize(os.path.join(d, f))
+    c = weights.config
+    assert size > 11 * c.n_layers * 2 * c.kv_size * 2          # 2 bytes an element ...
+    assert size < 11 * c.n_layers * 2 * c.kv_size * 4          # ... not 4
+    # restart on the same weights in bfloat16: restored bit for bit
+    fs2 = make_fs_bf16(weights, durable_dir=d)
+    assert fs2.restore_report["restored"] == ["/home/alice/keep.kv"]
+    r = fs2.open(ALICE, "/home/alice/keep.kv", "rw")
+    assert torch.equal(bits(file_pages(fs2, r)), bits(saved))
+    close_bf16(fs2.pred(ALICE, r, [3]), weights, toks(11) + [3], list(range(5, 17)))
+    # a float32 kernel refuses the bfloat16 file, saying why
+    fs3 = make_fs(weights, durable_dir=d)
+    assert fs3.restore_report["restored"] == []
+    [(_, why)] = fs3.restore_report["refused"]
+    assert "KV data is bfloat16 but this kernel runs float32" in why
+
+
+def test_float32_durable_file_is_refused_by_a_bf16_kernel(weights, tmp_path):
+    d = str(tmp_path / "durable")
+    fs = make_fs(weights, durable_dir=d)
+    h = fs.create(ALICE, "/home/alice/f32.kv")
+    fs.pred(ALICE, h, toks(9))
+    fs.sync(ALICE, h)
+    fs2 = make_fs_bf16(weights, durable_dir=d)
+    assert fs2.restore_report["restored"] == []
+    [(path, why)] = fs2.restore_report["refused"]
+    assert "KV data is float32 but this kernel runs bfloat16" in why and "--dtype" in why
+    assert os.path.exists(path)                                 # refused files stay in place
+    with pytest.raises(NotFound):
+        fs2.open(ALICE, "/home/alice/f32.kv")
+    # and the float32 kernel still loads it
+    fs3 = make_fs(weights, durable_dir=d)
+    assert fs3.restore_report["restored"] == ["/home/alice/f32.kv"]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, KernelProc
 
 
 def test_generate_answers_paris(kernel):
@@ -143,3 +143,26 @@ def test_token_mask_applies_in_the_kernel(kernel):
     r = kernel.run(REPO / "tests/lips/masked.py")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"argmax_in_mask": True, "logits_masked": True, "sample_in_mask": True}
+
+
+def test_kernel_in_bfloat16_runs_a_stock_lip(tmp_path):
+    """symphony-kernel --dtype bfloat16: the engine really runs bfloat16 and a LIP still gets
+    the answer (a question whose first token is no near-tie; see test_smollm2.py)."""
+    k = KernelProc(tmp_path, "--dtype", "bfloat16")
+    try:
+        assert "on cpu/torch.bfloat16" in k.read_log()             # Engine's start-up line
+        r = k.run(REPO / "userland/generate.py",
+                  "What is the capital of France? Answer in one sentence.", "16")
+        assert r.returncode == 0, r.stderr
+        assert "Paris" in r.stdout, r.stdout
+    finally:
+        assert k.stop() == 0, k.read_log()[-3000:]
+    assert k.shm_names() == []
+
+
+def test_kernel_rejects_an_unknown_dtype(capsys):
+    from symphony.cli import kernel_main
+    with pytest.raises(SystemExit) as e:
+        kernel_main(["--dtype", "float64"])
+    assert e.value.code == 2
+    assert "invalid choice: 'float64'" in capsys.readouterr().err

@@ -131,6 +131,148 @@ def test_paged_attention_half_cuda(device, dtype):
 
 
 # --------------------------------------------------------------------------------------------
+# float16 / bfloat16 on the CPU
+# --------------------------------------------------------------------------------------------
+# The CPU kernel widens q and the K/V it reads to float32 exactly (in place for decode-like
+# sequences, through float32 scratch pages for prefill-like ones), computes in float32 and
+# rounds the output once. So against the float32 reference on the same (already rounded) values
+# it is off by at most half an ulp of the dtype, 2^-9 (bfloat16) / 2^-12 (float16) relative,
+# plus float32 summation-order noise (1e-5 absolute; the float32 tests use the same). Stated
+# tolerance: rtol 2^-8 / 2^-11 (one ulp), atol 1e-5. Against the reference run in the dtype
+# itself (also float32 accumulation, rounded once) the two roundings may land one ulp apart.
+HALF = [torch.bfloat16, torch.float16]
+HALF_RTOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def _check_half(out, q, kc, vc, pt, cu, kvl, scale):
+    dtype = q.dtype
+    assert out.dtype == dtype and out.shape == q.shape
+    ref32 = ops.paged_attention_reference(q.float(), kc.float(), vc.float(), pt, cu, kvl, scale)
+    torch.testing.assert_close(out.float(), ref32, rtol=HALF_RTOL[dtype], atol=1e-5)
+    ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * HALF_RTOL[dtype], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_paged_attention_half_cpu_matches_reference(dtype, n_heads, n_kv_heads, head_dim):
+    """Mixed prefill + decode batch (an empty sequence, ragged last pages), MHA and GQA."""
+    for seed, page_size in ((0, 16), (1, 5)):
+        q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                            head_dim=head_dim, page_size=page_size, seed=seed,
+                                            dtype=dtype)
+        out = ops.paged_attention(q, kc, vc, pt, cu, kvl, 1.0 / math.sqrt(head_dim))
+        _check_half(out, q, kc, vc, pt, cu, kvl, 1.0 / math.sqrt(head_dim))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["decode_batch", "long_decode", "odd_dims", "odd_page_bytes"])
+def test_paged_attention_half_cpu_shapes(dtype, case):
+    """Decode batches, a long decode (split keys), head_dim off the vector width, page size 1,
+    pages whose element count is no multiple of the vector width (the scalar widening tail)."""
+    kw = dict(n_heads=9, n_kv_heads=3, head_dim=64, page_size=16, dtype=dtype)
+    if case == "decode_batch":
+        batch = make_batch([1] * 12, [1, 2, 15, 16, 17, 100, 255, 256, 257, 500, 31, 64], seed=2, **kw)
+    elif case == "long_decode":
+        batch = make_batch([1, 3], [3000, 1500], seed=4, **kw)
+    elif case == "odd_page_bytes":
+        kw.update(n_heads=2, n_kv_heads=1, head_dim=20, page_size=3)   # 60 elements a page
+        batch = make_batch([1, 7, 3], [11, 7, 30], seed=8, **kw)
+    else:
+        kw.update(n_heads=20, n_kv_heads=2, head_dim=40, page_size=1)
+        batch = make_batch([1, 9, 2], [10, 40, 2], seed=5, **kw)
+    out = ops.paged_attention(*batch, 0.125)
+    _check_half(out, *batch, 0.125)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_paged_attention_half_cpu_shared_pages(dtype):
+    """Forked sequences share pages, read in place by decode-like sequences and widened once
+    for the prefill-like one: every sequence must still see its own table; one sharer has no
+    queries."""
+    q_lens, kv_lens = [1, 4, 0, 1, 2], [40, 37, 48, 45, 33]
+    q, kc, vc, pt, cu, kvl = make_batch(q_lens, kv_lens, n_heads=9, n_kv_heads=3, head_dim=64,
+                                        page_size=8, seed=20, dtype=dtype)
+    # sequences 1..4 fork sequence 0's first four pages (32 slots); 3 also repeats a page
+    for b in range(1, 5):
+        pt[b, :4] = pt[0, :4]
+    pt[3, 5] = pt[0, 1]
+    out = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.125)
+    _check_half(out, q, kc, vc, pt, cu, kvl, 0.125)
+    # and the same batch in float32 gives the same values, rounded once
+    out32 = ops.paged_attention(q.float(), kc.float(), vc.float(), pt, cu, kvl, 0.125)
+    torch.testing.assert_close(out.float(), out32, rtol=HALF_RTOL[dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_paged_attention_half_cpu_strided_q_and_threads(dtype):
+    q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=9, n_kv_heads=3, head_dim=64, seed=6,
+                                        dtype=dtype)
+    fused = torch.randn(q.shape[0], 15, 64).to(dtype)
+    fused[:, 2:11] = q
+    qs = fused[:, 2:11]
+    assert not qs.is_contiguous()
+    out = ops.paged_attention(qs, kc, vc, pt, cu, kvl, 0.1)
+    _check_half(out, q, kc, vc, pt, cu, kvl, 0.1)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out1 = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.1)
+    finally:
+        torch.set_num_threads(n)
+    _check_half(out1, q, kc, vc, pt, cu, kvl, 0.1)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_write_kv_half_then_attention(dtype):
+    """write_kv in a reduced dtype is a bit-exact row copy (token-strided k included); attention
+    over what it wrote equals dense causal SDPA in float32 on the same values."""
+    g = torch.Generator().manual_seed(21)
+    n_heads, n_kv, d, ps = 9, 3, 64, 16
+    pool = torch.randn(2, 2, 12, ps, n_kv, d, generator=g).to(dtype)
+    before = pool.clone()
+    kc, vc = pool[1, 0], pool[1, 1]
+    L = 70
+    pages = torch.tensor([7, 2, 9, 0, 5], dtype=torch.int32)
+    fused = torch.randn(L, 2 * n_kv + 1, d, generator=g).to(dtype)
+    k = fused[:, 1:1 + n_kv]
+    v = torch.randn(L, n_kv, d, generator=g).to(dtype)
+    q = torch.randn(L, n_heads, d, generator=g).to(dtype)
+    slots = (pages.long()[torch.arange(L) // ps] * ps + torch.arange(L) % ps)
+    slots[3] = -1                                       # skipped
+    ops.write_kv(k, v, kc, vc, slots)
+    expect = before.clone()
+    ops.write_kv_reference(k, v, expect[1, 0], expect[1, 1], slots)
+    assert torch.equal(pool.view(torch.int16), expect.view(torch.int16))   # bit-exact
+    k_cache_page = kc[slots[5] // ps, slots[5] % ps]
+    assert torch.equal(k_cache_page.view(torch.int16), k[5].view(torch.int16))
+    # attention over the written pages (slot 3 keeps the noise that was there)
+    keys = kc.reshape(-1, n_kv, d)[slots.clamp_min(0)].clone()
+    vals = vc.reshape(-1, n_kv, d)[slots.clamp_min(0)].clone()
+    keys[3] = before[1, 0].reshape(-1, n_kv, d)[pages[0] * ps + 3]
+    vals[3] = before[1, 1].reshape(-1, n_kv, d)[pages[0] * ps + 3]
+    out = ops.paged_attention(q, kc, vc, pages[None], torch.tensor([0, L], dtype=torch.int32),
+                              torch.tensor([L], dtype=torch.int32), 1 / 8)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys.float().transpose(0, 1).repeat_interleave(3, 0),
+        vals.float().transpose(0, 1).repeat_interleave(3, 0), is_causal=True, scale=1 / 8).transpose(0, 1)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=HALF_RTOL[dtype], atol=1e-5)
+
+
+def test_half_dtypes_must_match():
+    q, kc, vc, pt, cu, kvl = make_batch([2, 1], [5, 20], n_heads=4, n_kv_heads=2, head_dim=32,
+                                        page_size=4, seed=22, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="q dtype Half must equal the cache dtype BFloat16"):
+        ops.paged_attention(q.half(), kc, vc, pt, cu, kvl, 0.2)
+    with pytest.raises(RuntimeError, match="v_cache dtype"):
+        ops.paged_attention(q, kc, vc.float(), pt, cu, kvl, 0.2)
+    with pytest.raises(RuntimeError, match="must equal the cache dtype"):
+        ops.write_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), kc, vc, torch.tensor([0]))
+
+
+# --------------------------------------------------------------------------------------------
 # write_kv
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
@@ -194,6 +336,16 @@ def test_opcheck_paged_attention():
                                         head_dim=32, page_size=8, seed=12)
     torch.library.opcheck(torch.ops.symphony.paged_attention.default,
                           (q, kc, vc, pt, cu, kvl, 0.25))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_opcheck_half(dtype):
+    q, kc, vc, pt, cu, kvl = make_batch([1, 6, 0, 3], [9, 6, 4, 40], n_heads=4, n_kv_heads=2,
+                                        head_dim=32, page_size=8, seed=12, dtype=dtype)
+    torch.library.opcheck(torch.ops.symphony.paged_attention.default, (q, kc, vc, pt, cu, kvl, 0.25))
+    k = torch.randn(3, 2, 32).to(dtype)
+    torch.library.opcheck(torch.ops.symphony.write_kv.default,
+                          (k, k + 1, kc, vc, torch.tensor([0, -1, 9], dtype=torch.int64)))
 
 
 def test_opcheck_write_kv():

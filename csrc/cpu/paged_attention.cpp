@@ -1,4 +1,9 @@
-// CPU kernels of the symphony ops: write_kv and paged_attention (float32).
+// CPU kernels of the symphony ops: write_kv and paged_attention, float32, float16 and bfloat16.
+//
+// write_kv copies rows and is dtype-agnostic. paged_attention computes in float32; with float16
+// and bfloat16 caches (attention_half, at the end) the lanes kernel reads the cache directly
+// and the pages that rows items read are first widened, each distinct page once, into float32
+// scratch pages; the output is rounded back to q's dtype once. The pool is never converted.
 //
 // paged_attention splits the batch into work items (sequence, kv head, query tile[, kv chunk]).
 // An item handles every query head of its GQA group at once, so each K/V row is read once per
@@ -18,6 +23,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -130,6 +137,12 @@ struct Problem {
   const int32_t* kv_lens;
   float* out;  // [T, n_heads, head_dim], contiguous
   float scale_log2;  // scale * log2(e): the kernels use exp2
+  // float16 / bfloat16 caches (raw bits) and their own page table, read directly by the
+  // lanes kernel; k_cache / v_cache / page_table then hold the widened pages of the
+  // sequences that have rows items (see attention_half).
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
+  const int32_t* page_table16 = nullptr;
 };
 
 struct Item {
@@ -389,13 +402,84 @@ static int64_t rows_scratch_floats(int64_t D, int64_t Rp) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Cache element types of the lanes kernel: a W-wide load that widens to float.
+// ------------------------------------------------------------------------------------------
+struct CacheF32 {
+  using S = float;
+  static const S* k(const Problem& P) { return P.k_cache; }
+  static const S* v(const Problem& P) { return P.v_cache; }
+  static const int32_t* table(const Problem& P) { return P.page_table; }
+  static inline vf load(const S* p) { return vload(p); }
+};
+
+template <bool BF16>
+static inline vf vload16(const uint16_t* p) {
+  vf r;
+#if defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512 f;
+  if constexpr (BF16) f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else f = _mm512_cvtph_ps(h);
+  std::memcpy(&r, &f, sizeof(r));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256 f;
+  if constexpr (BF16) f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else f = _mm256_cvtph_ps(h);
+  std::memcpy(&r, &f, sizeof(r));
+#else
+  for (int i = 0; i < W; ++i) {
+    if constexpr (BF16) r[i] = float(c10::BFloat16(p[i], c10::BFloat16::from_bits()));
+    else r[i] = float(c10::Half(p[i], c10::Half::from_bits()));
+  }
+#endif
+  return r;
+}
+
+template <bool BF16>
+struct Cache16 {
+  using S = uint16_t;
+  static const S* k(const Problem& P) { return P.k16; }
+  static const S* v(const Problem& P) { return P.v16; }
+  static const int32_t* table(const Problem& P) { return P.page_table16; }
+  static inline vf load(const S* p) { return vload16<BF16>(p); }
+};
+
+enum class CacheKind { kF32, kBF16, kF16 };
+
+// key_pointers for the lanes kernel, over the cache and table of element type E.
+template <typename E>
+static inline void key_pointers_e(const Problem& P, int b, int g, int64_t j0, int nk,
+                                  const typename E::S** kp, const typename E::S** vp) {
+  const int32_t* pt = E::table(P) + int64_t(b) * P.max_pages;
+  const typename E::S* kc = E::k(P);
+  const typename E::S* vc = E::v(P);
+  int64_t page_idx = j0 / P.page_size, off = j0 % P.page_size;
+  const int64_t head_off = int64_t(g) * P.head_dim;
+  for (int jj = 0; jj < nk; ++jj) {
+    const int64_t slot = int64_t(pt[page_idx]) * P.page_size + off;
+    const int64_t e = slot * P.slot_stride + head_off;
+    kp[jj] = kc + e;
+    vp[jj] = vc + e;
+    if (++off == P.page_size) {
+      off = 0;
+      ++page_idx;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
 // "lanes" kernel: head_dim across the vector lanes, for items with few query rows (decode).
+// E is the cache element type: float32 rows, or float16 / bfloat16 rows widened one vector at
+// a time (half the bytes; decode is memory-bound).
 // ------------------------------------------------------------------------------------------
 constexpr int kTKL = 64;  // keys per tile
-constexpr int kVecsPerLine = W >= 16 ? 1 : 16 / W;  // vectors per 64-byte cache line
 
-template <int DV>
+template <int DV, typename E>
 static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Partials& parts) {
+  using S = typename E::S;
+  // vectors per 64-byte cache line
+  constexpr int kVecsPerLine = int(64 / sizeof(S)) >= W ? int(64 / sizeof(S)) / W : 1;
   constexpr int64_t D = int64_t(DV) * W;
   const int64_t G = P.group;
   const int nq = it.i1 - it.i0;
@@ -407,10 +491,10 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
   float* O = scratch;                   // [kLanesMaxRows][D]
   float* sc = O + kLanesMaxRows * D;    // [kLanesMaxRows][kTKL]
   float* Qs = sc + kLanesMaxRows * kTKL;  // [kLanesMaxRows][D], scaled queries
-  const float** kp = reinterpret_cast<const float**>(Qs + kLanesMaxRows * D);
-  const float** vp = kp + kTKL;
-  const float** kpn = vp + kTKL;  // next tile's rows, prefetched while this tile is processed
-  const float** vpn = kpn + kTKL;
+  const S** kp = reinterpret_cast<const S**>(Qs + kLanesMaxRows * D);
+  const S** vp = kp + kTKL;
+  const S** kpn = vp + kTKL;  // next tile's rows, prefetched while this tile is processed
+  const S** vpn = kpn + kTKL;
   float m[kLanesMaxRows], l[kLanesMaxRows];
   int64_t lim[kLanesMaxRows];
 
@@ -423,12 +507,12 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
     l[r] = 0.0f;
   }
 
-  if (it.kb < it.ke) key_pointers(P, it.b, it.g, it.kb, int(std::min<int64_t>(kTKL, it.ke - it.kb)), kp, vp);
+  if (it.kb < it.ke) key_pointers_e<E>(P, it.b, it.g, it.kb, int(std::min<int64_t>(kTKL, it.ke - it.kb)), kp, vp);
   for (int64_t j0 = it.kb; j0 < it.ke; j0 += kTKL) {
     const int nk = int(std::min<int64_t>(kTKL, it.ke - j0));
     const int nkp = (nk + W - 1) / W * W;
     const int nk_next = int(std::max<int64_t>(0, std::min<int64_t>(kTKL, it.ke - j0 - kTKL)));
-    if (nk_next > 0) key_pointers(P, it.b, it.g, j0 + kTKL, nk_next, kpn, vpn);
+    if (nk_next > 0) key_pointers_e<E>(P, it.b, it.g, j0 + kTKL, nk_next, kpn, vpn);
     for (int r = 0; r < R; ++r) {
       vf qv[DV];
 #pragma GCC unroll 16
@@ -447,22 +531,22 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
             __builtin_prefetch(vpn[jj + 1] + c * W, 0, 2);
           }
         }
-        const float* k0 = kp[jj];
-        const float* k1 = kp[jj + 1];
-        vf a0 = qv[0] * vload(k0), a1 = qv[0] * vload(k1);
+        const S* k0 = kp[jj];
+        const S* k1 = kp[jj + 1];
+        vf a0 = qv[0] * E::load(k0), a1 = qv[0] * E::load(k1);
 #pragma GCC unroll 16
         for (int c = 1; c < DV; ++c) {
-          a0 += qv[c] * vload(k0 + c * W);
-          a1 += qv[c] * vload(k1 + c * W);
+          a0 += qv[c] * E::load(k0 + c * W);
+          a1 += qv[c] * E::load(k1 + c * W);
         }
         s[jj] = vhsum(a0);
         s[jj + 1] = vhsum(a1);
       }
       for (; jj < n_vis; ++jj) {
-        const float* k0 = kp[jj];
-        vf a0 = qv[0] * vload(k0);
+        const S* k0 = kp[jj];
+        vf a0 = qv[0] * E::load(k0);
 #pragma GCC unroll 16
-        for (int c = 1; c < DV; ++c) a0 += qv[c] * vload(k0 + c * W);
+        for (int c = 1; c < DV; ++c) a0 += qv[c] * E::load(k0 + c * W);
         s[jj] = vhsum(a0);
       }
       for (; jj < nkp; ++jj) s[jj] = kNegInf;
@@ -488,9 +572,9 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
       for (int c = 0; c < DV; ++c) acc[c] = vload(O + r * D + c * W) * a;
       for (int j = 0; j < n_vis; ++j) {
         const vf p = vsplat(s[j]);
-        const float* v = vp[j];
+        const S* v = vp[j];
 #pragma GCC unroll 16
-        for (int c = 0; c < DV; ++c) acc[c] += p * vload(v + c * W);
+        for (int c = 0; c < DV; ++c) acc[c] += p * E::load(v + c * W);
       }
 #pragma GCC unroll 16
       for (int c = 0; c < DV; ++c) vstore(O + r * D + c * W, acc[c]);
@@ -508,57 +592,67 @@ static int64_t lanes_scratch_floats(int64_t D) {
 
 using KernelFn = void (*)(const Problem&, const Item&, float*, Partials&);
 
-static KernelFn lanes_kernel_for(int64_t D) {
+template <typename E>
+static KernelFn lanes_kernel_for_e(int64_t D) {
   if (D % W != 0) return nullptr;
   switch (D / W) {
-    case 1: return lanes_kernel<1>;
-    case 2: return lanes_kernel<2>;
-    case 4: return lanes_kernel<4>;
-    case 8: return lanes_kernel<8>;
-    case 16: return lanes_kernel<16>;
+    case 1: return lanes_kernel<1, E>;
+    case 2: return lanes_kernel<2, E>;
+    case 4: return lanes_kernel<4, E>;
+    case 8: return lanes_kernel<8, E>;
+    case 16: return lanes_kernel<16, E>;
     default: return nullptr;
   }
+}
+
+static KernelFn lanes_kernel_for(int64_t D, CacheKind kind) {
+  switch (kind) {
+    case CacheKind::kBF16: return lanes_kernel_for_e<Cache16<true>>(D);
+    case CacheKind::kF16: return lanes_kernel_for_e<Cache16<false>>(D);
+    default: return lanes_kernel_for_e<CacheF32>(D);
+  }
+}
+
+// Whether every item of a sequence with q_len queries runs the lanes kernel (the item
+// builder in attention_core decides the same way).
+static inline bool all_lanes(KernelFn lanes_fn, int64_t q_len, int64_t group) {
+  return lanes_fn != nullptr && q_len * group <= kLanesMaxRows;
 }
 
 // ------------------------------------------------------------------------------------------
 // Ops
 // ------------------------------------------------------------------------------------------
-at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
-                               const at::Tensor& v_cache, const at::Tensor& page_table,
-                               const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
-                               double scale) {
-  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
-  TORCH_CHECK(q.scalar_type() == at::kFloat,
-              "symphony::paged_attention: the CPU kernel supports float32 only, got ",
-              q.scalar_type());
-  const int32_t* pt = page_table.data_ptr<int32_t>();
-  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
-  const int32_t* kvl = kv_lens.data_ptr<int32_t>();
-  check_attention_tables_cpu(dims, pt, cu, kvl);
-
-  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  if (dims.T == 0) return out;
-
+// The problem of a checked batch (check_attention_tables_cpu): q rows token-strided by
+// q_stride floats, out contiguous [T, n_heads, head_dim]. The caller sets caches and tables.
+static Problem make_problem(const AttnDims& dims, const float* q, int64_t q_stride,
+                            const int32_t* cu, const int32_t* kvl, float* out, double scale) {
   Problem P;
-  P.q = q.data_ptr<float>();
-  P.q_stride = q.stride(0);
-  P.k_cache = k_cache.data_ptr<float>();
-  P.v_cache = v_cache.data_ptr<float>();
+  P.q = q;
+  P.q_stride = q_stride;
+  P.k_cache = nullptr;
+  P.v_cache = nullptr;
   P.n_heads = dims.n_heads;
   P.n_kv_heads = dims.n_kv_heads;
   P.group = dims.group;
   P.head_dim = dims.head_dim;
   P.page_size = dims.page_size;
   P.slot_stride = dims.n_kv_heads * dims.head_dim;
-  P.page_table = pt;
+  P.page_table = nullptr;
   P.max_pages = dims.max_pages;
   P.cu_q_lens = cu;
   P.kv_lens = kvl;
-  P.out = out.data_ptr<float>();
+  P.out = out;
   P.scale_log2 = float(scale * 1.4426950408889634);
+  return P;
+}
 
+// The kernel proper (T > 0). The rows kernel reads the float32 caches (P.k_cache, P.v_cache,
+// P.page_table); the lanes kernel reads the caches of kind lanes_cache.
+static void attention_core(const AttnDims& dims, const Problem& P, CacheKind lanes_cache) {
+  const int32_t* cu = P.cu_q_lens;
+  const int32_t* kvl = P.kv_lens;
   const int64_t G = dims.group, D = dims.head_dim;
-  const KernelFn lanes_fn = lanes_kernel_for(D);
+  const KernelFn lanes_fn = lanes_kernel_for(D, lanes_cache);
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / G);
 
   // Work items: (sequence, kv head, query tile).
@@ -568,7 +662,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
     const int64_t q_len = int64_t(cu[b + 1]) - cu[b];
     if (q_len == 0) continue;
     const int64_t base = int64_t(kvl[b]) - q_len;
-    const bool whole_lanes = lanes_fn != nullptr && q_len * G <= kLanesMaxRows;
+    const bool whole_lanes = all_lanes(lanes_fn, q_len, G);
     const int64_t step = whole_lanes ? q_len : tile_tokens;
     // The partial tile goes first: it has the fewest keys.
     int64_t i0 = 0;
@@ -700,6 +794,142 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
       }
     }
   }
+}
+
+// ------------------------------------------------------------------------------------------
+// float16 / bfloat16: widen what the batch reads to float32, then run the float32 kernel.
+// ------------------------------------------------------------------------------------------
+
+// dst[i] = float(src[i]) for n float16 (BF16 = false) or bfloat16 (BF16 = true) values, given
+// as raw bits. Both conversions are exact.
+template <bool BF16>
+static void widen(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m512 f;
+    if constexpr (BF16) f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else f = _mm512_cvtph_ps(h);
+    _mm512_storeu_ps(dst + i, f);
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m256 f;
+    if constexpr (BF16) f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else f = _mm256_cvtph_ps(h);
+    _mm256_storeu_ps(dst + i, f);
+  }
+#endif
+  for (; i < n; ++i) {
+    if constexpr (BF16) dst[i] = float(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+    else dst[i] = float(c10::Half(src[i], c10::Half::from_bits()));
+  }
+}
+
+// float16 / bfloat16 caches. The lanes kernel (decode-like items) reads them directly, widening
+// one vector at a time. For sequences with rows items (prefill-like), the pages they read are
+// widened, each distinct page once (forks share pages), into float32 scratch caches
+// [n_distinct, page_size, n_kv_heads, head_dim] and their page-table rows remapped onto them;
+// the pool itself is never converted. q is widened, the output is computed in float32 and
+// rounded (to nearest even) to q's dtype once. All conversions to float32 are exact, so the
+// result is the float32 kernel's on the same values, rounded once.
+static at::Tensor attention_half(const AttnDims& dims, const at::Tensor& q,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const int32_t* pt, const int32_t* cu, const int32_t* kvl,
+                                 double scale) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const CacheKind kind = bf16 ? CacheKind::kBF16 : CacheKind::kF16;
+  const KernelFn lanes_fn = lanes_kernel_for(dims.head_dim, kind);
+  auto widened = [&](int64_t b) {  // sequence b has rows items: it reads widened pages
+    const int64_t q_len = int64_t(cu[b + 1]) - cu[b];
+    return q_len > 0 && !all_lanes(lanes_fn, q_len, dims.group);
+  };
+  auto n_pages_of = [&](int64_t b) {
+    return (int64_t(kvl[b]) + dims.page_size - 1) / dims.page_size;
+  };
+  std::vector<int32_t> pages;
+  for (int64_t b = 0; b < dims.B; ++b) {
+    if (widened(b))
+      pages.insert(pages.end(), pt + b * dims.max_pages, pt + b * dims.max_pages + n_pages_of(b));
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  const int64_t n_distinct = int64_t(pages.size());
+
+  // Remapped table of the widened sequences; other entries (never read) stay 0.
+  std::vector<int32_t> table;
+  at::Tensor kf, vf;
+  const int64_t page_elems = dims.page_size * dims.n_kv_heads * dims.head_dim;
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+  if (n_distinct > 0) {
+    table.assign(size_t(dims.B * dims.max_pages), 0);
+    for (int64_t b = 0; b < dims.B; ++b) {
+      if (!widened(b)) continue;
+      for (int64_t p = 0, n = n_pages_of(b); p < n; ++p) {
+        const int32_t page = pt[b * dims.max_pages + p];
+        table[b * dims.max_pages + p] =
+            int32_t(std::lower_bound(pages.begin(), pages.end(), page) - pages.begin());
+      }
+    }
+    kf = at::empty({n_distinct, page_elems}, f32);
+    vf = at::empty({n_distinct, page_elems}, f32);
+    const uint16_t* ks = static_cast<const uint16_t*>(k_cache.data_ptr());
+    const uint16_t* vs = static_cast<const uint16_t*>(v_cache.data_ptr());
+    float* kd = kf.data_ptr<float>();
+    float* vd = vf.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / page_elems);
+    at::parallel_for(0, n_distinct, grain, [&](int64_t p0, int64_t p1) {
+      for (int64_t i = p0; i < p1; ++i) {
+        const int64_t src = int64_t(pages[i]) * page_elems;
+        if (bf16) {
+          widen<true>(ks + src, kd + i * page_elems, page_elems);
+          widen<true>(vs + src, vd + i * page_elems, page_elems);
+        } else {
+          widen<false>(ks + src, kd + i * page_elems, page_elems);
+          widen<false>(vs + src, vd + i * page_elems, page_elems);
+        }
+      }
+    });
+  }
+
+  // q rows are dense (checked); .to() keeps a dense layout or makes a contiguous one.
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, f32);
+  Problem P = make_problem(dims, qf.data_ptr<float>(), qf.stride(0), cu, kvl,
+                           out.data_ptr<float>(), scale);
+  if (n_distinct > 0) {
+    P.k_cache = kf.data_ptr<float>();
+    P.v_cache = vf.data_ptr<float>();
+    P.page_table = table.data();
+  }
+  P.k16 = static_cast<const uint16_t*>(k_cache.data_ptr());
+  P.v16 = static_cast<const uint16_t*>(v_cache.data_ptr());
+  P.page_table16 = pt;
+  attention_core(dims, P, kind);
+  return out.to(q.scalar_type());
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& page_table,
+                               const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
+                               double scale) {
+  // Dtypes: float32, float16 or bfloat16, the same for q and the caches (checked).
+  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
+  const int32_t* pt = page_table.data_ptr<int32_t>();
+  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
+  const int32_t* kvl = kv_lens.data_ptr<int32_t>();
+  check_attention_tables_cpu(dims, pt, cu, kvl);
+
+  if (dims.T == 0) return at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  if (q.scalar_type() != at::kFloat) return attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  Problem P = make_problem(dims, q.data_ptr<float>(), q.stride(0), cu, kvl, out.data_ptr<float>(), scale);
+  P.k_cache = k_cache.data_ptr<float>();
+  P.v_cache = v_cache.data_ptr<float>();
+  P.page_table = pt;
+  attention_core(dims, P, CacheKind::kF32);
   return out;
 }
 

@@ -83,8 +83,16 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    """float32 on the CPU (fastest matmuls there), bfloat16 on a GPU."""
+    """float32 on the CPU, bfloat16 on a GPU.
+
+    Every device runs all three dtypes (weights, KV pool and attention alike);
+    float32 stays the CPU default because reduced precision buys no decode speed
+    there (perf/RESULTS.md, "bfloat16 on the CPU") and costs accuracy.
+    """
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
@@ -98,7 +106,7 @@ class EngineConfig:
     """
 
     device: str = "cpu"
-    dtype: Optional[torch.dtype] = None
+    dtype: Optional[torch.dtype] = None  # float32 / bfloat16 / float16; None: default_dtype(device)
     page_size: int = 16
     num_pages: Optional[int] = None
     kv_memory_bytes: int = 512 * 1024 * 1024
@@ -109,6 +117,10 @@ class EngineConfig:
     # runs the same padded static-buffer path eagerly (no capture): tests use it.
     cuda_graphs: Optional[bool] = None
     graph_max_batch: int = 128          # largest decode batch with a graph
+    # lm_head (and the final norm) in float32 whatever `dtype` is.  None: on for the
+    # CPU, off on a GPU, where the float32 copy of lm_head would be read every step
+    # (for a 1B model with a 128k vocabulary, +20% bytes a decode step).
+    float32_head: Optional[bool] = None
 
     def __post_init__(self) -> None:
         try:
@@ -128,16 +140,22 @@ class EngineConfig:
             raise ConfigError("engine config: max_batch_tokens must be >= 1")
         if self.cuda_graphs not in (None, True, False):
             raise ConfigError(f"engine config: cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
+        if self.float32_head not in (None, True, False):
+            raise ConfigError(f"engine config: float32_head must be None, True or False, got {self.float32_head!r}")
         if not isinstance(self.graph_max_batch, int) or not 1 <= self.graph_max_batch <= 4096:
             raise ConfigError(f"engine config: graph_max_batch must be in 1..4096, got {self.graph_max_batch!r}")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
-        if self.dtype not in (None, torch.float32) and torch.device(self.device).type == "cpu":
-            raise ConfigError(f"engine config: the CPU kernels run float32 only, got dtype {self.dtype}")
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def use_float32_head(self) -> bool:
+        if self.float32_head is None:
+            return self.torch_device.type == "cpu"
+        return self.float32_head
 
     @property
     def use_graphs(self) -> bool:

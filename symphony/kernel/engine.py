@@ -71,7 +71,7 @@ class Engine:
         self.model_config = weights.config
         self.tokenizer = tokenizer
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.model = PagedLlama(weights, self.device, self.dtype)
+        self.model = PagedLlama(weights, self.device, self.dtype, config.use_float32_head)
         self.kv = KVPool(self.model_config, config)
         self.page_size = self.kv.page_size
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_context,

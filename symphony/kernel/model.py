@@ -54,10 +54,18 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
 class PagedLlama:
     """A Llama-family decoder whose attention reads and writes the paged KV pool."""
 
-    def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype):
+    def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 float32_head: bool = True):
         self.config = weights.config
         self.w = weights.to(device, dtype)
         self.device, self.dtype = device, dtype
+        # float32_head: the final norm and lm_head run in float32 whatever the model dtype
+        # (bfloat16 logits step by 0.125 near 20 and tie close candidates: SmolLM2's greedy
+        # answer changes). It costs a float32 copy of lm_head, read every step; otherwise the
+        # head runs in the model dtype and its logits are widened to float32.
+        self.head_dtype = torch.float32 if float32_head else dtype
+        self.lm_head = (self.w.lm_head if self.head_dtype == dtype
+                        else weights.lm_head.to(device, self.head_dtype))
         c = self.config
         inv = rope_inv_freq(c, weights.rope_freq_factors)
         angles = torch.outer(torch.arange(c.max_context, dtype=torch.float32), inv)
@@ -95,8 +103,8 @@ class PagedLlama:
             gu = F.linear(h, lw.w_gate_up)                          # [T, 2 * intermediate]
             x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
-        x = F.rms_norm(x, (c.hidden_size,), w.norm.to(x.dtype), c.rms_eps)
-        return F.linear(x, w.lm_head).float()                       # [R, vocab]
+        x = F.rms_norm(x.to(self.head_dtype), (c.hidden_size,), w.norm.to(self.head_dtype), c.rms_eps)
+        return F.linear(x, self.lm_head).float()                    # [R, vocab]
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a whole prompt over its own K/V ([T, heads, head_dim]

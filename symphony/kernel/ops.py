@@ -23,8 +23,16 @@ of a contiguous pool). Cache slot ``s`` is page ``s // page_size``, offset ``s %
     with float32 accumulation.
 
 q, k and v may be strided along the token dimension (slices of a fused qkv projection) as long
-as each token's ``[heads, head_dim]`` block is contiguous. CPU kernels support float32; CUDA
-kernels float32, float16 and bfloat16.
+as each token's ``[heads, head_dim]`` block is contiguous.
+
+Dtypes: float32, float16 and bfloat16, on the CPU and on CUDA; q, k, v and the caches share
+one dtype. ``write_kv`` copies rows bit-exactly. ``paged_attention`` computes the softmax and
+its accumulations in float32 and rounds the output to q's dtype once. On the CPU, with float16 /
+bfloat16 caches the decode kernel (sequences with at most 8 query rows per KV head) reads the
+cache directly, widening a vector at a time; for the other (prefill-like) sequences the pages
+they read are widened into float32 scratch pages, each distinct page once (never the whole
+pool), for the float32 prefill kernel. Every widening is exact, so the result is the float32
+kernel's on the same values, rounded (nearest even) to q's dtype.
 """
 from __future__ import annotations
 

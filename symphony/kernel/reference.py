@@ -29,6 +29,8 @@ class ReferenceLlama:
         self.config = weights.config
         self.w = weights.to(torch.device(device), dtype)
         self.device, self.dtype = torch.device(device), dtype
+        # float32 final norm and head in every dtype, as the paged model does
+        self.lm_head = weights.lm_head.to(self.device, torch.float32)
         self.inv_freq = rope_inv_freq(self.config, weights.rope_freq_factors).to(self.device)
 
     def new_cache(self, max_len: int) -> ReferenceCache:
@@ -82,5 +84,5 @@ class ReferenceLlama:
             gate, up = (h @ lw.w_gate_up.t()).split(c.intermediate_size, dim=-1)
             x = x + (F.silu(gate) * up) @ lw.w_down.t()
         cache.length = total
-        x = F.rms_norm(x, (c.hidden_size,), w.norm.to(x.dtype), c.rms_eps)
-        return (x @ w.lm_head.t()).float()
+        x = F.rms_norm(x.float(), (c.hidden_size,), w.norm, c.rms_eps)
+        return x @ self.lm_head.t()

@@ -114,14 +114,19 @@ def read_durable(fs, file: Path) -> tuple[dict, torch.Tensor]:
         header = orjson.loads(body[:hlen])
     except orjson.JSONDecodeError as e:
         raise CorruptFile(f"{file}: unreadable header: {e}") from None
-    if header.get("model") != model_fingerprint(fs.engine):
-        raise CorruptFile(f"{file}: written by a different model or KV layout (foreign file)")
     pool = fs.engine.kv.pool
+    # dtype and layout first: the fingerprint covers them too, but this says what differs
+    dtype = str(pool.dtype).replace("torch.", "")
+    if header.get("dtype") != dtype:
+        raise CorruptFile(f"{file}: KV data is {header.get('dtype')} but this kernel runs {dtype} "
+                          f"(written by a kernel with another --dtype)")
     n = header.get("length")
     shape = header.get("page_shape")
-    if shape != [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]] \
-            or header.get("dtype") != str(pool.dtype).replace("torch.", ""):
-        raise CorruptFile(f"{file}: KV layout {shape}/{header.get('dtype')} does not match this kernel")
+    want = [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]]
+    if shape != want:
+        raise CorruptFile(f"{file}: KV layout {shape} does not match this kernel's {want}")
+    if header.get("model") != model_fingerprint(fs.engine):
+        raise CorruptFile(f"{file}: written by a different model or KV layout (foreign file)")
     raw = body[hlen:]
     per_slot = pool.shape[0] * 2 * pool.shape[4] * pool.shape[5] * pool.element_size()
     if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
