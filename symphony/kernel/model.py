@@ -58,7 +58,7 @@ class PagedLlama:
         self.w = weights.to(device, dtype)
         self.device, self.dtype = device, dtype
         # Logits come out of a float32 head in every dtype: bfloat16 logits step by 0.125 near 20
-        # and tie close candidates (SmolLM2's greedy answer changes). Costs a float32 copy.
+        # and tie close candidates (perf/RESULTS.md). Costs a float32 copy of the head.
         self.lm_head = self.w.lm_head if dtype == torch.float32 else weights.lm_head.to(device, torch.float32)
         c = self.config
         inv = rope_inv_freq(c, weights.rope_freq_factors)
