@@ -1,6 +1,7 @@
 """Decode throughput, side by side in one process, on the embedded SmolLM2.
 
     python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--no-llamacpp]
+                                [--dtypes float32,bfloat16,float16] [--threads N]
 
 Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every
 contender alike, and reports medians:
@@ -9,6 +10,9 @@ contender alike, and reports medians:
   * batch-N decode tokens/s of our engine (N sequences, one forward pass per step)
   * the same two figures for llama.cpp (llama-cpp-python) on the same GGUF file,
     when it is installed (it is a perf-only dependency, never needed by CI)
+  * with --dtypes naming several dtypes (default: float32 only), the engine and the
+    plain loop in each of them, in the same rounds, and each dtype's speed relative
+    to the first one (per-round ratios, then their median)
 """
 from __future__ import annotations
 
@@ -23,9 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from symphony.kernel.config import EngineConfig                  # noqa: E402
+from symphony.kernel.config import DTYPES, EngineConfig          # noqa: E402
 from symphony.kernel.engine import Engine, PredRequest           # noqa: E402
-from symphony.kernel.loader import default_model_path            # noqa: E402
+from symphony.kernel.loader import default_model_path, load_model  # noqa: E402
 from symphony.kernel.reference import ReferenceLlama             # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to play the violin."
@@ -147,13 +151,25 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--dtypes", default="float32",
+                    help="comma-separated engine dtypes: float32, bfloat16, float16 (default float32)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dnames = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dnames:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
     threads = torch.get_num_threads()
-    print(f"# SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), CPU, {threads} threads, "
-          f"torch {torch.__version__}", flush=True)
-    eng = Engine.load(config=EngineConfig(page_size=16, kv_memory_bytes=512 * 2**20))
-    ref = ReferenceLlama(eng.model.w)
-    ids = eng.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    print(f"# SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32, run as {', '.join(dnames)}), "
+          f"CPU, {threads} threads, torch {torch.__version__}", flush=True)
+    weights, tok = load_model(None, progress=False)
+    engines = {d: Engine(weights, tok, EngineConfig(page_size=16, kv_memory_bytes=512 * 2**20,
+                                                    dtype=DTYPES[d])) for d in dnames}
+    refs = {d: ReferenceLlama(weights, dtype=DTYPES[d]) for d in dnames}
+    del weights
+    ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     print(f"# prompt {len(ids)} tokens, {args.steps} decode steps, {args.rounds} interleaved rounds", flush=True)
     lcpp = None
     if not args.no_llamacpp:
@@ -162,13 +178,17 @@ def main():
                             n_seq=args.batch, threads=threads)
         except ImportError:
             print("# llama-cpp-python not installed: skipping llama.cpp (pip install llama-cpp-python)")
-    res = {k: [] for k in ("engine_1", "torch_1", "engine_b", "lcpp_1", "lcpp_b")}
-    bench_engine_single(eng, ids, 4)                                 # warm-up
-    bench_reference_single(ref, ids, 4)
+    keys = [f"{k}_{d}" for d in dnames for k in ("engine_1", "torch_1", "engine_b")]
+    res = {k: [] for k in keys + ["lcpp_1", "lcpp_b"]}
+    for d in dnames:                                                 # warm-up
+        bench_engine_single(engines[d], ids, 4)
+        bench_reference_single(refs[d], ids, 4)
+        bench_engine_batch(engines[d], ids, 2, args.batch)
     for r in range(args.rounds):
-        res["engine_1"].append(bench_engine_single(eng, ids, args.steps))
-        res["torch_1"].append(bench_reference_single(ref, ids, args.steps))
-        res["engine_b"].append(bench_engine_batch(eng, ids, args.steps // 2, args.batch))
+        for d in dnames:
+            res[f"engine_1_{d}"].append(bench_engine_single(engines[d], ids, args.steps))
+            res[f"torch_1_{d}"].append(bench_reference_single(refs[d], ids, args.steps))
+            res[f"engine_b_{d}"].append(bench_engine_batch(engines[d], ids, args.steps // 2, args.batch))
         if lcpp:
             res["lcpp_1"].append(lcpp.single(ids, args.steps))
             res["lcpp_b"].append(lcpp.batch(ids, args.steps // 2, args.batch))
@@ -178,17 +198,31 @@ def main():
     b = args.batch
     print("\n| contender | single-stream tok/s | batch-%d tok/s | batch-%d / single |" % (b, b))
     print("|---|---|---|---|")
-    print(f"| symphony paged engine | {med['engine_1']:.1f} | {med['engine_b']:.1f} | "
-          f"{med['engine_b'] / med['engine_1']:.1f}x |")
-    print(f"| plain PyTorch loop (contiguous KV) | {med['torch_1']:.1f} | - | - |")
+    for d in dnames:
+        e1, eb = med[f"engine_1_{d}"], med[f"engine_b_{d}"]
+        print(f"| symphony paged engine, {d} | {e1:.1f} | {eb:.1f} | {eb / e1:.1f}x |")
+        print(f"| plain PyTorch loop (contiguous KV), {d} | {med[f'torch_1_{d}']:.1f} | - | - |")
     if lcpp:
         print(f"| llama.cpp (llama-cpp-python, Q4_1) | {med['lcpp_1']:.1f} | {med['lcpp_b']:.1f} | "
               f"{med['lcpp_b'] / med['lcpp_1']:.1f}x |")
-    print(f"\nengine / plain PyTorch, single stream: {med['engine_1'] / med['torch_1']:.2f}x (target >= 1.0)")
-    print(f"engine batch-{b} / single stream:      {med['engine_b'] / med['engine_1']:.1f}x (target >= 8)")
+    print()
+    for d in dnames:
+        print(f"[{d}] engine / plain PyTorch, single stream: "
+              f"{med[f'engine_1_{d}'] / med[f'torch_1_{d}']:.2f}x (target >= 1.0)")
+        print(f"[{d}] engine batch-{b} / single stream:      "
+              f"{med[f'engine_b_{d}'] / med[f'engine_1_{d}']:.1f}x (target >= 8)")
+    d0 = dnames[0]
+    for d in dnames[1:]:
+        def ratio(k):
+            per_round = [x / y for x, y in zip(res[f"{k}_{d}"], res[f"{k}_{d0}"])]
+            return statistics.median(per_round), min(per_round), max(per_round)
+        for k, what in (("engine_1", "engine single stream"), ("engine_b", f"engine batch-{b}"),
+                        ("torch_1", "plain PyTorch single stream")):
+            m, lo, hi = ratio(k)
+            print(f"{d} / {d0}, {what}: {m:.2f}x (rounds {lo:.2f}..{hi:.2f})")
     if lcpp:
-        print(f"engine / llama.cpp, single stream:     {med['engine_1'] / med['lcpp_1']:.2f}x")
-        print(f"engine / llama.cpp, batch-{b}:          {med['engine_b'] / med['lcpp_b']:.2f}x")
+        print(f"engine / llama.cpp, single stream:     {med[f'engine_1_{d0}'] / med['lcpp_1']:.2f}x")
+        print(f"engine / llama.cpp, batch-{b}:          {med[f'engine_b_{d0}'] / med['lcpp_b']:.2f}x")
 
 
 if __name__ == "__main__":

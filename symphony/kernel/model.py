@@ -61,7 +61,7 @@ class PagedLlama:
         self.device, self.dtype = device, dtype
         # float32_head: the final norm and lm_head run in float32 whatever the model dtype
         # (bfloat16 logits step by 0.125 near 20 and tie close candidates: SmolLM2's greedy
-        # answer changes). It costs a float32 copy of lm_head, read every step; otherwise the
+        # answer changes; perf/RESULTS.md). It costs a float32 copy of lm_head, read every step; otherwise the
         # head runs in the model dtype and its logits are widened to float32.
         self.head_dtype = torch.float32 if float32_head else dtype
         self.lm_head = (self.w.lm_head if self.head_dtype == dtype
@@ -72,6 +72,10 @@ class PagedLlama:
         # [max_context, head_dim/2] complex64: e^{i * pos * freq}
         self.rope = torch.polar(torch.ones_like(angles), angles).to(device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        # A prompt into an empty file attends by scaled_dot_product_attention: flash attention
+        # on a GPU; on the CPU in float32 only (its 16-bit CPU kernel rounds the probabilities,
+        # and a 16-bit model's logits then drift from those of the same prompt fed in a batch).
+        self.fused_prefill = device.type == "cuda" or dtype == torch.float32
 
     @torch.inference_mode()
     def forward(self, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
@@ -93,7 +97,7 @@ class PagedLlama:
             v = qkv[:, c.q_size + c.kv_size:].view(T, c.n_kv_heads, c.head_dim)
             k_cache, v_cache = kv.layer(i)
             ops.write_kv(k, v, k_cache, v_cache, meta.slots)         # token-strided views are fine
-            if meta.fresh_prefill:   # nothing cached before: the library's fused causal attention
+            if meta.fresh_prefill and self.fused_prefill:   # nothing cached before: fused causal attention
                 o = self._causal_attention(q, k, v)
             else:
                 o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,

@@ -30,7 +30,7 @@ class ReferenceLlama:
         self.w = weights.to(torch.device(device), dtype)
         self.device, self.dtype = torch.device(device), dtype
         # float32 final norm and head in every dtype, as the paged model does
-        self.lm_head = weights.lm_head.to(self.device, torch.float32)
+        self.lm_head = self.w.lm_head if dtype == torch.float32 else weights.lm_head.to(self.device, torch.float32)
         self.inv_freq = rope_inv_freq(self.config, weights.rope_freq_factors).to(self.device)
 
     def new_cache(self, max_len: int) -> ReferenceCache:
