@@ -15,6 +15,16 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason
 
 
 @pytest.fixture(scope="module", autouse=True)
+
+def single_threaded(fn, *args):
+    """fn(*args) with torch on one thread (the kernels split work differently)."""
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn(*args)
+    finally:
+        torch.set_num_threads(n)
+
 def _built():
     ops.load()
 
@@ -109,12 +119,7 @@ def test_paged_attention_strided_q_and_threads(device):
     out = ops.paged_attention(qs, kc, vc, pt, cu, kvl, 0.1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     if device == "cpu":
-        n = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            out1 = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.1)
-        finally:
-            torch.set_num_threads(n)
+        out1 = single_threaded(ops.paged_attention, q, kc, vc, pt, cu, kvl, 0.1)
         torch.testing.assert_close(out1, ref, atol=1e-5, rtol=1e-4)
 
 
@@ -215,12 +220,7 @@ def test_paged_attention_half_cpu_strided_q_and_threads(dtype):
     assert not qs.is_contiguous()
     out = ops.paged_attention(qs, kc, vc, pt, cu, kvl, 0.1)
     _check_half(out, q, kc, vc, pt, cu, kvl, 0.1)
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        out1 = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.1)
-    finally:
-        torch.set_num_threads(n)
+    out1 = single_threaded(ops.paged_attention, q, kc, vc, pt, cu, kvl, 0.1)
     _check_half(out1, q, kc, vc, pt, cu, kvl, 0.1)
 
 
