@@ -14,8 +14,6 @@ CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-
 def single_threaded(fn, *args):
     """fn(*args) with torch on one thread (the kernels split work differently)."""
     n = torch.get_num_threads()
@@ -25,6 +23,8 @@ def single_threaded(fn, *args):
     finally:
         torch.set_num_threads(n)
 
+
+@pytest.fixture(scope="module", autouse=True)
 def _built():
     ops.load()
 
