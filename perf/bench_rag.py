@@ -143,7 +143,7 @@ def main() -> int:
     cached, base = list(modes)
     same = sum(answers[cached][q] == answers[base][q] for q in questions)
     doc_tokens = statistics.median(st["prefill_computed"] + st["prefill_reused"] for _, st in cold)
-    print(f"\n### userland/rag.py: kept document KV files vs --no-cache\n")
+    print("\n### userland/rag.py: kept document KV files vs --no-cache\n")
     print(f"{a.docs} documents of {a.sentences} sentences, k={a.k} documents per question "
           f"(median prompt {doc_tokens:.0f} tokens), {a.max_tokens} answer tokens at most, "
           f"{len(questions)} questions x {a.rounds} interleaved rounds; CPU kernel, embedded SmolLM2-135M.\n")

@@ -16,8 +16,6 @@ step timed inside the LIP) and ``prefill_lips`` LIPs that keep sending
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
 import statistics
 import sys
@@ -168,7 +166,7 @@ def main():
     med = lambda key: statistics.median(x[key] for x in rounds)
     lat = [x for r in rounds for x in r["lat"]]
     mlat = [x for r in rounds for x in r["mixed"]["lat"]]
-    print(f"\n| metric | value |\n|---|---|")
+    print("\n| metric | value |\n|---|---|")
     print(f"| A. {args.lips} decoding LIPs: aggregate decode tok/s through the kernel | {med('agg'):.1f} |")
     print(f"| A. in-process engine, batch {args.lips}, same steps | {med('base'):.1f} |")
     print(f"| A. kernel / in-process | {med('agg') / med('base'):.2f}x (target >= 0.85) |")

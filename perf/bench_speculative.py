@@ -17,7 +17,6 @@ the chat template): one single-token pred call per token, the same loop as gener
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess

@@ -205,7 +205,6 @@ def _client_cmd(args) -> int:
 def _run(c, args) -> int:
     import json
     import os
-    import select
     import threading
     path = args.lip_file
     try:

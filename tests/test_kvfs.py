@@ -9,7 +9,7 @@ import torch
 from conftest import HALF_TINY_ATOL, HALF_TINY_SAME_DTYPE_ATOL, TINY_ATOL, tiny_config
 from symphony.kernel.config import EngineConfig
 from symphony.kernel.engine import Engine, PredError
-from symphony.kernel.kvfs import (KVFS, AlreadyExists, BadHandle, CorruptFile, DirectoryNotEmpty,
+from symphony.kernel.kvfs import (KVFS, AlreadyExists, BadHandle, DirectoryNotEmpty,
                                   InvalidArgument, InvalidPath, IsADirectory, KVFSConfig, KVPred,
                                   NoSpace, NotFound, PermissionDenied, Principal, QuotaExceeded,
                                   ReadOnlyHandle)
@@ -271,7 +271,7 @@ def test_quotas_per_user_and_process(weights):
         fs.pred(ALICE2, b, [1] * 5)
     c = fs.create(BOB)
     fs.pred(BOB, c, toks(16))                      # bob is unaffected
-    f = fs.fork(ALICE, a)                          # forking charges nothing
+    fs.fork(ALICE, a)                              # forking charges nothing
     with pytest.raises(QuotaExceeded):
         fs.extract(ALICE, a, [[1, 3]])             # a copy would need a page
     fs.exit_process(1)                             # anonymous files die with the process

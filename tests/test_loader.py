@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from modelfiles import (CHAT_TEMPLATE, TINY_VOCAB_SIZE, hf_state_dict, tiny_hf_config, write_gguf,
+from modelfiles import (TINY_VOCAB_SIZE, hf_state_dict, tiny_hf_config, write_gguf,
                         write_hf_dir)
 from symphony.kernel.config import EngineConfig
 from symphony.kernel.engine import Engine

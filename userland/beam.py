@@ -17,8 +17,6 @@ import argparse
 import heapq
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from symphony.lip import kv, pred, send, tokenize, tokenizer, vocab_size
 
 

@@ -61,8 +61,8 @@ class PagedLlama:
         self.device, self.dtype = device, dtype
         # float32_head: the final norm and lm_head run in float32 whatever the model dtype
         # (bfloat16 logits step by 0.125 near 20 and tie close candidates: SmolLM2's greedy
-        # answer changes; perf/RESULTS.md). It costs a float32 copy of lm_head, read every step; otherwise the
-        # head runs in the model dtype and its logits are widened to float32.
+        # answer changes; perf/RESULTS.md). It costs a float32 copy of lm_head, read every
+        # step; otherwise the head runs in the model dtype and its logits are widened.
         self.head_dtype = torch.float32 if float32_head else dtype
         self.lm_head = (self.w.lm_head if self.head_dtype == dtype
                         else weights.lm_head.to(device, self.head_dtype))

@@ -15,10 +15,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..engine import PredError, PredRequest
+from ..engine import PredRequest
 from ..kv_cache import KVSequence
-from .errors import InvalidArgument, PermissionDenied, ReadOnlyHandle
-from .namespace import Block, Inode, Principal, may
+from .errors import InvalidArgument, ReadOnlyHandle
+from .namespace import Block, Inode, Principal
 
 
 @dataclass
