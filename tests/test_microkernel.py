@@ -26,6 +26,9 @@ def test_parallel_threads_share_batches(kernel):
     after = kernel.client().stats()
     # the four threads' decode steps ran together: batches of several calls
     assert after["max_batch"] >= 4                      # all four threads in one forward pass
+    calls = after["batch_calls"] - before["batch_calls"]
+    passes = after["batches"] - before["batches"]
+    assert calls / passes > 1.5, (calls, passes)        # and most of this run's passes were shared
     assert "parallel-sys.kv" in [e["name"] for e in kernel.client().kv_ls("/shared")]
 
 
