@@ -171,9 +171,14 @@ def test_fresh_prefill_fused_attention_matches_reference(positions):
     cfg = tiny_config(n_heads=6, n_kv_heads=2, head_dim=8, hidden_size=48)
     w = random_weights(cfg, seed=5)
     eng = Engine(w, None, EngineConfig(page_size=4, num_pages=64))
+    assert not eng.model.fused_prefill                 # off on the CPU: the paged kernel is faster there
+    eng.model.fused_prefill = True                     # the GPU's path, checked here
+    fused, calls = eng.model._causal_attention, []
+    eng.model._causal_attention = lambda *a: calls.append(1) or fused(*a)
     ref = ReferenceLlama(w)
     t = toks(13, 7)
     got = eng.pred(eng.new_sequence(), t, positions, all_logits=True)
+    assert len(calls) == cfg.n_layers                  # every layer took the fused path
     torch.testing.assert_close(got, ref.forward(t, positions), atol=TINY_ATOL, rtol=0)
 
 

@@ -72,10 +72,11 @@ class PagedLlama:
         # [max_context, head_dim/2] complex64: e^{i * pos * freq}
         self.rope = torch.polar(torch.ones_like(angles), angles).to(device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
-        # A prompt into an empty file attends by scaled_dot_product_attention: flash attention
-        # on a GPU; on the CPU in float32 only (its 16-bit CPU kernel rounds the probabilities,
-        # and a 16-bit model's logits then drift from those of the same prompt fed in a batch).
-        self.fused_prefill = device.type == "cuda" or dtype == torch.float32
+        # A prompt into an empty file attends by scaled_dot_product_attention (flash attention)
+        # on a GPU. Not on the CPU: there our paged kernel took 0.89-0.96x of SDPA's time for
+        # SmolLM2 prompts of 512 and 1,500 tokens (perf/bench_prefill.py), and SDPA's 16-bit
+        # CPU kernel rounds the probabilities. Tests switch it on to check it.
+        self.fused_prefill = device.type == "cuda"
 
     @torch.inference_mode()
     def forward(self, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
