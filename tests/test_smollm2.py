@@ -58,22 +58,28 @@ def test_paged_logits_match_reference_on_the_real_model(smollm, smollm_reference
         smollm.release(s)
 
 
-def test_batch_equals_members_alone(smollm):
-    tok = smollm.tokenizer
+def assert_batch_equals_members_alone(eng, atol):
+    """Three prompts fed one by one and as one batch: the same last logits (within
+    ``atol``) and the same greedy token; every page comes back."""
+    tok = eng.tokenizer
     prompts = [tok.encode(t) for t in ("Once upon a time", "import numpy as np\n", "Bonjour, je m'appelle")]
     alone = []
     for p in prompts:
-        kv = smollm.new_sequence()
-        alone.append(smollm.pred(kv, p))
-        smollm.release(kv)
-    seqs = [smollm.new_sequence() for _ in prompts]
-    together = smollm.pred_batch([PredRequest(s, p) for s, p in zip(seqs, prompts)])
+        kv = eng.new_sequence()
+        alone.append(eng.pred(kv, p))
+        eng.release(kv)
+    seqs = [eng.new_sequence() for _ in prompts]
+    together = eng.pred_batch([PredRequest(s, p) for s, p in zip(seqs, prompts)])
     for x, y in zip(alone, together):
-        assert (x - y).abs().max() <= 1e-4
+        assert (x - y).abs().max() <= atol
         assert int(x.argmax()) == int(y.argmax())
     for s in seqs:
-        smollm.release(s)
-    assert smollm.kv.allocator.num_used == 0
+        eng.release(s)
+    assert eng.kv.allocator.num_used == 0
+
+
+def test_batch_equals_members_alone(smollm):
+    assert_batch_equals_members_alone(smollm, 1e-4)
 
 
 # ---------------------------------------------------------------- bfloat16 / float16 on the CPU
@@ -149,20 +155,7 @@ def test_half_logits_within_tolerance_of_float32(smollm_half, smollm_reference):
 
 def test_half_batch_equals_members_alone(smollm_half):
     eng, _ = smollm_half
-    tok = eng.tokenizer
-    prompts = [tok.encode(t) for t in ("Once upon a time", "import numpy as np\n", "Bonjour, je m'appelle")]
-    alone = []
-    for p in prompts:
-        kv = eng.new_sequence()
-        alone.append(eng.pred(kv, p))
-        eng.release(kv)
-    seqs = [eng.new_sequence() for _ in prompts]
-    together = eng.pred_batch([PredRequest(s, p) for s, p in zip(seqs, prompts)])
-    for x, y in zip(alone, together):
-        assert (x - y).abs().max() <= HALF_SMOLLM[eng.dtype]["batch"]
-        assert int(x.argmax()) == int(y.argmax())
-    for s in seqs:
-        eng.release(s)
+    assert_batch_equals_members_alone(eng, HALF_SMOLLM[eng.dtype]["batch"])
 
 
 def test_half_greedy_chat_answers_paris(smollm_half):
