@@ -22,10 +22,18 @@ class KernelError(Exception):
 
 
 class Client:
-    def __init__(self, socket_path: Optional[str] = None, user: Optional[str] = None, timeout: float = 30):
+    def __init__(self, socket_path: Optional[str] = None, user: Optional[str] = None, timeout: float = 30,
+                 *, sock: Optional[socket.socket] = None):
+        """Connect to the kernel at ``socket_path`` (default: $SYMPHONY_SOCKET or the
+        default path), or use ``sock``, an already connected Unix socket: the kernel
+        knows the caller by the credentials of whoever connected it (SO_PEERCRED)."""
         from .kernel.protocol import default_socket_path
         self.path = socket_path or default_socket_path()
         self.user = user
+        if sock is not None:
+            self.sock = sock
+            self.sock.settimeout(timeout)
+            return
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:

@@ -51,17 +51,64 @@ def smollm_reference(smollm):
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
+
+IS_ROOT = os.geteuid() == 0
+requires_root = pytest.mark.skipif(
+    not IS_ROOT, reason="needs root: the kernel must run as root to give each LIP its own uid and "
+                        "to let tests connect as other Unix users")
+
+# Two ordinary Unix users for multi-user tests (no passwd entries needed: the kernel
+# names a uid without one "uid<N>").
+ALICE_UID, BOB_UID = 2101, 2102
+
+
+def connect_as(socket_path: str, uid: int, gid: Optional[int] = None) -> "socket.socket":
+    """A Unix socket connected to the kernel by a process running as ``uid``.
+
+    The kernel identifies a client by the credentials of the process that called
+    connect() (SO_PEERCRED), so a forked child drops to ``uid`` (needs root), connects,
+    and hands the connected socket back over SCM_RIGHTS; the caller then speaks as that
+    user.  The socket's directory must be searchable by ``uid``."""
+    import socket as _socket
+    a, b = _socket.socketpair()
+    pid = os.fork()
+    if pid == 0:                                    # child: only plain system calls, then _exit
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(gid if gid is not None else uid)
+            os.setuid(uid)
+            s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            s.connect(socket_path)
+            _socket.send_fds(b, [b"s"], [s.fileno()])
+            code = 0
+        finally:
+            os._exit(code)
+    b.close()
+    try:
+        _, fds, _, _ = _socket.recv_fds(a, 1, 1)
+    finally:
+        a.close()
+        _, status = os.waitpid(pid, 0)
+    if not fds:
+        raise RuntimeError(f"could not connect to {socket_path} as uid {uid} (child status {status})")
+    return _socket.socket(fileno=fds[0])
 
 
 class KernelProc:
     """symphony-kernel running in a subprocess on its own socket."""
 
     def __init__(self, tmp: Path, *extra: str):
-        self.socket = str(tmp / "kernel.sock")
+        # the socket lives in a directory every user may search (tests connect as other uids)
+        self.sock_dir = tempfile.mkdtemp(prefix="symphony-test-", dir="/tmp")
+        os.chmod(self.sock_dir, 0o755)
+        self.socket = os.path.join(self.sock_dir, "kernel.sock")
         self.log = open(tmp / "kernel.log", "w+")
         self.env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
@@ -87,6 +134,11 @@ class KernelProc:
         from symphony.client import Client
         return Client(self.socket, user=user, timeout=timeout)
 
+    def client_as(self, uid: int, timeout: float = 30):
+        """A client connected by a process of Unix user ``uid`` (needs root)."""
+        from symphony.client import Client
+        return Client(self.socket, timeout=timeout, sock=connect_as(self.socket, uid))
+
     def run(self, lip: str, *args: str, user=None, timeout=120, stdin=None, extra=()):
         """`symphony run` as a user would type it; returns CompletedProcess."""
         cmd = [sys.executable, "-m", "symphony.cli", "run", str(lip), *args]
@@ -108,6 +160,10 @@ class KernelProc:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        try:
+            os.rmdir(self.sock_dir)
+        except OSError:
+            pass
         return self.proc.returncode
 
 
