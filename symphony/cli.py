@@ -134,6 +134,7 @@ def kernel_main(argv=None) -> int:
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
     p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
+    _cap_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
@@ -147,11 +148,16 @@ def kernel_main(argv=None) -> int:
     from .kernel.daemon import Kernel
     from .kernel.protocol import default_socket_path
     from .kernel.kvfs import KVFS, KVFSConfig
+    try:
+        caps = _cap_policy(args, args.socket or default_socket_path())
+    except ValueError as e:
+        p.error(str(e))
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
                                  durable_dir=args.durable_dir, user_page_quota=args.user_quota,
                                  process_page_quota=args.process_quota))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
-                    default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget)
+                    default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget,
+                    caps=caps)
     try:
         import uvloop
         uvloop.run(kernel.serve())
@@ -159,6 +165,34 @@ def kernel_main(argv=None) -> int:
         log.error("%s", e)
         return 1
     return 0
+
+
+def _cap_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("capabilities (what a LIP's --grant may give it)")
+    g.add_argument("--allow-read", action="append", default=None, metavar="DIR",
+                   help="a root under which read grants may be given (repeatable; 'none': no read "
+                        "grants; default: anywhere -- files are still read with the user's own permissions)")
+    g.add_argument("--deny-read", action="append", default=[], metavar="DIR",
+                   help="a path no capability may open (repeatable; always denied: /proc, /sys, /dev, "
+                        "/run and the kernel's own directories)")
+    g.add_argument("--allow-http", action="append", default=None, metavar="HOST[:PORT]",
+                   help="a host http grants may name: HOST, HOST:PORT or *.DOMAIN (repeatable; 'none': "
+                        "no http grants; default: any host)")
+    g.add_argument("--cap-workers", type=int, default=4, help="capability worker threads (default 4)")
+    g.add_argument("--cap-share", type=int, default=2,
+                   help="capability calls one LIP may have running at once; more wait their turn (default 2)")
+    g.add_argument("--cap-timeout", type=float, default=30.0,
+                   help="longest a capability call may take, seconds (default 30; http's own timeout "
+                        "may be shorter)")
+
+
+def _cap_policy(args, socket_path: str):
+    import os
+    from .kernel.capabilities import CapPolicy
+    build = os.environ.get("SYMPHONY_BUILD_DIR") or os.path.expanduser("~/.cache/symphony")
+    return CapPolicy.build(allow_read=args.allow_read, deny_read=args.deny_read, allow_http=args.allow_http,
+                           kernel_dirs=[args.durable_dir, args.swap_dir, build], socket_path=socket_path,
+                           workers=args.cap_workers, per_lip=args.cap_share, timeout_s=args.cap_timeout)
 
 
 def _client_cmd(args) -> int:

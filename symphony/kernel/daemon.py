@@ -38,10 +38,11 @@ from typing import Optional
 import orjson
 
 from ..sched import admit, priority_of
+from .capabilities import Capabilities, CapPolicy, Identity, identity_for
 from .kvfs import KVFS, KVFSError, Principal
 from .protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
 from .shm import Doorbell, KernelSide
-from .syscalls import LipProc, SyscallServer
+from .syscalls import MAX_MESSAGE_BYTES, LipProc, SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 
@@ -52,7 +53,7 @@ _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 class Kernel:
     def __init__(self, engine, fs: KVFS, socket_path: str, *, max_lips: int = 256,
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
-                 token_budget: Optional[int] = None):
+                 token_budget: Optional[int] = None, caps: Optional[CapPolicy] = None):
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
         self.max_lips, self.n_slots = max_lips, n_slots
         self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
@@ -61,8 +62,9 @@ class Kernel:
         self.instance = secrets.token_hex(4)
         self.prefix = f"sym{self.instance}"
         self.doorbell = Doorbell.create(self.prefix)
+        self.caps = Capabilities(caps, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
         self.sys = SyscallServer(engine, fs, self.doorbell, self._emit_threadsafe, self._kill_threadsafe,
-                                 max_batch_tokens=token_budget)
+                                 max_batch_tokens=token_budget, caps=self.caps)
         self.lips: dict[int, LipProc] = {}
         self.finished: deque = deque(maxlen=100)
         self.by_pid: dict[int, LipProc] = {}
@@ -135,7 +137,7 @@ class Kernel:
         log.info("kernel stopped (%d durable KV files synced)", len(synced or []))
 
     # ================================================================== LIPs
-    async def spawn(self, user: str, msg: dict, watcher=None) -> LipProc:
+    async def spawn(self, user: str, msg: dict, watcher=None, owner: Optional[Identity] = None) -> LipProc:
         source, filename, args = msg.get("source"), msg.get("filename", "lip.py"), msg.get("args", [])
         if not isinstance(source, str) or len(source) > MAX_SOURCE:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
@@ -146,7 +148,7 @@ class Kernel:
         if not ok:
             raise ValueError(f"LIP not admitted: {why}")
         priority = priority_of(msg.get("priority", "normal"))
-        grants = _check_grants(msg.get("grants") or {})
+        grants = self.caps.policy.check_grants(msg.get("grants") or {}, owner)
         limits = _check_limits({**self.default_limits, **(msg.get("limits") or {})})
         lip_id = self.next_id
         self.next_id += 1
@@ -154,6 +156,7 @@ class Kernel:
                                  arena_bytes=self.arena_bytes, doorbell=self.doorbell)
         lip = LipProc(lip_id, user, str(filename)[:200], args, ring, grants, limits)
         lip.priority = priority
+        lip.owner_uid, lip.owner_gid, lip.owner_groups = owner or (-1, -1, ())   # file capabilities' identity
         lip.state = "running"
         self.lips[lip_id] = lip
         self.sys.submit(lambda: self.sys.add(lip))     # queued before the zygote forks: FIFO, never blocks the loop
@@ -268,7 +271,8 @@ class Kernel:
         user = _user_for(uid, msg.get("user"))
         if op == "spawn":
             attach = msg.get("attach", True)
-            lip = await self.spawn(user, msg, watcher=writer if attach else None)
+            lip = await self.spawn(user, msg, watcher=writer if attach else None,
+                                   owner=identity_for(uid, user, acting=msg.get("user") is not None))
             if attach:
                 attached.add(lip.id)
             return {"event": "started", "lip": lip.id}
@@ -347,19 +351,6 @@ def _user_for(uid: int, asked) -> str:
     except KeyError:
         name = f"uid{uid}"
     return name if _USER_RE.fullmatch(name) else f"uid{uid}"
-
-
-def _check_grants(g: dict) -> dict:
-    if not isinstance(g, dict) or set(g) - {"http", "read"}:
-        raise ValueError("grants must be {'http': [hosts], 'read': [dirs]}")
-    http = g.get("http", [])
-    read = g.get("read", [])
-    if not all(isinstance(h, str) and re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+", h) for h in http):
-        raise ValueError(f"bad http grant {http!r}: host or host:port")
-    for d in read:
-        if not isinstance(d, str) or not os.path.isabs(d) or not os.path.isdir(d):
-            raise ValueError(f"read grant {d!r} is not an existing absolute directory")
-    return {"http": list(http), "read": [os.path.realpath(d) for d in read]}
 
 
 def _check_limits(lim: dict) -> dict:

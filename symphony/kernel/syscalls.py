@@ -19,10 +19,7 @@ import os
 import queue
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,6 +29,7 @@ import orjson
 import torch
 
 from . import abi
+from .capabilities import CapError, Capabilities
 from .engine import PredError
 from .kvfs import KVFS, KVFSError, KVPred, Principal
 from .page_allocator import OutOfPages
@@ -67,6 +65,9 @@ class LipProc:
     limits: dict
     pid: int = 0
     priority: int = 0
+    owner_uid: int = -1         # the submitting user's Unix identity, for file capabilities
+    owner_gid: int = -1         # (-1: unknown -> they read as nobody)
+    owner_groups: tuple = ()
     caps_in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
     blocked_since: float = 0.0
@@ -99,7 +100,7 @@ class _Pending:
 class SyscallServer:
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
-                 chunk_tokens: Optional[int] = None):
+                 chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None):
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.vocab = engine.model_config.vocab_size
@@ -113,7 +114,7 @@ class SyscallServer:
         self.sched = BatchScheduler(token_budget=self.max_batch_tokens, chunk_tokens=chunk_tokens,
                                     gather_s=0.003)
         fs.evict_first = self._blocked_pids
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="symphony-cap")
+        self.caps = caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES)
         self.stop = threading.Event()
         self.batches = 0
         self.batch_calls = 0
@@ -466,22 +467,24 @@ class SyscallServer:
         lip.parked_recv = None
         self._reply(lip, slot, cid, {"data": lip.inbox.popleft()} if lip.inbox else {"eof": True})
 
-    def _cap(self, fn):
+    def _cap(self, op: str):
+        """A capability call: run on the capability pool (policy, per-LIP share,
+        deadline: see capabilities/), answered from the syscall thread."""
         def h(self, lip, slot, cid, body, toks):
-            def done(reply):
-                lip.caps_in_flight -= 1
-                reply()
+            def done(res, err):
+                if isinstance(err, CapError):
+                    err = SyscallFailure(err.type, err.code, str(err))
 
-            def job():
-                try:
-                    res = fn(lip, body)
-                    self.submit(lambda: done(lambda: self._reply(lip, slot, cid, res)))
-                except Exception as e:
-                    err = e                                  # `e` is unbound after the except block
-                    self.submit(lambda: done(lambda: self._reply_error(lip, slot, cid, err)))
+                def reply():
+                    lip.caps_in_flight -= 1
+                    if err is None:
+                        self._reply(lip, slot, cid, res)
+                    else:
+                        self._reply_error(lip, slot, cid, err)
+                self.submit(reply)
             lip.caps_in_flight += 1
             lip.blocked_since = time.monotonic()
-            self.pool.submit(job)
+            self.caps.submit(lip, op, body, done)
             return None
         return h
 
@@ -599,72 +602,6 @@ def _kv_simple(method, *keys):
     return h
 
 
-# ---------------------------------------------------------------- capabilities (thread pool)
-def _cap_http(lip: LipProc, b: dict) -> dict:
-    url = b.get("url")
-    if not isinstance(url, str):
-        _fail("InvalidArgument", "EINVAL", "url must be a string")
-    u = urllib.parse.urlsplit(url)
-    hosts = lip.grants.get("http", [])
-    host = u.hostname or ""
-    hostport = f"{host}:{u.port}" if u.port else host
-    if u.scheme not in ("http", "https") or not (host in hosts or hostport in hosts):
-        _fail("PermissionDenied", "EACCES", f"HTTP to {hostport or url!r} is not granted to this LIP "
-              f"(granted: {hosts or 'none'})")
-    method = b.get("method", "GET")
-    if method not in ("GET", "POST", "PUT", "DELETE", "HEAD"):
-        _fail("InvalidArgument", "EINVAL", f"bad HTTP method {method!r}")
-    data = b.get("body")
-    req = urllib.request.Request(url, method=method, data=data.encode() if isinstance(data, str) else None,
-                                 headers={str(k): str(v) for k, v in (b.get("headers") or {}).items()})
-    timeout = min(float(b.get("timeout", 10.0)), 60.0)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(req, timeout=timeout) as r:
-            body = r.read(MAX_MESSAGE_BYTES).decode("utf-8", "replace")
-            return {"status": r.status, "headers": dict(r.headers), "body": body}
-    except urllib.error.HTTPError as e:
-        return {"status": e.code, "headers": dict(e.headers or {}), "body": e.read(MAX_MESSAGE_BYTES).decode("utf-8", "replace")}
-    except (urllib.error.URLError, OSError) as e:
-        _fail("CapabilityError", "EIO", f"HTTP request failed: {e}")
-
-
-def _granted_path(lip: LipProc, b: dict) -> Path:
-    p = b.get("path")
-    if not isinstance(p, str):
-        _fail("InvalidArgument", "EINVAL", "path must be a string")
-    real = Path(os.path.realpath(p))
-    for d in lip.grants.get("read", []):
-        root = Path(os.path.realpath(d))
-        if real == root or root in real.parents:
-            return real
-    _fail("PermissionDenied", "EACCES", f"{p} is not under a directory granted to this LIP "
-          f"(granted: {lip.grants.get('read') or 'none'})")
-
-
-def _cap_read(lip, b):
-    p = _granted_path(lip, b)
-    n = b.get("max_bytes", 1 << 20)
-    n = n if isinstance(n, int) and 0 < n <= MAX_MESSAGE_BYTES else MAX_MESSAGE_BYTES
-    try:
-        with open(p, "rb") as f:
-            return {"data": f.read(n).decode("utf-8", "replace")}
-    except FileNotFoundError:
-        _fail("NotFound", "ENOENT", f"{b['path']} does not exist")
-    except IsADirectoryError:
-        _fail("IsADirectory", "EISDIR", f"{b['path']} is a directory")
-
-
-def _cap_list(lip, b):
-    p = _granted_path(lip, b)
-    try:
-        return {"entries": sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(p))[:10000]}
-    except FileNotFoundError:
-        _fail("NotFound", "ENOENT", f"{b['path']} does not exist")
-    except NotADirectoryError:
-        _fail("NotADirectory", "ENOTDIR", f"{b['path']} is not a directory")
-
-
 S = SyscallServer
 S._handlers = {
     abi.NOP: S._nop, abi.INFO: S._info, abi.PRED: S._pred,
@@ -678,6 +615,6 @@ S._handlers = {
     abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode", 0o755)) or {}),
     abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
     abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream,
-    abi.CAP_HTTP: S._cap(S, _cap_http), abi.CAP_READ_FILE: S._cap(S, _cap_read),
-    abi.CAP_LIST_DIR: S._cap(S, _cap_list),
+    abi.CAP_HTTP: S._cap(S, "http"), abi.CAP_READ_FILE: S._cap(S, "read"),
+    abi.CAP_LIST_DIR: S._cap(S, "list"),
 }
