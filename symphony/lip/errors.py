@@ -26,6 +26,7 @@ class NoSpace(SyscallError): pass
 class CorruptFile(SyscallError): pass
 class PredError(InvalidArgument): pass
 class CapabilityError(SyscallError): pass
+class TimedOut(CapabilityError): pass
 class NotInLIP(RuntimeError):
     """The LIP library was used outside a LIP worker (no kernel to call)."""
 
@@ -33,4 +34,4 @@ class NotInLIP(RuntimeError):
 BY_NAME = {c.__name__: c for c in (SyscallError, NotFound, AlreadyExists, PermissionDenied,
                                    NotADirectory, IsADirectory, DirectoryNotEmpty, BadHandle,
                                    ReadOnlyHandle, InvalidPath, InvalidArgument, QuotaExceeded,
-                                   NoSpace, CorruptFile, PredError, CapabilityError)}
+                                   NoSpace, CorruptFile, PredError, CapabilityError, TimedOut)}
