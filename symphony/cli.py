@@ -157,7 +157,7 @@ def kernel_main(argv=None) -> int:
                                  process_page_quota=args.process_quota))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
                     default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget,
-                    caps=caps)
+                    cap_policy=caps)
     try:
         import uvloop
         uvloop.run(kernel.serve())

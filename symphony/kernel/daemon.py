@@ -53,7 +53,7 @@ _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 class Kernel:
     def __init__(self, engine, fs: KVFS, socket_path: str, *, max_lips: int = 256,
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
-                 token_budget: Optional[int] = None, caps: Optional[CapPolicy] = None):
+                 token_budget: Optional[int] = None, cap_policy: Optional[CapPolicy] = None):
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
         self.max_lips, self.n_slots = max_lips, n_slots
         self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
@@ -62,7 +62,7 @@ class Kernel:
         self.instance = secrets.token_hex(4)
         self.prefix = f"sym{self.instance}"
         self.doorbell = Doorbell.create(self.prefix)
-        self.caps = Capabilities(caps, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
+        self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
         self.sys = SyscallServer(engine, fs, self.doorbell, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps)
         self.lips: dict[int, LipProc] = {}
