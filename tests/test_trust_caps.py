@@ -36,6 +36,7 @@ def area():
 
 def run_lip(client, name, args, grants, timeout=90):
     """Spawn a LIP, collect its messages and exit event."""
+    _open_clients.append(client)
     lip = client.spawn((HOSTILE / f"{name}.py").read_text(), [str(a) for a in args], filename=f"{name}.py",
                        grants=grants)
     events = list(client.events(timeout=timeout))
@@ -43,11 +44,23 @@ def run_lip(client, name, args, grants, timeout=90):
     return lip, outs, events[-1]
 
 
+_open_clients = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    """A failed test must not leave its LIPs running (their client's disconnect kills them)."""
+    yield
+    while _open_clients:
+        _open_clients.pop().close()
+
+
 class Neighbour:
     """alice's cap_reader: one read at start, one more on demand."""
 
     def __init__(self, kernel, path: Path):
         self.c = kernel.client_as(ALICE_UID)
+        _open_clients.append(self.c)
         self.lip = self.c.spawn((REPO / "tests/lips/cap_reader.py").read_text(), [str(path)],
                                 filename="cap_reader.py", grants={"read": [str(path.parent)]})
         self.events = self.c.events(timeout=60)
@@ -222,6 +235,7 @@ def test_http_redirect_to_an_ungranted_host_refused(kernel, area, servers):
 def test_slow_http_flood_does_not_starve_another_lips_capabilities(kernel, area, servers):
     (a, _), hits = servers
     bob = kernel.client_as(BOB_UID)
+    _open_clients.append(bob)
     bob.spawn((HOSTILE / "cap_http.py").read_text(), [f"http://127.0.0.1:{a}/slow", "8"],
               filename="cap_http.py", grants={"http": [f"127.0.0.1:{a}"]})
     deadline = time.time() + 20
