@@ -136,6 +136,7 @@ def kernel_main(argv=None) -> int:
     p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
     _cap_args(p)
     args = p.parse_args(argv)
+    caps = _cap_policy(p, args)                  # validated before the model loads
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     log = logging.getLogger("symphony.kernel")
@@ -148,10 +149,6 @@ def kernel_main(argv=None) -> int:
     from .kernel.daemon import Kernel
     from .kernel.protocol import default_socket_path
     from .kernel.kvfs import KVFS, KVFSConfig
-    try:
-        caps = _cap_policy(args, args.socket or default_socket_path())
-    except ValueError as e:
-        p.error(str(e))
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
                                  durable_dir=args.durable_dir, user_page_quota=args.user_quota,
                                  process_page_quota=args.process_quota))
@@ -186,13 +183,19 @@ def _cap_args(p: argparse.ArgumentParser) -> None:
                         "may be shorter)")
 
 
-def _cap_policy(args, socket_path: str):
+def _cap_policy(p: argparse.ArgumentParser, args):
+    """The capability policy from the kernel's flags (exits with a usage error if one is bad)."""
     import os
     from .kernel.capabilities import CapPolicy
+    from .kernel.protocol import default_socket_path
     build = os.environ.get("SYMPHONY_BUILD_DIR") or os.path.expanduser("~/.cache/symphony")
-    return CapPolicy.build(allow_read=args.allow_read, deny_read=args.deny_read, allow_http=args.allow_http,
-                           kernel_dirs=[args.durable_dir, args.swap_dir, build], socket_path=socket_path,
-                           workers=args.cap_workers, per_lip=args.cap_share, timeout_s=args.cap_timeout)
+    try:
+        return CapPolicy.build(allow_read=args.allow_read, deny_read=args.deny_read, allow_http=args.allow_http,
+                               kernel_dirs=[args.durable_dir, args.swap_dir, build],
+                               socket_path=args.socket or default_socket_path(), workers=args.cap_workers,
+                               per_lip=args.cap_share, timeout_s=args.cap_timeout)
+    except (ValueError, RuntimeError) as e:
+        p.error(str(e))
 
 
 def _client_cmd(args) -> int:

@@ -407,3 +407,13 @@ def test_http_arguments_are_validated():
                      ({"url": "http://x/", "body": 5}, "body")):
         with pytest.raises(CapError, match=match):
             caphttp.check_args(b, 60, MB)
+
+
+def test_kernel_flags_are_checked_before_the_model_loads(capsys):
+    from symphony.cli import kernel_main
+    for argv, match in ((["--cap-share", "0"], "--cap-share"), (["--allow-read", "rel"], "absolute"),
+                        (["--allow-http", "a/b"], "--allow-http entry"), (["--cap-timeout", "0"], "--cap-timeout")):
+        with pytest.raises(SystemExit) as e:
+            kernel_main(argv)
+        assert e.value.code == 2
+        assert match in capsys.readouterr().err
