@@ -162,8 +162,8 @@ import signal
 import struct
 import threading
 
-__all__ = ["SandboxError", "apply_rlimits", "drop_capabilities", "install_seccomp",
-           "lockdown", "build_filter", "SYSCALLS", "DENY_RULES"]
+__all__ = ["SandboxError", "apply_rlimits", "drop_capabilities", "drop_identity", "die_with_parent",
+           "install_seccomp", "lockdown", "build_filter", "SYSCALLS", "DENY_RULES"]
 
 
 class SandboxError(Exception):
@@ -177,6 +177,7 @@ PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 PR_GET_NO_NEW_PRIVS = 39
 PR_SET_MM = 35
+PR_SET_PDEATHSIG = 1
 
 SECCOMP_MODE_FILTER = 2
 SECCOMP_SET_MODE_FILTER = 1
@@ -633,24 +634,66 @@ def _close_fds(keep_fds: set[int]) -> None:
     os.closerange(lo, hi)
 
 
+def drop_identity(uid: int, gid: int) -> None:
+    """Become ``uid``/``gid`` for good: no supplementary groups, real = effective =
+    saved ids (needs root; afterwards every capability is gone too)."""
+    for v, name in ((uid, "uid"), (gid, "gid")):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < (1 << 32) - 1:
+            raise SandboxError(f"{name} must be an unprivileged id (1 .. 2^32-2), got {v!r}")
+    try:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    except OSError as e:
+        raise SandboxError(f"cannot switch to uid {uid} / gid {gid}: {e}") from e
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
+        raise SandboxError(f"identity switch to {uid}/{gid} did not stick")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """PR_SET_PDEATHSIG(SIGKILL), then make sure the parent is still ``parent_pid``.
+
+    Must come *after* any uid change: the kernel clears the setting on one."""
+    _need_libc()
+    if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise _oserror("prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent_pid:
+        raise SandboxError("the parent died before the worker was set up")
+
+
 def lockdown(*, own_pid: int, keep_fds: set[int], address_space_bytes: int | None,
              cpu_seconds: int | None, open_files: int | None,
-             file_size_bytes: int | None = 0, drop_caps: bool = True) -> None:
+             file_size_bytes: int | None = 0, drop_caps: bool = True,
+             uid: int | None = None, gid: int | None = None, max_threads: int | None = None,
+             parent_pid: int | None = None) -> None:
     """Lock the calling process down before running untrusted code.
 
-    Closes all fds except ``keep_fds``, applies rlimits, drops capabilities and
-    installs the seccomp filter (see the module docstring).  Raises SandboxError
-    on any failure; the caller must then exit without running user code."""
+    In this order: close all fds except ``keep_fds``; rlimits (``max_threads`` sets
+    RLIMIT_NPROC, which binds once the process is not root); switch to ``uid`` /
+    ``gid`` if given (``drop_identity``); die with ``parent_pid`` if given
+    (``die_with_parent``); drop capabilities; install the seccomp allow list (see the
+    module docstring).  Raises SandboxError on any failure; the caller must then exit
+    without running user code."""
     try:
         _need_libc()
         _arch()
         if not isinstance(own_pid, int) or own_pid <= 0:
             raise SandboxError(f"own_pid must be a positive pid, got {own_pid!r}")
+        if (uid is None) != (gid is None):
+            raise SandboxError("uid and gid go together")
+        if max_threads is not None and (not isinstance(max_threads, int) or max_threads < 1):
+            raise SandboxError(f"max_threads must be a positive int, got {max_threads!r}")
         _close_fds(set(keep_fds))
         if file_size_bytes is not None and threading.current_thread() is threading.main_thread():
             # Writing past RLIMIT_FSIZE then fails with EFBIG instead of killing us.
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         apply_rlimits(address_space_bytes, cpu_seconds, open_files, file_size_bytes)
+        if max_threads is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (max_threads, max_threads))
+        if uid is not None:
+            drop_identity(uid, gid)
+        if parent_pid is not None:
+            die_with_parent(parent_pid)
         if drop_caps:
             drop_capabilities()
         install_seccomp(own_pid)
