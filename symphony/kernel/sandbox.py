@@ -1,11 +1,12 @@
-"""Process lockdown for LIP workers: fd cleanup, rlimits, capabilities, seccomp-bpf.
+"""Process lockdown for LIP workers: fds, rlimits, identity, capabilities, seccomp-bpf.
 
 A LIP (user program) runs in its own process, forked from a zygote that has
 already imported everything a LIP may use.  Before any user code runs, the
 worker calls ::
 
-    lockdown(own_pid=os.getpid(), keep_fds={0, 1, 2, ...},
-             address_space_bytes=..., cpu_seconds=..., open_files=...)
+    lockdown(own_pid=os.getpid(), keep_fds={0, 1, 2, bell}, address_space_bytes=...,
+             cpu_seconds=..., open_files=..., uid=..., gid=..., max_threads=...,
+             parent_pid=zygote_pid)
 
 which, in this order,
 
@@ -14,17 +15,30 @@ which, in this order,
 2. applies resource limits (``apply_rlimits``): RLIMIT_AS, RLIMIT_CPU
    (soft = n, hard = n + 1: SIGXCPU first, SIGKILL one second later),
    RLIMIT_NOFILE, RLIMIT_FSIZE = 0 (no file may grow; SIGXFSZ is ignored so
-   such a write fails with EFBIG instead of killing the LIP) and RLIMIT_CORE = 0,
-3. drops every Linux capability of the (single, freshly forked) thread, so a
-   worker running as root cannot raise its hard limits or use CAP_SYS_* paths
-   (skip with ``drop_caps=False``),
-4. sets PR_SET_NO_NEW_PRIVS and installs a seccomp-bpf filter, built here with
-   ``struct`` (no libseccomp), with SECCOMP_FILTER_FLAG_TSYNC so that every
-   thread of the process gets it.  The filter can never be removed; it is
-   inherited by every thread the LIP creates.
+   such a write fails with EFBIG instead of killing the LIP), RLIMIT_CORE = 0,
+   and RLIMIT_NPROC = ``max_threads`` (it binds once the process is not root:
+   each LIP has a uid of its own, so it counts exactly that LIP's threads),
+3. switches to the LIP's own ``uid`` / ``gid`` (``drop_identity``: no
+   supplementary groups, real = effective = saved), when given,
+4. PR_SET_PDEATHSIG(SIGKILL) towards ``parent_pid`` (``die_with_parent``; after
+   the uid switch, which clears it), so a worker never outlives its zygote,
+5. drops every Linux capability of the (single, freshly forked) thread
+   (skip with ``drop_caps=False``; matters when no uid switch happened),
+6. sets PR_SET_NO_NEW_PRIVS and installs a seccomp-bpf **allow list**, built
+   here with ``struct``, with SECCOMP_FILTER_FLAG_TSYNC so that every thread of
+   the process gets it.  The filter can never be removed; it is inherited by
+   every thread the LIP creates.
 
 Any failure raises ``SandboxError``; the worker must then exit rather than run
 user code.
+
+Why our own BPF builder, not libseccomp: the maintained Python binding
+(``seccomp``, from libseccomp's source tree) is not on PyPI (Debian ships it as
+python3-seccomp, which a virtualenv cannot use), and ``pyseccomp`` is a ctypes
+shim that still needs the system's libseccomp.so.2, which a fresh machine may
+lack; neither installs from setup.py alone.  The filter here is small, its
+syscall numbers are checked against the kernel headers by the tests, and the
+tests run every rule through a BPF interpreter.
 
 Filter
 ------
@@ -32,108 +46,77 @@ First the architecture is checked: the filter is built for the running arch
 (x86-64 or AArch64) and a syscall made through any other ABI (i386 ``int 0x80``
 on x86-64, AArch32 compat on arm64, or x86-64's x32 numbers >= 0x40000000)
 kills the whole process (SECCOMP_RET_KILL_PROCESS).  Then the syscall number
-is compared against the table below; anything not listed is ALLOWED (pure
-compute, memory management, futexes, threads, time, read/write on fds that are
-already open, mmap, signals to oneself, ...).
+is looked up; **anything not listed fails with EPERM** (ENOSYS / EACCES /
+ENOTTY where that reads better to Python).  The list is what a zygote-forked
+Python LIP (numpy, threads, llguidance, tokenizers) was seen to need, under
+strace, running the stock LIPs and the tests' LIPs:
 
-=============================  ==============  ================================================
-syscalls                       result          why
-=============================  ==============  ================================================
-open, openat, openat2, creat   EACCES          no file system access at all
-open_by_handle_at,             EPERM           opening files by handle / probing handles
-name_to_handle_at
-socket, socketpair             EPERM           no network, no unix sockets (send/recv*,
-                                               connect, bind, listen, accept(4) are denied
-                                               too; without a socket fd they are moot)
-connect, bind, listen,         EPERM           see above
-accept, accept4
-execve, execveat               EPERM           no other programs
-fork, vfork                    EPERM           no child processes (fork bombs fail at once)
-clone                          EPERM unless    threads only: flags must contain CLONE_THREAD
-                               it is a thread  and no CLONE_NEW* namespace flag
-clone3                         ENOSYS          flags live in memory, uninspectable; glibc
-                                               then falls back to clone, which we inspect
-ptrace, process_vm_readv,      EPERM           no access to other processes' memory
-process_vm_writev, kcmp
-kill, tkill, tgkill,           EPERM unless    a LIP may signal itself (target pid/tgid ==
-rt_sigqueueinfo,               target is self  own_pid), never the kernel or another LIP
+=============================  ===============  ===============================================
+syscalls                       result           why
+=============================  ===============  ===============================================
+read, write, readv, writev,    allowed          I/O on fds the LIP already has (its ring's
+pread64, pwrite64, preadv(2),                   doorbell, /dev/null, pipes it makes)
+pwritev(2), lseek, close
+futex, sched_yield, nanosleep, allowed          threads, locks, sleeping, time
+clock_*, gettimeofday, time,
+getitimer, setitimer, alarm,
+timer_*, timerfd_*
+munmap, mremap, madvise, brk,  allowed          memory management
+msync, mincore
+mmap, mprotect                 EPERM if         no new executable memory (nothing in a LIP
+                               PROT_EXEC        needs it once the zygote has loaded the libraries)
+rt_sig*, sigaltstack,          allowed          signal handling in the process itself
+signalfd(4)
+set_robust_list, rseq,         allowed          thread start-up / exit (glibc)
+set_tid_address, membarrier,
+restart_syscall, exit,
+exit_group
+clone                          EPERM unless     threads only: flags must contain CLONE_THREAD
+                               a thread         and no CLONE_NEW* namespace flag
+clone3                         ENOSYS           flags live in memory, uninspectable; glibc
+                                                then falls back to clone
+get*id, getres*id, getgroups,  allowed          harmless queries
+getpgid, getsid, uname,
+getrusage, times, sysinfo,
+getcpu, getpriority, getrlimit,
+capget, sched_get*, getcwd,
+getrandom
+pipe(2), eventfd(2), epoll_*,  allowed          in-process plumbing (threading, queues)
+poll, ppoll, select, pselect6,
+dup, dup2, dup3
+fstat, newfstatat              allowed          glibc's fstat() is newfstatat(fd, "", ...);
+                                                a path there is checked against the LIP's
+                                                own uid (root-only paths fail)
+stat, lstat, access,           EACCES           no path lookups (the LIP has no file system)
+faccessat(2), readlink(at),
+open, openat, openat2, creat
+statx                          ENOSYS           Rust's std then falls back to fstat
+kill, tkill, tgkill,           EPERM unless     a LIP may signal itself only (and a
+rt_sigqueueinfo,               target is self   different uid could not signal others anyway)
 rt_tgsigqueueinfo
-pidfd_open, pidfd_getfd,       EPERM           handles on other processes
-pidfd_send_signal,
-process_madvise,
-process_mrelease
-unlink, unlinkat, rename,      EPERM           no file system modification
-renameat, renameat2, mkdir,
-mkdirat, rmdir, link, linkat,
-symlink, symlinkat, mknod,
-mknodat, chmod, fchmod,
-fchmodat, fchmodat2, chown,
-fchown, fchownat, lchown,
-utime, utimes, futimesat,
-utimensat, setxattr,
-lsetxattr, fsetxattr,
-removexattr, lremovexattr,
-fremovexattr, setxattrat,
-removexattrat
-truncate, ftruncate,           EPERM           shared-memory segments must not be resized
-fallocate                                      by the LIP
-chroot, pivot_root, mount,     EPERM           mounts and namespaces
-umount2, open_tree, move_mount,
-fsopen, fsconfig, fsmount,
-fspick, mount_setattr,
-open_tree_attr, unshare, setns
-setuid, setgid, setreuid,      EPERM           identity and privilege changes
-setregid, setresuid,
-setresgid, setgroups,
-setfsuid, setfsgid, capset
-setrlimit                      EPERM           limits may not be changed ...
-prlimit64                      EPERM if it     ... but may be read (new_limit == NULL)
-                               sets a limit
-setpriority,                   EPERM           no priority boosts / real-time scheduling;
-sched_setparam,                                no renicing other processes
-sched_setscheduler,
-sched_setattr, ioprio_set
-sched_setaffinity              EPERM unless    pinning other processes
+sched_getaffinity              EPERM unless     self only
                                pid is 0 / self
-migrate_pages, move_pages      EPERM           moving other processes' memory
-bpf, perf_event_open,          EPERM           large kernel attack surface, not needed
-userfaultfd, io_uring_setup,
-io_uring_enter,
-io_uring_register, keyctl,
-add_key, request_key,
-modify_ldt (x86), personality,
-iopl, ioperm (x86),
-uselib, _sysctl (x86)
-init_module, finit_module,     EPERM           system administration
-delete_module, kexec_load,
-kexec_file_load, reboot,
-swapon, swapoff, quotactl,
-quotactl_fd, acct,
-settimeofday, clock_settime,
-adjtimex, clock_adjtime,
-sethostname, setdomainname,
-syslog, vhangup,
-lookup_dcookie
-fanotify_init, inotify_init,   EPERM           watching the file system
-inotify_init1
-shmget, shmat, shmctl, shmdt,  EPERM           SysV IPC ids are global and guessable
-semget, semop, semtimedop,
-semctl, msgget, msgsnd,
-msgrcv, msgctl
-mq_open, mq_unlink             EPERM           POSIX message queues (global names)
-ioctl                          EPERM if cmd    no injecting keystrokes into a terminal;
-                               is TIOCSTI or   every other ioctl is allowed
-                               TIOCLINUX
-prctl                          EPERM if        rewriting the memory map's metadata;
-                               PR_SET_MM       every other prctl is allowed
-=============================  ==============  ================================================
-
-Explicitly allowed (often asked about): threads (clone with CLONE_THREAD),
-futex, mmap/mprotect/munmap/mremap/madvise (anonymous and of already-open fds),
-memfd_create, read/write/sendto/recvfrom on already-open fds, pipe/pipe2,
-eventfd, epoll, poll/select, nanosleep/clock_nanosleep, getrandom, stat-family
-calls (no open), chdir/fchdir, prctl (except PR_SET_MM), seccomp and landlock
-(stacking only restricts further).
+prlimit64                      EPERM unless     reading its own limits only
+                               pid 0/self and
+                               new_limit NULL
+fcntl                          EPERM unless     F_DUPFD(_CLOEXEC), F_GETFD, F_SETFD, F_GETFL,
+                               allowed cmd      F_SETFL without O_ASYNC, F_GETPIPE_SZ,
+                                                F_GET_SEALS; never F_SETOWN(_EX), F_SETSIG,
+                                                F_SETLEASE, F_NOTIFY (signals to others)
+ioctl                          ENOTTY unless    FIONREAD, FIONBIO, FIOCLEX, FIONCLEX only
+                               allowed cmd      (isatty() reads "not a terminal"; no TIOCSTI)
+prctl                          EPERM unless     PR_GET_DUMPABLE, PR_SET/GET_NAME,
+                               allowed option   PR_GET_SECCOMP, PR_CAPBSET_READ,
+                                                PR_GET_TIMERSLACK, PR_GET_NO_NEW_PRIVS,
+                                                PR_GET_THP_DISABLE, PR_SET_VMA (naming
+                                                anonymous memory)
+arch_prctl (x86-64)            allowed          TLS set-up
+everything else                EPERM            sockets, fork/exec, wait, ptrace, identity and
+                                                limit changes, file system changes, mounts,
+                                                namespaces, memfd_create, mlock, splice & co,
+                                                io_uring, bpf, perf, keyrings, SysV and POSIX
+                                                IPC, module loading, time setting, ...
+=============================  ===============  ===============================================
 
 What a LIP author should know
 -----------------------------
@@ -146,11 +129,13 @@ What a LIP author should know
 * No sockets.  Talk to the outside world through the kernel's http capability.
 * No subprocesses: ``os.fork``, ``subprocess``, ``os.system``, ``os.exec*``,
   ``multiprocessing`` all fail with PermissionError.
-* Threads are allowed (``threading``, ``concurrent.futures``, numpy's BLAS
-  threads), within the CPU-time limit, which counts all threads together.
+* Threads are allowed (``threading``, ``concurrent.futures``), up to the
+  kernel's thread cap (RLIMIT_NPROC) and within the CPU-time limit, which
+  counts all threads together.
 * Signals: only to yourself (``os.kill(os.getpid(), ...)``, ``signal.raise_signal``).
 * Memory: bounded by RLIMIT_AS; exceeding it raises MemoryError.
 * Reaching the CPU-time limit kills the process (SIGXCPU, then SIGKILL).
+* ``os.environ`` is a minimal fixed environment, never the kernel's.
 """
 from __future__ import annotations
 
@@ -303,66 +288,125 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
     "mq_open": (240, 180), "mq_unlink": (241, 181),
     # conditional
-    "ioctl": (16, 29),
+    "ioctl": (16, 29), "fcntl": (72, 25),
+    # allowed, unconditionally or with argument checks (see ALLOW / RULES)
+    "readv": (19, 65), "writev": (20, 66), "pread64": (17, 67), "pwrite64": (18, 68),
+    "preadv": (295, 69), "pwritev": (296, 70), "preadv2": (327, 286), "pwritev2": (328, 287),
+    "mremap": (25, 216), "msync": (26, 227), "mincore": (27, 232),
+    "rt_sigaction": (13, 134), "rt_sigreturn": (15, 139), "rt_sigpending": (127, 136),
+    "rt_sigtimedwait": (128, 137), "rt_sigsuspend": (130, 133), "sigaltstack": (131, 132),
+    "set_robust_list": (273, 99), "get_robust_list": (274, 100), "set_tid_address": (218, 96),
+    "rseq": (334, 293), "membarrier": (324, 283), "restart_syscall": (219, 128),
+    "sched_getaffinity": (204, 123), "sched_getparam": (143, 121),
+    "sched_getscheduler": (145, 120), "sched_get_priority_max": (146, 125),
+    "sched_get_priority_min": (147, 126), "sched_getattr": (315, 275),
+    "getppid": (110, 173), "getuid": (102, 174), "geteuid": (107, 175), "getgid": (104, 176),
+    "getegid": (108, 177), "getresuid": (118, 148), "getresgid": (120, 150),
+    "getgroups": (115, 158), "getpgid": (121, 155), "getpgrp": (111, None), "getsid": (124, 156),
+    "clock_getres": (229, 114), "nanosleep": (35, 101), "gettimeofday": (96, 169),
+    "time": (201, None), "exit": (60, 93), "exit_group": (231, 94), "getrandom": (318, 278),
+    "uname": (63, 160), "getrusage": (98, 165), "times": (100, 153), "sysinfo": (99, 179),
+    "getcpu": (309, 168), "getpriority": (140, 141), "getrlimit": (97, 163),
+    "pipe": (22, None), "pipe2": (293, 59), "eventfd": (284, None), "eventfd2": (290, 19),
+    "epoll_create": (213, None), "epoll_create1": (291, 20), "epoll_ctl": (233, 21),
+    "epoll_wait": (232, None), "epoll_pwait": (281, 22), "epoll_pwait2": (441, 441),
+    "poll": (7, None), "ppoll": (271, 73), "select": (23, None), "pselect6": (270, 72),
+    "dup": (32, 23), "dup2": (33, None), "dup3": (292, 24),
+    "fstat": (5, 80), "newfstatat": (262, 79), "getcwd": (79, 17),
+    "getitimer": (36, 102), "setitimer": (38, 103), "alarm": (37, None),
+    "timer_create": (222, 107), "timer_settime": (223, 110), "timer_gettime": (224, 108),
+    "timer_delete": (226, 111), "timer_getoverrun": (225, 109),
+    "timerfd_create": (283, 85), "timerfd_settime": (286, 86), "timerfd_gettime": (287, 87),
+    "signalfd": (282, None), "signalfd4": (289, 74), "arch_prctl": (158, None),
+    # refused with a specific errno (anything unlisted gets EPERM)
+    "statx": (332, 291), "stat": (4, None), "lstat": (6, None), "readlink": (89, None),
+    "readlinkat": (267, 78), "access": (21, None), "faccessat": (269, 48),
+    "faccessat2": (439, 439), "pkey_mprotect": (329, 288),
+    # refused by default (listed for the tests and the record)
+    "memfd_create": (319, 279), "wait4": (61, 260), "waitid": (247, 95), "mlock": (149, 228),
+    "mlockall": (151, 230), "splice": (275, 76), "tee": (276, 77), "vmsplice": (278, 75),
+    "sendfile": (40, 71), "copy_file_range": (326, 285), "sendmsg": (46, 211),
+    "recvmsg": (47, 212), "sendto": (44, 206), "recvfrom": (45, 207), "getsockopt": (55, 209),
+    "setsockopt": (54, 208), "flock": (73, 32), "chdir": (80, 49), "fchdir": (81, 50),
+    "getdents64": (217, 61), "umask": (95, 166), "fsync": (74, 82), "close_range": (436, 436),
 }
 
-_HOT = ("read", "write", "futex", "mmap", "munmap", "mprotect", "madvise", "brk", "close",
+# Allowed without looking at the arguments, beyond the hot ones.  Deliberately absent
+# (so EPERM): every file-system path call but newfstatat (glibc's fstat; a path there
+# is subject to the LIP's own uid), sockets and socket I/O, fork/exec, wait4, ptrace,
+# identity and limit changes, memfd_create, mlock, splice & co, fsync, flock, umask,
+# chdir, getdents, io_uring, bpf, namespaces, SysV / POSIX IPC, keyrings, ...
+ALLOW = (
+    "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
+    "mremap", "msync", "mincore",
+    "rt_sigaction", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
+    "sigaltstack", "set_robust_list", "get_robust_list", "set_tid_address", "rseq",
+    "membarrier", "restart_syscall", "sched_getparam", "sched_getscheduler",
+    "sched_get_priority_max", "sched_get_priority_min", "sched_getattr",
+    "getppid", "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups",
+    "getpgid", "getpgrp", "getsid", "clock_getres", "nanosleep", "gettimeofday", "time",
+    "exit", "exit_group", "getrandom", "uname", "getrusage", "times", "sysinfo", "getcpu",
+    "getpriority", "getrlimit", "capget",
+    "pipe", "pipe2", "eventfd", "eventfd2", "epoll_create", "epoll_create1", "epoll_ctl",
+    "epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll", "select", "pselect6",
+    "dup", "dup2", "dup3", "fstat", "newfstatat", "getcwd",
+    "getitimer", "setitimer", "alarm", "timer_create", "timer_settime", "timer_gettime",
+    "timer_delete", "timer_getoverrun", "timerfd_create", "timerfd_settime", "timerfd_gettime",
+    "signalfd", "signalfd4", "arch_prctl",
+)
+
+_HOT = ("read", "write", "futex", "munmap", "madvise", "brk", "close",
         "rt_sigprocmask", "sched_yield", "clock_gettime", "clock_nanosleep", "getpid",
         "gettid", "lseek")
 
 _EPERM = _errno.EPERM
 _EACCES = _errno.EACCES
 _ENOSYS = _errno.ENOSYS
+_ENOTTY = _errno.ENOTTY
+_EINVAL = _errno.EINVAL
+
+PROT_EXEC = 0x4
+O_ASYNC = 0x2000
+# fcntl commands a LIP may use (F_SETFL only without O_ASYNC).  Refused: F_SETOWN(_EX),
+# F_SETSIG (signals to other processes), F_SETLEASE, F_NOTIFY, F_SETPIPE_SZ, locks.
+F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL = 0, 1, 2, 3, 4
+F_DUPFD_CLOEXEC, F_GETPIPE_SZ, F_GET_SEALS = 1030, 1032, 1034
+FCNTL_OK = (F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_DUPFD_CLOEXEC, F_GETPIPE_SZ, F_GET_SEALS)
+# ioctls a LIP may use; any other answers ENOTTY ("not a terminal": what isatty expects)
+FIONREAD, FIONBIO, FIONCLEX, FIOCLEX = 0x541B, 0x5421, 0x5450, 0x5451
+IOCTL_OK = (FIONREAD, FIONBIO, FIONCLEX, FIOCLEX)
+# prctl options a LIP may use: names, dumpable / no_new_privs / seccomp / THP / timer-slack
+# queries, the capability bounding-set query, naming anonymous mappings (glibc).
+PR_SET_VMA = 0x53564D41
+PRCTL_OK = (3, 15, 16, 21, 23, 30, 39, 42, PR_SET_VMA)
 
 # (syscall names, rule).  Rules:
 #   ("errno", E)                         always fail with E
-#   ("thread_clone",)                    allow clone only for threads (see _clone_block)
+#   ("thread_clone",)                    allow clone only for threads, without namespaces
 #   ("arg_in", i, values, E)             allow if low 32 bits of args[i] in values, else E
 #                                        (values may contain "self" = own_pid)
-#   ("arg_not_in", i, values, E)         fail with E if low 32 bits of args[i] in values
-#   ("arg_null", i, E)                   allow if args[i] (all 64 bits) == 0, else E
-DENY_RULES: list[tuple[tuple[str, ...], tuple]] = [
+#   ("no_bits", i, mask, E)              allow unless args[i]'s low 32 bits share a bit with mask
+#   ("fcntl",)                           FCNTL_OK, or F_SETFL without O_ASYNC; else EPERM
+#   ("prlimit",)                         allow reading (new_limit NULL) own limits only
+RULES: list[tuple[tuple[str, ...], tuple]] = [
+    (("mmap", "mprotect"), ("no_bits", 2, PROT_EXEC, _EPERM)),   # no new executable memory
     (("open", "openat", "openat2", "creat"), ("errno", _EACCES)),
-    (("open_by_handle_at", "name_to_handle_at"), ("errno", _EPERM)),
-    (("socket", "socketpair", "connect", "bind", "listen", "accept", "accept4"),
-     ("errno", _EPERM)),
-    (("execve", "execveat", "fork", "vfork"), ("errno", _EPERM)),
+    (("stat", "lstat", "access", "faccessat", "faccessat2", "readlink", "readlinkat"),
+     ("errno", _EACCES)),
+    (("statx",), ("errno", _ENOSYS)),            # Rust's std then falls back to fstat
     (("clone",), ("thread_clone",)),
-    (("clone3",), ("errno", _ENOSYS)),
-    (("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_open",
-      "pidfd_getfd", "pidfd_send_signal", "process_madvise", "process_mrelease"),
-     ("errno", _EPERM)),
+    (("clone3",), ("errno", _ENOSYS)),           # flags in memory: glibc falls back to clone
     (("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"),
      ("arg_in", 0, ("self",), _EPERM)),
-    (("unlink", "unlinkat", "rename", "renameat", "renameat2", "mkdir", "mkdirat", "rmdir",
-      "link", "linkat", "symlink", "symlinkat", "mknod", "mknodat", "chmod", "fchmod",
-      "fchmodat", "fchmodat2", "chown", "fchown", "fchownat", "lchown", "utime", "utimes",
-      "futimesat", "utimensat", "setxattr", "lsetxattr", "fsetxattr", "removexattr",
-      "lremovexattr", "fremovexattr", "setxattrat", "removexattrat",
-      "truncate", "ftruncate", "fallocate"), ("errno", _EPERM)),
-    (("chroot", "pivot_root", "mount", "umount2", "open_tree", "move_mount", "fsopen",
-      "fsconfig", "fsmount", "fspick", "mount_setattr", "open_tree_attr", "unshare",
-      "setns"), ("errno", _EPERM)),
-    (("setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
-      "setfsuid", "setfsgid", "capset"), ("errno", _EPERM)),
-    (("setrlimit",), ("errno", _EPERM)),
-    (("prlimit64",), ("arg_null", 2, _EPERM)),
-    (("setpriority", "sched_setparam", "sched_setscheduler", "sched_setattr", "ioprio_set",
-      "migrate_pages", "move_pages"), ("errno", _EPERM)),
-    (("sched_setaffinity",), ("arg_in", 0, (0, "self"), _EPERM)),
-    (("bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
-      "io_uring_register", "keyctl", "add_key", "request_key", "modify_ldt", "personality",
-      "iopl", "ioperm", "uselib", "_sysctl"), ("errno", _EPERM)),
-    (("init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-      "reboot", "swapon", "swapoff", "quotactl", "quotactl_fd", "acct", "settimeofday",
-      "clock_settime", "adjtimex", "clock_adjtime", "sethostname", "setdomainname",
-      "syslog", "vhangup", "lookup_dcookie"), ("errno", _EPERM)),
-    (("fanotify_init", "inotify_init", "inotify_init1"), ("errno", _EPERM)),
-    (("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl",
-      "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink"), ("errno", _EPERM)),
-    (("ioctl",), ("arg_not_in", 1, (TIOCSTI, TIOCLINUX), _EPERM)),
-    (("prctl",), ("arg_not_in", 0, (PR_SET_MM,), _EPERM)),
-]
+    (("sched_getaffinity",), ("arg_in", 0, (0, "self"), _EPERM)),
+    (("prlimit64",), ("prlimit",)),
+    (("fcntl",), ("fcntl",)),
+    (("ioctl",), ("arg_in", 1, IOCTL_OK, _ENOTTY)),
+    (("prctl",), ("arg_in", 0, PRCTL_OK, _EPERM)),
+] + [((name,), ("allow",)) for name in ALLOW]
+
+# Kept for callers of the old name: the rules are now an allow list.
+DENY_RULES = RULES
 
 _ARCHES = {"x86_64": (0, AUDIT_ARCH_X86_64), "amd64": (0, AUDIT_ARCH_X86_64),
            "aarch64": (1, AUDIT_ARCH_AARCH64), "arm64": (1, AUDIT_ARCH_AARCH64)}
@@ -403,6 +447,42 @@ def _rule_block(rule: tuple, own_pid: int) -> list:
     kind = rule[0]
     if kind == "errno":
         return [_ret(_errno_action(rule[1]))]
+    if kind == "allow":
+        return [_ret(SECCOMP_RET_ALLOW)]
+    if kind == "no_bits":
+        _, i, mask, e = rule
+        return [
+            _insn(BPF_LD_W_ABS, _arg_lo(i)),
+            _insn(BPF_JSET_K, mask, jt=1, jf=0),
+            _ret(SECCOMP_RET_ALLOW),
+            _ret(_errno_action(e)),
+        ]
+    if kind == "fcntl":
+        ok = list(FCNTL_OK)
+        n = len(ok)
+        block = [_insn(BPF_LD_W_ABS, _arg_lo(1)),
+                 _insn(BPF_JEQ_K, F_SETFL, jt=n + 2, jf=0)]          # -> the F_SETFL check
+        for j, v in enumerate(ok):
+            block.append(_insn(BPF_JEQ_K, v, jt=n - j, jf=0))        # -> allow
+        block.append(_ret(_errno_action(_EPERM)))
+        block.append(_ret(SECCOMP_RET_ALLOW))
+        block += [_insn(BPF_LD_W_ABS, _arg_lo(2)),                 # F_SETFL: no O_ASYNC
+                  _insn(BPF_JSET_K, O_ASYNC, jt=1, jf=0),
+                  _ret(SECCOMP_RET_ALLOW),
+                  _ret(_errno_action(_EPERM))]
+        return block
+    if kind == "prlimit":
+        return [
+            _insn(BPF_LD_W_ABS, _arg_lo(0)),
+            _insn(BPF_JEQ_K, 0, jt=1, jf=0),
+            _insn(BPF_JEQ_K, own_pid, jt=0, jf=4),
+            _insn(BPF_LD_W_ABS, _arg_lo(2)),
+            _insn(BPF_JEQ_K, 0, jt=0, jf=2),
+            _insn(BPF_LD_W_ABS, _arg_hi(2)),
+            _insn(BPF_JEQ_K, 0, jt=1, jf=0),
+            _ret(_errno_action(_EPERM)),
+            _ret(SECCOMP_RET_ALLOW),
+        ]
     if kind == "thread_clone":
         return [
             _insn(BPF_LD_W_ABS, _arg_lo(0)),
@@ -464,7 +544,7 @@ def build_filter(own_pid: int, machine: str | None = None,
         if nr is not None:
             prog += [_insn(BPF_JEQ_K, nr, jt=0, jf=1), _ret(SECCOMP_RET_ALLOW)]
     seen: set[int] = set()
-    for names, rule in DENY_RULES:
+    for names, rule in RULES:
         block = _rule_block(rule, own_pid)
         for name in names:
             nr = _nr(name, col)
@@ -477,7 +557,7 @@ def build_filter(own_pid: int, machine: str | None = None,
             # "JEQ nr ? fall into block : skip over it".
             prog.append(_insn(BPF_JEQ_K, nr, jt=0, jf=len(block)))
             prog.extend(block)
-    prog.append(_ret(SECCOMP_RET_ALLOW))
+    prog.append(_ret(_errno_action(_EPERM)))     # default: refuse
     if len(prog) > BPF_MAXINSNS:
         raise SandboxError(f"BPF program too long ({len(prog)} instructions)")
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)

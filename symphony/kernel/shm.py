@@ -515,15 +515,19 @@ class WaitSet:
                         return True
                     yld()
         now = time.monotonic()
-        with self._lock:
-            nxt = self._unmute(now) if self._muted else None
-        t = -1 if timeout is None else max(0.0, timeout)
-        if nxt is not None:
-            t = nxt - now if t < 0 else min(t, nxt - now)
-        events = self._ep.poll(t)
+        deadline = None if timeout is None else now + max(0.0, timeout)
+        while True:                                # re-arm muted bells as their time comes
+            with self._lock:
+                nxt = self._unmute(now) if self._muted else None
+            t = -1 if deadline is None else max(0.0, deadline - now)
+            if nxt is not None:
+                t = nxt - now if t < 0 else min(t, nxt - now)
+            events = self._ep.poll(t)
+            now = time.monotonic()
+            if events or nxt is None or (deadline is not None and now >= deadline):
+                break
         woken = bool(events)
         if events:
-            now = time.monotonic()
             with self._lock:
                 for fd, _ in events:
                     b = self._bells.get(fd)
