@@ -211,7 +211,10 @@ def test_filter_decisions(machine):
     assert ev("mmap", 0, 4096, 7, 0x22) == err(errno.EPERM)
     assert ev("mprotect", 0, 4096, 5) == err(errno.EPERM)
     # path lookups refused outright, fstat kept (glibc's fstat is newfstatat)
-    assert ev("newfstatat") == ALLOW and ev("fstat") == ALLOW
+    assert ev("newfstatat", 3, 0, 0, 0x1000) == ALLOW and ev("fstat") == ALLOW     # fstat(3)
+    assert ev("newfstatat", -100 & 0xFFFFFFFF, 0, 0, 0) == err(errno.EACCES)      # stat(path)
+    assert ev("newfstatat", -100 & 0xFFFFFFFF, 0, 0, 0x100) == err(errno.EACCES)  # lstat(path)
+    assert ev("newfstatat", -100 & 0xFFFFFFFF, 0, 0, 0x1000) == err(errno.EACCES)
     assert ev("readlinkat") == err(errno.EACCES) and ev("faccessat") == err(errno.EACCES)
     assert ev("statx") == err(errno.ENOSYS)
     # prlimit64: reading is fine, setting is not (pointer checked on all 64 bits)
@@ -505,3 +508,47 @@ def test_fsize_zero_fails_with_efbig_not_signal(tmp_path):
         expect_exc(lambda: os.write(fd, b"x"), {"OSError"}, errno.EFBIG, keep=(fd,))
     finally:
         os.close(fd)
+
+
+def test_allow_list_refuses_what_a_lip_does_not_need():
+    pr, pw = os.pipe()
+    try:
+        def probe():
+            out = {}
+            out["fstat"] = os.fstat(pw).st_mode != 0                    # fstat is fine
+            out["access"] = os.access("/", os.F_OK)                     # False: refused
+            for name, fn in (("stat", lambda: os.stat("/")), ("lstat", lambda: os.lstat("/")),
+                             ("readlink", lambda: os.readlink("/proc/self/exe")),
+                             ("memfd", lambda: os.memfd_create("x")),
+                             ("setuid", lambda: os.setuid(0))):
+                try:
+                    fn()
+                    out[name] = "allowed"
+                except OSError as e:
+                    out[name] = e.errno
+            out["setown"] = ctypes_call("fcntl", pr, 8, os.getpid())()           # F_SETOWN
+            out["setsig"] = ctypes_call("fcntl", pr, 10, 9)()                    # F_SETSIG
+            fl = LIBC.fcntl(pr, 3, 0)
+            out["async"] = ctypes_call("fcntl", pr, 4, fl | 0o20000)()           # O_ASYNC
+            out["nonblock"] = ctypes_call("fcntl", pr, 4, fl | os.O_NONBLOCK)()
+            LIBC.mmap.restype = ctypes.c_void_p
+            LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_long]
+            ctypes.set_errno(0)
+            p = LIBC.mmap(None, 4096, 7, 0x22, -1, 0)                            # RWX anonymous
+            out["exec_mmap"] = [p == ctypes.c_void_p(-1).value, ctypes.get_errno()]
+            out["pdeathsig"] = ctypes_call("prctl", 1, 9, 0, 0, 0)()
+            return out
+
+        res = expect_ok(probe, keep=(pr, pw))
+        assert res["fstat"] is True
+        assert res["stat"] == res["lstat"] == res["readlink"] == errno.EACCES, res
+        assert res["access"] is False
+        assert res["memfd"] == res["setuid"] == errno.EPERM, res
+        for k in ("setown", "setsig", "async", "pdeathsig"):
+            assert res[k] == [-1, errno.EPERM], (k, res)
+        assert res["nonblock"][0] == 0
+        assert res["exec_mmap"] == [True, errno.EPERM]
+    finally:
+        os.close(pr)
+        os.close(pw)

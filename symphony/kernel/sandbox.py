@@ -84,9 +84,12 @@ getrandom
 pipe(2), eventfd(2), epoll_*,  allowed          in-process plumbing (threading, queues)
 poll, ppoll, select, pselect6,
 dup, dup2, dup3
-fstat, newfstatat              allowed          glibc's fstat() is newfstatat(fd, "", ...);
-                                                a path there is checked against the LIP's
-                                                own uid (root-only paths fail)
+fstat                          allowed          on fds the LIP has
+newfstatat                     EACCES unless    glibc's fstat(fd) is newfstatat(fd, "",
+                               AT_EMPTY_PATH,   AT_EMPTY_PATH), which stays allowed; os.stat /
+                               dirfd not        lstat of a path are refused.  (A raw call can
+                               AT_FDCWD         still name a path with AT_EMPTY_PATH; the LIP's
+                                                own uid then keeps root-only paths out of reach)
 stat, lstat, access,           EACCES           no path lookups (the LIP has no file system)
 faccessat(2), readlink(at),
 open, openat, openat2, creat
@@ -349,7 +352,7 @@ ALLOW = (
     "getpriority", "getrlimit", "capget",
     "pipe", "pipe2", "eventfd", "eventfd2", "epoll_create", "epoll_create1", "epoll_ctl",
     "epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll", "select", "pselect6",
-    "dup", "dup2", "dup3", "fstat", "newfstatat", "getcwd",
+    "dup", "dup2", "dup3", "fstat", "getcwd",
     "getitimer", "setitimer", "alarm", "timer_create", "timer_settime", "timer_gettime",
     "timer_delete", "timer_getoverrun", "timerfd_create", "timerfd_settime", "timerfd_gettime",
     "signalfd", "signalfd4", "arch_prctl",
@@ -366,6 +369,8 @@ _ENOTTY = _errno.ENOTTY
 _EINVAL = _errno.EINVAL
 
 PROT_EXEC = 0x4
+AT_EMPTY_PATH = 0x1000
+AT_FDCWD = -100
 O_ASYNC = 0x2000
 # fcntl commands a LIP may use (F_SETFL only without O_ASYNC).  Refused: F_SETOWN(_EX),
 # F_SETSIG (signals to other processes), F_SETLEASE, F_NOTIFY, F_SETPIPE_SZ, locks.
@@ -388,12 +393,15 @@ PRCTL_OK = (3, 15, 16, 21, 23, 30, 39, 42, PR_SET_VMA)
 #   ("no_bits", i, mask, E)              allow unless args[i]'s low 32 bits share a bit with mask
 #   ("fcntl",)                           FCNTL_OK, or F_SETFL without O_ASYNC; else EPERM
 #   ("prlimit",)                         allow reading (new_limit NULL) own limits only
+#   ("fstat_only", E)                    newfstatat as fstat: flags == AT_EMPTY_PATH and
+#                                        dirfd != AT_FDCWD, else E
 RULES: list[tuple[tuple[str, ...], tuple]] = [
     (("mmap", "mprotect"), ("no_bits", 2, PROT_EXEC, _EPERM)),   # no new executable memory
     (("open", "openat", "openat2", "creat"), ("errno", _EACCES)),
     (("stat", "lstat", "access", "faccessat", "faccessat2", "readlink", "readlinkat"),
      ("errno", _EACCES)),
     (("statx",), ("errno", _ENOSYS)),            # Rust's std then falls back to fstat
+    (("newfstatat",), ("fstat_only", _EACCES)),  # glibc's fstat(fd): (fd, "", AT_EMPTY_PATH)
     (("clone",), ("thread_clone",)),
     (("clone3",), ("errno", _ENOSYS)),           # flags in memory: glibc falls back to clone
     (("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"),
@@ -471,6 +479,16 @@ def _rule_block(rule: tuple, own_pid: int) -> list:
                   _ret(SECCOMP_RET_ALLOW),
                   _ret(_errno_action(_EPERM))]
         return block
+    if kind == "fstat_only":
+        e = _errno_action(rule[1])
+        return [
+            _insn(BPF_LD_W_ABS, _arg_lo(3)),
+            _insn(BPF_JEQ_K, AT_EMPTY_PATH, jt=0, jf=2),
+            _insn(BPF_LD_W_ABS, _arg_lo(0)),
+            _insn(BPF_JEQ_K, AT_FDCWD & 0xFFFFFFFF, jt=0, jf=1),
+            _ret(e),
+            _ret(SECCOMP_RET_ALLOW),
+        ]
     if kind == "prlimit":
         return [
             _insn(BPF_LD_W_ABS, _arg_lo(0)),
