@@ -18,12 +18,11 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, KernelProc, requires_root
-from symphony.kernel.identity import (DEFAULT_RANGE, IdentityError, UidPool, check_caller,
-                                      parse_range)
 
 HOSTILE = REPO / "tests/lips/hostile"
 SECRET_ENV = "SYMPHONY_TEST_SECRET"
 LIP_MAX_THREADS = 128
+LIP_UIDS = (61184, 65519)        # the kernel's default --lip-uids
 
 
 def src(name: str) -> str:
@@ -95,7 +94,7 @@ def test_each_lip_runs_as_a_uid_of_its_own(tkernel):
         uid, euid, gid, _ = map(int, m.groups())
         assert uid == euid == gid, line
         assert uid not in (0, os.getuid(), ALICE_UID, BOB_UID), line
-        assert DEFAULT_RANGE[0] <= uid <= DEFAULT_RANGE[1], line
+        assert LIP_UIDS[0] <= uid <= LIP_UIDS[1], line
         ids.append(uid)
     assert ids[0] != ids[1], "two live LIPs share a uid"
     ps = {p["lip"]: p for p in tkernel.client().ps()["lips"]}
@@ -311,6 +310,7 @@ def test_workers_die_with_the_kernel(tmp_path):
 def test_a_kernel_without_root_serves_only_its_own_uid():
     """The decision a non-root kernel makes (starting one as another uid here is not
     possible: /root, where python lives, is 0700)."""
+    from symphony.kernel.identity import IdentityError, UidPool, check_caller
     check_caller(1000, 1000, can_switch=False)
     with pytest.raises(IdentityError, match="cannot give a LIP an identity"):
         check_caller(1000, 1001, can_switch=False)
@@ -322,6 +322,8 @@ def test_a_kernel_without_root_serves_only_its_own_uid():
 
 
 def test_uid_pool():
+    from symphony.kernel.identity import DEFAULT_RANGE, IdentityError, UidPool, parse_range
+    assert DEFAULT_RANGE == LIP_UIDS
     assert parse_range("61184-65519") == (61184, 65519)
     for bad in ("0-10", "10-5", "abc", "5", "-1-3", "1-4294967295"):
         with pytest.raises(ValueError):
