@@ -42,8 +42,11 @@ LIP_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOM
 MAX_PROGRAM = 64 << 20          # the kernel caps the source at 4 MiB; args add a little
 PR_SET_PDEATHSIG = 1
 
-for _k, _v in BASE_ENV.items():
-    os.environ.setdefault(_k, _v)
+for _k, _v in BASE_ENV.items():                     # parallelism off: forking must be safe
+    if _k.endswith("_THREADS") or _k == "TOKENIZERS_PARALLELISM":
+        os.environ[_k] = _v
+    else:
+        os.environ.setdefault(_k, _v)
 
 import errno  # noqa: E402
 import io  # noqa: E402
