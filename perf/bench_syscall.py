@@ -3,13 +3,13 @@
     python perf/bench_syscall.py [--calls 20000] [--rounds 4] [--spin-us 50] [--idle-s 2]
 
 Two processes per configuration: a kernel process (forked) runs the poll loop
-``Doorbell.wait(timeout, ready=ring.pending)`` -> ``poll()`` -> ``read_request`` ->
+``WaitSet.wait(timeout, ready=ring.pending)`` -> ``poll()`` -> ``read_request`` ->
 ``respond``, and this process, the LIP, calls ``call(op=0, b"", None)`` from one
 thread, timing each call with perf_counter_ns.  Configurations:
 
   * spin:    kernel doorbell and LIP slot wait spin up to --spin-us (adaptive,
              sched_yield between polls), then block
-  * no spin: spin_us=0 on both sides: every wait blocks on a POSIX semaphore
+  * no spin: spin_us=0 on both sides: every wait blocks (kernel: epoll on the eventfd, LIP: its slot semaphore)
 
 Both kernels stay up for the whole run, and the --calls calls per configuration
 are made in --rounds interleaved rounds (A B A B ...), so machine noise hits both
@@ -19,7 +19,7 @@ Targets on the 2-core dev box: p50 <= 20 us, p99 <= 100 us (spin).
 
 Then the idle check: the (spinning) kernel process reports its own CPU time
 (CLOCK_PROCESS_CPUTIME_ID) before and after --idle-s seconds with no calls; an
-idle kernel loop is blocked in sem_timedwait and should burn ~0 CPU.
+idle kernel loop is blocked in epoll_wait and should burn ~0 CPU.
 /proc/<pid>/stat utime+stime (10 ms ticks) is printed alongside as a cross-check.
 """
 from __future__ import annotations
@@ -36,13 +36,13 @@ import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from symphony.kernel.shm import Doorbell, KernelSide, LipSide, RingError  # noqa: E402
+from symphony.kernel.shm import KernelSide, LipSide, RingError, WaitSet  # noqa: E402
 
 OP_NULL, OP_EXIT, OP_CPU = 0, 1, 2
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def kernel_loop(k: KernelSide, db: Doorbell) -> None:
+def kernel_loop(k: KernelSide, db: WaitSet) -> None:
     while True:
         db.wait(1.0, k.pending)
         for s in k.poll():
@@ -79,11 +79,11 @@ class Config:
     def __init__(self, label: str, spin_us: float):
         self.label = label
         prefix = "symbench" + secrets.token_hex(3)
-        self.db = Doorbell.create(prefix, spin_us=spin_us)
-        self.k = KernelSide.create(prefix, n_slots=8, slot_bytes=4096, arena_bytes=4096, doorbell=self.db)
+        self.db = WaitSet(spin_us=spin_us)
+        self.k = KernelSide.create(prefix, n_slots=8, slot_bytes=4096, arena_bytes=4096, waitset=self.db)
         self.p = mp.get_context("fork").Process(target=kernel_loop, args=(self.k, self.db))
         self.p.start()
-        self.lip = LipSide.attach(self.k.names, spin_us=spin_us)
+        self.lip = LipSide.attach(self.k.names, os.dup(self.k.bell_fd), spin_us=spin_us)
         self.lat: list[np.ndarray] = []
 
     def run(self, n: int, record: bool = True) -> None:
@@ -111,7 +111,6 @@ class Config:
             self.k.close()
             self.k.unlink()
             self.db.close()
-            self.db.unlink()
 
 
 def main() -> None:
@@ -122,7 +121,7 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=2.0)
     a = ap.parse_args()
 
-    cfgs = [Config(f"spin {a.spin_us:g} us", a.spin_us), Config("no spin (semaphores)", 0.0)]
+    cfgs = [Config(f"spin {a.spin_us:g} us", a.spin_us), Config("no spin (blocking)", 0.0)]
     try:
         for c in cfgs:
             c.run(2000, record=False)                # warm-up

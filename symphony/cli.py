@@ -134,9 +134,17 @@ def kernel_main(argv=None) -> int:
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
     p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
+    p.add_argument("--lip-uids", default=None, metavar="FIRST-LAST",
+                   help="uids (= gids) LIPs run as, one per live LIP, when the kernel runs as root "
+                        "(default 61184-65519)")
     _cap_args(p)
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
+    from .kernel.identity import DEFAULT_RANGE, parse_range
+    try:
+        lip_uids = parse_range(args.lip_uids) if args.lip_uids is not None else DEFAULT_RANGE
+    except ValueError as e:
+        p.error(f"--lip-uids: {e}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     log = logging.getLogger("symphony.kernel")
@@ -154,7 +162,7 @@ def kernel_main(argv=None) -> int:
                                  process_page_quota=args.process_quota))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
                     default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget,
-                    cap_policy=caps)
+                    cap_policy=caps, lip_uids=lip_uids)
     try:
         import uvloop
         uvloop.run(kernel.serve())

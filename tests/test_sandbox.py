@@ -139,7 +139,7 @@ def test_filter_is_well_formed():
         for idx, (code, jt, jf, k) in enumerate(insns):
             if code & 0x07 == 0x05:                      # jumps stay inside the program
                 assert idx + 1 + max(jt, jf) < len(insns)
-        assert insns[-1] == (0x06, 0, 0, sandbox.SECCOMP_RET_ALLOW)
+        assert insns[-1] == (0x06, 0, 0, sandbox.SECCOMP_RET_ERRNO | errno.EPERM)   # default: refuse
     with pytest.raises(SandboxError):
         build_filter(1, machine="riscv64")
     with pytest.raises(SandboxError):
@@ -195,21 +195,49 @@ def test_filter_decisions(machine):
     assert ev("tgkill", 1, 1, 9) == err(errno.EPERM) and ev("tkill", 1, 9) == err(errno.EPERM)
     assert ev("rt_sigqueueinfo", 1, 9, 0) == err(errno.EPERM)
     # ioctl / prctl: specific commands only
-    assert ev("ioctl", 0, 0x5412) == err(errno.EPERM) and ev("ioctl", 0, 0x541B) == ALLOW
+    assert ev("ioctl", 0, 0x5412) == err(errno.ENOTTY) and ev("ioctl", 0, 0x541B) == ALLOW
+    assert ev("ioctl", 0, 0x5401) == err(errno.ENOTTY) and ev("ioctl", 0, 0x5451) == ALLOW
     assert ev("prctl", 35) == err(errno.EPERM) and ev("prctl", 15) == ALLOW
+    assert ev("prctl", 1, 9) == err(errno.EPERM) and ev("prctl", 4, 1) == err(errno.EPERM)  # PDEATHSIG, DUMPABLE
+    # fcntl: no F_SETOWN / F_SETSIG / F_SETOWN_EX / F_SETLEASE / F_NOTIFY, no O_ASYNC
+    for cmd in (0, 1, 2, 3, 1030):
+        assert ev("fcntl", 3, cmd) == ALLOW, cmd
+    for cmd in (8, 10, 15, 1024, 1026, 1031, 6, 7):
+        assert ev("fcntl", 3, cmd) == err(errno.EPERM), cmd
+    assert ev("fcntl", 3, 4, 0x800) == ALLOW                        # F_SETFL O_NONBLOCK
+    assert ev("fcntl", 3, 4, 0x2000 | 0x800) == err(errno.EPERM)    # F_SETFL O_ASYNC
+    # no new executable memory
+    assert ev("mmap", 0, 4096, 3, 0x22) == ALLOW and ev("mprotect", 0, 4096, 0) == ALLOW
+    assert ev("mmap", 0, 4096, 7, 0x22) == err(errno.EPERM)
+    assert ev("mprotect", 0, 4096, 5) == err(errno.EPERM)
+    # path lookups refused outright, fstat kept (glibc's fstat is newfstatat)
+    assert ev("newfstatat", 3, 0, 0, 0x1000) == ALLOW and ev("fstat") == ALLOW     # fstat(3)
+    assert ev("newfstatat", -100 & 0xFFFFFFFF, 0, 0, 0) == err(errno.EACCES)      # stat(path)
+    assert ev("newfstatat", -100 & 0xFFFFFFFF, 0, 0, 0x100) == err(errno.EACCES)  # lstat(path)
+    assert ev("newfstatat", -100 & 0xFFFFFFFF, 0, 0, 0x1000) == err(errno.EACCES)
+    assert ev("readlinkat") == err(errno.EACCES) and ev("faccessat") == err(errno.EACCES)
+    assert ev("statx") == err(errno.ENOSYS)
     # prlimit64: reading is fine, setting is not (pointer checked on all 64 bits)
     assert ev("prlimit64", 0, 7, 0, 0x7FFF0000) == ALLOW
     assert ev("prlimit64", 0, 7, 0x7FFF00000000) == err(errno.EPERM)
     assert ev("prlimit64", 0, 7, 0x1000) == err(errno.EPERM)
-    assert ev("sched_setaffinity", 0) == ALLOW and ev("sched_setaffinity", own) == ALLOW
-    assert ev("sched_setaffinity", 1) == err(errno.EPERM)
+    assert ev("prlimit64", own, 7, 0) == ALLOW and ev("prlimit64", 1, 7, 0) == err(errno.EPERM)
+    assert ev("sched_getaffinity", 0) == ALLOW and ev("sched_getaffinity", own) == ALLOW
+    assert ev("sched_getaffinity", 1) == err(errno.EPERM)
+    assert ev("sched_setaffinity", 0) == err(errno.EPERM)
     # foreign ABI
     assert bpf_eval(prog, 20, arch=0x40000003) == KILL                # AUDIT_ARCH_I386
     if machine == "x86_64":
         assert bpf_eval(prog, 0x40000000 | 39) == KILL                # x32
         assert ev("fork") == err(errno.EPERM) and ev("open") == err(errno.EACCES)
-    # everything unlisted is allowed
-    assert bpf_eval(prog, 9999, machine=machine) == ALLOW
+    # an allow list: everything unlisted is refused
+    assert bpf_eval(prog, 9999, machine=machine) == err(errno.EPERM)
+    for name in ("setresuid", "setgroups", "ptrace", "memfd_create", "wait4", "mlock", "splice",
+                 "io_uring_setup", "bpf", "unshare", "getsockopt", "sendmsg", "flock", "chdir"):
+        assert ev(name) == err(errno.EPERM), name
+    for name in sandbox.ALLOW:
+        if sandbox.SYSCALLS[name][col] is not None:
+            assert ev(name) == ALLOW, name
 
 
 def _header_numbers(path, pattern):
@@ -337,7 +365,7 @@ def test_mount_and_friends_denied():
 
 
 def test_tiocsti_denied():
-    assert expect_ok(ctypes_call("ioctl", 0, 0x5412, ctypes.c_char_p(b"x"))) == [-1, errno.EPERM]
+    assert expect_ok(ctypes_call("ioctl", 0, 0x5412, ctypes.c_char_p(b"x"))) == [-1, errno.ENOTTY]
 
 
 def test_x86_foreign_abi_kills():
@@ -480,3 +508,47 @@ def test_fsize_zero_fails_with_efbig_not_signal(tmp_path):
         expect_exc(lambda: os.write(fd, b"x"), {"OSError"}, errno.EFBIG, keep=(fd,))
     finally:
         os.close(fd)
+
+
+def test_allow_list_refuses_what_a_lip_does_not_need():
+    pr, pw = os.pipe()
+    try:
+        def probe():
+            out = {}
+            out["fstat"] = os.fstat(pw).st_mode != 0                    # fstat is fine
+            out["access"] = os.access("/", os.F_OK)                     # False: refused
+            for name, fn in (("stat", lambda: os.stat("/")), ("lstat", lambda: os.lstat("/")),
+                             ("readlink", lambda: os.readlink("/proc/self/exe")),
+                             ("memfd", lambda: os.memfd_create("x")),
+                             ("setuid", lambda: os.setuid(0))):
+                try:
+                    fn()
+                    out[name] = "allowed"
+                except OSError as e:
+                    out[name] = e.errno
+            out["setown"] = ctypes_call("fcntl", pr, 8, os.getpid())()           # F_SETOWN
+            out["setsig"] = ctypes_call("fcntl", pr, 10, 9)()                    # F_SETSIG
+            fl = LIBC.fcntl(pr, 3, 0)
+            out["async"] = ctypes_call("fcntl", pr, 4, fl | 0o20000)()           # O_ASYNC
+            out["nonblock"] = ctypes_call("fcntl", pr, 4, fl | os.O_NONBLOCK)()
+            LIBC.mmap.restype = ctypes.c_void_p
+            LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_long]
+            ctypes.set_errno(0)
+            p = LIBC.mmap(None, 4096, 7, 0x22, -1, 0)                            # RWX anonymous
+            out["exec_mmap"] = [p == ctypes.c_void_p(-1).value, ctypes.get_errno()]
+            out["pdeathsig"] = ctypes_call("prctl", 1, 9, 0, 0, 0)()
+            return out
+
+        res = expect_ok(probe, keep=(pr, pw))
+        assert res["fstat"] is True
+        assert res["stat"] == res["lstat"] == res["readlink"] == errno.EACCES, res
+        assert res["access"] is False
+        assert res["memfd"] == res["setuid"] == errno.EPERM, res
+        for k in ("setown", "setsig", "async", "pdeathsig"):
+            assert res[k] == [-1, errno.EPERM], (k, res)
+        assert res["nonblock"][0] == 0
+        assert res["exec_mmap"] == [True, errno.EPERM]
+    finally:
+        os.close(pr)
+        os.close(pw)

@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from symphony.kernel import shm
-from symphony.kernel.shm import (ARENA_F32, BUSY, FREE, REQUEST, RESPONSE, Doorbell, KernelSide,
-                                 LipSide, RingClosed, RingError)
+from symphony.kernel.shm import (ARENA_F32, BUSY, FREE, REQUEST, RESPONSE, KernelSide,
+                                 LipSide, RingClosed, RingError, WaitSet)
 
 EINVAL = -22
 
@@ -45,7 +45,7 @@ def serve_once(k: KernelSide, slot: int) -> None:
 class KernelThread:
     """A tiny kernel loop in a thread: wait on the doorbell, poll, echo."""
 
-    def __init__(self, k: KernelSide, db: Doorbell, serve=serve_once):
+    def __init__(self, k: KernelSide, db: WaitSet, serve=serve_once):
         self.k, self.db, self.serve = k, db, serve
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
@@ -73,15 +73,14 @@ class KernelThread:
 @pytest.fixture
 def ring():
     prefix = _prefix()
-    db = Doorbell.create(prefix, spin_us=20)
-    k = KernelSide.create(prefix, n_slots=4, slot_bytes=4096, arena_bytes=4096, doorbell=db)
-    lip = LipSide.attach(k.names, spin_us=20)
+    db = WaitSet(spin_us=20)
+    k = KernelSide.create(prefix, n_slots=4, slot_bytes=4096, arena_bytes=4096, waitset=db)
+    lip = LipSide.attach(k.names, os.dup(k.bell_fd), spin_us=20)
     yield prefix, db, k, lip
     lip.close()
     k.close()
     k.unlink()
     db.close()
-    db.unlink()
     assert _dev_shm(prefix) == []
 
 
@@ -218,9 +217,9 @@ def test_stale_posts_are_not_responses(ring):
 
 
 # ------------------------------------------------------------------ two processes
-def _lip_child(names, conn, n_threads, n_calls):
+def _lip_child(names, bell_fd, conn, n_threads, n_calls):
     try:
-        lip = LipSide.attach(names, spin_us=20)
+        lip = LipSide.attach(names, bell_fd, spin_us=20)
         errors = []
         per = n_calls // n_threads
 
@@ -255,12 +254,12 @@ def _lip_child(names, conn, n_threads, n_calls):
 
 def test_two_processes_concurrent_threads():
     prefix = _prefix()
-    db = Doorbell.create(prefix, spin_us=20)
-    k = KernelSide.create(prefix, n_slots=8, slot_bytes=4096, arena_bytes=4096, doorbell=db)
+    db = WaitSet(spin_us=20)
+    k = KernelSide.create(prefix, n_slots=8, slot_bytes=4096, arena_bytes=4096, waitset=db)
     try:
         ctx = mp.get_context("fork")
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_lip_child, args=(k.names, child, 4, 2000))
+        p = ctx.Process(target=_lip_child, args=(k.names, k.bell_fd, child, 4, 2000))
         p.start()
         child.close()
         served = 0
@@ -279,7 +278,6 @@ def test_two_processes_concurrent_threads():
         k.close()
         k.unlink()
         db.close()
-        db.unlink()
     assert _dev_shm(prefix) == []
 
 
@@ -458,31 +456,39 @@ def test_names_unique_and_cleanup():
     prefix = _prefix()
     before = _dev_shm(prefix)
     assert before == []
-    db = Doorbell.create(prefix)
-    k1 = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=1024, doorbell=db)
-    k2 = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=1024, doorbell=db)
+    db = WaitSet()
+    k1 = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=1024, waitset=db)
+    k2 = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=1024, waitset=db)
     n1, n2 = k1.names, k2.names
+    assert set(n1) == {"segment", "slot_sems"}          # the doorbell is an fd, not a name
     all1 = {n1["segment"], *n1["slot_sems"]}
     all2 = {n2["segment"], *n2["slot_sems"]}
     assert len(all1) == 3 and len(all2) == 3 and not all1 & all2
-    assert db.name not in all1 | all2
-    assert n1["doorbell"] == n2["doorbell"] == db.name
-    for name in all1 | all2 | {db.name}:
+    for name in all1 | all2:
         assert name.startswith(f"/{prefix}-") and len(name) == len(prefix) + 2 + 32
+    # each ring has a doorbell of its own: distinct eventfds (distinct inodes)
+    assert os.readlink(f"/proc/self/fd/{k1.bell_fd}") == "anon_inode:[eventfd]"
+    os.eventfd_write(k1.bell_fd, 3)
+    with pytest.raises(BlockingIOError):
+        os.eventfd_read(k2.bell_fd)                      # k2's bell did not ring
+    assert os.eventfd_read(k1.bell_fd) == 3
     # segment and semaphores are on /dev/shm with mode 0600
     listed = _dev_shm(prefix)
-    assert len(listed) == 7
+    assert len(listed) == 6
     for n in listed:
         assert os.stat(f"/dev/shm/{n}").st_mode & 0o777 == 0o600
-    lip = LipSide.attach(n1)
+    lip = LipSide.attach(n1, os.dup(k1.bell_fd))
     lip.close()
+    bells = (k1.bell_fd, k2.bell_fd)
     for obj in (k1, k2):
         obj.close()
         obj.unlink()
         obj.unlink()                  # idempotent
+    assert k1.bell_fd == k2.bell_fd == -1 and not db._bells
+    for fd in bells:
+        with pytest.raises(OSError):
+            os.fstat(fd)              # closed with the ring
     db.close()
-    db.unlink()
-    db.unlink()
     assert _dev_shm(prefix) == []
     with pytest.raises(Exception):
         LipSide.attach(n1)            # gone
@@ -514,10 +520,9 @@ def test_attach_rejects_bad_header():
     assert _dev_shm(prefix) == []
 
 
-# ------------------------------------------------------------------ doorbell
-def test_doorbell_spin_and_block():
-    prefix = _prefix()
-    db = Doorbell.create(prefix, spin_us=200)
+# ------------------------------------------------------------------ doorbells
+def test_waitset_spin_and_block():
+    db = WaitSet(spin_us=200)
     try:
         # nothing ready, nothing rung: times out, the spin budget shrinks
         assert db.wait(0.01, lambda: False) is False
@@ -541,16 +546,18 @@ def test_doorbell_spin_and_block():
             db.ring()        # so a spin too short to call ready() twice still wakes at once
             assert db.wait(1.0, ready_second_time) is True
         assert db.spin_us == 200
-        # ready() during the spin: returns True and drains stale posts
-        for _ in range(5):
-            db.ring()
+        while db.wait(0.01):               # stale edges: one spurious wake-up, then quiet
+            pass
+        assert db.wait(0.01) is False
+        # ready() during the spin returns at once
         flag = [0]
 
         def ready():
             flag[0] += 1
-            return flag[0] > 3
+            return flag[0] > 1
+        t0 = time.monotonic()
         assert db.wait(1.0, ready) is True
-        assert db._sem.value == 0
+        assert time.monotonic() - t0 < 0.5
         # blocking wait woken from another thread; no ready callable
         threading.Timer(0.05, db.ring).start()
         t0 = time.monotonic()
@@ -558,5 +565,74 @@ def test_doorbell_spin_and_block():
         assert 0.03 < time.monotonic() - t0 < 1.5
     finally:
         db.close()
-        db.unlink()
+
+
+def _two_rings(db, prefix):
+    return [KernelSide.create(f"{prefix}{i}", n_slots=2, slot_bytes=1024, arena_bytes=0, waitset=db)
+            for i in range(2)]
+
+
+def test_each_lip_has_its_own_bell_and_cannot_block_the_kernel():
+    prefix = _prefix()
+    db = WaitSet(spin_us=0)
+    rings = _two_rings(db, prefix)
+    try:
+        evil_fd, good_fd = os.dup(rings[0].bell_fd), os.dup(rings[1].bell_fd)
+        # the hostile LIP saturates its bell, makes it blocking and reads it itself
+        os.eventfd_write(evil_fd, (1 << 64) - 2)
+        os.set_blocking(evil_fd, True)
+        assert os.eventfd_read(evil_fd) == (1 << 64) - 2
+        while db.wait(0.01):
+            pass
+        # the honest LIP's ring still wakes the kernel at once, and the kernel never
+        # read (so never blocked on) the hostile, now blocking and empty, eventfd
+        good = LipSide.attach(rings[1].names, good_fd, spin_us=0)
+        with KernelThread(rings[1], db):
+            t0 = time.monotonic()
+            for i in range(50):
+                assert good.call(0, b"x%d" % i).json == b"x%d" % i
+            assert time.monotonic() - t0 < 2.0
+        good.close()
+        os.close(evil_fd)
+    finally:
+        for k in rings:
+            k.close()
+            k.unlink()
+        db.close()
+    assert _dev_shm(prefix) == []
+
+
+def test_a_bell_rung_without_requests_is_muted():
+    prefix = _prefix()
+    db = WaitSet(spin_us=0)
+    rings = _two_rings(db, prefix)
+    try:
+        evil = os.dup(rings[0].bell_fd)
+        db.MUTE_S = db.MUTE_MAX_S = 5.0            # long mutes: the checks below are exact
+        wakes = 0
+        t_end = time.monotonic() + 0.3
+        while time.monotonic() < t_end:       # ring, let the kernel wake, ring again ...
+            os.eventfd_write(evil, 1)
+            if db.wait(0.005, lambda: any(r.pending() for r in rings)):
+                wakes += 1
+        assert db.mutes >= 1
+        assert wakes <= 2 * db.MUTE_AFTER, wakes  # un-muted it would wake on every ring (~1000s)
+        # the other ring's bell still wakes the kernel while the hostile one is muted
+        os.eventfd_write(evil, 1)
+        assert db.wait(0.05) is False             # muted: its ring wakes nobody
+        timer = threading.Timer(0.05, lambda: os.eventfd_write(rings[1].bell_fd, 1))
+        timer.start()
+        t0 = time.monotonic()
+        assert db.wait(2.0) is True
+        assert 0.03 < time.monotonic() - t0 < 1.0
+        timer.join()
+        # a honest request on the muted ring is still served: by the spin / poll
+        rings[0]._mm[shm.STATES_OFF:shm.STATES_OFF + 4] = struct.pack("<I", REQUEST)
+        assert db.wait(1.0, rings[0].pending) is True
+        os.close(evil)
+    finally:
+        for k in rings:
+            k.close()
+            k.unlink()
+        db.close()
     assert _dev_shm(prefix) == []

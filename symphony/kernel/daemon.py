@@ -41,19 +41,22 @@ from ..sched import admit, priority_of
 from .capabilities import Capabilities, CapPolicy, Identity, identity_for
 from .kvfs import KVFS, KVFSError, Principal
 from .protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
-from .shm import Doorbell, KernelSide
+from .identity import UidPool, check_caller
+from .shm import KernelSide, WaitSet
 from .syscalls import MAX_MESSAGE_BYTES, LipProc, SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 
 MAX_SOURCE = 4 << 20
+LIP_MAX_THREADS = 128           # RLIMIT_NPROC of a LIP's own uid: threads of one LIP
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
 class Kernel:
     def __init__(self, engine, fs: KVFS, socket_path: str, *, max_lips: int = 256,
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
-                 token_budget: Optional[int] = None, cap_policy: Optional[CapPolicy] = None):
+                 token_budget: Optional[int] = None, cap_policy: Optional[CapPolicy] = None,
+                 lip_uids: Optional[tuple[int, int]] = None):
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
         self.max_lips, self.n_slots = max_lips, n_slots
         self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
@@ -61,9 +64,10 @@ class Kernel:
                                "open_files": 64, **(default_limits or {})}
         self.instance = secrets.token_hex(4)
         self.prefix = f"sym{self.instance}"
-        self.doorbell = Doorbell.create(self.prefix)
+        self.waitset = WaitSet()
+        self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
         self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
-        self.sys = SyscallServer(engine, fs, self.doorbell, self._emit_threadsafe, self._kill_threadsafe,
+        self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps)
         self.lips: dict[int, LipProc] = {}
         self.finished: deque = deque(maxlen=100)
@@ -82,13 +86,24 @@ class Kernel:
         self._tokfile = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="symphony-tok-", delete=False)
         self._tokfile.write(self.engine.tokenizer.to_json())
         self._tokfile.close()
-        env = dict(os.environ)
+        if not self.uids.can_switch:
+            msg = (f"not running as root: cannot give LIPs identities of their own; every LIP runs as "
+                   f"uid {self.uids.kernel_uid} and only uid {self.uids.kernel_uid} may start LIPs")
+            log.warning(msg)
+            print(f"symphony-kernel: {msg}", file=sys.stderr, flush=True)
+        else:
+            log.info("LIPs run as uids %d-%d", self.uids.first, self.uids.last)
+        from .zygote import BASE_ENV
+        env = dict(BASE_ENV)                           # never the kernel's own environment
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] +
-                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+                                            ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        self._chan, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._chan.setblocking(False)
         self.zygote = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
-        first = await asyncio.wait_for(self.zygote.stdout.readline(), 60)
+            sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name, str(child.fileno()),
+            str(os.getpid()), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), env=env)
+        child.close()
+        first = await asyncio.wait_for(self.loop.sock_recv(self._chan, 1 << 16), 60)
         if b"ready" not in first:
             raise RuntimeError(f"the zygote did not start: {first!r}")
         self._zy_task = asyncio.create_task(self._read_zygote())
@@ -120,15 +135,16 @@ class Kernel:
         synced = self.sys.call(lambda: [write_durable(self.fs, i) for i in list(self.fs.inodes.values())
                                         if i.durable and i.linked])
         self.sys.stop.set()
-        self.doorbell.ring()
+        self.waitset.ring()
         self.sys.thread.join(5)
         self.fs.close_all()
         try:
-            self.zygote.stdin.write(b'{"cmd": "exit"}\n')
+            await self._zy_send(b'{"cmd": "exit"}', [])
             await asyncio.wait_for(self.zygote.wait(), 3)
         except Exception:
             self.zygote.kill()
-        self.doorbell.unlink()
+        self._chan.close()
+        self.waitset.close()
         for p in (self.socket_path, self._tokfile.name):
             try:
                 os.unlink(p)
@@ -137,12 +153,15 @@ class Kernel:
         log.info("kernel stopped (%d durable KV files synced)", len(synced or []))
 
     # ================================================================== LIPs
-    async def spawn(self, user: str, msg: dict, watcher=None, owner: Optional[Identity] = None) -> LipProc:
+    async def spawn(self, user: str, msg: dict, watcher=None, owner: Optional[Identity] = None,
+                    caller_uid: Optional[int] = None) -> LipProc:
         source, filename, args = msg.get("source"), msg.get("filename", "lip.py"), msg.get("args", [])
         if not isinstance(source, str) or len(source) > MAX_SOURCE:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ValueError("args must be a list of strings")
+        if caller_uid is not None:
+            check_caller(self.uids.kernel_uid, caller_uid, self.uids.can_switch)
         free = self.engine.kv.allocator.num_free + self.fs.pager.free_slots()
         ok, why = admit(len(self.lips), self.max_lips, free, pages_reserve=1)
         if not ok:
@@ -151,9 +170,14 @@ class Kernel:
         grants = self.caps.policy.check_grants(msg.get("grants") or {}, owner)
         limits = _check_limits({**self.default_limits, **(msg.get("limits") or {})})
         lip_id = self.next_id
+        uid = self.uids.allocate(lip_id)               # IdentityError when the range is full
         self.next_id += 1
-        ring = KernelSide.create(f"{self.prefix}_{lip_id}", n_slots=self.n_slots,
-                                 arena_bytes=self.arena_bytes, doorbell=self.doorbell)
+        try:
+            ring = KernelSide.create(f"{self.prefix}_{lip_id}", n_slots=self.n_slots,
+                                     arena_bytes=self.arena_bytes, waitset=self.waitset)
+        except BaseException:
+            self.uids.release(lip_id)
+            raise
         lip = LipProc(lip_id, user, str(filename)[:200], args, ring, grants, limits)
         lip.priority = priority
         lip.owner_uid, lip.owner_gid, lip.owner_groups = owner or (-1, -1, ())   # file capabilities' identity
@@ -162,11 +186,18 @@ class Kernel:
         self.sys.submit(lambda: self.sys.add(lip))     # queued before the zygote forks: FIFO, never blocks the loop
         if watcher is not None:                        # before the fork: no early output is lost
             self.watchers.setdefault(lip_id, set()).add(watcher)
-        names = ring.names
-        cmd = {"cmd": "spawn", "lip": lip_id, "names": names, "source": source, "filename": lip.filename,
-               "args": args, "limits": limits}
-        self.zygote.stdin.write(orjson.dumps(cmd) + b"\n")
-        await self.zygote.stdin.drain()
+        # the program travels in a memfd only the worker reads; the zygote sees ids and fds
+        prog = os.memfd_create(f"lip{lip_id}", os.MFD_CLOEXEC)
+        try:
+            data = orjson.dumps({"source": source, "filename": lip.filename, "args": args})
+            view = memoryview(data)
+            while view:
+                view = view[os.write(prog, view):]
+            cmd = {"cmd": "spawn", "lip": lip_id, "names": ring.names, "uid": uid, "gid": uid,
+                   "limits": limits, "threads": LIP_MAX_THREADS if uid is not None else None}
+            await self._zy_send(orjson.dumps(cmd), [prog, ring.bell_fd])
+        finally:
+            os.close(prog)
         if limits.get("timeout"):
             self.loop.call_later(limits["timeout"], self._kill, lip_id,
                                  f"killed: wall-clock limit of {limits['timeout']} s")
@@ -188,9 +219,26 @@ class Kernel:
     def _kill_threadsafe(self, lip_id: int, reason: str) -> None:
         self.loop.call_soon_threadsafe(self._kill, lip_id, reason)
 
+    async def _zy_send(self, data: bytes, fds: list) -> None:
+        """One command (and its fds, SCM_RIGHTS) to the zygote; waits while its queue is full."""
+        while True:
+            try:
+                socket.send_fds(self._chan, [data], fds)
+                return
+            except BlockingIOError:
+                fut = self.loop.create_future()
+                self.loop.add_writer(self._chan, lambda: fut.done() or fut.set_result(None))
+                try:
+                    await fut
+                finally:
+                    self.loop.remove_writer(self._chan)
+
     async def _read_zygote(self) -> None:
         while True:
-            line = await self.zygote.stdout.readline()
+            try:
+                line = await self.loop.sock_recv(self._chan, 1 << 16)
+            except OSError:
+                line = b""
             if not line:
                 if not self.stopping.is_set():
                     log.error("the zygote exited unexpectedly; no new LIPs can start")
@@ -204,6 +252,7 @@ class Kernel:
                     if lip.id in self.kill_reason:
                         self._kill(lip.id, self.kill_reason[lip.id])
             elif "exited" in msg:
+                self.uids.release(msg["exited"])           # the worker is reaped: its uid is free
                 await self._reclaim(msg["exited"], msg["status"], msg["signal"])
 
     async def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
@@ -271,7 +320,7 @@ class Kernel:
         user = _user_for(uid, msg.get("user"))
         if op == "spawn":
             attach = msg.get("attach", True)
-            lip = await self.spawn(user, msg, watcher=writer if attach else None,
+            lip = await self.spawn(user, msg, watcher=writer if attach else None, caller_uid=uid,
                                    owner=identity_for(uid, user, acting=msg.get("user") is not None))
             if attach:
                 attached.add(lip.id)

@@ -1,11 +1,12 @@
-"""Process lockdown for LIP workers: fd cleanup, rlimits, capabilities, seccomp-bpf.
+"""Process lockdown for LIP workers: fds, rlimits, identity, capabilities, seccomp-bpf.
 
 A LIP (user program) runs in its own process, forked from a zygote that has
 already imported everything a LIP may use.  Before any user code runs, the
 worker calls ::
 
-    lockdown(own_pid=os.getpid(), keep_fds={0, 1, 2, ...},
-             address_space_bytes=..., cpu_seconds=..., open_files=...)
+    lockdown(own_pid=os.getpid(), keep_fds={0, 1, 2, bell}, address_space_bytes=...,
+             cpu_seconds=..., open_files=..., uid=..., gid=..., max_threads=...,
+             parent_pid=zygote_pid)
 
 which, in this order,
 
@@ -14,17 +15,30 @@ which, in this order,
 2. applies resource limits (``apply_rlimits``): RLIMIT_AS, RLIMIT_CPU
    (soft = n, hard = n + 1: SIGXCPU first, SIGKILL one second later),
    RLIMIT_NOFILE, RLIMIT_FSIZE = 0 (no file may grow; SIGXFSZ is ignored so
-   such a write fails with EFBIG instead of killing the LIP) and RLIMIT_CORE = 0,
-3. drops every Linux capability of the (single, freshly forked) thread, so a
-   worker running as root cannot raise its hard limits or use CAP_SYS_* paths
-   (skip with ``drop_caps=False``),
-4. sets PR_SET_NO_NEW_PRIVS and installs a seccomp-bpf filter, built here with
-   ``struct`` (no libseccomp), with SECCOMP_FILTER_FLAG_TSYNC so that every
-   thread of the process gets it.  The filter can never be removed; it is
-   inherited by every thread the LIP creates.
+   such a write fails with EFBIG instead of killing the LIP), RLIMIT_CORE = 0,
+   and RLIMIT_NPROC = ``max_threads`` (it binds once the process is not root:
+   each LIP has a uid of its own, so it counts exactly that LIP's threads),
+3. switches to the LIP's own ``uid`` / ``gid`` (``drop_identity``: no
+   supplementary groups, real = effective = saved), when given,
+4. PR_SET_PDEATHSIG(SIGKILL) towards ``parent_pid`` (``die_with_parent``; after
+   the uid switch, which clears it), so a worker never outlives its zygote,
+5. drops every Linux capability of the (single, freshly forked) thread
+   (skip with ``drop_caps=False``; matters when no uid switch happened),
+6. sets PR_SET_NO_NEW_PRIVS and installs a seccomp-bpf **allow list**, built
+   here with ``struct``, with SECCOMP_FILTER_FLAG_TSYNC so that every thread of
+   the process gets it.  The filter can never be removed; it is inherited by
+   every thread the LIP creates.
 
 Any failure raises ``SandboxError``; the worker must then exit rather than run
 user code.
+
+Why our own BPF builder, not libseccomp: the maintained Python binding
+(``seccomp``, from libseccomp's source tree) is not on PyPI (Debian ships it as
+python3-seccomp, which a virtualenv cannot use), and ``pyseccomp`` is a ctypes
+shim that still needs the system's libseccomp.so.2, which a fresh machine may
+lack; neither installs from setup.py alone.  The filter here is small, its
+syscall numbers are checked against the kernel headers by the tests, and the
+tests run every rule through a BPF interpreter.
 
 Filter
 ------
@@ -32,108 +46,80 @@ First the architecture is checked: the filter is built for the running arch
 (x86-64 or AArch64) and a syscall made through any other ABI (i386 ``int 0x80``
 on x86-64, AArch32 compat on arm64, or x86-64's x32 numbers >= 0x40000000)
 kills the whole process (SECCOMP_RET_KILL_PROCESS).  Then the syscall number
-is compared against the table below; anything not listed is ALLOWED (pure
-compute, memory management, futexes, threads, time, read/write on fds that are
-already open, mmap, signals to oneself, ...).
+is looked up; **anything not listed fails with EPERM** (ENOSYS / EACCES /
+ENOTTY where that reads better to Python).  The list is what a zygote-forked
+Python LIP (numpy, threads, llguidance, tokenizers) was seen to need, under
+strace, running the stock LIPs and the tests' LIPs:
 
-=============================  ==============  ================================================
-syscalls                       result          why
-=============================  ==============  ================================================
-open, openat, openat2, creat   EACCES          no file system access at all
-open_by_handle_at,             EPERM           opening files by handle / probing handles
-name_to_handle_at
-socket, socketpair             EPERM           no network, no unix sockets (send/recv*,
-                                               connect, bind, listen, accept(4) are denied
-                                               too; without a socket fd they are moot)
-connect, bind, listen,         EPERM           see above
-accept, accept4
-execve, execveat               EPERM           no other programs
-fork, vfork                    EPERM           no child processes (fork bombs fail at once)
-clone                          EPERM unless    threads only: flags must contain CLONE_THREAD
-                               it is a thread  and no CLONE_NEW* namespace flag
-clone3                         ENOSYS          flags live in memory, uninspectable; glibc
-                                               then falls back to clone, which we inspect
-ptrace, process_vm_readv,      EPERM           no access to other processes' memory
-process_vm_writev, kcmp
-kill, tkill, tgkill,           EPERM unless    a LIP may signal itself (target pid/tgid ==
-rt_sigqueueinfo,               target is self  own_pid), never the kernel or another LIP
+=============================  ===============  ===============================================
+syscalls                       result           why
+=============================  ===============  ===============================================
+read, write, readv, writev,    allowed          I/O on fds the LIP already has (its ring's
+pread64, pwrite64, preadv(2),                   doorbell, /dev/null, pipes it makes)
+pwritev(2), lseek, close
+futex, sched_yield, nanosleep, allowed          threads, locks, sleeping, time
+clock_*, gettimeofday, time,
+getitimer, setitimer, alarm,
+timer_*, timerfd_*
+munmap, mremap, madvise, brk,  allowed          memory management
+msync, mincore
+mmap, mprotect                 EPERM if         no new executable memory (nothing in a LIP
+                               PROT_EXEC        needs it once the zygote has loaded the libraries)
+rt_sig*, sigaltstack,          allowed          signal handling in the process itself
+signalfd(4)
+set_robust_list, rseq,         allowed          thread start-up / exit (glibc)
+set_tid_address, membarrier,
+restart_syscall, exit,
+exit_group
+clone                          EPERM unless     threads only: flags must contain CLONE_THREAD
+                               a thread         and no CLONE_NEW* namespace flag
+clone3                         ENOSYS           flags live in memory, uninspectable; glibc
+                                                then falls back to clone
+get*id, getres*id, getgroups,  allowed          harmless queries
+getpgid, getsid, uname,
+getrusage, times, sysinfo,
+getcpu, getpriority, getrlimit,
+capget, sched_get*, getcwd,
+getrandom
+pipe(2), eventfd(2), epoll_*,  allowed          in-process plumbing (threading, queues)
+poll, ppoll, select, pselect6,
+dup, dup2, dup3
+fstat                          allowed          on fds the LIP has
+newfstatat                     EACCES unless    glibc's fstat(fd) is newfstatat(fd, "",
+                               AT_EMPTY_PATH,   AT_EMPTY_PATH), which stays allowed; os.stat /
+                               dirfd not        lstat of a path are refused.  (A raw call can
+                               AT_FDCWD         still name a path with AT_EMPTY_PATH; the LIP's
+                                                own uid then keeps root-only paths out of reach)
+stat, lstat, access,           EACCES           no path lookups (the LIP has no file system)
+faccessat(2), readlink(at),
+open, openat, openat2, creat
+statx                          ENOSYS           Rust's std then falls back to fstat
+kill, tkill, tgkill,           EPERM unless     a LIP may signal itself only (and a
+rt_sigqueueinfo,               target is self   different uid could not signal others anyway)
 rt_tgsigqueueinfo
-pidfd_open, pidfd_getfd,       EPERM           handles on other processes
-pidfd_send_signal,
-process_madvise,
-process_mrelease
-unlink, unlinkat, rename,      EPERM           no file system modification
-renameat, renameat2, mkdir,
-mkdirat, rmdir, link, linkat,
-symlink, symlinkat, mknod,
-mknodat, chmod, fchmod,
-fchmodat, fchmodat2, chown,
-fchown, fchownat, lchown,
-utime, utimes, futimesat,
-utimensat, setxattr,
-lsetxattr, fsetxattr,
-removexattr, lremovexattr,
-fremovexattr, setxattrat,
-removexattrat
-truncate, ftruncate,           EPERM           shared-memory segments must not be resized
-fallocate                                      by the LIP
-chroot, pivot_root, mount,     EPERM           mounts and namespaces
-umount2, open_tree, move_mount,
-fsopen, fsconfig, fsmount,
-fspick, mount_setattr,
-open_tree_attr, unshare, setns
-setuid, setgid, setreuid,      EPERM           identity and privilege changes
-setregid, setresuid,
-setresgid, setgroups,
-setfsuid, setfsgid, capset
-setrlimit                      EPERM           limits may not be changed ...
-prlimit64                      EPERM if it     ... but may be read (new_limit == NULL)
-                               sets a limit
-setpriority,                   EPERM           no priority boosts / real-time scheduling;
-sched_setparam,                                no renicing other processes
-sched_setscheduler,
-sched_setattr, ioprio_set
-sched_setaffinity              EPERM unless    pinning other processes
+sched_getaffinity              EPERM unless     self only
                                pid is 0 / self
-migrate_pages, move_pages      EPERM           moving other processes' memory
-bpf, perf_event_open,          EPERM           large kernel attack surface, not needed
-userfaultfd, io_uring_setup,
-io_uring_enter,
-io_uring_register, keyctl,
-add_key, request_key,
-modify_ldt (x86), personality,
-iopl, ioperm (x86),
-uselib, _sysctl (x86)
-init_module, finit_module,     EPERM           system administration
-delete_module, kexec_load,
-kexec_file_load, reboot,
-swapon, swapoff, quotactl,
-quotactl_fd, acct,
-settimeofday, clock_settime,
-adjtimex, clock_adjtime,
-sethostname, setdomainname,
-syslog, vhangup,
-lookup_dcookie
-fanotify_init, inotify_init,   EPERM           watching the file system
-inotify_init1
-shmget, shmat, shmctl, shmdt,  EPERM           SysV IPC ids are global and guessable
-semget, semop, semtimedop,
-semctl, msgget, msgsnd,
-msgrcv, msgctl
-mq_open, mq_unlink             EPERM           POSIX message queues (global names)
-ioctl                          EPERM if cmd    no injecting keystrokes into a terminal;
-                               is TIOCSTI or   every other ioctl is allowed
-                               TIOCLINUX
-prctl                          EPERM if        rewriting the memory map's metadata;
-                               PR_SET_MM       every other prctl is allowed
-=============================  ==============  ================================================
-
-Explicitly allowed (often asked about): threads (clone with CLONE_THREAD),
-futex, mmap/mprotect/munmap/mremap/madvise (anonymous and of already-open fds),
-memfd_create, read/write/sendto/recvfrom on already-open fds, pipe/pipe2,
-eventfd, epoll, poll/select, nanosleep/clock_nanosleep, getrandom, stat-family
-calls (no open), chdir/fchdir, prctl (except PR_SET_MM), seccomp and landlock
-(stacking only restricts further).
+prlimit64                      EPERM unless     reading its own limits only
+                               pid 0/self and
+                               new_limit NULL
+fcntl                          EPERM unless     F_DUPFD(_CLOEXEC), F_GETFD, F_SETFD, F_GETFL,
+                               allowed cmd      F_SETFL without O_ASYNC, F_GETPIPE_SZ,
+                                                F_GET_SEALS; never F_SETOWN(_EX), F_SETSIG,
+                                                F_SETLEASE, F_NOTIFY (signals to others)
+ioctl                          ENOTTY unless    FIONREAD, FIONBIO, FIOCLEX, FIONCLEX only
+                               allowed cmd      (isatty() reads "not a terminal"; no TIOCSTI)
+prctl                          EPERM unless     PR_GET_DUMPABLE, PR_SET/GET_NAME,
+                               allowed option   PR_GET_SECCOMP, PR_CAPBSET_READ,
+                                                PR_GET_TIMERSLACK, PR_GET_NO_NEW_PRIVS,
+                                                PR_GET_THP_DISABLE, PR_SET_VMA (naming
+                                                anonymous memory)
+arch_prctl (x86-64)            allowed          TLS set-up
+everything else                EPERM            sockets, fork/exec, wait, ptrace, identity and
+                                                limit changes, file system changes, mounts,
+                                                namespaces, memfd_create, mlock, splice & co,
+                                                io_uring, bpf, perf, keyrings, SysV and POSIX
+                                                IPC, module loading, time setting, ...
+=============================  ===============  ===============================================
 
 What a LIP author should know
 -----------------------------
@@ -146,11 +132,13 @@ What a LIP author should know
 * No sockets.  Talk to the outside world through the kernel's http capability.
 * No subprocesses: ``os.fork``, ``subprocess``, ``os.system``, ``os.exec*``,
   ``multiprocessing`` all fail with PermissionError.
-* Threads are allowed (``threading``, ``concurrent.futures``, numpy's BLAS
-  threads), within the CPU-time limit, which counts all threads together.
+* Threads are allowed (``threading``, ``concurrent.futures``), up to the
+  kernel's thread cap (RLIMIT_NPROC) and within the CPU-time limit, which
+  counts all threads together.
 * Signals: only to yourself (``os.kill(os.getpid(), ...)``, ``signal.raise_signal``).
 * Memory: bounded by RLIMIT_AS; exceeding it raises MemoryError.
 * Reaching the CPU-time limit kills the process (SIGXCPU, then SIGKILL).
+* ``os.environ`` is a minimal fixed environment, never the kernel's.
 """
 from __future__ import annotations
 
@@ -162,8 +150,8 @@ import signal
 import struct
 import threading
 
-__all__ = ["SandboxError", "apply_rlimits", "drop_capabilities", "install_seccomp",
-           "lockdown", "build_filter", "SYSCALLS", "DENY_RULES"]
+__all__ = ["SandboxError", "apply_rlimits", "drop_capabilities", "drop_identity", "die_with_parent",
+           "install_seccomp", "lockdown", "build_filter", "SYSCALLS", "ALLOW", "RULES"]
 
 
 class SandboxError(Exception):
@@ -176,7 +164,7 @@ class SandboxError(Exception):
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 PR_GET_NO_NEW_PRIVS = 39
-PR_SET_MM = 35
+PR_SET_PDEATHSIG = 1
 
 SECCOMP_MODE_FILTER = 2
 SECCOMP_SET_MODE_FILTER = 1
@@ -221,147 +209,14 @@ CLONE_NEW_MASK = (0x00020000      # CLONE_NEWNS
                   | 0x10000000    # CLONE_NEWUSER
                   | 0x20000000    # CLONE_NEWPID
                   | 0x40000000)   # CLONE_NEWNET
-TIOCSTI = 0x5412
-TIOCLINUX = 0x541C
 
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 # --------------------------------------------------------------------------------------
-# Syscall numbers: name -> (x86_64, aarch64); None where the arch has no such call.
-# (x86_64: arch/x86/entry/syscalls/syscall_64.tbl; aarch64: asm-generic/unistd.h.)
-
-SYSCALLS: dict[str, tuple[int | None, int | None]] = {
-    # hot path (allowed early, before the deny table)
-    "read": (0, 63), "write": (1, 64), "close": (3, 57), "mmap": (9, 222),
-    "mprotect": (10, 226), "munmap": (11, 215), "brk": (12, 214),
-    "rt_sigprocmask": (14, 135), "sched_yield": (24, 124), "madvise": (28, 233),
-    "futex": (202, 98), "clock_gettime": (228, 113), "clock_nanosleep": (230, 115),
-    "getpid": (39, 172), "gettid": (186, 178), "lseek": (8, 62),
-    # syscalls needed by install_seccomp itself
-    "prctl": (157, 167), "seccomp": (317, 277), "capset": (126, 91), "capget": (125, 90),
-    # files
-    "open": (2, None), "creat": (85, None), "openat": (257, 56), "openat2": (437, 437),
-    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264),
-    "unlink": (87, None), "unlinkat": (263, 35), "rename": (82, None),
-    "renameat": (264, 38), "renameat2": (316, 276), "mkdir": (83, None),
-    "mkdirat": (258, 34), "rmdir": (84, None), "link": (86, None), "linkat": (265, 37),
-    "symlink": (88, None), "symlinkat": (266, 36), "mknod": (133, None),
-    "mknodat": (259, 33), "chmod": (90, None), "fchmod": (91, 52), "fchmodat": (268, 53),
-    "fchmodat2": (452, 452), "chown": (92, None), "fchown": (93, 55),
-    "fchownat": (260, 54), "lchown": (94, None), "utime": (132, None),
-    "utimes": (235, None), "futimesat": (261, None), "utimensat": (280, 88),
-    "setxattr": (188, 5), "lsetxattr": (189, 6), "fsetxattr": (190, 7),
-    "removexattr": (197, 14), "lremovexattr": (198, 15), "fremovexattr": (199, 16),
-    "setxattrat": (463, 463), "removexattrat": (466, 466),
-    "truncate": (76, 45), "ftruncate": (77, 46), "fallocate": (285, 47),
-    "fanotify_init": (300, 262), "inotify_init": (253, None), "inotify_init1": (294, 26),
-    # mounts, namespaces
-    "chroot": (161, 51), "pivot_root": (155, 41), "mount": (165, 40), "umount2": (166, 39),
-    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
-    "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
-    "mount_setattr": (442, 442), "open_tree_attr": (467, 467),
-    "unshare": (272, 97), "setns": (308, 268),
-    # network
-    "socket": (41, 198), "socketpair": (53, 199), "connect": (42, 203), "bind": (49, 200),
-    "listen": (50, 201), "accept": (43, 202), "accept4": (288, 242),
-    # processes
-    "execve": (59, 221), "execveat": (322, 281), "fork": (57, None), "vfork": (58, None),
-    "clone": (56, 220), "clone3": (435, 435),
-    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
-    "kcmp": (312, 272), "pidfd_open": (434, 434), "pidfd_getfd": (438, 438),
-    "pidfd_send_signal": (424, 424), "process_madvise": (440, 440),
-    "process_mrelease": (448, 448),
-    "kill": (62, 129), "tkill": (200, 130), "tgkill": (234, 131),
-    "rt_sigqueueinfo": (129, 138), "rt_tgsigqueueinfo": (297, 240),
-    # identity
-    "setuid": (105, 146), "setgid": (106, 144), "setreuid": (113, 145),
-    "setregid": (114, 143), "setresuid": (117, 147), "setresgid": (119, 149),
-    "setgroups": (116, 159), "setfsuid": (122, 151), "setfsgid": (123, 152),
-    # limits, scheduling
-    "setrlimit": (160, 164), "prlimit64": (302, 261), "setpriority": (141, 140),
-    "sched_setparam": (142, 118), "sched_setscheduler": (144, 119),
-    "sched_setattr": (314, 274), "sched_setaffinity": (203, 122), "ioprio_set": (251, 30),
-    "migrate_pages": (256, 238), "move_pages": (279, 239),
-    # kernel attack surface
-    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
-    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
-    "io_uring_register": (427, 427), "keyctl": (250, 219), "add_key": (248, 217),
-    "request_key": (249, 218), "modify_ldt": (154, None), "personality": (135, 92),
-    "iopl": (172, None), "ioperm": (173, None), "uselib": (134, None), "_sysctl": (156, None),
-    # administration
-    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106),
-    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "reboot": (169, 142),
-    "swapon": (167, 224), "swapoff": (168, 225), "quotactl": (179, 60),
-    "quotactl_fd": (443, 443), "acct": (163, 89), "settimeofday": (164, 170),
-    "clock_settime": (227, 112), "adjtimex": (159, 171), "clock_adjtime": (305, 266),
-    "sethostname": (170, 161), "setdomainname": (171, 162), "syslog": (103, 116),
-    "vhangup": (153, 58), "lookup_dcookie": (212, 18),
-    # SysV IPC, POSIX mqueues
-    "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "shmdt": (67, 197),
-    "semget": (64, 190), "semop": (65, 193), "semtimedop": (220, 192), "semctl": (66, 191),
-    "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
-    "mq_open": (240, 180), "mq_unlink": (241, 181),
-    # conditional
-    "ioctl": (16, 29),
-}
-
-_HOT = ("read", "write", "futex", "mmap", "munmap", "mprotect", "madvise", "brk", "close",
-        "rt_sigprocmask", "sched_yield", "clock_gettime", "clock_nanosleep", "getpid",
-        "gettid", "lseek")
-
-_EPERM = _errno.EPERM
-_EACCES = _errno.EACCES
-_ENOSYS = _errno.ENOSYS
-
-# (syscall names, rule).  Rules:
-#   ("errno", E)                         always fail with E
-#   ("thread_clone",)                    allow clone only for threads (see _clone_block)
-#   ("arg_in", i, values, E)             allow if low 32 bits of args[i] in values, else E
-#                                        (values may contain "self" = own_pid)
-#   ("arg_not_in", i, values, E)         fail with E if low 32 bits of args[i] in values
-#   ("arg_null", i, E)                   allow if args[i] (all 64 bits) == 0, else E
-DENY_RULES: list[tuple[tuple[str, ...], tuple]] = [
-    (("open", "openat", "openat2", "creat"), ("errno", _EACCES)),
-    (("open_by_handle_at", "name_to_handle_at"), ("errno", _EPERM)),
-    (("socket", "socketpair", "connect", "bind", "listen", "accept", "accept4"),
-     ("errno", _EPERM)),
-    (("execve", "execveat", "fork", "vfork"), ("errno", _EPERM)),
-    (("clone",), ("thread_clone",)),
-    (("clone3",), ("errno", _ENOSYS)),
-    (("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_open",
-      "pidfd_getfd", "pidfd_send_signal", "process_madvise", "process_mrelease"),
-     ("errno", _EPERM)),
-    (("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"),
-     ("arg_in", 0, ("self",), _EPERM)),
-    (("unlink", "unlinkat", "rename", "renameat", "renameat2", "mkdir", "mkdirat", "rmdir",
-      "link", "linkat", "symlink", "symlinkat", "mknod", "mknodat", "chmod", "fchmod",
-      "fchmodat", "fchmodat2", "chown", "fchown", "fchownat", "lchown", "utime", "utimes",
-      "futimesat", "utimensat", "setxattr", "lsetxattr", "fsetxattr", "removexattr",
-      "lremovexattr", "fremovexattr", "setxattrat", "removexattrat",
-      "truncate", "ftruncate", "fallocate"), ("errno", _EPERM)),
-    (("chroot", "pivot_root", "mount", "umount2", "open_tree", "move_mount", "fsopen",
-      "fsconfig", "fsmount", "fspick", "mount_setattr", "open_tree_attr", "unshare",
-      "setns"), ("errno", _EPERM)),
-    (("setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
-      "setfsuid", "setfsgid", "capset"), ("errno", _EPERM)),
-    (("setrlimit",), ("errno", _EPERM)),
-    (("prlimit64",), ("arg_null", 2, _EPERM)),
-    (("setpriority", "sched_setparam", "sched_setscheduler", "sched_setattr", "ioprio_set",
-      "migrate_pages", "move_pages"), ("errno", _EPERM)),
-    (("sched_setaffinity",), ("arg_in", 0, (0, "self"), _EPERM)),
-    (("bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
-      "io_uring_register", "keyctl", "add_key", "request_key", "modify_ldt", "personality",
-      "iopl", "ioperm", "uselib", "_sysctl"), ("errno", _EPERM)),
-    (("init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-      "reboot", "swapon", "swapoff", "quotactl", "quotactl_fd", "acct", "settimeofday",
-      "clock_settime", "adjtimex", "clock_adjtime", "sethostname", "setdomainname",
-      "syslog", "vhangup", "lookup_dcookie"), ("errno", _EPERM)),
-    (("fanotify_init", "inotify_init", "inotify_init1"), ("errno", _EPERM)),
-    (("shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semtimedop", "semctl",
-      "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink"), ("errno", _EPERM)),
-    (("ioctl",), ("arg_not_in", 1, (TIOCSTI, TIOCLINUX), _EPERM)),
-    (("prctl",), ("arg_not_in", 0, (PR_SET_MM,), _EPERM)),
-]
+# The table (syscall numbers, ALLOW, RULES) lives in seccomp_table.py.
+from .seccomp_table import (_EACCES, _ENOSYS, _ENOTTY, _EPERM, _HOT, ALLOW, AT_EMPTY_PATH,  # noqa: E402,F401
+                            AT_FDCWD, F_SETFL, FCNTL_OK, IOCTL_OK, O_ASYNC, PRCTL_OK, PROT_EXEC, RULES,
+                            SYSCALLS)
 
 _ARCHES = {"x86_64": (0, AUDIT_ARCH_X86_64), "amd64": (0, AUDIT_ARCH_X86_64),
            "aarch64": (1, AUDIT_ARCH_AARCH64), "arm64": (1, AUDIT_ARCH_AARCH64)}
@@ -402,6 +257,52 @@ def _rule_block(rule: tuple, own_pid: int) -> list:
     kind = rule[0]
     if kind == "errno":
         return [_ret(_errno_action(rule[1]))]
+    if kind == "allow":
+        return [_ret(SECCOMP_RET_ALLOW)]
+    if kind == "no_bits":
+        _, i, mask, e = rule
+        return [
+            _insn(BPF_LD_W_ABS, _arg_lo(i)),
+            _insn(BPF_JSET_K, mask, jt=1, jf=0),
+            _ret(SECCOMP_RET_ALLOW),
+            _ret(_errno_action(e)),
+        ]
+    if kind == "fcntl":
+        ok = list(FCNTL_OK)
+        n = len(ok)
+        block = [_insn(BPF_LD_W_ABS, _arg_lo(1)),
+                 _insn(BPF_JEQ_K, F_SETFL, jt=n + 2, jf=0)]          # -> the F_SETFL check
+        for j, v in enumerate(ok):
+            block.append(_insn(BPF_JEQ_K, v, jt=n - j, jf=0))        # -> allow
+        block.append(_ret(_errno_action(_EPERM)))
+        block.append(_ret(SECCOMP_RET_ALLOW))
+        block += [_insn(BPF_LD_W_ABS, _arg_lo(2)),                 # F_SETFL: no O_ASYNC
+                  _insn(BPF_JSET_K, O_ASYNC, jt=1, jf=0),
+                  _ret(SECCOMP_RET_ALLOW),
+                  _ret(_errno_action(_EPERM))]
+        return block
+    if kind == "fstat_only":
+        e = _errno_action(rule[1])
+        return [
+            _insn(BPF_LD_W_ABS, _arg_lo(3)),
+            _insn(BPF_JEQ_K, AT_EMPTY_PATH, jt=0, jf=2),
+            _insn(BPF_LD_W_ABS, _arg_lo(0)),
+            _insn(BPF_JEQ_K, AT_FDCWD & 0xFFFFFFFF, jt=0, jf=1),
+            _ret(e),
+            _ret(SECCOMP_RET_ALLOW),
+        ]
+    if kind == "prlimit":
+        return [
+            _insn(BPF_LD_W_ABS, _arg_lo(0)),
+            _insn(BPF_JEQ_K, 0, jt=1, jf=0),
+            _insn(BPF_JEQ_K, own_pid, jt=0, jf=4),
+            _insn(BPF_LD_W_ABS, _arg_lo(2)),
+            _insn(BPF_JEQ_K, 0, jt=0, jf=2),
+            _insn(BPF_LD_W_ABS, _arg_hi(2)),
+            _insn(BPF_JEQ_K, 0, jt=1, jf=0),
+            _ret(_errno_action(_EPERM)),
+            _ret(SECCOMP_RET_ALLOW),
+        ]
     if kind == "thread_clone":
         return [
             _insn(BPF_LD_W_ABS, _arg_lo(0)),
@@ -463,7 +364,7 @@ def build_filter(own_pid: int, machine: str | None = None,
         if nr is not None:
             prog += [_insn(BPF_JEQ_K, nr, jt=0, jf=1), _ret(SECCOMP_RET_ALLOW)]
     seen: set[int] = set()
-    for names, rule in DENY_RULES:
+    for names, rule in RULES:
         block = _rule_block(rule, own_pid)
         for name in names:
             nr = _nr(name, col)
@@ -476,7 +377,7 @@ def build_filter(own_pid: int, machine: str | None = None,
             # "JEQ nr ? fall into block : skip over it".
             prog.append(_insn(BPF_JEQ_K, nr, jt=0, jf=len(block)))
             prog.extend(block)
-    prog.append(_ret(SECCOMP_RET_ALLOW))
+    prog.append(_ret(_errno_action(_EPERM)))     # default: refuse
     if len(prog) > BPF_MAXINSNS:
         raise SandboxError(f"BPF program too long ({len(prog)} instructions)")
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
@@ -633,24 +534,66 @@ def _close_fds(keep_fds: set[int]) -> None:
     os.closerange(lo, hi)
 
 
+def drop_identity(uid: int, gid: int) -> None:
+    """Become ``uid``/``gid`` for good: no supplementary groups, real = effective =
+    saved ids (needs root; afterwards every capability is gone too)."""
+    for v, name in ((uid, "uid"), (gid, "gid")):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < (1 << 32) - 1:
+            raise SandboxError(f"{name} must be an unprivileged id (1 .. 2^32-2), got {v!r}")
+    try:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    except OSError as e:
+        raise SandboxError(f"cannot switch to uid {uid} / gid {gid}: {e}") from e
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
+        raise SandboxError(f"identity switch to {uid}/{gid} did not stick")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """PR_SET_PDEATHSIG(SIGKILL), then make sure the parent is still ``parent_pid``.
+
+    Must come *after* any uid change: the kernel clears the setting on one."""
+    _need_libc()
+    if _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise _oserror("prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent_pid:
+        raise SandboxError("the parent died before the worker was set up")
+
+
 def lockdown(*, own_pid: int, keep_fds: set[int], address_space_bytes: int | None,
              cpu_seconds: int | None, open_files: int | None,
-             file_size_bytes: int | None = 0, drop_caps: bool = True) -> None:
+             file_size_bytes: int | None = 0, drop_caps: bool = True,
+             uid: int | None = None, gid: int | None = None, max_threads: int | None = None,
+             parent_pid: int | None = None) -> None:
     """Lock the calling process down before running untrusted code.
 
-    Closes all fds except ``keep_fds``, applies rlimits, drops capabilities and
-    installs the seccomp filter (see the module docstring).  Raises SandboxError
-    on any failure; the caller must then exit without running user code."""
+    In this order: close all fds except ``keep_fds``; rlimits (``max_threads`` sets
+    RLIMIT_NPROC, which binds once the process is not root); switch to ``uid`` /
+    ``gid`` if given (``drop_identity``); die with ``parent_pid`` if given
+    (``die_with_parent``); drop capabilities; install the seccomp allow list (see the
+    module docstring).  Raises SandboxError on any failure; the caller must then exit
+    without running user code."""
     try:
         _need_libc()
         _arch()
         if not isinstance(own_pid, int) or own_pid <= 0:
             raise SandboxError(f"own_pid must be a positive pid, got {own_pid!r}")
+        if (uid is None) != (gid is None):
+            raise SandboxError("uid and gid go together")
+        if max_threads is not None and (not isinstance(max_threads, int) or max_threads < 1):
+            raise SandboxError(f"max_threads must be a positive int, got {max_threads!r}")
         _close_fds(set(keep_fds))
         if file_size_bytes is not None and threading.current_thread() is threading.main_thread():
             # Writing past RLIMIT_FSIZE then fails with EFBIG instead of killing us.
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         apply_rlimits(address_space_bytes, cpu_seconds, open_files, file_size_bytes)
+        if max_threads is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (max_threads, max_threads))
+        if uid is not None:
+            drop_identity(uid, gid)
+        if parent_pid is not None:
+            die_with_parent(parent_pid)
         if drop_caps:
             drop_capabilities()
         install_seccomp(own_pid)

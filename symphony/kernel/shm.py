@@ -4,9 +4,10 @@ A LIP (an untrusted program, a separate process) talks to the kernel process
 through ONE shared-memory segment of its own.  The kernel creates it
 (``KernelSide.create``) and hands the LIP a dict of names (``KernelSide.names``);
 the LIP maps it (``LipSide.attach``) and makes calls from any number of threads
-(``LipSide.call``).  The kernel serves all its LIPs from one thread: it sleeps on
-one kernel-wide semaphore, the ``Doorbell``, which every LIP posts after
-publishing a request.
+(``LipSide.call``).  The kernel serves all its LIPs from one thread: it sleeps in
+a ``WaitSet`` (one epoll) on every LIP's *own* doorbell, an eventfd
+(``KernelSide.bell_fd``, handed to the LIP as a file descriptor), which the LIP
+rings after publishing a request, plus one private eventfd for its own commands.
 
 Names
 -----
@@ -88,14 +89,15 @@ Spin, then block
 Both sides wait the same way: first spin, polling a cheap check (the kernel:
 ``ready()`` = "some LIP slot is in REQUEST"; the LIP: "my slot is in
 RESPONSE") for up to ``spin_us`` microseconds; if that fails, block on the
-semaphore.  The poster *always* posts (the LIP always rings the doorbell, the
+semaphore / epoll.  The poster *always* posts (the LIP always rings its doorbell, the
 kernel always posts the slot semaphore): a conditional "post only if the
 waiter sleeps" protocol would need a store-load fence that Python cannot
 issue, and would lose wakeups.  The price is stale posts when the spin wins:
 
-* the kernel's ``Doorbell.wait`` drains every pending post before returning,
-  and the caller polls *after* that, so each drained post's request (stored
-  before its post) is seen by that poll;
+* the kernel's ``WaitSet.wait`` returns on any bell's edge (the epoll is
+  edge-triggered: every write to an eventfd is one wake-up, nothing is read or
+  drained), and the caller polls *after* that, so the request stored before
+  the ring is seen by that poll; a stale ring costs one spurious poll;
 * the LIP, after a winning spin, takes at most one pending post off its slot
   semaphore; one that arrives later stays, and is harmless because after *every*
   wakeup the waiter re-checks the state word and goes back to sleep unless it
@@ -112,13 +114,13 @@ failed spins in a row (the block then waited longer, or timed out) halve it,
 to 0 below 1 us; at 0, every 8th wait probes with a full-budget spin so the
 budget can recover after a burst of load.  A LIP thread spins only while it is
 the sole call in flight in its process (a spinning thread holds the GIL its
-sibling threads need).  An idle kernel is blocked in ``sem_timedwait``: it
+sibling threads need).  An idle kernel is blocked in ``epoll_wait``: it
 burns no CPU.
 
 The kernel loop is::
 
     while running:
-        doorbell.wait(timeout, ready=lambda: any(r.pending() for r in rings))
+        waitset.wait(timeout, ready=lambda: any(r.pending() for r in rings))
         for r in rings:
             for slot in r.poll():             # REQUEST -> BUSY
                 try:
@@ -147,20 +149,18 @@ between two reads of the kernel.  Therefore the kernel
   caller parses the json, and must treat a parse error like a ``RingError``).
 
 The kernel should answer a ``RingError`` with an error status
-(``respond(slot, 0, -22, b"")``) so the slot is given back.  A LIP that spams
-the doorbell or keeps re-posting REQUEST only spends its own share of the
-kernel's time (``wait`` drains at most 1,024 posts at a time; a saturated
-bell, EOVERFLOW, is ignored by ``LipSide.call``); rate limiting is the
-scheduler's business.
+(``respond(slot, 0, -22, b"")``) so the slot is given back.  A LIP that keeps
+re-posting REQUEST only spends its own share of the kernel's time; rate
+limiting is the scheduler's business.
 
-The doorbell is shared, so a LIP can also *wait* on it and steal posts meant
-for the kernel.  That cannot corrupt anything (the kernel finds requests by
-polling the state words, never by counting posts), but it can delay other LIPs
-until the kernel's next timeout or spin: give ``Doorbell.wait`` a modest
-timeout (tens of ms; an idle wakeup costs microseconds).  The names are
-unguessable, but they are not access control: keeping a LIP from opening or
-unlinking objects it was not given is the sandbox's job (separate uid, no
-/dev/shm access beyond its own names).
+Each LIP has its own doorbell, so whatever it does with it (read it, never
+ring it, saturate the counter, make it blocking) touches no other LIP's
+wake-ups, and the kernel never reads it, so it can never block on it.  A LIP
+that rings without requests is muted for a while (``WaitSet``), so it cannot
+keep the kernel spinning either; its own calls are then served by the spin
+and the periodic poll.  The names are unguessable, but they are not access
+control: the objects are 0600 and owned by the kernel's uid, opened by the
+worker before it drops to its own uid.
 
 The LIP side trusts the segment's header (the kernel wrote it), but still
 checks lengths in responses so that a bug reads as ``RingError``, not garbage.
@@ -181,6 +181,7 @@ import mmap
 import os
 import re
 import secrets
+import select
 import struct
 import threading
 import time
@@ -193,7 +194,7 @@ __all__ = [
     "FREE", "REQUEST", "BUSY", "RESPONSE",
     "ARENA_NONE", "ARENA_F32", "ARENA_I32",
     "RingError", "RingClosed", "Request", "Response",
-    "KernelSide", "LipSide", "Doorbell",
+    "KernelSide", "LipSide", "WaitSet", "new_bell", "ring_bell",
 ]
 
 # ----------------------------------------------------------------- constants
@@ -226,7 +227,6 @@ _U64 = (1 << 64) - 1
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 _BLOCK_CHUNK_S = 0.5   # a blocked LIP re-checks `closed` at least this often
-_DRAIN_MAX = 1024      # most doorbell posts drained per wait
 
 
 def _align(n: int, a: int) -> int:
@@ -313,6 +313,7 @@ _NO_TOKENS.flags.writeable = False
 
 # ----------------------------------------------------------------- adaptive spin
 _sched_yield = getattr(os, "sched_yield", lambda: None)   # releases the GIL, too
+_eventfd_write = os.eventfd_write
 
 
 def _noop() -> None:
@@ -375,31 +376,63 @@ class _Spin:
                 self.cur_ns = c if c >= 1000 else 0
 
 
-# ----------------------------------------------------------------- doorbell
-class Doorbell:
-    """The kernel-wide semaphore all LIPs post after publishing a request.
+# ----------------------------------------------------------------- doorbells
+_EV_IN = select.EPOLLIN | select.EPOLLET
+
+
+def new_bell() -> int:
+    """A fresh doorbell: a non-blocking, close-on-exec eventfd (counter 0)."""
+    return os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+
+
+def ring_bell(fd: int) -> None:
+    """Add 1 to the eventfd ``fd``; a saturated counter (EAGAIN) is already rung."""
+    try:
+        _eventfd_write(fd, 1)
+    except (BlockingIOError, OSError):
+        pass
+
+
+class _Bell:
+    __slots__ = ("ring", "fd", "seen", "strikes", "level")
+
+    def __init__(self, ring: "KernelSide"):
+        self.ring, self.fd = ring, ring.bell_fd
+        self.seen = ring.taken      # requests taken when this bell was last checked
+        self.strikes = 0            # consecutive rings that brought no request
+        self.level = 0              # how many mutes in a row (each twice as long)
+
+
+class WaitSet:
+    """The kernel's wake-up channel: its own private eventfd (``ring()``, for its
+    own commands) plus every LIP's *own* doorbell eventfd (``KernelSide.bell_fd``),
+    all watched by one edge-triggered epoll.
 
     ``wait(timeout, ready)`` spins on ``ready()`` for up to the (adaptive) spin
-    budget, then blocks on the semaphore; either way it drains every pending post
-    before it returns, so call ``ready`` / poll the rings *after* it returns.
+    budget, then blocks in ``epoll_wait``; call ``ready`` / poll the rings *after*
+    it returns.  The kernel never reads a LIP's eventfd (edge-triggered epoll
+    reports every write without a read), so no value a LIP stores there, nor its
+    reading it, nor making it blocking, can block or confuse the kernel: it only
+    decides whether *that* LIP's bell wakes the kernel.  A bell that rings
+    ``MUTE_AFTER`` times in a row with no request in its ring and none taken since
+    its last ring is muted (left out of the epoll set) for ``MUTE_S`` seconds,
+    doubling per repeat up to ``MUTE_MAX_S``: that LIP's calls are then seen by the
+    spin and the periodic poll only, which delays nobody else.
     """
 
-    def __init__(self, name: str, sem: posix_ipc.Semaphore, spin_us: float, adaptive: bool):
-        self.name = name
-        self._sem = sem
+    MUTE_AFTER = 32
+    MUTE_S = 0.02
+    MUTE_MAX_S = 0.5
+
+    def __init__(self, spin_us: float = 50.0, adaptive: bool = True):
+        self._ep = select.epoll()
+        self._own = new_bell()
+        self._ep.register(self._own, _EV_IN)
+        self._lock = threading.Lock()
+        self._bells: dict[int, _Bell] = {}
+        self._muted: dict[int, float] = {}        # fd -> monotonic time to unmute
+        self.mutes = 0                            # bells muted so far (statistics)
         self.spin = _Spin(spin_us, adaptive)
-
-    @classmethod
-    def create(cls, prefix: str, spin_us: float = 50.0, adaptive: bool = True) -> "Doorbell":
-        _check_prefix(prefix)
-        name = _new_name(prefix)
-        sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
-        return cls(name, sem, spin_us, adaptive)
-
-    @classmethod
-    def open(cls, name: str) -> "Doorbell":
-        """Open an existing doorbell (e.g. to ring it from a LIP)."""
-        return cls(name, posix_ipc.Semaphore(name), 0.0, False)
 
     @property
     def spin_us(self) -> float:
@@ -407,21 +440,61 @@ class Doorbell:
         return self.spin.cur_ns / 1000.0
 
     def ring(self) -> None:
-        self._sem.release()
+        """Wake the waiter (the kernel's own commands; any thread)."""
+        ring_bell(self._own)
 
-    def _drain(self) -> None:
-        # Capped: a LIP hammering the bell must not stall the kernel here; posts left
-        # over cost one spurious (cheap) loop iteration each.
-        sem = self._sem
-        n = min(sem.value, _DRAIN_MAX)
-        for _ in range(n):
+    def add(self, ring: "KernelSide") -> None:
+        """Watch ``ring``'s doorbell (KernelSide.create does this)."""
+        b = _Bell(ring)
+        with self._lock:
+            self._bells[b.fd] = b
+            self._ep.register(b.fd, _EV_IN)
+
+    def discard(self, ring: "KernelSide") -> None:
+        """Stop watching ``ring``'s doorbell (KernelSide.close does this)."""
+        with self._lock:
+            b = self._bells.get(ring.bell_fd)
+            if b is None or b.ring is not ring:
+                return
+            del self._bells[b.fd]
+            self._muted.pop(b.fd, None)
             try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
-                break
+                self._ep.unregister(b.fd)
+            except (OSError, ValueError):
+                pass
+
+    def _unmute(self, now: float) -> float | None:
+        """Re-arm bells whose mute is over; the next unmute time, or None."""
+        nxt = None
+        for fd, until in list(self._muted.items()):
+            if until <= now:
+                del self._muted[fd]
+                try:
+                    self._ep.modify(fd, _EV_IN)     # fires at once if written meanwhile
+                except (OSError, ValueError):
+                    pass
+            elif nxt is None or until < nxt:
+                nxt = until
+        return nxt
+
+    def _check(self, b: _Bell, now: float) -> None:
+        r = b.ring
+        if r.taken != b.seen or r.pending():
+            b.seen, b.strikes, b.level = r.taken, 0, 0
+            return
+        b.strikes += 1
+        if b.strikes >= self.MUTE_AFTER:
+            b.strikes = 0
+            self._muted[b.fd] = now + min(self.MUTE_MAX_S, self.MUTE_S * (1 << min(b.level, 16)))
+            b.level += 1
+            self.mutes += 1
+            try:
+                self._ep.modify(b.fd, 0)
+            except (OSError, ValueError):
+                pass
 
     def wait(self, timeout: float | None = None, ready=None) -> bool:
-        """Wait for work.  True if ``ready()`` turned true or the bell rang; False on timeout.
+        """Wait for work.  True if ``ready()`` turned true or a bell rang; False on timeout.
 
         ``timeout`` None blocks forever; ``ready`` None skips the spin phase.
         """
@@ -430,7 +503,6 @@ class Doorbell:
         budget = 0
         if ready is not None:
             if ready():
-                self._drain()
                 return True
             budget = spin.budget()
             if budget:
@@ -440,32 +512,40 @@ class Doorbell:
                 while pc() < end:
                     if ready():
                         spin.won(budget)
-                        self._drain()
                         return True
                     yld()
-        try:
-            self._sem.acquire(timeout)
-            woken = True
-        except posix_ipc.BusyError:
-            woken = False
-        except posix_ipc.SignalError:
-            woken = False
+        now = time.monotonic()
+        deadline = None if timeout is None else now + max(0.0, timeout)
+        while True:                                # re-arm muted bells as their time comes
+            with self._lock:
+                nxt = self._unmute(now) if self._muted else None
+            t = -1 if deadline is None else max(0.0, deadline - now)
+            if nxt is not None:
+                t = nxt - now if t < 0 else min(t, nxt - now)
+            events = self._ep.poll(t)
+            now = time.monotonic()
+            if events or nxt is None or (deadline is not None and now >= deadline):
+                break
+        woken = bool(events)
+        if events:
+            with self._lock:
+                for fd, _ in events:
+                    b = self._bells.get(fd)
+                    if b is not None:
+                        self._check(b, now)
         if ready is not None:
             spin.blocked(budget, time.perf_counter_ns() - t0, woken)
         if woken:
-            self._drain()
             return True
         return bool(ready()) if ready is not None else False
 
     def close(self) -> None:
-        try:
-            self._sem.close()
-        except posix_ipc.Error:
-            pass
-
-    def unlink(self) -> None:
-        """Remove the name (the kernel, at shutdown).  Idempotent; never raises."""
-        _unlink_sem(self.name)
+        """Close the epoll and the private eventfd (the LIPs' bells belong to their rings)."""
+        for fd in (self._ep, self._own):
+            try:
+                fd.close() if fd is self._ep else os.close(fd)
+            except OSError:
+                pass
 
 
 # ----------------------------------------------------------------- kernel side
@@ -477,12 +557,12 @@ class KernelSide:
 
     @classmethod
     def create(cls, prefix: str, n_slots: int = 8, slot_bytes: int = 64 * 1024,
-               arena_bytes: int = 1 << 20, doorbell: "Doorbell | str | None" = None) -> "KernelSide":
-        """Create the segment and the slot semaphores.
+               arena_bytes: int = 1 << 20, waitset: "WaitSet | None" = None) -> "KernelSide":
+        """Create the segment, the slot semaphores and the LIP's own doorbell.
 
         ``slot_bytes`` and ``arena_bytes`` (per slot) are rounded up to multiples of 64.
-        ``doorbell`` (a Doorbell or its name) is what the LIP rings; None: the LIP
-        never rings, the kernel must poll.
+        The doorbell is a fresh eventfd (``bell_fd``: hand it to the LIP, e.g. over
+        SCM_RIGHTS); with a ``waitset`` it is watched there until ``close()``.
         """
         _check_prefix(prefix)
         if not isinstance(n_slots, int) or not 1 <= n_slots <= _MAX_SLOTS:
@@ -506,10 +586,11 @@ class KernelSide:
         self._seg_name = _new_name(prefix)
         self._seg_created = False          # unlink only what this instance created
         self._sem_names: list[str] = []
-        if isinstance(doorbell, Doorbell):
-            doorbell = doorbell.name
-        self._doorbell_name = doorbell
+        self.taken = 0                     # requests poll() has taken (WaitSet's bell check)
+        self.bell_fd = -1
+        self._waitset = None
         try:
+            self.bell_fd = new_bell()
             shm = posix_ipc.SharedMemory(self._seg_name, posix_ipc.O_CREX, mode=0o600, size=total)
             self._seg_created = True
             self._mm = _map(shm, total)
@@ -528,14 +609,17 @@ class KernelSide:
         self._st_lo, self._st_hi = STATES_OFF, STATES_OFF + 4 * n_slots
         self._req_room = slot_bytes - REQ_BODY_OFF
         self._resp_room = slot_bytes - RESP_BODY_OFF
+        if waitset is not None:
+            waitset.add(self)
+            self._waitset = waitset
         return self
 
     # ------------------------------------------------------------ info
     @property
     def names(self) -> dict:
-        """What the LIP must open (JSON-serialisable): segment, slot_sems, doorbell."""
-        return {"segment": self._seg_name, "slot_sems": list(self._sem_names),
-                "doorbell": self._doorbell_name}
+        """What the LIP must open (JSON-serialisable): segment, slot_sems.  Its
+        doorbell is a file descriptor (``bell_fd``), passed separately."""
+        return {"segment": self._seg_name, "slot_sems": list(self._sem_names)}
 
     @property
     def closed(self) -> bool:
@@ -585,6 +669,8 @@ class KernelSide:
                 _U32.pack_into(mm, pos, BUSY)
                 out.append(i)
             pos = find(_REQUEST_WORD, pos + 4, hi)
+        if out:
+            self.taken += len(out)
         return out
 
     def read_request(self, slot: int) -> Request:
@@ -670,8 +756,17 @@ class KernelSide:
                 pass
 
     def close(self) -> None:
-        """Unmap the segment and close the semaphores (this process only)."""
+        """Unmap the segment, close the semaphores and the doorbell (this process only)."""
         self._closed = True
+        if self._waitset is not None:
+            self._waitset.discard(self)
+            self._waitset = None
+        if self.bell_fd >= 0:
+            try:
+                os.close(self.bell_fd)
+            except OSError:
+                pass
+            self.bell_fd = -1
         self._states = None
         self._u8 = None
         _unmap(self._mm)
@@ -716,12 +811,18 @@ class LipSide:
         raise TypeError("use LipSide.attach(names)")
 
     @classmethod
-    def attach(cls, names: dict, spin_us: float = 50.0, adaptive: bool = True) -> "LipSide":
-        """Map the segment and open the semaphores named by ``KernelSide.names``."""
+    def attach(cls, names: dict, bell_fd: int | None = None, spin_us: float = 50.0,
+               adaptive: bool = True) -> "LipSide":
+        """Map the segment and open the semaphores named by ``KernelSide.names``.
+
+        ``bell_fd``: this LIP's doorbell (an eventfd from the kernel); the LipSide owns
+        it from now on (closes it on close()).  None: never ring, the kernel polls."""
         self = object.__new__(cls)
         self._mm = None
         self._sems = []
-        self._doorbell = None
+        if bell_fd is not None and (not isinstance(bell_fd, int) or bell_fd < 0):
+            raise ValueError(f"bell_fd must be a file descriptor, got {bell_fd!r}")
+        self._bell = bell_fd
         try:
             shm = posix_ipc.SharedMemory(names["segment"])
             size = shm.size
@@ -743,8 +844,6 @@ class LipSide:
                 raise RingError(f"{len(sem_names)} slot semaphores for {n_slots} slots")
             for nm in sem_names:
                 self._sems.append(posix_ipc.Semaphore(nm))
-            if names.get("doorbell"):
-                self._doorbell = posix_ipc.Semaphore(names["doorbell"])
         except BaseException:
             self._mm_close()
             raise
@@ -882,10 +981,10 @@ class LipSide:
                 mm[off + tok_rel:off + tok_rel + 4 * nt] = memoryview(tokens).cast("B")
             _REQ_HDR.pack_into(mm, off, call_id, op, jl, nt, flags)
             _U32.pack_into(mm, s.st_off, REQUEST)     # after the payload
-            if self._doorbell is not None:
+            if self._bell is not None:
                 try:
-                    self._doorbell.release()
-                except OSError:           # EOVERFLOW: the bell is rung already, plenty
+                    _eventfd_write(self._bell, 1)
+                except OSError:           # EAGAIN: the counter is saturated, rung already
                     pass
             self._await(s, timeout)
             return self._read_response(s, call_id)
@@ -971,11 +1070,12 @@ class LipSide:
                 sem.close()
             except posix_ipc.Error:
                 pass
-        if self._doorbell is not None:
+        if self._bell is not None:
             try:
-                self._doorbell.close()
-            except posix_ipc.Error:
+                os.close(self._bell)
+            except OSError:
                 pass
+            self._bell = None
 
     def close(self) -> None:
         """Detach (unmap, close the semaphores).  Calls in flight must have finished."""

@@ -6,7 +6,7 @@ Loop (never blocks on a LIP):
        KVFS and message calls are answered at once, pred calls are queued,
        capability calls go to a thread pool, recv waits for input
     3. if pred calls are queued, run them as one batch (one forward pass)
-    4. nothing to do: wait on the kernel doorbell (spin briefly, then block)
+    4. nothing to do: wait on the LIPs' doorbells (spin briefly, then block)
 
 Every request is hostile until checked: a malformed ring entry is answered
 with EINVAL and counted; a LIP with too many strikes is killed.  Errors are
@@ -158,7 +158,7 @@ class SyscallServer:
                 self._run_step()
                 continue
             if not work:
-                self.door.wait(0.05, self._has_work)      # short: a LIP may steal doorbell posts
+                self.door.wait(0.05, self._has_work)      # short: muted LIP bells are polled
         log.info("syscall thread stopped")
 
     def _has_work(self) -> bool:

@@ -1,35 +1,58 @@
 """The zygote: a small process that has already imported the LIP library, the
 tokenizer and a set of standard modules, and forks one worker per LIP.
 
-    kernel --stdin: JSON lines--> zygote --fork--> worker (sandboxed) runs lip.py
-           <--stdout: JSON lines--
+    kernel <--AF_UNIX SOCK_SEQPACKET socketpair--> zygote --fork--> worker (sandboxed)
+             commands + fds (SCM_RIGHTS) / reports
 
-Commands (kernel -> zygote): ``{"cmd": "spawn", "lip": id, "names": {...},
-"source": str, "filename": str, "args": [...], "limits": {...}}``.
-Reports (zygote -> kernel): ``{"spawned": id, "pid": pid}``,
+Commands (kernel -> zygote), one message each: ``{"cmd": "spawn", "lip": id,
+"names": {...}, "uid": int|null, "gid": int|null, "limits": {...}, "threads": n}``
+with two file descriptors: a memfd holding the program (orjson ``{"source",
+"filename", "args"}``) and the LIP's own doorbell (an eventfd); ``{"cmd": "exit"}``.
+Reports (zygote -> kernel): ``{"ready": pid}``, ``{"spawned": id, "pid": pid}``,
 ``{"exited": id, "pid": pid, "status": code, "signal": sig}``.
 
-It is started as a fresh interpreter (never forked from the kernel, which
-holds torch and its thread pools), with BLAS and tokenizer parallelism off so
-that forking is safe.  A worker, before any user code: replaces fds 0-2 with
-/dev/null (so it can never write the zygote's report pipe), attaches its
-shared-memory ring, routes print() and tracebacks through the ring, closes
-every other fd, sets rlimits and installs the seccomp filter
-(`sandbox.lockdown`).  Then it compiles the LIP's source (sent by the kernel:
-the worker cannot open files) and calls its ``main(*args)``.
+The zygote never holds user data: it forks, closes its copies of both fds at
+once and never reads the memfd, so no LIP can find another's program or
+arguments in the memory it inherits.  It is started as a fresh interpreter
+(never forked from the kernel, which holds torch and its thread pools), with a
+clean minimal environment (never the kernel's), BLAS and tokenizer parallelism
+off so that forking is safe, and PR_SET_PDEATHSIG(SIGKILL) so it dies with the
+kernel; when its channel closes it kills its workers.
+
+A worker, before any user code: replaces fds 0-2 with /dev/null (so it can
+never write the zygote's channel), reads and closes its program memfd,
+attaches its shared-memory ring (opening the kernel's 0600 objects while still
+root), routes print() and tracebacks through the ring, sets a minimal
+``os.environ``, and calls `sandbox.lockdown`: close every other fd, rlimits
+(RLIMIT_NPROC = the thread cap), drop to the LIP's own uid/gid,
+PR_SET_PDEATHSIG(SIGKILL) (it dies with the zygote, so with the kernel), drop
+capabilities, seccomp allow list.  Then it compiles the program and calls its
+``main(*args)``.
 """
 from __future__ import annotations
 
 import os
 
-for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_v] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# What the kernel starts the zygote with (nothing else of the kernel's environment).
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONDONTWRITEBYTECODE": "1"}
+# What a LIP sees as os.environ.
+LIP_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/nonexistent"}
+MAX_PROGRAM = 64 << 20          # the kernel caps the source at 4 MiB; args add a little
+PR_SET_PDEATHSIG = 1
+
+for _k, _v in BASE_ENV.items():                     # parallelism off: forking must be safe
+    if _k.endswith("_THREADS") or _k == "TOKENIZERS_PARALLELISM":
+        os.environ[_k] = _v
+    else:
+        os.environ.setdefault(_k, _v)
 
 import errno  # noqa: E402
 import io  # noqa: E402
 import select  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
@@ -41,7 +64,7 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "statistics", "concurrent.futures", "concurrent.futures.thread", "threading", "queue", "textwrap", "enum", "abc",
            "copy", "struct", "hashlib", "base64", "datetime", "decimal", "fractions", "operator",
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
-           "secrets", "unicodedata", "argparse", "gettext", "locale", "shutil", "ast", "numpy",
+           "secrets", "unicodedata", "encodings.idna", "argparse", "gettext", "locale", "shutil", "ast", "numpy",
            "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.kernel.shm",
            "symphony.kernel.sandbox", "symphony.kernel.tokenizer",
            # the LIP standard library and the libraries stock programs use
@@ -73,8 +96,28 @@ class _RingStream(io.TextIOBase):
                 pass
 
 
-def _worker(msg: dict, tok) -> None:
-    """In the forked child: lock down, then run the LIP.  Never returns."""
+def _read_program(fd: int) -> dict:
+    """The worker's program from its memfd: {"source": str, "filename": str, "args": [str]}."""
+    chunks, off = [], 0
+    while True:
+        b = os.pread(fd, 1 << 20, off)
+        if not b:
+            break
+        chunks.append(b)
+        off += len(b)
+        if off > MAX_PROGRAM:
+            raise ValueError("program too large")
+    os.close(fd)
+    prog = orjson.loads(b"".join(chunks))
+    if not (isinstance(prog, dict) and isinstance(prog.get("source"), str)
+            and isinstance(prog.get("filename"), str) and isinstance(prog.get("args"), list)
+            and all(isinstance(a, str) for a in prog["args"])):
+        raise ValueError("malformed program message")
+    return prog
+
+
+def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None:
+    """In the forked child: read the program, lock down, run the LIP.  Never returns."""
     code = 70
     try:
         os.setsid()
@@ -85,13 +128,17 @@ def _worker(msg: dict, tok) -> None:
         from symphony.kernel.sandbox import lockdown
         from symphony.kernel.shm import LipSide
         from symphony.lip import runtime
-        ring = LipSide.attach(msg["names"])
+        prog = _read_program(prog_fd)
+        ring = LipSide.attach(msg["names"], bell_fd)
         runtime._attach(ring, tok)
         sys.stdout, sys.stderr = _RingStream("stdout"), _RingStream("stderr")
+        os.environ.clear()
+        os.environ.update(LIP_ENV)
         lim = msg.get("limits", {})
-        lockdown(own_pid=os.getpid(), keep_fds={0, 1, 2},
+        lockdown(own_pid=os.getpid(), keep_fds={0, 1, 2, bell_fd},
                  address_space_bytes=lim.get("memory_bytes"), cpu_seconds=lim.get("cpu_seconds"),
-                 open_files=lim.get("open_files", 64))
+                 open_files=lim.get("open_files", 64), uid=msg.get("uid"), gid=msg.get("gid"),
+                 max_threads=msg.get("threads"), parent_pid=zygote_pid)
     except BaseException:
         try:
             sys.stderr.write("symphony: LIP sandbox setup failed:\n" + traceback.format_exc())
@@ -99,12 +146,12 @@ def _worker(msg: dict, tok) -> None:
         finally:
             os._exit(70)
     try:
-        g = {"__name__": "__lip__", "__file__": msg["filename"], "__builtins__": __builtins__}
-        exec(compile(msg["source"], msg["filename"], "exec"), g)
+        g = {"__name__": "__lip__", "__file__": prog["filename"], "__builtins__": __builtins__}
+        exec(compile(prog["source"], prog["filename"], "exec"), g)
         main = g.get("main")
         if not callable(main):
-            raise SystemExit(f"{msg['filename']}: a LIP must define main(*args)")
-        rc = main(*msg.get("args", []))
+            raise SystemExit(f"{prog['filename']}: a LIP must define main(*args)")
+        rc = main(*prog["args"])
         code = rc if isinstance(rc, int) and not isinstance(rc, bool) and 0 <= rc < 256 else 0
     except SystemExit as e:
         if isinstance(e.code, int):
@@ -124,9 +171,22 @@ def _worker(msg: dict, tok) -> None:
         os._exit(code)
 
 
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def main() -> None:
+    import ctypes
     import importlib
-    tok_file = sys.argv[1]
+    tok_file, chan_fd, kernel_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != kernel_pid:
+        sys.exit("symphony zygote: the kernel is gone (or PR_SET_PDEATHSIG failed)")
+    chan = socket.socket(fileno=chan_fd)
     for m in PRELOAD:
         try:
             importlib.import_module(m)
@@ -148,60 +208,74 @@ def main() -> None:
                                                       eos_token=list(tok.eos_ids))
     except Exception as e:
         print(f"symphony zygote: no llguidance tokenizer: {e}", file=sys.stderr, flush=True)
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
     rd, wr = os.pipe()
     os.set_blocking(wr, False)
     signal.set_wakeup_fd(wr)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)           # the kernel decides when we stop
     lips: dict[int, int] = {}                                # os pid -> lip id
-    stdin = sys.stdin.buffer
-    buf = b""
+    me = os.getpid()
 
     def report(obj):
-        out.write(orjson.dumps(obj) + b"\n")
+        chan.sendall(orjson.dumps(obj))
 
-    report({"ready": os.getpid()})
-    while True:
-        try:
-            r, _, _ = select.select([stdin, rd], [], [], 1.0)
-        except InterruptedError:
-            r = []
-        if rd in r:
+    report({"ready": me})
+    try:
+        while True:
             try:
-                os.read(rd, 4096)
-            except BlockingIOError:
-                pass
-        while lips:                                          # reap finished workers
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            lip = lips.pop(pid, None)
-            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -sig
-            report({"exited": lip, "pid": pid, "status": code, "signal": sig})
-        if stdin in r:
-            chunk = os.read(stdin.fileno(), 1 << 20)
-            if not chunk:
+                r, _, _ = select.select([chan, rd], [], [], 1.0)
+            except InterruptedError:
+                r = []
+            if rd in r:
+                try:
+                    os.read(rd, 4096)
+                except BlockingIOError:
+                    pass
+            while lips:                                      # reap finished workers
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                lip = lips.pop(pid, None)
+                sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -sig
+                report({"exited": lip, "pid": pid, "status": code, "signal": sig})
+            if chan not in r:
+                continue
+            data, fds, flags, _ = socket.recv_fds(chan, 1 << 16, 4)
+            if not data:
                 break                                        # the kernel is gone
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = orjson.loads(line)
-                if msg.get("cmd") == "spawn":
-                    pid = os.fork()
-                    if pid == 0:
-                        signal.set_wakeup_fd(-1)
-                        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                        signal.signal(signal.SIGINT, signal.SIG_DFL)
-                        _worker(msg, tok)
-                    lips[pid] = msg["lip"]
-                    report({"spawned": msg["lip"], "pid": pid})
-                elif msg.get("cmd") == "exit":
-                    return
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                _close(fds)
+                print("symphony zygote: truncated command dropped", file=sys.stderr, flush=True)
+                continue
+            msg = orjson.loads(data)
+            if msg.get("cmd") == "spawn":
+                if len(fds) != 2:
+                    _close(fds)
+                    report({"exited": msg.get("lip"), "pid": 0, "status": 70, "signal": 0})
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                    _worker(msg, fds[0], fds[1], tok, me)
+                _close(fds)                                  # never read: the worker's alone
+                lips[pid] = msg["lip"]
+                report({"spawned": msg["lip"], "pid": pid})
+            elif msg.get("cmd") == "exit":
+                return
+            else:
+                _close(fds)
+    finally:
+        for pid in lips:                                     # never outlive the kernel
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 if __name__ == "__main__":
@@ -210,5 +284,5 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         pass
     except OSError as e:
-        if e.errno != errno.EPIPE:
+        if e.errno not in (errno.EPIPE, errno.ECONNRESET):
             raise
