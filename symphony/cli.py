@@ -119,6 +119,39 @@ def main(argv=None) -> int:
     return 0
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return n
+
+
+def _pages_or_percent(text: str):
+    """'N' pages (an int) or 'N%' of the pool (a float in (0, 1])."""
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
+        return pct / 100
+    return _nonneg_int(text)
+
+
+def _umask(text: str) -> int:
+    try:
+        m = int(text, 8)
+    except ValueError:
+        m = -1
+    if not 0 <= m <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected an octal umask 000..777, got {text!r}")
+    return m
+
+
 def kernel_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
     _engine_args(p)
@@ -127,7 +160,14 @@ def kernel_main(argv=None) -> int:
     p.add_argument("--host-pages", type=int, default=256, help="host-memory KV tier, pages (default 256)")
     p.add_argument("--swap-dir", default=None, help="directory for the disk KV tier (default: none)")
     p.add_argument("--durable-dir", default=None, help="directory for durable KV files (default: none)")
-    p.add_argument("--user-quota", type=int, default=None, help="KV pages one user may hold")
+    p.add_argument("--user-quota", type=_pages_or_percent, default="50%",
+                   help="KV pages one user may hold, all tiers: N pages or N%% of the device + host "
+                        "pages (default 50%%); root is exempt")
+    p.add_argument("--user-inodes", type=_nonneg_int, default=10000,
+                   help="named KV files + directories one user may own (default 10000); root is exempt")
+    p.add_argument("--kv-umask", type=_umask, default=0o022,
+                   help="octal bits cleared from every KV file/directory mode a LIP asks for (default 022: "
+                        "no file is writable by other users; 077: nothing can be shared)")
     p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
     p.add_argument("--max-lips", type=int, default=256)
     p.add_argument("--token-budget", type=int, default=None,
@@ -157,9 +197,16 @@ def kernel_main(argv=None) -> int:
     from .kernel.daemon import Kernel
     from .kernel.protocol import default_socket_path
     from .kernel.kvfs import KVFS, KVFSConfig
+    user_pages = args.user_quota
+    if isinstance(user_pages, float):               # a share of the device + host tiers
+        user_pages = int(user_pages * (engine.kv.allocator.capacity + args.host_pages))
+    log.info("KV quotas: %d pages per user, %s per LIP, %d named files per user; umask %03o", user_pages,
+             args.process_quota if args.process_quota is not None else "no limit", args.user_inodes,
+             args.kv_umask)
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
-                                 durable_dir=args.durable_dir, user_page_quota=args.user_quota,
-                                 process_page_quota=args.process_quota))
+                                 durable_dir=args.durable_dir, user_page_quota=user_pages,
+                                 process_page_quota=args.process_quota, user_inode_quota=args.user_inodes,
+                                 umask=args.kv_umask))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
                     default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget,
                     cap_policy=caps, lip_uids=lip_uids)

@@ -258,6 +258,69 @@ def test_permissions(weights):
     fs.close(ALICE, s)
 
 
+def test_private_defaults_and_the_umask(weights):
+    fs = make_fs(weights)
+    h = fs.create(ALICE, "/home/alice/secret.kv")            # no mode: private
+    fs.pred(ALICE, h, toks(4))
+    assert fs.stat(ALICE, "/home/alice/secret.kv")["mode"] == 0o600
+    assert fs.stat(ALICE, "/home/alice")["mode"] == 0o700   # made on first use, private
+    for attempt in (lambda: fs.open(BOB, "/home/alice/secret.kv"),
+                    lambda: fs.list(BOB, "/home/alice"),
+                    lambda: fs.create(BOB, "/home/alice/planted.kv"),
+                    lambda: fs.mkdir(BOB, "/home/alice/d")):
+        with pytest.raises(PermissionDenied):
+            attempt()
+    fs.mkdir(ALICE, "/home/alice/d")
+    assert fs.stat(ALICE, "/home/alice/d")["mode"] == 0o700
+    # the umask (022) clears "others may write" from any mode asked for, fork's included
+    fs.create(ALICE, "/shared/pub.kv", mode=0o666)
+    assert fs.stat(ALICE, "/shared/pub.kv")["mode"] == 0o644
+    fs.fork(ALICE, h, "/shared/fork.kv", mode=0o646)
+    fs.extract(ALICE, h, [[0, 2]], "/home/alice/x.kv")
+    fs.merge(ALICE, [h], "/home/alice/m.kv", mode=0o640)
+    assert [fs.stat(ALICE, p)["mode"] for p in ("/shared/fork.kv", "/home/alice/x.kv", "/home/alice/m.kv")] \
+        == [0o644, 0o600, 0o640]
+    fs.close(BOB, fs.open(BOB, "/shared/fork.kv"))            # shared read-only on purpose
+    with pytest.raises(PermissionDenied):
+        fs.open(BOB, "/shared/fork.kv", "rw")
+    fs.chmod(ALICE, "/home/alice/secret.kv", 0o666)
+    assert fs.stat(ALICE, "/home/alice/secret.kv")["mode"] == 0o644
+    with pytest.raises(InvalidArgument):
+        fs.fork(ALICE, h, "/home/alice/y.kv", mode=0o4777)
+    with pytest.raises(NotFound):
+        fs.stat(ALICE, "/home/alice/y.kv")                    # a bad mode made nothing
+    # an administrator's stricter umask: nothing can be shared
+    strict = make_fs(weights, umask=0o077)
+    strict.create(ALICE, "/shared/s.kv", mode=0o644)
+    assert strict.stat(ALICE, "/shared/s.kv")["mode"] == 0o600
+    with pytest.raises(ValueError):
+        make_fs(weights, umask=0o1000)
+
+
+def test_inode_quota(weights):
+    fs = make_fs(weights, user_inode_quota=3)
+    fs.mkdir(ALICE, "/home/alice/d")                          # a directory counts
+    fs.create(ALICE, "/home/alice/d/a.kv")
+    anon = fs.create(ALICE)                                   # anonymous files do not
+    fs.fork(ALICE, anon, "/shared/b.kv")
+    for attempt in (lambda: fs.create(ALICE2, "/tmp/c.kv"), lambda: fs.mkdir(ALICE, "/tmp/e"),
+                    lambda: fs.fork(ALICE, anon, "/tmp/c.kv"), lambda: fs.merge(ALICE, [anon], "/tmp/c.kv")):
+        with pytest.raises(QuotaExceeded, match="user 'alice' has 3 named KV files and directories, "
+                                                "inode quota 3"):
+            attempt()
+    with pytest.raises(NotFound):
+        fs.stat(ALICE, "/tmp/c.kv")
+    fs.close(BOB, fs.create(BOB, "/tmp/c.kv"))                # another user's own quota
+    fs.rename(ALICE, "/shared/b.kv", "/home/alice/b.kv")      # a rename is no new inode
+    fs.remove(ALICE, "/home/alice/b.kv")                      # a removal frees one
+    fs.create(ALICE, "/tmp/c2.kv")
+    fs.remove(ALICE, "/home/alice/d/a.kv")
+    fs.rmdir(ALICE, "/home/alice/d")
+    assert fs.quotas.inodes_by_user == {"alice": 1, "bob": 1}
+    for i in range(5):                                        # root is exempt
+        fs.create(Principal("root", 9), f"/shared/r{i}.kv")
+
+
 def test_quotas_per_user_and_process(weights):
     fs = make_fs(weights, pages=64, user_page_quota=6, process_page_quota=4)
     a = fs.create(ALICE)

@@ -1,7 +1,8 @@
 """A hypothesis state machine drives random sequences of every KVFS operation
 by several users and processes, and checks after each step that refcounts
-equal page-table references, no page leaks in any tier, quotas hold, and
-permissions are enforced as a simple independent model predicts."""
+equal page-table references, no page leaks in any tier, page and inode quotas
+hold, and permissions (default modes and the umask included) are enforced as a
+simple independent model predicts."""
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -20,9 +21,14 @@ from symphony.kernel.weights import random_weights
 PROCS = [Principal("alice", 1), Principal("alice", 2), Principal("bob", 3), Principal("carol", 4)]
 NAMES = ["/shared/a.kv", "/shared/b.kv", "/tmp/t.kv", "/home/alice/x.kv", "/home/bob/y.kv",
          "/home/carol/z.kv"]
-MODES = [0o600, 0o644, 0o666]
-USER_QUOTA, PROC_QUOTA = 30, 20
+MODES = [None, 0o600, 0o644, 0o666]                  # None: the default mode
+USER_QUOTA, PROC_QUOTA, USER_INODES = 30, 20, 2
 WEIGHTS = random_weights(tiny_config(max_context=128), seed=0)
+
+
+def effective(mode) -> int:
+    """The mode a file gets: default 0600, umask 022."""
+    return (0o600 if mode is None else mode) & ~0o022
 
 
 def allowed(who: Principal, owner: str, mode: int, want: str) -> bool:
@@ -37,7 +43,8 @@ class KVFSMachine(RuleBasedStateMachine):
         self.tmp = tempfile.TemporaryDirectory()
         eng = Engine(WEIGHTS, None, EngineConfig(page_size=4, num_pages=17))   # 16 device pages
         self.fs = KVFS(eng, KVFSConfig(host_pages=6, swap_dir=self.tmp.name, disk_pages=200,
-                                       user_page_quota=USER_QUOTA, process_page_quota=PROC_QUOTA))
+                                       user_page_quota=USER_QUOTA, process_page_quota=PROC_QUOTA,
+                                       user_inode_quota=USER_INODES))
         self.files: dict[str, tuple[str, int]] = {}      # model: path -> (owner, mode)
         self.handles: list[tuple[int, Principal, bool]] = []
         self.rng = torch.Generator().manual_seed(0)
@@ -68,8 +75,22 @@ class KVFSMachine(RuleBasedStateMachine):
             return
         assert expect_ok, f"create {path} by {who} should have been refused"
         if path:
-            self.files[path] = (who.user, mode)
+            self.files[path] = (who.user, effective(mode))
         self.handles.append((h, who, True))
+
+    @precondition(lambda self: self.handles)
+    @rule(i=st.integers(0, 99), path=st.sampled_from(NAMES), mode=st.sampled_from(MODES))
+    def fork_named(self, i, path, mode):
+        h, who, _ = self.handles[i % len(self.handles)]
+        expect_ok = path not in self.files and self._may_create(who, path)
+        try:
+            g = self.fs.fork(who, h, path, mode)           # a fork costs no page: only names can fail
+        except KVFSError as e:
+            assert not expect_ok, f"fork to {path} by {who} refused: {e}"
+            return
+        assert expect_ok, f"fork to {path} by {who} should have been refused"
+        self.files[path] = (who.user, effective(mode))
+        self.handles.append((g, who, True))
 
     @rule(who=st.sampled_from(PROCS), path=st.sampled_from(NAMES), rw=st.booleans())
     def open(self, who, path, rw):
@@ -225,8 +246,19 @@ class KVFSMachine(RuleBasedStateMachine):
         for pid, n in fs.quotas.by_pid.items():
             assert n <= PROC_QUOTA
 
+    @invariant()
+    def inodes_and_modes_match_the_model(self):
+        owned = Counter(owner for owner, _ in self.files.values())
+        for user in ("alice", "bob", "carol"):
+            assert self.fs.quotas.inodes_by_user[user] == owned[user] <= USER_INODES
+        for path, (owner, mode) in self.files.items():
+            st_ = self.fs.stat(PROCS[0], path)
+            assert (st_["owner"], st_["mode"]) == (owner, mode), path
+
     def _may_create(self, who, path):
         parts = path.split("/")
+        if sum(1 for owner, _ in self.files.values() if owner == who.user) >= USER_INODES:
+            return False                                    # the inode quota
         if parts[1] == "home":
             return parts[2] == who.user
         return True

@@ -94,7 +94,9 @@ def test_rag_reuses_document_kv_files_and_applies_policy(kernel, tmp_path):
     assert base["prefill_computed"] == st["prefill_computed"] + st["prefill_reused"]
     assert list(st["policy"].values()) == ["expire", "expire"]
 
-    names = {e["name"] for e in c.kv_ls("/shared/rag")}
+    cache_dir = first[QUESTIONS[0][0]][1]["files"][0].rsplit("/", 1)[0]
+    assert cache_dir == f"/home/{_me()}/rag"                  # the runner's own, private cache
+    names = {e["name"] for e in c.kv_ls(cache_dir)}
     for q, _, _ in QUESTIONS:                                 # popular: pinned, no expiry
         path = first[q][1]["files"][0]
         assert path.split("/")[-1] in names

@@ -5,14 +5,16 @@
 
 Retrieval is BM25 over the text files of DOCS (read through the read_file /
 list_dir capabilities).  The prompt is built from KV modules, Prompt Cache
-style, each computed once and kept in KVFS:
+style, each computed once and kept in KVFS, in the private cache of the user
+running the program (/home/<user>/rag, which only that user can write, so no
+other user can plant a module there):
 
-    /shared/rag/instr-<hash>.kv   the chat template's head and the system message,
+    ~/rag/instr-<hash>.kv         the chat template's head and the system message,
                                   at positions 0..P-1
-    /shared/rag/<doc-hash>.kv     "Document: <text>" computed right after the
+    ~/rag/<doc-hash>.kv           "Document: <text>" computed right after the
                                   instruction (it attended to it) and extracted:
                                   its own tokens at positions P..P+L-1
-    /shared/rag/hits/<doc-hash>.<n>   an empty file whose name is the hit count
+    ~/rag/hits/<doc-hash>.<n>     an empty file whose name is the hit count
 
 A question merges [instruction, doc1, doc2, ...] (`kv.merge` keeps every
 module at its own positions: the documents all start at P and do not see each
@@ -30,6 +32,8 @@ fork (forks do not inherit expiry).
 
 --no-cache computes the same modules as anonymous files every time: the same
 tokens at the same positions, so the same answer, with nothing reused.
+A module whose owner is not the user (only root could put one there) is not
+used: it is recomputed, and stderr says so.
 The answer is sent as text, then one JSON line of statistics: the documents
 used, prefill tokens computed / reused, KV modules (instruction included)
 created / reused, and the advice each document got.
@@ -37,12 +41,12 @@ created / reused, and the advice each document got.
 import hashlib
 import math
 import re
+import sys
 from collections import Counter
 
 from symphony.lip import (AlreadyExists, NotFound, PermissionDenied, info, kv, list_dir, pred,
                           read_file, send, tokenizer)
 
-ROOT, HITS = "/shared/rag", "/shared/rag/hits"
 SYSTEM = "Answer the question using the documents. Be brief."
 STOP = set("a an the is are was were of in on at to for by with and or what who whom which how "
            "when where why does did do it its this that from as be".split())
@@ -95,26 +99,36 @@ class Modules:
 
     def __init__(self, cache):
         self.cache, self.stats = cache, Counter()
+        self.me = info()["user"]
+        self.root = f"/home/{self.me}/rag"
+        self.hits = self.root + "/hits"
         if cache:
-            for d in (ROOT, HITS):
+            for d in (self.root, self.hits):
                 try:
-                    kv.mkdir(d)
-                except (AlreadyExists, PermissionDenied):
+                    kv.mkdir(d)                    # private (0700)
+                except AlreadyExists:
                     pass
 
     def get(self, path, compute):
         """Open ``path`` or compute it with ``compute() -> (anonymous KVFile, tokens computed)``."""
+        named = self.cache
         if self.cache:
             try:
                 f = kv.open(path)
-                self.stats["kv_reused"] += 1
-                self.stats["prefill_reused"] += len(f)
-                return f, False
+                owner = f.stat()["owner"]
+                if owner == self.me:
+                    self.stats["kv_reused"] += 1
+                    self.stats["prefill_reused"] += len(f)
+                    return f, False
+                f.close()
+                named = False                      # not ours: recompute, leave it alone
+                print(f"rag: ignoring {path}: owned by {owner}, not {self.me}; recomputing",
+                      file=sys.stderr, flush=True)
             except NotFound:
                 pass
         f, n = compute()
         self.stats["prefill_computed"] += n
-        if self.cache:
+        if named:
             try:                                   # name it: fork shares the pages, copies nothing
                 g = f.fork(path)
                 f.close()
@@ -125,27 +139,27 @@ class Modules:
         return f, True
 
 
-def hit_counts():
+def hit_counts(hits):
     counts = {}
-    for e in kv.list(HITS):
+    for e in kv.list(hits):
         h, _, n = e["name"].rpartition(".")
         counts[h] = max(counts.get(h, 0), int(n))
     return counts
 
 
-def count_hit(h, counts):
-    """Add one to document ``h``'s hit counter; returns the new count."""
+def count_hit(hits, h, counts):
+    """Add one to document ``h``'s hit counter (in directory ``hits``); returns the new count."""
     for _ in range(16):
         n = counts.get(h, 0)
         try:
             if n == 0:
-                kv.create(f"{HITS}/{h}.1").close()
+                kv.create(f"{hits}/{h}.1").close()
             else:
-                kv.rename(f"{HITS}/{h}.{n}", f"{HITS}/{h}.{n + 1}")
+                kv.rename(f"{hits}/{h}.{n}", f"{hits}/{h}.{n + 1}")
             counts[h] = n + 1
             return n + 1
         except (AlreadyExists, NotFound):          # another LIP counted meanwhile: look again
-            counts.update(hit_counts())
+            counts.update(hit_counts(hits))
     return counts.get(h, 0)
 
 
@@ -186,7 +200,7 @@ def main(*args):
         f = kv.create()
         pred(f, head_ids)
         return f, len(head_ids)
-    instr, _ = mods.get(f"{ROOT}/instr-{ih}.kv", compute_instruction)
+    instr, _ = mods.get(f"{mods.root}/instr-{ih}.kv", compute_instruction)
 
     docs = []                                      # (hash, path, KVFile)
     for i in top:
@@ -197,7 +211,7 @@ def main(*args):
                 pred(g, ids)
                 return g.extract([[len(head_ids), len(head_ids) + len(ids)]]), len(ids)
         dh = hashlib.sha256((ih + texts[i]).encode()).hexdigest()[:20]
-        path = f"{ROOT}/{dh}.kv"
+        path = f"{mods.root}/{dh}.kv"
         docs.append((dh, path, mods.get(path, compute_doc)[0]))
 
     q = tok.encode(f"Question: {question}" + tail)
@@ -215,10 +229,12 @@ def main(*args):
 
     policy = {}
     if cache:
-        counts = hit_counts()
+        counts = hit_counts(mods.hits)
         for dh, path, f in docs:
+            if f.stat()["path"] != path:           # recomputed beside a foreign file: no policy
+                continue
             try:
-                policy[dh] = apply_policy(f, path, count_hit(dh, counts),
+                policy[dh] = apply_policy(f, path, count_hit(mods.hits, dh, counts),
                                           int(opts["keep-after"]), float(opts["ttl"]))
             except (PermissionDenied, NotFound):   # someone else's cache: use it, leave its policy
                 pass

@@ -547,7 +547,7 @@ def _sample(x: torch.Tensor, b: dict) -> torch.Tensor:
 
 
 def _kv_create(s, who, b):
-    h = s.fs.create(who, _path(b, optional=True), b.get("mode", 0o644))
+    h = s.fs.create(who, _path(b, optional=True), b.get("mode"))      # None: KVFS default (0600)
     return {"handle": h}
 
 
@@ -562,7 +562,7 @@ def _kv_close(s, who, b):
 
 
 def _kv_fork(s, who, b):
-    h = s.fs.fork(who, b.get("kv"), _path(b, optional=True))
+    h = s.fs.fork(who, b.get("kv"), _path(b, optional=True), b.get("mode"))
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
@@ -572,13 +572,13 @@ def _kv_truncate(s, who, b):
 
 
 def _kv_extract(s, who, b):
-    h = s.fs.extract(who, b.get("kv"), b.get("ranges"), _path(b, optional=True))
+    h = s.fs.extract(who, b.get("kv"), b.get("ranges"), _path(b, optional=True), b.get("mode"))
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
 def _kv_merge(s, who, b):
     kvs = b.get("kvs")
-    h = s.fs.merge(who, kvs, _path(b, optional=True))
+    h = s.fs.merge(who, kvs, _path(b, optional=True), b.get("mode"))
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
@@ -612,7 +612,7 @@ S._handlers = {
     abi.KV_ADVISE: S._kv(S, _kv_advise), abi.KV_REMOVE: S._kv(S, _kv_simple("remove", "path")),
     abi.KV_RENAME: S._kv(S, _kv_simple("rename", "old", "new")),
     abi.KV_SYNC: S._kv(S, _kv_simple("sync", "kv")),
-    abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode", 0o755)) or {}),
+    abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode")) or {}),
     abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
     abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream,
     abi.CAP_HTTP: S._cap(S, "http"), abi.CAP_READ_FILE: S._cap(S, "read"),

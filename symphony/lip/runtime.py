@@ -148,8 +148,9 @@ class KVFile:
     def __len__(self):
         return self._length
 
-    def fork(self, path: Optional[str] = None) -> "KVFile":
-        d, _ = _call(abi.KV_FORK, {"kv": self.handle, "path": path})
+    def fork(self, path: Optional[str] = None, mode: Optional[int] = None) -> "KVFile":
+        """A copy-on-write clone, anonymous unless ``path``; ``mode`` as in `kv.create`."""
+        d, _ = _call(abi.KV_FORK, {"kv": self.handle, "path": path, "mode": mode})
         return KVFile(d["handle"], path, True, d["length"])
 
     def close(self) -> None:
@@ -161,8 +162,8 @@ class KVFile:
         d, _ = _call(abi.KV_TRUNCATE, {"kv": self.handle, "n": n})
         self._length = d["length"]
 
-    def extract(self, ranges, path: Optional[str] = None) -> "KVFile":
-        d, _ = _call(abi.KV_EXTRACT, {"kv": self.handle, "ranges": ranges, "path": path})
+    def extract(self, ranges, path: Optional[str] = None, mode: Optional[int] = None) -> "KVFile":
+        d, _ = _call(abi.KV_EXTRACT, {"kv": self.handle, "ranges": ranges, "path": path, "mode": mode})
         return KVFile(d["handle"], path, True, d["length"])
 
     def stat(self) -> dict:
@@ -188,7 +189,10 @@ class _KV:
     """The ``kv`` namespace: KVFS system calls that are not on a handle."""
 
     @staticmethod
-    def create(path: Optional[str] = None, mode: int = 0o644) -> KVFile:
+    def create(path: Optional[str] = None, mode: Optional[int] = None) -> KVFile:
+        """A new file opened read-write; anonymous unless ``path``.  ``mode``
+        None: private (0600); the kernel's umask (default 022) is cleared from
+        any mode asked for, e.g. 0o644 shares it read-only with every user."""
         d, _ = _call(abi.KV_CREATE, {"path": path, "mode": mode})
         return KVFile(d["handle"], path, True, 0)
 
@@ -198,8 +202,8 @@ class _KV:
         return KVFile(d["handle"], path, mode == "rw", d["length"])
 
     @staticmethod
-    def merge(files: Sequence[KVFile], path: Optional[str] = None) -> KVFile:
-        d, _ = _call(abi.KV_MERGE, {"kvs": [f.handle for f in files], "path": path})
+    def merge(files: Sequence[KVFile], path: Optional[str] = None, mode: Optional[int] = None) -> KVFile:
+        d, _ = _call(abi.KV_MERGE, {"kvs": [f.handle for f in files], "path": path, "mode": mode})
         return KVFile(d["handle"], path, True, d["length"])
 
     @staticmethod
@@ -215,7 +219,8 @@ class _KV:
         return _call(abi.KV_LIST, {"path": path})[0]["entries"]
 
     @staticmethod
-    def mkdir(path: str, mode: int = 0o755) -> None:
+    def mkdir(path: str, mode: Optional[int] = None) -> None:
+        """A new directory; ``mode`` None: private (0700), less the kernel's umask."""
         _call(abi.KV_MKDIR, {"path": path, "mode": mode})
 
     @staticmethod

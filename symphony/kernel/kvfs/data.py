@@ -92,11 +92,12 @@ class DataOps:
         self.quotas.check({(who.user, who.pid): new + cow})
 
     # ------------------------------------------------------------------ fork / truncate
-    def fork(self, who: Principal, hid: int, path: Optional[str] = None) -> int:
-        """A copy-on-write clone (anonymous unless ``path``), opened read-write.
-        Shares every block; costs no page until one side writes."""
+    def fork(self, who: Principal, hid: int, path: Optional[str] = None, mode: Optional[int] = None) -> int:
+        """A copy-on-write clone (anonymous unless ``path``; ``mode`` as in
+        `create`), opened read-write.  Shares every block; costs no page until
+        one side writes."""
         src = self._handle(who, hid).inode
-        new = self.create(who, path)
+        new = self.create(who, path, mode)
         inode = self.handles[new].inode
         for b in src.blocks:
             b.ref += 1
@@ -121,7 +122,8 @@ class DataOps:
         inode.mtime = _now()
 
     # ------------------------------------------------------------------ extract / merge
-    def extract(self, who: Principal, hid: int, ranges, path: Optional[str] = None) -> int:
+    def extract(self, who: Principal, hid: int, ranges, path: Optional[str] = None,
+                mode: Optional[int] = None) -> int:
         """A new file holding token ranges ``[(start, end), ...]`` (half-open,
         increasing, non-overlapping) of this one, at their original positions."""
         src = self._handle(who, hid).inode
@@ -139,15 +141,16 @@ class DataOps:
                                       f"past the file's length {src.length}")
             segs.append((src, a, e))
             last = e
-        return self._assemble(who, segs, path)
+        return self._assemble(who, segs, path, mode)
 
-    def merge(self, who: Principal, hids: Sequence[int], path: Optional[str] = None) -> int:
+    def merge(self, who: Principal, hids: Sequence[int], path: Optional[str] = None,
+              mode: Optional[int] = None) -> int:
         """A new file: the files' tokens one after another, each at its own positions
         (modular attention reuse, as in Prompt Cache)."""
         if not isinstance(hids, (list, tuple)) or not hids:
             raise InvalidArgument("merge needs a non-empty list of handles")
         segs = [(self._handle(who, h).inode, 0, self._handle(who, h).inode.length) for h in hids]
-        return self._assemble(who, [s for s in segs if s[2] > 0], path)
+        return self._assemble(who, [s for s in segs if s[2] > 0], path, mode)
 
     # ------------------------------------------------------------------ helpers
     def _make_resident(self, inodes: list[Inode], extra: int = 0) -> None:
@@ -166,13 +169,14 @@ class DataOps:
         self.quotas.charge(who.user, who.pid)
         self._drop_blocks([old])
 
-    def _assemble(self, who: Principal, segs, path: Optional[str]) -> int:
+    def _assemble(self, who: Principal, segs, path: Optional[str], mode: Optional[int]) -> int:
         S = self.page_size
         total = sum(e - a for _, a, e in segs)
         if total > self.engine.max_seq_len:
             raise InvalidArgument(f"result would hold {total} tokens, more than {self.engine.max_seq_len}")
+        self._new_mode(mode, 0)                              # fail on a bad mode or path before any work
         if path is not None:
-            self._parent_for_create(who, path)               # fail on a bad path before any work
+            self._parent_for_create(who, path)
         plan: list = []          # per destination block: a shared Block, or a list of (Block, offset)
         positions: list[int] = []
         n = 0
@@ -220,7 +224,7 @@ class DataOps:
             t = lambda x: torch.tensor(x, device=dev)
             pool[:, :, t(dst_p), t(dst_o)] = pool[:, :, t(src_p), t(src_o)]
         try:
-            hid = self.create(who, path)
+            hid = self.create(who, path, mode)
         except BaseException:
             self._drop_blocks(blocks)
             raise

@@ -47,7 +47,10 @@ class KVFSConfig:
     user_page_quota: Optional[int] = None   # pages a user may hold (all tiers); None: unlimited
     process_page_quota: Optional[int] = None
     per_user_quota: Optional[dict] = None   # {user: pages} overrides
-    default_file_mode: int = 0o644
+    user_inode_quota: Optional[int] = 10000  # named files + directories a user may own; None: unlimited
+    default_file_mode: int = 0o600          # a file created without a mode
+    default_dir_mode: int = 0o700           # a directory made without a mode
+    umask: int = 0o022                      # bits cleared from every mode a caller asks for
     max_handles_per_process: int = 4096
 
 
@@ -57,7 +60,12 @@ class KVFS(DataOps):
         self.page_size = engine.page_size
         self.pager = Pager(engine.kv, config.host_pages,
                            Path(config.swap_dir) if config.swap_dir else None, config.disk_pages)
-        self.quotas = Quotas(config.user_page_quota, config.process_page_quota, config.per_user_quota)
+        for name in ("default_file_mode", "default_dir_mode", "umask"):
+            v = getattr(config, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 0o777:
+                raise ValueError(f"KVFSConfig.{name} must be an int in 0..0o777, got {v!r}")
+        self.quotas = Quotas(config.user_page_quota, config.process_page_quota, config.per_user_quota,
+                             config.user_inode_quota)
         self.root = Directory("", None, ROOT_USER, 0o755)
         for name, mode in (("shared", 0o1777), ("home", 0o755), ("tmp", 0o1777)):
             self.root.children[name] = Directory(name, self.root, ROOT_USER, mode)
@@ -79,9 +87,10 @@ class KVFS(DataOps):
     # ================================================================== namespace
     def create(self, who: Principal, path: Optional[str] = None, mode: Optional[int] = None) -> int:
         """A new empty file, opened read-write.  No path: anonymous, freed when
-        its handles close (and with its creating process)."""
+        its handles close (and with its creating process).  Its mode is ``mode``
+        (default ``config.default_file_mode``, 0600) less ``config.umask``."""
         self._tick()
-        mode = self.config.default_file_mode if mode is None else self._check_mode(mode)
+        mode = self._new_mode(mode, self.config.default_file_mode)
         inode = Inode(who.user, mode, who.pid)
         if path is not None:
             parent, name = self._parent_for_create(who, path)
@@ -123,11 +132,16 @@ class KVFS(DataOps):
             raise PermissionDenied(f"{who.user} may not remove {path}")
         self._unlink(parent, name)
 
-    def mkdir(self, who: Principal, path: str, mode: int = 0o755) -> None:
+    def mkdir(self, who: Principal, path: str, mode: Optional[int] = None) -> None:
+        """A new directory; mode ``mode`` (default ``config.default_dir_mode``,
+        0700) less ``config.umask``."""
         self._tick()
+        mode = self._new_mode(mode, self.config.default_dir_mode)
         parent, name = self._parent_for_create(who, path)
-        d = Directory(name, parent, who.user, self._check_mode(mode))
+        d = Directory(name, parent, who.user, mode)
         parent.children[name] = d
+        parent.mtime = time.time()
+        self.quotas.add_inode(who.user)
 
     def rmdir(self, who: Principal, path: str) -> None:
         parent, name = self._parent_of(path)
@@ -143,6 +157,8 @@ class KVFS(DataOps):
         if not may_unlink(who, parent, node):
             raise PermissionDenied(f"{who.user} may not remove {path}")
         del parent.children[name]
+        parent.mtime = time.time()
+        self.quotas.drop_inode(node.owner)
 
     def rename(self, who: Principal, old: str, new: str) -> None:
         """Move a file or directory; ``new`` must not exist."""
@@ -155,7 +171,7 @@ class KVFS(DataOps):
             raise PermissionDenied(f"{old} is a system directory")
         if not may_unlink(who, op, node):
             raise PermissionDenied(f"{who.user} may not move {old}")
-        np_, nname = self._parent_for_create(who, new)
+        np_, nname = self._parent_for_create(who, new, new_entry=False)
         if isinstance(node, Directory):
             d = np_
             while d is not None:
@@ -170,10 +186,12 @@ class KVFS(DataOps):
             rename_durable(self, old, node)
 
     def chmod(self, who: Principal, path: str, mode: int) -> None:
+        """Change a mode (owner or root); ``config.umask`` applies except for root."""
         node = self._lookup(path)
         if not (who.is_root or who.user == node.owner):
             raise PermissionDenied(f"only the owner of {path} may change its mode")
-        node.mode = self._check_mode(mode) | (node.mode & STICKY if isinstance(node, Directory) else 0)
+        mode = self._check_mode(mode) if who.is_root else self._new_mode(mode, 0)
+        node.mode = mode | (node.mode & STICKY if isinstance(node, Directory) else 0)
 
     def stat(self, who: Principal, target: Union[str, int]) -> dict:
         """Length, pages per tier, owner, mode, times, advice of a path or handle."""
@@ -288,11 +306,15 @@ class KVFS(DataOps):
             raise InvalidArgument(f"mode must be an int in 0..0o777, got {mode!r}")
         return mode
 
+    def _new_mode(self, mode, default: int) -> int:
+        """The mode of a new entry: ``mode`` (None: ``default``) less the umask."""
+        return (default if mode is None else self._check_mode(mode)) & ~self.config.umask
+
     def _home(self, user: str) -> Directory:
         home = self.root.children["home"]
         d = home.children.get(user)
         if d is None:
-            d = home.children[user] = Directory(user, home, user, 0o755)
+            d = home.children[user] = Directory(user, home, user, 0o700)
         return d
 
     def _lookup(self, path: str) -> Node:
@@ -316,7 +338,9 @@ class KVFS(DataOps):
             raise NotADirectory(f"{'/' + '/'.join(parts[:-1])} is not a directory")
         return parent, parts[-1]
 
-    def _parent_for_create(self, who: Principal, path: str) -> tuple[Directory, str]:
+    def _parent_for_create(self, who: Principal, path: str, new_entry: bool = True) -> tuple[Directory, str]:
+        """The directory a new entry ``path`` goes in, after every check (a
+        ``new_entry`` also needs room in its creator's inode quota)."""
         parts = split_path(path)
         if len(parts) < 2 or (parts[0] == "home" and len(parts) < 3):
             raise _system_entry(path)
@@ -327,12 +351,15 @@ class KVFS(DataOps):
             raise AlreadyExists(f"{path} already exists")
         if not may(who, parent, "w"):
             raise PermissionDenied(f"{who.user} may not create entries in {parent.path}")
+        if new_entry:
+            self.quotas.check_inode(who.user)
         return parent, name
 
     def _link(self, parent: Directory, name: str, inode: Inode) -> None:
         inode.name, inode.parent, inode.linked = name, parent, True
         parent.children[name] = inode
         parent.mtime = time.time()
+        self.quotas.add_inode(inode.owner)
 
     def _unlink(self, parent: Directory, name: str) -> None:
         inode = parent.children.pop(name)
@@ -343,6 +370,7 @@ class KVFS(DataOps):
                 remove_durable(self, inode)
             inode.linked = False
             inode.parent = None
+            self.quotas.drop_inode(inode.owner)
             self._maybe_free(inode)
 
     def _new_handle(self, who: Principal, inode: Inode, writable: bool) -> int:

@@ -4,12 +4,15 @@
     /shared              root  1777  (sticky: only an entry's owner may remove it)
     /tmp                 root  1777
     /home                root  0755
-    /home/<user>         user  0755  (made on the user's first use)
+    /home/<user>         user  0700  (made on the user's first use; only <user> adds entries)
 
 Permission bits are Unix's owner and other bits (no groups): r (4) lets a user
 open a file read-only or list a directory, w (2) lets them write a file or add
-and remove a directory's entries.  The user ``root`` (the kernel itself)
-bypasses every check.
+and remove a directory's entries.  A file's own bits decide who may open it
+(directories are not searched for permission).  New files are 0600 and new
+directories 0700 unless the caller names a mode; the KVFS umask (default 022)
+is cleared from every mode asked for.  The user ``root`` (the kernel itself,
+and a Unix-root client that did not act as another user) bypasses every check.
 """
 from __future__ import annotations
 

@@ -1,6 +1,16 @@
-"""Page quotas per user and per process.  Every block is charged to the (user,
-pid) whose call created it; a block is uncharged when it is freed, and a
-process's charges pass to its user alone when the process exits."""
+"""Page and inode quotas.
+
+Pages, per user and per process: every block is charged to the (user, pid)
+whose call created it; a block is uncharged when it is freed, and a process's
+charges pass to its user alone when the process exits.
+
+Inodes, per user: every named file and directory in the namespace counts
+against its owner until it is removed (renames change nothing; /home/<user>
+itself and the top directories count for nobody).  Anonymous files are bounded
+by the handles a process may hold instead.
+
+The user ``root`` (the kernel, and the Unix root client) is exempt from both.
+"""
 from __future__ import annotations
 
 from collections import Counter
@@ -12,11 +22,17 @@ from .namespace import ROOT_USER
 
 class Quotas:
     def __init__(self, user_pages: Optional[int] = None, process_pages: Optional[int] = None,
-                 per_user: Optional[dict[str, int]] = None):
-        self.user_pages, self.process_pages = user_pages, process_pages
+                 per_user: Optional[dict[str, int]] = None, user_inodes: Optional[int] = None):
+        limits = {"user_pages": user_pages, "process_pages": process_pages, "user_inodes": user_inodes,
+                  **{f"per_user[{u!r}]": n for u, n in (per_user or {}).items()}}
+        for name, v in limits.items():
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"quota {name} must be None or an int >= 0, got {v!r}")
+        self.user_pages, self.process_pages, self.user_inodes = user_pages, process_pages, user_inodes
         self.per_user = dict(per_user or {})
         self.by_user: Counter = Counter()
         self.by_pid: Counter = Counter()
+        self.inodes_by_user: Counter = Counter()
 
     def limit_for(self, user: str) -> Optional[int]:
         return self.per_user.get(user, self.user_pages)
@@ -48,3 +64,19 @@ class Quotas:
         self.by_user[user] -= n
         if pid:
             self.by_pid[pid] -= n
+
+    # ------------------------------------------------------------------ inodes
+    def check_inode(self, user: str) -> None:
+        """Raise `QuotaExceeded` if ``user`` may not name one more file or directory."""
+        lim = self.user_inodes
+        if user != ROOT_USER and lim is not None and self.inodes_by_user[user] + 1 > lim:
+            raise QuotaExceeded(f"user {user!r} has {self.inodes_by_user[user]} named KV files and "
+                                f"directories, inode quota {lim}")
+
+    def add_inode(self, user: str) -> None:
+        self.inodes_by_user[user] += 1
+
+    def drop_inode(self, user: str) -> None:
+        self.inodes_by_user[user] -= 1
+        if self.inodes_by_user[user] <= 0:
+            del self.inodes_by_user[user]

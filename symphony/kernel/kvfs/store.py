@@ -160,8 +160,12 @@ def load_durable(fs, file: Path) -> Inode:
     for i, name in enumerate(parts[:-1]):
         nxt = d.children.get(name)
         if nxt is None:
-            dir_owner = name if (i == 1 and parts[0] == "home") else ROOT_USER
-            nxt = d.children[name] = Directory(name, d, dir_owner, 0o755)
+            if parts[0] == "home":                      # /home/<user>/...: the user's, private
+                nxt = d.children[name] = Directory(name, d, parts[1], 0o700)
+            else:
+                nxt = d.children[name] = Directory(name, d, ROOT_USER, 0o755)
+            if not (i == 1 and parts[0] == "home"):   # a home directory counts for nobody
+                fs.quotas.add_inode(nxt.owner)
         d = nxt
     if parts[-1] in d.children:
         fs._drop_blocks(inode.blocks)
