@@ -337,7 +337,8 @@ class Kernel:
             self._kill(lip.id, f"killed by {user}")
             return {"ok": True, "lip": lip.id}
         if op == "ps":                                 # others' LIPs without their arguments
-            full = lambda l: uid == 0 or l.user == user  # noqa: E731
+            admin = uid == 0 and msg.get("user") is None   # root acting as a user sees what that user sees
+            full = lambda l: admin or l.user == user  # noqa: E731
             return {"lips": [self._ps(l, full(l)) for l in self.lips.values()],
                     "finished": [dict(self._ps(l, full(l)), **e) for l, e in list(self.finished)[-20:]]}
         if op == "stats":
