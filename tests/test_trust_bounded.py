@@ -189,3 +189,34 @@ def test_cli_ps_prints_hidden_arguments(kernel):
     finally:
         c.kill(lip)
         c.close()
+
+
+# ---------------------------------------------------------------- the pieces alone (no kernel)
+def test_reply_store_chunks_and_bounds():
+    from symphony.kernel.replies import ReplyStore, truncate_message
+    s = ReplyStore(limit=100)
+    a = s.put(b"x" * 60)
+    with pytest.raises(OverflowError, match="60 bytes of unfetched"):
+        s.put(b"y" * 41)
+    assert s.take(a, 0, 25) == b"x" * 25 and s.total == 60
+    with pytest.raises(IndexError):
+        s.take(a, 60, 25)
+    assert s.take(a, 50, 25) == b"x" * 10 and s.total == 0      # the last byte frees it
+    with pytest.raises(KeyError):
+        s.take(a, 0, 25)
+    assert truncate_message("ok") == "ok"
+    m = truncate_message("é" * 5000, limit=10)
+    assert m == "é" * 10 + "… [truncated, 10000 bytes]"
+
+
+def test_sample_rejects_a_distribution_it_cannot_draw_from():
+    import torch
+    from symphony.kernel.syscalls import SyscallFailure, _sample
+    x = torch.full((1, 8), float("-inf"))                        # [rows, vocab]: nothing allowed
+    with pytest.raises(SyscallFailure, match="no valid distribution"):
+        _sample(x, {"temperature": 1.0})
+    x = torch.tensor([[0.0, 5.0, 1.0]])
+    assert _sample(x, {"temperature": 0}).tolist() == [1]
+    assert _sample(x, {"temperature": 1e-4, "seed": 3}).tolist() == [1]
+    with pytest.raises(SyscallFailure, match="temperature must be"):
+        _sample(x, {"temperature": 1e-300})

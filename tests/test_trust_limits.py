@@ -134,3 +134,31 @@ def test_one_user_cannot_take_every_lip_slot(lk):
     for lip in lips:
         c.kill(lip)
     c.close()
+
+
+# ---------------------------------------------------------------- the policy alone (no kernel)
+def test_policy_validates_itself():
+    from symphony.kernel.limits import LimitExceeded, LimitPolicy
+    with pytest.raises(ValueError, match="default timeout 100.0 is above its ceiling 10.0"):
+        LimitPolicy(ceilings={"timeout": 10}, defaults={"timeout": 100})
+    with pytest.raises(ValueError, match="max_priority"):
+        LimitPolicy(max_priority="realtime")
+    with pytest.raises(ValueError, match="unknown limits"):
+        LimitPolicy(ceilings={"disk": 1})
+    p = LimitPolicy(ceilings={"cpu_seconds": None}, defaults={"cpu_seconds": None}, max_lips_per_user=2)
+    assert p.limits_for({})["cpu_seconds"] is None               # no ceiling, no default: unlimited
+    assert p.limits_for({"cpu_seconds": 10 ** 6})["cpu_seconds"] == 10 ** 6
+    assert p.limits_for(None)["memory_bytes"] == 4 << 30
+    for bad in ({"timeout": float("nan")}, {"timeout": True}, {"memory_bytes": "1G"}, [1]):
+        with pytest.raises(ValueError):
+            p.limits_for(bad)
+    with pytest.raises(LimitExceeded):
+        p.limits_for({"memory_bytes": 5 << 30})
+    p.check_count("u", 1)
+    with pytest.raises(LimitExceeded, match="already runs 2 LIPs"):
+        p.check_count("u", 2)
+    assert p.priority_for("u", "batch") == -1 and p.priority_for("u", None) == 0
+    with pytest.raises(LimitExceeded):
+        p.priority_for("u", "interactive")
+    with pytest.raises(ValueError):
+        p.priority_for("u", "root")
