@@ -37,15 +37,16 @@ def _check_good(kernel, good):
     assert kernel.proc.poll() is None, "the kernel died"
 
 
-def test_error_quoting_a_30kb_path_is_truncated_not_fatal(kernel):
+def test_errors_larger_than_a_slot_are_truncated_not_fatal(kernel):
     events, good = _events_of(kernel, "bound_bigerror")
     _check_good(kernel, good)
     out = _out(events)
     assert events[-1]["reason"] == "finished", (events[-1], out[-500:])
-    line = [l for l in out.splitlines() if l.startswith("PermissionDenied")]
-    assert line, out[-500:]
-    n = int(line[0].split()[1])
-    assert n < 4200 and "truncated=True" in line[0] and "/nowhere/xxx" in line[0], line
+    for kind, start in (("PermissionDenied", "/nowhere/xxx"), ("InvalidArgument", "n_tokens mus")):
+        line = [l for l in out.splitlines() if l.startswith(kind)]
+        assert line, out[-500:]
+        n = int(line[0].split()[1])
+        assert n < 4200 and "truncated=True" in line[0] and start in line[0], line
 
 
 def test_replies_larger_than_a_slot_arrive_whole(kernel, tmp_path):

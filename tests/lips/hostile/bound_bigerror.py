@@ -1,7 +1,11 @@
-"""Asks for a 30 KB path outside its grants: the kernel's error message quotes
-it.  On 04f0b73 that reply did not fit a ring slot and killed the syscall thread."""
+"""Provokes error messages larger than a ring slot: a 30 KB path outside its
+grants (the message quotes it), and a pred() whose bad n_tokens the kernel
+quotes with repr() (20000 zero-width spaces: 60 KB of request, 120 KB of
+message).  On 04f0b73 the second killed the syscall thread: every LIP hung."""
+from symphony.kernel import abi
 from symphony.lip import read_file, send
-from symphony.lip.errors import PermissionDenied
+from symphony.lip.errors import InvalidArgument, PermissionDenied
+from symphony.lip.runtime import _call
 
 
 def main(n="30000"):
@@ -12,3 +16,9 @@ def main(n="30000"):
     except PermissionDenied as e:
         msg = str(e)
         send(f"PermissionDenied {len(msg)} truncated={'[truncated' in msg} starts={msg[:12]!r}\n")
+    try:
+        _call(abi.PRED, {"kv": 0, "n_tokens": "\u200b" * 20000})
+        send("pred: no error\n")
+    except InvalidArgument as e:
+        msg = str(e)
+        send(f"InvalidArgument {len(msg)} truncated={'[truncated' in msg} starts={msg[:12]!r}\n")
