@@ -173,13 +173,17 @@ def kernel_main(argv=None) -> int:
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
-    p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
     p.add_argument("--lip-uids", default=None, metavar="FIRST-LAST",
                    help="uids (= gids) LIPs run as, one per live LIP, when the kernel runs as root "
                         "(default 61184-65519)")
+    _limit_args(p)
     _cap_args(p)
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
+    try:
+        policy = _policy(args)
+    except ValueError as e:
+        p.error(str(e))
     from .kernel.identity import DEFAULT_RANGE, parse_range
     try:
         lip_uids = parse_range(args.lip_uids) if args.lip_uids is not None else DEFAULT_RANGE
@@ -208,8 +212,8 @@ def kernel_main(argv=None) -> int:
                                  process_page_quota=args.process_quota, user_inode_quota=args.user_inodes,
                                  umask=args.kv_umask))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
-                    default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget,
-                    cap_policy=caps, lip_uids=lip_uids)
+                    token_budget=args.token_budget, policy=policy,
+                    max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids)
     try:
         import uvloop
         uvloop.run(kernel.serve())
@@ -253,6 +257,51 @@ def _cap_policy(p: argparse.ArgumentParser, args):
         p.error(str(e))
 
 
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    """The administrator's ceilings and defaults for every LIP (kernel/limits.py)."""
+    g = p.add_argument_group("LIP limits (a client may ask for less than a ceiling, never more)")
+    g.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space ceiling of a LIP (default 4096)")
+    g.add_argument("--lip-cpu", type=float, default=600, help="CPU-time ceiling, seconds (default 600; 0: none)")
+    g.add_argument("--lip-timeout", type=float, default=3600,
+                   help="wall-clock ceiling, seconds (default 3600; 0: none)")
+    g.add_argument("--lip-threads", type=int, default=64, help="threads/processes ceiling of a LIP (default 64)")
+    for name, what in (("memory-mb", "address space, MiB"), ("cpu", "CPU time, s"), ("timeout", "wall clock, s"),
+                       ("threads", "threads")):
+        g.add_argument(f"--default-lip-{name}", type=float if name in ("cpu", "timeout") else int, default=None,
+                       help=f"{what} a LIP gets when its client asks for none (default: the ceiling)")
+    g.add_argument("--max-priority", default="normal", choices=["batch", "normal", "interactive"],
+                   help="highest scheduling class any user may ask for (default normal)")
+    g.add_argument("--user-priority", action="append", default=[], metavar="USER=CLASS",
+                   help="let USER ask for up to CLASS (repeatable), e.g. alice=interactive")
+    g.add_argument("--max-lips-per-user", type=int, default=None,
+                   help="LIPs one user may run at once (default: a quarter of --max-lips)")
+    g.add_argument("--max-queued-output-kb", type=int, default=1024,
+                   help="output of one LIP held for its client before its send() waits (default 1024)")
+
+
+def _policy(args):
+    """The LimitPolicy the kernel flags describe (ValueError names a bad flag)."""
+    from .kernel.limits import LimitPolicy
+    users = {}
+    for u in args.user_priority:
+        name, sep, cls = u.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--user-priority {u!r}: expected USER=CLASS")
+        users[name] = cls
+    ceilings = {"memory_bytes": args.lip_memory_mb << 20, "cpu_seconds": args.lip_cpu or None,
+                "timeout": args.lip_timeout or None, "threads": args.lip_threads}
+    defaults = {k: v for k, v in (("memory_bytes", args.default_lip_memory_mb and args.default_lip_memory_mb << 20),
+                                  ("cpu_seconds", args.default_lip_cpu), ("timeout", args.default_lip_timeout),
+                                  ("threads", args.default_lip_threads)) if v}
+    for k, v in ceilings.items():                  # no default given: the ceiling
+        defaults.setdefault(k, v)
+    if args.max_queued_output_kb < 64:
+        raise ValueError("--max-queued-output-kb must be >= 64")
+    per_user = args.max_lips_per_user if args.max_lips_per_user is not None else max(1, args.max_lips // 4)
+    return LimitPolicy(ceilings=ceilings, defaults=defaults, max_priority=args.max_priority,
+                       user_priority=users, max_lips_per_user=per_user)
+
+
 def _client_cmd(args) -> int:
     from .client import Client, KernelError
     try:
@@ -267,9 +316,10 @@ def _client_cmd(args) -> int:
             if args.cmd == "ps":
                 r = c.ps()
                 print(f"{'LIP':>5} {'USER':<10} {'STATE':<9} {'PID':>7} {'PREDS':>7} {'TOKENS':>8}  PROGRAM")
-                for l in r["lips"]:
+                for l in r["lips"]:                # another user's LIP comes without its arguments
+                    args_ = " ".join(l["args"]) if "args" in l else "[args hidden]"
                     print(f"{l['lip']:>5} {l['user']:<10} {l['state']:<9} {l['pid']:>7} {l['preds']:>7} "
-                          f"{l['tokens']:>8}  {l['file']} {' '.join(l['args'])}"[:160])
+                          f"{l['tokens']:>8}  {l['file']} {args_}"[:160])
                 return 0
             if args.cmd == "kill":
                 c.kill(args.lip)

@@ -37,44 +37,54 @@ from typing import Optional
 
 import orjson
 
-from ..sched import admit, priority_of
+from ..sched import admit
 from .capabilities import Capabilities, CapPolicy, Identity, identity_for
 from .kvfs import KVFS, KVFSError, Principal
+from .limits import LimitPolicy
 from .protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
 from .identity import UidPool, check_caller
 from .shm import KernelSide, WaitSet
-from .syscalls import MAX_MESSAGE_BYTES, LipProc, SyscallServer
+from .syscalls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, LipProc, SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 
 MAX_SOURCE = 4 << 20
-LIP_MAX_THREADS = 128           # RLIMIT_NPROC of a LIP's own uid: threads of one LIP
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
 class Kernel:
     def __init__(self, engine, fs: KVFS, socket_path: str, *, max_lips: int = 256,
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
-                 token_budget: Optional[int] = None, cap_policy: Optional[CapPolicy] = None,
+                 token_budget: Optional[int] = None, policy: Optional[LimitPolicy] = None,
+                 max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None):
+        """``policy``: the administrator's ceilings and defaults (limits.py; by
+        default the stock ones, with ``default_limits`` as defaults).
+        ``max_queued_output``: bytes of one LIP's output the kernel holds for
+        its client (or keeps for a detached LIP) before its send() waits."""
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
         self.max_lips, self.n_slots = max_lips, n_slots
         self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
-        self.default_limits = {"memory_bytes": 4 << 30, "cpu_seconds": None, "timeout": None,
-                               "open_files": 64, **(default_limits or {})}
+        self.policy = policy or LimitPolicy(defaults=dict(default_limits or {}),
+                                            max_lips_per_user=max(1, max_lips // 4))
+        self.max_queued_output = max_queued_output
         self.instance = secrets.token_hex(4)
         self.prefix = f"sym{self.instance}"
         self.waitset = WaitSet()
         self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
         self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
-                                 max_batch_tokens=token_budget, caps=self.caps)
+                                 max_batch_tokens=token_budget, caps=self.caps,
+                                 max_queued_output=max_queued_output)
         self.lips: dict[int, LipProc] = {}
         self.finished: deque = deque(maxlen=100)
         self.by_pid: dict[int, LipProc] = {}
         self.watchers: dict[int, set] = {}
         self.kill_reason: dict[int, str] = {}
-        self.history: dict[int, deque] = {}
+        self.history: dict[int, deque] = {}            # a detached LIP's output: (bytes, event), oldest dropped
+        self.history_bytes: dict[int, int] = {}
+        self.owed: dict[int, int] = {}                 # output bytes written to clients, not yet credited
+        self._flushing: set[int] = set()
         self.next_id = 1
         self.zygote = None
         self.stopping: Optional[asyncio.Event] = None
@@ -166,9 +176,10 @@ class Kernel:
         ok, why = admit(len(self.lips), self.max_lips, free, pages_reserve=1)
         if not ok:
             raise ValueError(f"LIP not admitted: {why}")
-        priority = priority_of(msg.get("priority", "normal"))
+        priority = self.policy.priority_for(user, msg.get("priority", "normal"))
         grants = self.caps.policy.check_grants(msg.get("grants") or {}, owner)
-        limits = _check_limits({**self.default_limits, **(msg.get("limits") or {})})
+        limits = self.policy.limits_for(msg.get("limits"))
+        self.policy.check_count(user, sum(1 for l in self.lips.values() if l.user == user))
         lip_id = self.next_id
         uid = self.uids.allocate(lip_id)               # IdentityError when the range is full
         self.next_id += 1
@@ -194,7 +205,7 @@ class Kernel:
             while view:
                 view = view[os.write(prog, view):]
             cmd = {"cmd": "spawn", "lip": lip_id, "names": ring.names, "uid": uid, "gid": uid,
-                   "limits": limits, "threads": LIP_MAX_THREADS if uid is not None else None}
+                   "limits": limits, "threads": limits.get("threads") if uid is not None else None}
             await self._zy_send(orjson.dumps(cmd), [prog, ring.bell_fd])
         finally:
             os.close(prog)
@@ -274,22 +285,64 @@ class Kernel:
         self.finished.append((lip, event))
         self.watchers.pop(lip_id, None)
         self.history.pop(lip_id, None)                 # a detached LIP's unread output goes with it
+        self.history_bytes.pop(lip_id, None)
+        self.owed.pop(lip_id, None)
 
     # ================================================================== events
     def _emit_threadsafe(self, lip_id: int, event: dict) -> None:
         self.loop.call_soon_threadsafe(self._deliver, lip_id, event)
 
     def _deliver(self, lip_id: int, event: dict) -> None:
-        ws = self.watchers.get(lip_id)
-        if not ws:
-            self.history.setdefault(lip_id, deque(maxlen=1000)).append(event)
-            return
+        """Write a LIP's event to its clients.  Output events ("out", "stdout",
+        "stderr") were counted by the syscall thread; their bytes are credited
+        back once the clients' transports have taken them (`_flush`), so a
+        client that does not read stops its LIP's send() instead of growing the
+        kernel.  With no client, the event is kept in a history bounded by
+        bytes (oldest dropped) and credited at once."""
         frame = encode_frame(event)
-        for w in list(ws):
-            if w.is_closing():
+        counted = event.get("event") in ("out", "stdout", "stderr")
+        ws = self.watchers.get(lip_id)
+        if ws:
+            for w in [w for w in ws if w.is_closing()]:
                 ws.discard(w)
-            else:
-                w.write(frame)
+        if not ws:
+            h = self.history.setdefault(lip_id, deque())
+            h.append((len(frame), event))
+            size = self.history_bytes.get(lip_id, 0) + len(frame)
+            while size > self.max_queued_output and len(h) > 1:
+                size -= h.popleft()[0]
+            self.history_bytes[lip_id] = size
+            if counted:
+                self._credit(lip_id, len(frame))
+            return
+        for w in ws:
+            w.write(frame)
+        if counted:
+            self.owed[lip_id] = self.owed.get(lip_id, 0) + len(frame)
+            if lip_id not in self._flushing:
+                self._flushing.add(lip_id)
+                self.loop.create_task(self._flush(lip_id))
+
+    async def _flush(self, lip_id: int) -> None:
+        """Wait until the LIP's clients have taken what was written to them
+        (their transports are below the high-water mark), then credit it."""
+        try:
+            while self.owed.get(lip_id):
+                n = self.owed[lip_id]
+                for w in list(self.watchers.get(lip_id, ())):
+                    try:
+                        await w.drain()
+                    except Exception:                  # the client went away: nothing more to wait for
+                        self.watchers.get(lip_id, set()).discard(w)
+                if lip_id not in self.owed:
+                    return                             # the LIP was reclaimed meanwhile
+                self.owed[lip_id] -= n
+                self._credit(lip_id, n)
+        finally:
+            self._flushing.discard(lip_id)
+
+    def _credit(self, lip_id: int, n: int) -> None:
+        self.sys.submit(lambda: self.sys.credit_output(lip_id, n))
 
     # ================================================================== clients
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -336,16 +389,20 @@ class Kernel:
             lip = self._own(uid, user, msg.get("lip"))
             self._kill(lip.id, f"killed by {user}")
             return {"ok": True, "lip": lip.id}
-        if op == "ps":
-            return {"lips": [self._ps(l) for l in self.lips.values()],
-                    "finished": [dict(self._ps(l), **e) for l, e in list(self.finished)[-20:]]}
+        if op == "ps":                                 # others' LIPs without their arguments
+            admin = uid == 0 and msg.get("user") is None   # root acting as a user sees what that user sees
+            full = lambda l: admin or l.user == user  # noqa: E731
+            return {"lips": [self._ps(l, full(l)) for l in self.lips.values()],
+                    "finished": [dict(self._ps(l, full(l)), **e) for l, e in list(self.finished)[-20:]]}
         if op == "stats":
             s = self.sys
             e = self.engine.stats
             return {"lips": len(self.lips), "batches": s.batches, "batch_calls": s.batch_calls,
                     "max_batch": s.max_batch, "forward_passes": e.forward_passes, "pred_calls": e.pred_calls,
                     "engine_max_batch": e.max_batch_calls, "kv_pages_used": self.engine.kv.allocator.num_used,
-                    "kv_pages_total": self.engine.kv.allocator.capacity, "instance": self.instance}
+                    "kv_pages_total": self.engine.kv.allocator.capacity, "instance": self.instance,
+                    "output_queued_bytes": sum(self.owed.values()) + sum(self.history_bytes.values()),
+                    "pending_reply_bytes": sum(l.replies.total for l in list(self.lips.values()))}
         who = Principal(user, 0)
         if op == "kv_ls":
             return {"entries": self.sys.call(lambda: self.fs.list(who, msg.get("path") or "/"))}
@@ -370,10 +427,15 @@ class Kernel:
         return lip
 
     @staticmethod
-    def _ps(l: LipProc) -> dict:
-        return {"lip": l.id, "user": l.user, "file": l.filename, "args": l.args, "state": l.state,
-                "priority": l.priority,
-                "pid": l.pid, "started": l.started, "calls": l.calls, "preds": l.preds, "tokens": l.tokens}
+    def _ps(l: LipProc, full: bool = True) -> dict:
+        """A LIP as `ps` shows it; ``full`` False (another user's LIP): without
+        its arguments (prompts, paths) and limits; the program's file name stays,
+        like a process's name in ps."""
+        d = {"lip": l.id, "user": l.user, "file": l.filename, "state": l.state, "priority": l.priority,
+             "pid": l.pid, "started": l.started, "calls": l.calls, "preds": l.preds, "tokens": l.tokens}
+        if full:
+            d["args"], d["limits"] = l.args, l.limits
+        return d
 
 
 # ---------------------------------------------------------------- helpers
@@ -402,18 +464,6 @@ def _user_for(uid: int, asked) -> str:
     return name if _USER_RE.fullmatch(name) else f"uid{uid}"
 
 
-def _check_limits(lim: dict) -> dict:
-    out = {}
-    for k, lo, hi in (("memory_bytes", 256 << 20, 1 << 40), ("cpu_seconds", 1, 10 ** 6),
-                      ("timeout", 0.1, 10 ** 7), ("open_files", 16, 65536)):
-        v = lim.get(k)
-        if v is None:
-            out[k] = None
-            continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ValueError(f"limit {k} must be in [{lo}, {hi}], got {v!r}")
-        out[k] = v if k == "timeout" else int(v)
-    return out
 
 
 def _socket_alive(path: str) -> bool:

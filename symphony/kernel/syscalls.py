@@ -15,14 +15,14 @@ replied as {"error": code, "type": name, "message": text}.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
+
+import math
 
 import numpy as np
 import orjson
@@ -33,13 +33,18 @@ from .capabilities import CapError, Capabilities
 from .engine import PredError
 from .kvfs import KVFS, KVFSError, KVPred, Principal
 from .page_allocator import OutOfPages
+from .protocol import encode_frame
+from .replies import ReplyStore, truncate_message
 from ..sched import BatchScheduler, Call, LipView, swap_out_order
-from .shm import KernelSide, RingError
+from .shm import RESP_BODY_OFF, KernelSide, RingError
 
 log = logging.getLogger("symphony.syscalls")
 
 MAX_STRIKES = 8
 MAX_MESSAGE_BYTES = 1 << 20
+MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits
+# sampling parameters a pred(output="sample") may ask for
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
 
 
 class SyscallFailure(Exception):
@@ -80,6 +85,9 @@ class LipProc:
     calls: int = 0
     preds: int = 0
     tokens: int = 0
+    replies: ReplyStore = field(default_factory=ReplyStore)   # chunked replies awaiting FETCH
+    out_bytes: int = 0              # output emitted to the client, not yet taken (back-pressure)
+    parked_out: deque = field(default_factory=deque)          # (slot, call_id) of sends waiting for room
 
     @property
     def principal(self) -> Principal:
@@ -100,9 +108,11 @@ class _Pending:
 class SyscallServer:
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
-                 chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None):
+                 chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
+                 max_queued_output: int = MAX_QUEUED_OUTPUT):
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
+        self.max_queued_output = max_queued_output
         self.vocab = engine.model_config.vocab_size
         # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
         # step's share, so a small budget keeps every step (and every decoder) short
@@ -230,12 +240,18 @@ class SyscallServer:
 
     # ------------------------------------------------------------------ dispatch
     def _handle(self, lip: LipProc, slot: int) -> None:
+        """Serve one request.  Nothing raised here reaches the loop: a call that
+        fails is answered with its error, a reply that cannot be written fails
+        the LIP (logged)."""
         try:
             req = lip.ring.read_request(slot)
         except RingError as e:
             self._strike(lip, str(e))
             self._reply_error(lip, slot, 0, SyscallFailure("InvalidArgument", "EINVAL",
                                                            f"malformed ring entry: {e}"))
+            return
+        except Exception as e:                     # e.g. the ring was torn down under us
+            self._lost(lip, slot, 0, e)
             return
         lip.calls += 1
         try:
@@ -256,25 +272,58 @@ class SyscallServer:
             self._reply_error(lip, slot, req.call_id, e)
 
     def _reply(self, lip, slot, call_id, body: dict, arena=(abi.ARENA_NONE, 0, 0)) -> None:
+        """Answer a call with ``body``.  A body larger than the slot is kept for
+        the LIP to FETCH in chunks (see replies.py); if even that fails, the
+        call is answered with the error.  Never raises."""
         if lip.state not in ("running", "killing"):
             return
-        lip.ring.respond(slot, call_id, abi.OK, orjson.dumps(body), *arena)
+        try:
+            data = orjson.dumps(body)
+            room = lip.ring.slot_bytes - RESP_BODY_OFF
+            if len(data) > room:
+                if arena[0] != abi.ARENA_NONE:
+                    _fail("SyscallError", "EIO", f"a reply of {len(data)} bytes with an arena does not fit a slot")
+                try:
+                    rid = lip.replies.put(data)
+                except OverflowError as e:
+                    _fail("NoSpace", "ENOBUFS", str(e))
+                lip.ring.respond(slot, call_id, abi.CHUNKED, orjson.dumps({"chunked": rid, "size": len(data)}))
+                return
+            lip.ring.respond(slot, call_id, abi.OK, data, *arena)
+        except Exception as e:
+            self._reply_error(lip, slot, call_id, e)
 
     def _reply_error(self, lip, slot, call_id, e: BaseException) -> None:
-        if isinstance(e, SyscallFailure):
-            t, code, msg = e.type, e.code, str(e)
-        elif isinstance(e, KVFSError):
-            t, code, msg = type(e).__name__, e.code, str(e)
-        elif isinstance(e, PredError):
-            t, code, msg = "PredError", "EINVAL", str(e)
-        elif isinstance(e, OutOfPages):
-            t, code, msg = "NoSpace", "ENOSPC", str(e)
-        else:
-            log.exception("LIP %d: system call failed unexpectedly", lip.id)
-            t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"
-        if lip.state in ("running", "killing"):
-            lip.ring.respond(slot, call_id, abi.ERR,
-                             orjson.dumps({"error": code, "type": t, "message": msg}))
+        """Answer a call with the error ``e``; its message is cut to a bounded
+        size, so it always fits the slot.  Never raises."""
+        try:
+            if isinstance(e, SyscallFailure):
+                t, code, msg = e.type, e.code, str(e)
+            elif isinstance(e, KVFSError):
+                t, code, msg = type(e).__name__, e.code, str(e)
+            elif isinstance(e, PredError):
+                t, code, msg = "PredError", "EINVAL", str(e)
+            elif isinstance(e, OutOfPages):
+                t, code, msg = "NoSpace", "ENOSPC", str(e)
+            else:
+                log.error("LIP %d: system call failed unexpectedly", lip.id, exc_info=e)
+                t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"
+            if lip.state in ("running", "killing"):
+                body = {"error": str(code)[:32], "type": str(t)[:64], "message": truncate_message(str(msg))}
+                lip.ring.respond(slot, call_id, abi.ERR, orjson.dumps(body))
+        except Exception as e2:
+            self._lost(lip, slot, call_id, e2)
+
+    def _lost(self, lip, slot, call_id, e: BaseException) -> None:
+        """A call could not be answered at all: its thread would wait forever, so
+        the LIP is killed (a torn-down LIP is simply forgotten)."""
+        try:
+            if lip.state == "running":
+                log.error("LIP %d: no reply could be written to slot %s (call %s): %r", lip.id, slot, call_id, e)
+                lip.state = "killing"
+                self.kill(lip.id, "killed: a system call reply could not be written")
+        except Exception:
+            log.exception("LIP %d: could not be failed", getattr(lip, "id", -1))
 
     # ------------------------------------------------------------------ handlers
     def _nop(self, lip, slot, cid, body, toks):
@@ -296,6 +345,8 @@ class SyscallServer:
         out = body.get("output", "logits")
         if out not in abi.OUTPUTS:
             _fail("InvalidArgument", "EINVAL", f"output must be one of {abi.OUTPUTS}")
+        if out == "sample":
+            check_sampling(body)                     # fail before the forward pass, not after
         rows = n if body.get("all_logits") else 1
         if out in ("logits", "topk"):
             k = _int(body.get("k", 20), "k", 1, 1024) if out == "topk" else self.vocab
@@ -439,18 +490,53 @@ class SyscallServer:
         return h
 
     def _send(self, lip, slot, cid, body, toks):
-        data = body.get("data")
+        if "data" not in body:
+            _fail("InvalidArgument", "EINVAL", "send needs data")
+        data = body["data"]
         if len(orjson.dumps(data)) > MAX_MESSAGE_BYTES:
             _fail("InvalidArgument", "EINVAL", f"message larger than {MAX_MESSAGE_BYTES} bytes")
-        self.emit(lip.id, {"event": "out", "data": data})
-        return {}
+        return self._emit_output(lip, slot, cid, {"event": "out", "data": data})
 
     def _write_stream(self, lip, slot, cid, body, toks):
         stream, data = body.get("stream"), body.get("data")
         if stream not in ("stdout", "stderr") or not isinstance(data, str):
             _fail("InvalidArgument", "EINVAL", "bad stream write")
-        self.emit(lip.id, {"event": stream, "data": data[:MAX_MESSAGE_BYTES]})
+        return self._emit_output(lip, slot, cid, {"event": stream, "data": data[:MAX_MESSAGE_BYTES]})
+
+    def _emit_output(self, lip, slot, cid, event: dict):
+        """Hand ``event`` to the client and count its bytes as queued; past
+        ``max_queued_output`` the call waits (parked, like recv) until the
+        client has taken enough (`credit_output`)."""
+        lip.out_bytes += len(encode_frame(event))      # the event loop credits the same frame size back
+        self.emit(lip.id, event)
+        if lip.out_bytes > self.max_queued_output:
+            lip.parked_out.append((slot, cid))
+            lip.blocked_since = time.monotonic()
+            return None
         return {}
+
+    def credit_output(self, lip_id: int, n: int) -> None:
+        """The event loop says ``n`` bytes of the LIP's output left the kernel
+        (taken by the client, or dropped): wake parked senders if there is room."""
+        lip = self.lips.get(lip_id)
+        if lip is None:
+            return
+        lip.out_bytes = max(0, lip.out_bytes - n)
+        while lip.parked_out and lip.out_bytes <= self.max_queued_output:
+            slot, cid = lip.parked_out.popleft()
+            self._reply(lip, slot, cid, {})
+
+    def _fetch(self, lip, slot, cid, body, toks):
+        """The next chunk of a reply too large for a slot: raw bytes, not JSON."""
+        rid = _int(body.get("id"), "id", 1, 1 << 62)
+        off = _int(body.get("offset"), "offset", 0, 1 << 62)
+        try:
+            chunk = lip.replies.take(rid, off, lip.ring.slot_bytes - RESP_BODY_OFF)
+        except (KeyError, IndexError) as e:
+            _fail("InvalidArgument", "EINVAL", f"fetch: {e.args[0]}")
+        if lip.state in ("running", "killing"):
+            lip.ring.respond(slot, cid, abi.OK, chunk)
+        return None
 
     def _recv(self, lip, slot, cid, body, toks):
         if lip.parked_recv is not None:
@@ -521,25 +607,55 @@ def _int(v, name, lo, hi):
     return v
 
 
-def _sample(x: torch.Tensor, b: dict) -> torch.Tensor:
+def check_sampling(b: dict) -> tuple:
+    """Validate a pred call's sampling parameters: (temperature, top_p, top_k, seed).
+    InvalidArgument (a SyscallFailure) names the bad one."""
     t = b.get("temperature", 1.0)
     top_p, top_k, seed = b.get("top_p", 1.0), b.get("top_k", 0), b.get("seed")
-    if not isinstance(t, (int, float)) or t < 0 or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        _fail("InvalidArgument", "EINVAL", "temperature must be >= 0 and top_p in (0, 1]")
+    if not _number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        _fail("InvalidArgument", "EINVAL", f"temperature must be 0 (greedy) or a number in "
+              f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t!r}")
+    if not _number(top_p) or not 0 < top_p <= 1:
+        _fail("InvalidArgument", "EINVAL", f"top_p must be a number in (0, 1], got {top_p!r}")
+    if top_k is None:
+        top_k = 0
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= 1 << 31:
+        _fail("InvalidArgument", "EINVAL", f"top_k must be an int >= 0 (0: no top-k), got {top_k!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        _fail("InvalidArgument", "EINVAL", f"seed must be an int or null, got {seed!r}")
+    return t, top_p, top_k, seed
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _sample(x: torch.Tensor, b: dict) -> torch.Tensor:
+    """Sample one token per row of ``x`` [rows, vocab] (masked logits, -inf where
+    disallowed) with the call's temperature / top_k / top_p / seed."""
+    t, top_p, top_k, seed = check_sampling(b)
     if t == 0:
         return x.argmax(-1)
-    x = x / t
-    if isinstance(top_k, int) and 0 < top_k < x.shape[-1]:
-        kth = x.topk(top_k, dim=-1).values[..., -1:]
+    x = x / t                                           # [rows, vocab]
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]    # [rows, 1]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)                    # [rows, vocab]
     if top_p < 1:
         sp, si = probs.sort(dim=-1, descending=True)
         drop = sp.cumsum(-1) - sp >= top_p            # the smallest set holding top_p
         sp = sp.masked_fill(drop, 0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    bad = ~torch.isfinite(probs).all(-1) | ~(probs.sum(-1) > 0)     # [rows]
+    if x.device.type == "cpu":
+        if bool(bad.any()):
+            _fail("InvalidArgument", "EINVAL", "the logits give no valid distribution to sample from "
+                  "(non-finite after temperature and masking): use another temperature, or argmax")
+    else:                                               # no device sync per call: such rows go greedy
+        greedy = torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(probs.dtype)
+        probs = torch.where(bad.unsqueeze(-1), greedy, torch.nan_to_num(probs, nan=0.0))
     g = torch.Generator(device=x.device)
-    if isinstance(seed, int) and not isinstance(seed, bool):
+    if seed is not None:
         g.manual_seed(seed & 0xFFFFFFFFFFFF)
     else:
         g.seed()
@@ -614,7 +730,7 @@ S._handlers = {
     abi.KV_SYNC: S._kv(S, _kv_simple("sync", "kv")),
     abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode")) or {}),
     abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
-    abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream,
+    abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream, abi.FETCH: S._fetch,
     abi.CAP_HTTP: S._cap(S, "http"), abi.CAP_READ_FILE: S._cap(S, "read"),
     abi.CAP_LIST_DIR: S._cap(S, "list"),
 }

@@ -30,11 +30,40 @@ def _call(op: int, body: Optional[dict] = None, tokens: Optional[np.ndarray] = N
     if _ring is None:
         raise NotInLIP("symphony.lip calls work only inside a LIP run by the kernel (symphony run)")
     r = _ring.call(op, orjson.dumps(body) if body is not None else b"", tokens)
-    data = orjson.loads(r.json) if r.json else {}
-    if r.status != abi.OK:
-        cls = BY_NAME.get(data.get("type"), SyscallError)
-        raise cls(data.get("message", "system call failed"), data.get("error", "EIO"))
-    return data, r.arena
+    raw = r.json
+    if r.status == abi.CHUNKED:                    # too large for a slot: fetch it in chunks
+        raw = _fetch_chunks(r.json)
+    elif r.status != abi.OK:
+        _raise(r.json)
+    return (orjson.loads(raw) if raw else {}), r.arena
+
+
+def _raise(raw: bytes):
+    """Raise the exception an error reply names."""
+    try:
+        data = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    cls = BY_NAME.get(data.get("type"), SyscallError)
+    raise cls(str(data.get("message", "system call failed")), data.get("error", "EIO"))
+
+
+def _fetch_chunks(marker: bytes) -> bytes:
+    """The whole body of a chunked reply (see symphony/kernel/replies.py)."""
+    m = orjson.loads(marker)
+    rid, size = m["chunked"], m["size"]
+    parts, got = [], 0
+    while got < size:
+        r = _ring.call(abi.FETCH, orjson.dumps({"id": rid, "offset": got}))
+        if r.status != abi.OK:
+            _raise(r.json)
+        if not r.json:
+            raise SyscallError(f"chunked reply {rid} ended at {got} of {size} bytes", "EIO")
+        parts.append(r.json)
+        got += len(r.json)
+    return b"".join(parts)
 
 
 def _tokens(t) -> np.ndarray:
