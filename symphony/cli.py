@@ -134,6 +134,8 @@ def kernel_main(argv=None) -> int:
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
     p.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space limit of a LIP")
+    p.add_argument("--test-hooks", action="store_true",
+                   help="enable root-only fault-injection requests (tests only; never in production)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
@@ -144,6 +146,11 @@ def kernel_main(argv=None) -> int:
     except ModelLoadError as e:
         log.error("%s", e)
         return 2
+    try:
+        _warm_up(engine)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
     from .kernel.daemon import Kernel
     from .kernel.protocol import default_socket_path
     from .kernel.kvfs import KVFS, KVFSConfig
@@ -151,7 +158,8 @@ def kernel_main(argv=None) -> int:
                                  durable_dir=args.durable_dir, user_page_quota=args.user_quota,
                                  process_page_quota=args.process_quota))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
-                    default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget)
+                    default_limits={"memory_bytes": args.lip_memory_mb << 20}, token_budget=args.token_budget,
+                    test_hooks=args.test_hooks)
     try:
         import uvloop
         uvloop.run(kernel.serve())
@@ -159,6 +167,26 @@ def kernel_main(argv=None) -> int:
         log.error("%s", e)
         return 1
     return 0
+
+
+def _warm_up(engine) -> None:
+    """Before the kernel says "ready": build/load the C++ ops (a stale build
+    lock is cleared, a live builder waited for) and run one forward pass, with
+    progress on stderr, so that no LIP's first pred pays for (or hangs on) it."""
+    from .kernel import ops
+    t0 = time.perf_counter()
+    print("symphony-kernel: loading the C++ ops...", file=sys.stderr, flush=True)
+    ops.load()
+    t1 = time.perf_counter()
+    print(f"symphony-kernel: C++ ops loaded in {t1 - t0:.1f} s; warming up one forward pass...",
+          file=sys.stderr, flush=True)
+    seq = engine.new_sequence()
+    try:
+        engine.pred(seq, [0])
+    finally:
+        engine.release(seq)
+    print(f"symphony-kernel: warm-up forward pass took {time.perf_counter() - t1:.1f} s",
+          file=sys.stderr, flush=True)
 
 
 def _client_cmd(args) -> int:

@@ -185,15 +185,59 @@ def _owner(path: Path) -> str:
     return f"pid {pid}" + ("" if alive else " (recorded; that process is gone)")
 
 
+def _holders(path: Path) -> list[int]:
+    """Pids of the processes that have ``path`` open (cpp_extension's builder
+    keeps its ``lock`` file open while it builds), found in /proc/*/fd."""
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                f = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (f.st_dev, f.st_ino) == (st.st_dev, st.st_ino):
+                out.append(int(pid))
+                break
+    return out
+
+
+def _wait(what: str, path: Path, busy, timeout: float) -> None:
+    """Wait while ``busy()`` returns a holder description, with progress on
+    stderr every 10 s; RuntimeError naming ``path`` after ``timeout`` s."""
+    t0, said = time.monotonic(), None
+    while (who := busy()):
+        waited = time.monotonic() - t0
+        if waited >= timeout:
+            raise RuntimeError(
+                f"symphony: gave up after {waited:.0f} s waiting for the C++ ops build lock {path}, "
+                f"held by {who} (a live process is building the ops in {path.parent}; "
+                "wait for it, stop it, or raise SYMPHONY_BUILD_LOCK_TIMEOUT)")
+        if said is None or waited - said >= _LOCK_PROGRESS_S:
+            said = waited
+            _announce(f"symphony: waiting for {what} (lock {path}, held by {who}): {waited:.0f} s")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def _build_lock(build_dir: Path):
     """Hold ``build_dir/build.flock`` (an flock: the kernel drops it when its
     holder dies, however it dies) around cpp_extension's build and load.
 
-    Holding it, any cpp_extension ``lock`` file in the directory was left by a
-    builder that died holding it (every builder takes this flock first), so it
-    is removed at once, never judged by its age.  Another live builder is
-    waited for, with progress on stderr every 10 s, up to
+    Holding it, a cpp_extension ``lock`` file in the directory is judged by
+    whether a live process has it open (its builder keeps it open while it
+    builds; one that does not take this flock, e.g. an older version): none,
+    and it is stale, removed at once, never judged by its age.  A live
+    builder is waited for, with progress on stderr every 10 s, up to
     $SYMPHONY_BUILD_LOCK_TIMEOUT seconds (default 1800); then a RuntimeError
     names the lock and its holder."""
     path = build_dir / "build.flock"
@@ -202,28 +246,26 @@ def _build_lock(build_dir: Path):
     except OSError as e:
         raise RuntimeError(f"symphony: cannot open the build lock {path}: {e}") from None
     try:
-        timeout, t0, said = _lock_timeout(), time.monotonic(), 0.0
-        while True:
+        timeout, t0 = _lock_timeout(), time.monotonic()
+
+        def flock_busy():
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return None
             except BlockingIOError:
-                waited = time.monotonic() - t0
-                if waited >= timeout:
-                    raise RuntimeError(
-                        f"symphony: gave up after {waited:.0f} s waiting for the C++ ops build lock {path}, "
-                        f"held by {_owner(path)} (a live process is building the ops in {build_dir}; "
-                        "wait for it, stop it, or raise SYMPHONY_BUILD_LOCK_TIMEOUT)") from None
-                if waited - said >= _LOCK_PROGRESS_S or said == 0.0:
-                    said = max(waited, 1e-9)
-                    _announce(f"symphony: waiting for another process building the C++ ops "
-                              f"(lock {path}, held by {_owner(path)}): {waited:.0f} s")
-                time.sleep(0.2)
+                return _owner(path)
+        _wait("another process building the C++ ops", path, flock_busy, timeout)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {_proc_start(os.getpid())}\n".encode(), 0)
         baton = build_dir / "lock"
+
+        def baton_busy():
+            pids = _holders(baton)
+            return f"pid {', '.join(map(str, pids))}" if pids else None
+        _wait("another process building the C++ ops", baton, baton_busy,
+              max(0.0, timeout - (time.monotonic() - t0)))
         if baton.exists():
-            _announce(f"symphony: removing stale build lock {baton} (left by a builder that died)")
+            _announce(f"symphony: removing stale build lock {baton} (no live process holds it)")
             with contextlib.suppress(FileNotFoundError):
                 baton.unlink()
         yield
