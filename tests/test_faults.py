@@ -351,3 +351,40 @@ def test_live_build_lock_is_waited_for_with_a_message(tmp_path, kind):
     assert r.returncode == 0 and "loaded" in r.stdout, r.stderr
     assert "waiting for another process building the C++ ops" in r.stderr, r.stderr
     assert holder.wait(10) == 0
+
+
+# ---------------------------------------------------------------- the zygote dies: loud, clean shutdown
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                stat = Path(f"/proc/{p}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p))
+    return out
+
+
+def test_zygote_death_shuts_the_kernel_down_loudly(tmp_path, tiny_gguf):
+    """No half-alive kernel: when the zygote dies nobody can start or reap a
+    LIP, so the kernel says why, kills its LIPs (their clients are told why),
+    unlinks its shared memory and exits 1."""
+    k = KernelProc(tmp_path, "--model", str(tiny_gguf))
+    try:
+        c, lip = spawn(k, "decode")
+        time.sleep(1)
+        pid = k.client().ps()["lips"][0]["pid"]
+        zygote = [p for p in _children(k.proc.pid) if pid in _children(p)]
+        assert len(zygote) == 1, (zygote, _children(k.proc.pid))
+        os.kill(zygote[0], signal.SIGKILL)
+        ev = exits(c, timeout=30)
+        assert len(ev) == 1 and "the kernel failed" in ev[0]["reason"] and "zygote" in ev[0]["reason"], ev
+        assert k.proc.wait(30) == 1
+        log = k.read_log()
+        assert "FATAL: the zygote exited unexpectedly" in log, log[-2000:]
+        assert k.shm_names() == []
+        assert not os.path.exists(k.socket)
+    finally:
+        k.stop()

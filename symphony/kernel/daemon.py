@@ -158,7 +158,8 @@ class Kernel:
             self.zygote.stdin.write(b'{"cmd": "exit"}\n')
             await asyncio.wait_for(self.zygote.wait(), 3)
         except Exception:
-            self.zygote.kill()
+            if self.zygote.returncode is None:          # dead already (e.g. it crashed): nothing to kill
+                self.zygote.kill()
         self.doorbell.unlink()
         for p in (self.socket_path, self._tokfile.name):
             try:
@@ -335,6 +336,8 @@ class Kernel:
 
     def _loop_exception(self, loop, context: dict) -> None:
         exc = context.get("exception")
+        if isinstance(exc, asyncio.CancelledError):     # a client's handler cancelled at shutdown
+            return
         log.error("event loop: %s", context.get("message", "unhandled exception"),
                   exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
