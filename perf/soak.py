@@ -171,6 +171,21 @@ class Soak:
                     self.count["killed" if ex[0]["reason"].startswith("killed") else "ended"] += 1
                     self.reasons[ex[0]["reason"][:60]] += 1
 
+    def remove_named(self, path: str) -> int:
+        """Remove every KV file under ``path`` (as its owner); returns how many."""
+        n = 0
+        for e in Client(self.socket).kv_ls(path):
+            full = path.rstrip("/") + "/" + e["name"].rstrip("/")
+            if e["type"] == "file":
+                try:
+                    Client(self.socket, user=e["owner"]).kv_rm(full)
+                    n += 1
+                except KernelError as err:
+                    print(f"could not remove {full}: {err}")
+            else:
+                n += self.remove_named(full)
+        return n
+
     # ------------------------------------------------------------ run
     def run(self) -> int:
         self.start_kernel()
@@ -201,6 +216,7 @@ class Soak:
         self.stop.set()
         for t in threads:
             t.join(330)
+        named = self.remove_named("/")                # rag's cached modules are files, not leaks
         deadline = time.time() + 60
         while time.time() < deadline:
             st = Client(self.socket).stats()
@@ -209,7 +225,7 @@ class Soak:
             time.sleep(0.5)
         leaked = st["kv_pages_used"] - self.base_pages
         shm_left = sorted(set(self.shm()) - self.base_shm)
-        print(f"\nafter {(time.time() - t0) / 60:.1f} min: {dict(self.count)}")
+        print(f"\nafter {(time.time() - t0) / 60:.1f} min: {dict(self.count)}; {named} named KV files removed")
         print(f"leaked pages: {leaked}; LIPs left: {st['lips']}; shm left: {len(shm_left)}; "
               f"lost events: {self.lost}")
         if rss:
