@@ -178,6 +178,8 @@ def kernel_main(argv=None) -> int:
                         "(default 61184-65519)")
     _limit_args(p)
     _cap_args(p)
+    p.add_argument("--test-hooks", action="store_true",
+                   help="enable root-only fault-injection requests (tests only; never in production)")
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
     try:
@@ -198,6 +200,11 @@ def kernel_main(argv=None) -> int:
     except ModelLoadError as e:
         log.error("%s", e)
         return 2
+    try:
+        _warm_up(engine)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
     from .kernel.daemon import Kernel
     from .kernel.protocol import default_socket_path
     from .kernel.kvfs import KVFS, KVFSConfig
@@ -213,7 +220,8 @@ def kernel_main(argv=None) -> int:
                                  umask=args.kv_umask))
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
-                    max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids)
+                    max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
+                    test_hooks=args.test_hooks)
     try:
         import uvloop
         uvloop.run(kernel.serve())
@@ -300,6 +308,24 @@ def _policy(args):
     per_user = args.max_lips_per_user if args.max_lips_per_user is not None else max(1, args.max_lips // 4)
     return LimitPolicy(ceilings=ceilings, defaults=defaults, max_priority=args.max_priority,
                        user_priority=users, max_lips_per_user=per_user)
+def _warm_up(engine) -> None:
+    """Before the kernel says "ready": build/load the C++ ops (a stale build
+    lock is cleared, a live builder waited for) and run one forward pass, with
+    progress on stderr, so that no LIP's first pred pays for (or hangs on) it."""
+    from .kernel import ops
+    t0 = time.perf_counter()
+    print("symphony-kernel: loading the C++ ops...", file=sys.stderr, flush=True)
+    ops.load()
+    t1 = time.perf_counter()
+    print(f"symphony-kernel: C++ ops loaded in {t1 - t0:.1f} s; warming up one forward pass...",
+          file=sys.stderr, flush=True)
+    seq = engine.new_sequence()
+    try:
+        engine.pred(seq, [0])
+    finally:
+        engine.release(seq)
+    print(f"symphony-kernel: warm-up forward pass took {time.perf_counter() - t1:.1f} s",
+          file=sys.stderr, flush=True)
 
 
 def _client_cmd(args) -> int:

@@ -69,11 +69,23 @@ class Client:
         return r["lip"]
 
     def events(self, timeout: Optional[float] = None) -> Iterator[dict]:
-        """The attached LIPs' events until the (first) exit event."""
+        """The attached LIPs' events until the (first) exit event.  If the kernel
+        goes away first (it stopped or crashed), the last event is a synthesized
+        ``{"event": "exit", "status": 1, "reason": "lost: ...", "lost": True}``:
+        the LIP's fate is unknown, and the caller is told so, never left waiting."""
         self.sock.settimeout(timeout)
         while True:
-            ev = recv_frame_sync(self.sock)
+            try:
+                ev = recv_frame_sync(self.sock)
+            except (ConnectionError, OSError) as e:
+                if isinstance(e, TimeoutError):
+                    raise
+                ev, why = None, f"{type(e).__name__}: {e}"
+            else:
+                why = "the kernel closed the connection"
             if ev is None:
+                yield {"event": "exit", "status": 1, "lost": True,
+                       "reason": f"lost: {why} before the LIP exited (the kernel stopped or crashed)"}
                 return
             yield ev
             if ev.get("event") == "exit":

@@ -57,7 +57,7 @@ class Kernel:
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
                  token_budget: Optional[int] = None, policy: Optional[LimitPolicy] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
-                 lip_uids: Optional[tuple[int, int]] = None):
+                 lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False):
         """``policy``: the administrator's ceilings and defaults (limits.py; by
         default the stock ones, with ``default_limits`` as defaults).
         ``max_queued_output``: bytes of one LIP's output the kernel holds for
@@ -75,7 +75,10 @@ class Kernel:
         self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps,
-                                 max_queued_output=max_queued_output)
+                                 max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe)
+        self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
+        self.fatal: Optional[str] = None      # why the kernel is going down after a failure
+        self.reaping: set = set()             # exit reported, syscall thread still reclaiming
         self.lips: dict[int, LipProc] = {}
         self.finished: deque = deque(maxlen=100)
         self.by_pid: dict[int, LipProc] = {}
@@ -92,7 +95,10 @@ class Kernel:
     # ================================================================== lifecycle
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(self._loop_exception)
         self.stopping = asyncio.Event()
+        self.reports: asyncio.Queue = asyncio.Queue()     # zygote reports, in order, for _process_reports
+        self.tasks: list = []
         self._tokfile = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="symphony-tok-", delete=False)
         self._tokfile.write(self.engine.tokenizer.to_json())
         self._tokfile.close()
@@ -116,8 +122,10 @@ class Kernel:
         first = await asyncio.wait_for(self.loop.sock_recv(self._chan, 1 << 16), 60)
         if b"ready" not in first:
             raise RuntimeError(f"the zygote did not start: {first!r}")
-        self._zy_task = asyncio.create_task(self._read_zygote())
+        self._zy_task = self._supervise("zygote reader", self._read_zygote)
+        self._supervise("process table", self._process_reports)
         self.sys.thread.start()
+        self._supervise("syscall thread watchdog", self._watch_syscall_thread)
         if os.path.exists(self.socket_path):
             if _socket_alive(self.socket_path):
                 raise RuntimeError(f"another kernel is serving {self.socket_path}")
@@ -126,33 +134,59 @@ class Kernel:
         os.chmod(self.socket_path, 0o666)       # any local user may connect; SO_PEERCRED says who
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stopping.set)
+        self._supervise("socket server", self._watch_server)
         log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.zygote.pid)
         print(f"symphony-kernel: ready on {self.socket_path}", file=sys.stderr, flush=True)
         await self.stopping.wait()
         await self.shutdown()
+        if self.fatal:
+            raise RuntimeError(f"the kernel stopped after a failure: {self.fatal}")
 
     async def shutdown(self) -> None:
+        """Stop cleanly: kill every LIP (each client gets its exit event with the
+        reason), sync durable files, stop the syscall thread and the zygote,
+        unlink every shared-memory name.  Also the path of `_fail_loudly`."""
         log.info("shutting down: stopping %d LIPs", len(self.lips))
         self.server.close()
+        why = f"killed: the kernel failed ({self.fatal})" if self.fatal else "kernel shutting down"
         for lip in list(self.lips.values()):
-            self._kill(lip.id, "kernel shutting down")
+            self._kill(lip.id, why)
         deadline = time.monotonic() + 3
         while self.lips and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for lip_id in list(self.lips):                     # never reported: reclaim anyway
-            await self._reclaim(lip_id, -9, 9)
+            self._reclaim(lip_id, -9, 9)
+        healthy = await self._drain_reaping(10)
         from .kvfs.store import write_durable
-        synced = self.sys.call(lambda: [write_durable(self.fs, i) for i in list(self.fs.inodes.values())
-                                        if i.durable and i.linked])
+        synced = None
+        if healthy:
+            try:
+                synced = await asyncio.wait_for(self.sys_call(
+                    lambda: [write_durable(self.fs, i) for i in list(self.fs.inodes.values())
+                             if i.durable and i.linked]), 60)
+            except Exception as e:                        # noqa: BLE001 - report, go on stopping
+                log.error("durable KV files NOT synced at shutdown: %s: %s", type(e).__name__, e)
+        else:
+            log.error("durable KV files NOT synced at shutdown: the syscall thread does not answer")
         self.sys.stop.set()
         self.waitset.ring()
         self.sys.thread.join(5)
-        self.fs.close_all()
+        if self.sys.thread.is_alive():                     # hung: only unlink names, touch nothing it owns
+            log.error("the syscall thread did not stop; unlinking the LIPs' shared memory anyway")
+            for lip in list(self.sys.lips.values()):
+                lip.ring.unlink()
+        else:
+            for lip_id in list(self.sys.lips):             # reclaims that never ran
+                self.sys.remove(lip_id)
+            self.fs.close_all()
+        for t in self.tasks:
+            t.cancel()
         try:
             await self._zy_send(b'{"cmd": "exit"}', [])
             await asyncio.wait_for(self.zygote.wait(), 3)
         except Exception:
-            self.zygote.kill()
+            if self.zygote.returncode is None:          # dead already (e.g. it crashed): nothing to kill
+                self.zygote.kill()
         self._chan.close()
         self.waitset.close()
         for p in (self.socket_path, self._tokfile.name):
@@ -219,6 +253,8 @@ class Kernel:
         lip = self.lips.get(lip_id)
         if lip is None:
             return False
+        if lip_id in self.reaping:                     # already dead; its pid may be reused
+            return True
         self.kill_reason.setdefault(lip_id, reason)
         if lip.pid:
             try:
@@ -245,6 +281,8 @@ class Kernel:
                     self.loop.remove_writer(self._chan)
 
     async def _read_zygote(self) -> None:
+        """Read the zygote's reports one at a time and queue each for
+        `_process_reports`; never waits on anything else."""
         while True:
             try:
                 line = await self.loop.sock_recv(self._chan, 1 << 16)
@@ -252,26 +290,56 @@ class Kernel:
                 line = b""
             if not line:
                 if not self.stopping.is_set():
-                    log.error("the zygote exited unexpectedly; no new LIPs can start")
+                    self._fail_loudly("the zygote exited unexpectedly; no LIP can start or be reaped")
                 return
-            msg = orjson.loads(line)
+            try:
+                msg = orjson.loads(line)
+                if not isinstance(msg, dict):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                log.error("unreadable zygote report %r: %s", line[:200], e)
+                continue
+            self.reports.put_nowait(msg)
+
+    async def _process_reports(self) -> None:
+        """The one owner of the process table's spawn/exit transitions: applies
+        the zygote's reports in order.  Never blocks: an exit's reclaim runs on
+        the syscall thread and the exit event goes out when it is done."""
+        while True:
+            msg = await self.reports.get()
             if "spawned" in msg:
                 lip = self.lips.get(msg["spawned"])
-                if lip is not None:
+                if lip is not None and isinstance(msg.get("pid"), int):
                     lip.pid = msg["pid"]
                     self.by_pid[lip.pid] = lip
                     if lip.id in self.kill_reason:
                         self._kill(lip.id, self.kill_reason[lip.id])
             elif "exited" in msg:
                 self.uids.release(msg["exited"])           # the worker is reaped: its uid is free
-                await self._reclaim(msg["exited"], msg["status"], msg["signal"])
+                self._reclaim(msg["exited"], msg.get("status", -1), msg.get("signal", 0))
+            else:
+                log.error("unknown zygote report %r", msg)
 
-    async def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
-        lip = self.lips.pop(lip_id, None)
-        if lip is None:
+    def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
+        """The LIP's process is gone: mark it, have the syscall thread reclaim
+        its files and ring, then send the exit event (`_reclaimed`)."""
+        lip = self.lips.get(lip_id)
+        if lip is None or lip_id in self.reaping:
             return
+        self.reaping.add(lip_id)
+        lip.state = "exiting"
         self.by_pid.pop(lip.pid, None)
-        await self.loop.run_in_executor(None, self.sys.call, lambda: self.sys.remove(lip_id))
+        fut = self.sys.call_future(lambda: self.sys.remove(lip_id))
+        fut.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._reclaimed, lip, status, sig, f))
+
+    def _reclaimed(self, lip: LipProc, status: int, sig: int, fut) -> None:
+        lip_id = lip.id
+        if lip_id not in self.reaping:                 # already told (shutdown gave up waiting)
+            return
+        self.reaping.discard(lip_id)
+        self.lips.pop(lip_id, None)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("LIP %d: reclaim failed: %r", lip_id, fut.exception())
         reason = self.kill_reason.pop(lip_id, None)
         if reason is None:
             reason = {0: "finished", 1: "error"}.get(status, f"exit status {status}") if sig == 0 else \
@@ -289,6 +357,95 @@ class Kernel:
         self.owed.pop(lip_id, None)
 
     # ================================================================== events
+    # ================================================================== supervision
+    def _supervise(self, name: str, factory, restarts: int = 5) -> asyncio.Task:
+        """Run ``factory()`` as a long-lived task.  An unexpected exception is
+        logged with its traceback and the task restarted (its state lives on
+        the Kernel, so it is intact); more than ``restarts`` failures within a
+        minute, or an unexpected return, shut the kernel down loudly."""
+        async def run():
+            fails: deque = deque(maxlen=restarts + 1)
+            while True:
+                try:
+                    await factory()
+                    if not self.stopping.is_set():
+                        self._fail_loudly(f"the kernel's {name} stopped")
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("the kernel's %s failed", name)
+                    fails.append(time.monotonic())
+                    if self.stopping.is_set():
+                        return
+                    if len(fails) > restarts and fails[-1] - fails[0] < 60:
+                        self._fail_loudly(f"the kernel's {name} failed {len(fails)} times in a minute")
+                        return
+                    log.error("restarting the kernel's %s", name)
+        task = asyncio.create_task(run(), name=name)
+        self.tasks.append(task)
+        return task
+
+    def _fail_loudly(self, why: str) -> None:
+        """A piece of the kernel cannot go on: shut everything down cleanly and
+        loudly (LIPs killed with this reason, clients told, shm unlinked,
+        durable files synced if the syscall thread still answers)."""
+        if self.fatal is None:
+            self.fatal = why
+            log.critical("FATAL: %s; shutting the kernel down", why)
+            print(f"symphony-kernel: FATAL: {why}; shutting down", file=sys.stderr, flush=True)
+        self.stopping.set()
+
+    def _fail_threadsafe(self, why: str) -> None:
+        self.loop.call_soon_threadsafe(self._fail_loudly, why)
+
+    def _loop_exception(self, loop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, asyncio.CancelledError):     # a client's handler cancelled at shutdown
+            return
+        log.error("event loop: %s", context.get("message", "unhandled exception"),
+                  exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
+
+    async def _watch_syscall_thread(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.stopping.is_set():
+                return
+            if not self.sys.thread.is_alive():
+                self._fail_loudly("the syscall thread died")
+                return
+
+    async def _watch_server(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.stopping.is_set():
+                return
+            if not self.server.is_serving():
+                self._fail_loudly("the socket server stopped serving")
+                return
+
+    def sys_call(self, fn) -> "asyncio.Future":
+        """Run ``fn`` on the syscall thread; an awaitable of its result that
+        never blocks the event loop (await it with a timeout if you must)."""
+        return asyncio.wrap_future(self.sys.call_future(fn))
+
+    async def _drain_reaping(self, timeout: float) -> bool:
+        """Wait until every pending reclaim is done; False if the syscall
+        thread did not get to them in ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.reaping and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.reaping:
+            for lip_id in list(self.reaping):            # tell their clients anyway
+                lip = self.lips.pop(lip_id, None)
+                self.reaping.discard(lip_id)
+                if lip is not None:
+                    self._deliver(lip_id, {"event": "exit", "lip": lip_id, "status": 128 + 9,
+                                           "reason": self.kill_reason.pop(lip_id, "killed") +
+                                           " (not reclaimed: the syscall thread did not answer)"})
+            return False
+        return True
+
     def _emit_threadsafe(self, lip_id: int, event: dict) -> None:
         self.loop.call_soon_threadsafe(self._deliver, lip_id, event)
 
@@ -358,6 +515,9 @@ class Kernel:
                     reply = await self._request(uid, msg, writer, attached)
                 except (ValueError, KVFSError, PermissionError, TimeoutError) as e:
                     reply = {"error": getattr(e, "code", "EINVAL"), "type": type(e).__name__, "message": str(e)}
+                except Exception as e:                     # a kernel bug: fail this request only
+                    log.exception("client request %r failed", msg.get("op") if isinstance(msg, dict) else None)
+                    reply = {"error": "EIO", "type": "InternalError", "message": f"internal error: {e!r}"}
                 if reply is not None:
                     writer.write(encode_frame(reply))
                     await writer.drain()
@@ -405,18 +565,38 @@ class Kernel:
                     "pending_reply_bytes": sum(l.replies.total for l in list(self.lips.values()))}
         who = Principal(user, 0)
         if op == "kv_ls":
-            return {"entries": self.sys.call(lambda: self.fs.list(who, msg.get("path") or "/"))}
+            return {"entries": await self.sys_call(lambda: self.fs.list(who, msg.get("path") or "/"))}
         if op == "kv_stat":
-            return self.sys.call(lambda: self.fs.stat(who, msg.get("path")))
+            return await self.sys_call(lambda: self.fs.stat(who, msg.get("path")))
         if op == "kv_rm":
-            self.sys.call(lambda: self.fs.remove(who, msg.get("path")))
+            await self.sys_call(lambda: self.fs.remove(who, msg.get("path")))
             return {"ok": True}
+        if op == "test_hook" and self.test_hooks:
+            return self._test_hook(uid, msg)
         if op == "shutdown":
             if uid != 0:
                 raise PermissionError("only root may shut the kernel down")
             self.stopping.set()
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}")
+
+    def _test_hook(self, uid: int, msg: dict) -> dict:
+        """Fault injection, only with --test-hooks, root only:
+        {"hook": "stall", "seconds": s}: hold the syscall thread s seconds;
+        {"hook": "syscall_crash"}: an unexpected exception in its loop."""
+        if uid != 0:
+            raise PermissionError("test hooks are root only")
+        hook = msg.get("hook")
+        if hook == "stall":
+            secs = msg.get("seconds")
+            if not isinstance(secs, (int, float)) or isinstance(secs, bool) or not 0 <= secs <= 600:
+                raise ValueError("seconds must be a number in [0, 600]")
+            self.sys.submit(lambda: time.sleep(secs))
+        elif hook == "syscall_crash":
+            self.sys.inject_fault()
+        else:
+            raise ValueError(f"unknown test hook {hook!r}")
+        return {"ok": True}
 
     def _own(self, uid: int, user: str, lip_id) -> LipProc:
         lip = self.lips.get(lip_id) if isinstance(lip_id, int) else None

@@ -36,6 +36,8 @@ kernel's on the same values, rounded (nearest even) to q's dtype.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -67,7 +69,8 @@ _EXT_NAME = "symphony_ops"
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp")
 _CUDA_SOURCES = ("cuda/paged_attention.cu",)
-_STALE_LOCK_SECONDS = 30 * 60
+_LOCK_TIMEOUT_S = 30 * 60        # default wait for another live builder ($SYMPHONY_BUILD_LOCK_TIMEOUT)
+_LOCK_PROGRESS_S = 10.0
 
 _lock = threading.Lock()
 _loaded = False
@@ -153,19 +156,121 @@ def _build_dir(with_cuda: bool) -> Path:
     return Path.home() / ".cache" / "symphony" / "ops" / h.hexdigest()[:16]
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """cpp_extension waits forever on a lock left by a build that was killed; drop old ones."""
-    lock = build_dir / "lock"
+def _lock_timeout() -> float:
+    v = os.environ.get("SYMPHONY_BUILD_LOCK_TIMEOUT", "")
     try:
-        age = time.time() - lock.stat().st_mtime
+        t = float(v) if v else _LOCK_TIMEOUT_S
+    except ValueError:
+        raise RuntimeError(f"symphony: SYMPHONY_BUILD_LOCK_TIMEOUT must be seconds, got {v!r}") from None
+    if t < 0:
+        raise RuntimeError(f"symphony: SYMPHONY_BUILD_LOCK_TIMEOUT must be >= 0, got {v!r}")
+    return t
+
+
+def _proc_start(pid: int) -> str:
+    """A process's start time (clock ticks since boot): pid + start time names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _owner(path: Path) -> str:
+    try:
+        pid, start = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return "an unknown process"
+    alive = _proc_start(int(pid)) == start if pid.isdigit() else False
+    return f"pid {pid}" + ("" if alive else " (recorded; that process is gone)")
+
+
+def _holders(path: Path) -> list[int]:
+    """Pids of the processes that have ``path`` open (cpp_extension's builder
+    keeps its ``lock`` file open while it builds), found in /proc/*/fd."""
+    try:
+        st = path.stat()
     except OSError:
-        return
-    if age > _STALE_LOCK_SECONDS:
-        logger.warning("symphony: removing stale build lock %s (%.0f s old)", lock, age)
+        return []
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
         try:
-            lock.unlink()
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            pass
+            continue
+        for fd in fds:
+            try:
+                f = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (f.st_dev, f.st_ino) == (st.st_dev, st.st_ino):
+                out.append(int(pid))
+                break
+    return out
+
+
+def _wait(what: str, path: Path, busy, timeout: float) -> None:
+    """Wait while ``busy()`` returns a holder description, with progress on
+    stderr every 10 s; RuntimeError naming ``path`` after ``timeout`` s."""
+    t0, said = time.monotonic(), None
+    while (who := busy()):
+        waited = time.monotonic() - t0
+        if waited >= timeout:
+            raise RuntimeError(
+                f"symphony: gave up after {waited:.0f} s waiting for the C++ ops build lock {path}, "
+                f"held by {who} (a live process is building the ops in {path.parent}; "
+                "wait for it, stop it, or raise SYMPHONY_BUILD_LOCK_TIMEOUT)")
+        if said is None or waited - said >= _LOCK_PROGRESS_S:
+            said = waited
+            _announce(f"symphony: waiting for {what} (lock {path}, held by {who}): {waited:.0f} s")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold ``build_dir/build.flock`` (an flock: the kernel drops it when its
+    holder dies, however it dies) around cpp_extension's build and load.
+
+    Holding it, a cpp_extension ``lock`` file in the directory is judged by
+    whether a live process has it open (its builder keeps it open while it
+    builds; one that does not take this flock, e.g. an older version): none,
+    and it is stale, removed at once, never judged by its age.  A live
+    builder is waited for, with progress on stderr every 10 s, up to
+    $SYMPHONY_BUILD_LOCK_TIMEOUT seconds (default 1800); then a RuntimeError
+    names the lock and its holder."""
+    path = build_dir / "build.flock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RuntimeError(f"symphony: cannot open the build lock {path}: {e}") from None
+    try:
+        timeout, t0 = _lock_timeout(), time.monotonic()
+
+        def flock_busy():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return None
+            except BlockingIOError:
+                return _owner(path)
+        _wait("another process building the C++ ops", path, flock_busy, timeout)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {_proc_start(os.getpid())}\n".encode(), 0)
+        baton = build_dir / "lock"
+
+        def baton_busy():
+            pids = _holders(baton)
+            return f"pid {', '.join(map(str, pids))}" if pids else None
+        _wait("another process building the C++ ops", baton, baton_busy,
+              max(0.0, timeout - (time.monotonic() - t0)))
+        if baton.exists():
+            _announce(f"symphony: removing stale build lock {baton} (no live process holds it)")
+            with contextlib.suppress(FileNotFoundError):
+                baton.unlink()
+        yield
+    finally:
+        os.close(fd)                                 # releases the flock
 
 
 def _announce(msg: str) -> None:
@@ -184,7 +289,12 @@ def _build_and_load(with_cuda: bool) -> None:
             raise RuntimeError(f"symphony: op source {s} is missing")
     build_dir = _build_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)  # cpp_extension's lock file lives in it
-    _clear_stale_lock(build_dir)
+    with _build_lock(build_dir):
+        _load_locked(build_dir, sources, with_cuda)
+
+
+def _load_locked(build_dir: Path, sources: list, with_cuda: bool) -> None:
+    root = csrc_dir()
     fresh = not (build_dir / f"{_EXT_NAME}.so").exists()
     if fresh:
         _announce(f"symphony: building C++ ops (first use, about a minute) in {build_dir}"

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -45,6 +46,13 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits
 # sampling parameters a pred(output="sample") may ask for
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+
+MAX_CRASHES = 20        # unexpected loop errors within CRASH_WINDOW_S before the kernel gives up
+CRASH_WINDOW_S = 10.0
+
+
+class InjectedFault(Exception):
+    """Raised in the syscall loop by the --test-hooks ``syscall_crash`` hook."""
 
 
 class SyscallFailure(Exception):
@@ -109,10 +117,13 @@ class SyscallServer:
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
-                 max_queued_output: int = MAX_QUEUED_OUTPUT):
+                 max_queued_output: int = MAX_QUEUED_OUTPUT,
+                 on_fatal: Optional[Callable[[str], None]] = None):
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.max_queued_output = max_queued_output
+        self.on_fatal = on_fatal          # the thread cannot go on: shut the kernel down (any thread)
+        self.crashes: deque = deque(maxlen=MAX_CRASHES)
         self.vocab = engine.model_config.vocab_size
         # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
         # step's share, so a small budget keeps every step (and every decoder) short
@@ -137,31 +148,66 @@ class SyscallServer:
         self.commands.put(fn)
         self.door.ring()
 
-    def call(self, fn: Callable[[], object], timeout: float = 30.0):
-        """Run ``fn`` on the syscall thread and wait for its result."""
-        done, box = threading.Event(), {}
+    def call_future(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the syscall thread; a Future of its result (or error).
+        Never blocks: the event loop awaits it with ``asyncio.wrap_future``."""
+        fut: Future = Future()
 
         def run():
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
-                box["v"] = fn()
+                fut.set_result(fn())
             except BaseException as e:       # handed back to the caller
-                box["e"] = e
-            done.set()
+                fut.set_exception(e)
         self.submit(run)
-        if not done.wait(timeout):
-            raise TimeoutError("kernel syscall thread did not answer")
-        if "e" in box:
-            raise box["e"]
-        return box.get("v")
+        return fut
+
+    def call(self, fn: Callable[[], object], timeout: Optional[float] = 30.0):
+        """Run ``fn`` on the syscall thread and wait for its result (not from
+        the event loop).  A timeout raises TimeoutError in the caller only: the
+        call still runs when the thread gets to it."""
+        try:
+            return self.call_future(fn).result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"kernel syscall thread did not answer in {timeout} s") from None
+
+    def inject_fault(self) -> None:
+        """Test hook: make the loop raise an unexpected exception once."""
+        def boom():
+            raise InjectedFault("injected fault (--test-hooks)")
+        self.submit(boom)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
+        """The thread's body: `_serve`, supervised.  An unexpected exception is
+        logged with its traceback and the loop goes on with its state intact;
+        too many in a short time and the kernel is shut down (``on_fatal``)."""
         log.info("syscall thread running")
+        while not self.stop.is_set():
+            try:
+                self._serve()
+            except Exception as e:
+                log.exception("syscall thread: unexpected error; the loop goes on")
+                self.crashes.append(time.monotonic())
+                if len(self.crashes) == MAX_CRASHES and self.crashes[-1] - self.crashes[0] < CRASH_WINDOW_S:
+                    log.critical("syscall thread: %d unexpected errors in %.0f s; giving up",
+                                 MAX_CRASHES, CRASH_WINDOW_S)
+                    if self.on_fatal is not None:
+                        self.on_fatal(f"the syscall thread keeps failing ({type(e).__name__}: {e})")
+                    return
+            except BaseException:
+                log.exception("syscall thread: fatal error")
+                if self.on_fatal is not None:
+                    self.on_fatal("the syscall thread died")
+                raise
+
+    def _serve(self) -> None:
         while not self.stop.is_set():
             self._run_commands()
             work = self._poll()
             for lip, slot in work:
-                self._handle(lip, slot)
+                self._handle_safely(lip, slot)
             if len(self.sched):
                 if self.sched.should_wait(time.perf_counter()):
                     continue                   # the last step's callers are coming back: poll again
@@ -170,6 +216,17 @@ class SyscallServer:
             if not work:
                 self.door.wait(0.05, self._has_work)      # short: muted LIP bells are polled
         log.info("syscall thread stopped")
+
+    def _handle_safely(self, lip: LipProc, slot: int) -> None:
+        """`_handle`, contained: an error it could not answer (a reply that does
+        not fit, a bug in a handler's error path) kills that LIP, not the thread."""
+        try:
+            self._handle(lip, slot)
+        except Exception as e:
+            log.exception("LIP %d: system call could not be answered", lip.id)
+            if lip.state == "running":
+                lip.state = "killing"
+                self.kill(lip.id, f"killed: the kernel could not answer a system call ({type(e).__name__}: {e})")
 
     def _has_work(self) -> bool:
         if not self.commands.empty():
@@ -184,6 +241,8 @@ class SyscallServer:
                 return
             try:
                 fn()
+            except InjectedFault:
+                raise
             except Exception:
                 log.exception("kernel command failed")
 
@@ -419,7 +478,7 @@ class SyscallServer:
             try:
                 finals.append((p, self._deliver(p, logits)))
             except Exception as e:
-                self._reply_error(p.lip, p.slot, p.call_id, e)
+                self._fail_call(p, e)
         # every call's copies to the host are queued: wait for them once, not once a call
         if finals and self.engine.device.type == "cuda":
             torch.cuda.current_stream(self.engine.device).synchronize()
@@ -427,7 +486,18 @@ class SyscallServer:
             try:
                 reply()
             except Exception as e:
-                self._reply_error(p.lip, p.slot, p.call_id, e)
+                self._fail_call(p, e)
+
+    def _fail_call(self, p: _Pending, e: BaseException) -> None:
+        """Answer one call with its error; if even that fails (a reply that
+        does not fit, a broken ring), kill its LIP: never the thread."""
+        try:
+            self._reply_error(p.lip, p.slot, p.call_id, e)
+        except Exception as e2:
+            log.exception("LIP %d: could not reply to a failed call", p.lip.id)
+            if p.lip.state == "running":
+                p.lip.state = "killing"
+                self.kill(p.lip.id, f"killed: the kernel could not answer a system call ({e2})")
 
     def _abandon(self, c: Call, err: BaseException) -> None:
         """A call failed: drop its remaining chunks, undo its fed ones, reply."""
@@ -440,7 +510,7 @@ class SyscallServer:
                     self.fs.truncate(p.lip.principal, p.body["kv"], p.orig_len)
             except Exception:
                 log.exception("LIP %d: rollback of a failed chunked pred failed", p.lip.id)
-        self._reply_error(p.lip, p.slot, p.call_id, err)
+        self._fail_call(p, err)
 
     def _blocked_pids(self) -> list[int]:
         views = [LipView(l.id, l.priority, l.parked_recv is not None or l.caps_in_flight > 0,

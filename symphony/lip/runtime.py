@@ -13,7 +13,8 @@ from .errors import BY_NAME, NotInLIP, SyscallError
 _ring = None          # symphony.kernel.shm.LipSide, set by the worker before user code runs
 _tok = None           # symphony.kernel.tokenizer.Tokenizer
 _eos: tuple = ()
-EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach
+EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach (-1 outside a LIP)
+ATTACHED = ("EOS",)   # globals set by _attach: `symphony.lip` reads them here at each access
 _local = threading.local()
 
 
