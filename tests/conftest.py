@@ -68,7 +68,7 @@ requires_root = pytest.mark.skipif(
 ALICE_UID, BOB_UID = 2101, 2102
 
 
-def connect_as(socket_path: str, uid: int, gid: Optional[int] = None) -> "socket.socket":
+def connect_as(socket_path: str, uid: int, gid: Optional[int] = None):
     """A Unix socket connected to the kernel by a process running as ``uid``.
 
     The kernel identifies a client by the credentials of the process that called
@@ -165,6 +165,19 @@ class KernelProc:
         except OSError:
             pass
         return self.proc.returncode
+
+
+@pytest.fixture
+def public_tmp():
+    """A temporary directory every user may read (pytest's tmp_path is 0700 under
+    /tmp/pytest-of-root): capabilities read files with the LIP's user's own rights,
+    so a directory granted to a LIP of another user (or of an accountless name,
+    which reads as nobody) must be readable by them.  Removed afterwards."""
+    import shutil
+    d = Path(tempfile.mkdtemp(prefix="symphony-public-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

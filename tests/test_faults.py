@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, KernelProc
-from symphony.client import Client, KernelError
+from symphony.client import KernelError
 
 WORKER = (REPO / "tests/lips/fault_worker.py").read_text()
 KEEPER = (REPO / "tests/lips/fault_keeper.py").read_text()
@@ -154,13 +154,13 @@ def test_syscall_thread_survives_an_unexpected_error(fk):
 
 
 # ---------------------------------------------------------------- chaos
-def test_chaos_random_kills(fk, tmp_path):
+def test_chaos_random_kills(fk, public_tmp):
     """Rounds of 32 LIPs (decoders, forkers, capability users, quick ones);
     most are killed at random points, by kill or by their client going away.
     After each round: exactly one exit event per watching client, pages and
     shm back to the baseline, the keeper's KV file unchanged."""
     rng = random.Random(11)
-    granted = tmp_path / "granted"
+    granted = public_tmp / "granted"
     granted.mkdir()
     (granted / "data.txt").write_text("x" * 1000)
     owner = fk.client(user="keeper", timeout=60)

@@ -3,12 +3,8 @@ chunks, error messages are cut, one LIP's output is bounded by back-pressure,
 sampling parameters are checked.  Each hostile LIP (tests/lips/hostile/bound_*)
 runs beside a well-behaved one that must still answer."""
 import hashlib
-import os
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -56,30 +52,24 @@ def test_errors_larger_than_a_slot_are_truncated_not_fatal(kernel):
             assert "path must be" in line[0], line
 
 
-def test_replies_larger_than_a_slot_arrive_whole(kernel):
-    # files are read with the LIP user's own rights ("mallory" has no account: nobody's),
-    # so the granted directory must be one anybody may read, not pytest's 0700 tmp_path
-    d = Path(tempfile.mkdtemp(prefix="symphony-granted-", dir="/tmp"))
-    try:
-        os.chmod(d, 0o755)
-        text = "".join(f"line {i:06d} of a long file, with some words to fill it up\n" for i in range(3600))
-        assert len(text) > 200_000
-        (d / "big.txt").write_text(text)
-        listing = d / "many"
-        listing.mkdir()
-        names = sorted(f"{i:05d}-" + "n" * 90 for i in range(2200))         # ~210 KB of names
-        for n in names:
-            (listing / n).touch()
-        events, good = _events_of(kernel, "bound_bigreply", [str(d / "big.txt"), str(listing)],
-                                  grants={"read": [str(d)]})
-        _check_good(kernel, good)
-        out = _out(events)
-        assert events[-1]["reason"] == "finished", (events[-1], out[-800:])
-        assert f"read {len(text)} {hashlib.sha256(text.encode()).hexdigest()}" in out, out[-800:]
-        assert f"listed {len(names)} {hashlib.sha256(chr(10).join(names).encode()).hexdigest()}" in out, out[-800:]
-        assert kernel.client().stats()["pending_reply_bytes"] == 0
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def test_replies_larger_than_a_slot_arrive_whole(kernel, public_tmp):
+    d = public_tmp                    # "mallory" has no account: files are read with nobody's rights
+    text = "".join(f"line {i:06d} of a long file, with some words to fill it up\n" for i in range(3600))
+    assert len(text) > 200_000
+    (d / "big.txt").write_text(text)
+    listing = d / "many"
+    listing.mkdir()
+    names = sorted(f"{i:05d}-" + "n" * 90 for i in range(2200))         # ~210 KB of names
+    for n in names:
+        (listing / n).touch()
+    events, good = _events_of(kernel, "bound_bigreply", [str(d / "big.txt"), str(listing)],
+                              grants={"read": [str(d)]})
+    _check_good(kernel, good)
+    out = _out(events)
+    assert events[-1]["reason"] == "finished", (events[-1], out[-800:])
+    assert f"read {len(text)} {hashlib.sha256(text.encode()).hexdigest()}" in out, out[-800:]
+    assert f"listed {len(names)} {hashlib.sha256(chr(10).join(names).encode()).hexdigest()}" in out, out[-800:]
+    assert kernel.client().stats()["pending_reply_bytes"] == 0
 
 
 def test_sampling_parameters_are_checked(kernel):

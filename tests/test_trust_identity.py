@@ -21,7 +21,7 @@ from conftest import ALICE_UID, BOB_UID, REPO, KernelProc, requires_root
 
 HOSTILE = REPO / "tests/lips/hostile"
 SECRET_ENV = "SYMPHONY_TEST_SECRET"
-LIP_MAX_THREADS = 128
+LIP_MAX_THREADS = 64            # the kernel's default threads limit (--lip-threads), RLIMIT_NPROC of the LIP's uid
 LIP_UIDS = (61184, 65519)        # the kernel's default --lip-uids
 
 
