@@ -12,7 +12,6 @@ import re
 import secrets
 import signal
 import tempfile
-import threading
 import time
 
 import pytest
