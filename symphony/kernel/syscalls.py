@@ -15,6 +15,7 @@ replied as {"error": code, "type": name, "message": text}.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -23,14 +24,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import math
-
 import numpy as np
 import orjson
 import torch
 
 from . import abi
-from .capabilities import CapError, Capabilities
+from .capabilities import Capabilities
+from .failure import SyscallFailure, fail as _fail
 from .engine import PredError
 from .kvfs import KVFS, KVFSError, KVPred, Principal
 from .page_allocator import OutOfPages
@@ -55,14 +55,6 @@ class InjectedFault(Exception):
     """Raised in the syscall loop by the --test-hooks ``syscall_crash`` hook."""
 
 
-class SyscallFailure(Exception):
-    def __init__(self, type_: str, code: str, message: str):
-        super().__init__(message)
-        self.type, self.code = type_, code
-
-
-def _fail(type_: str, code: str, message: str):
-    raise SyscallFailure(type_, code, message)
 
 
 @dataclass
@@ -628,9 +620,6 @@ class SyscallServer:
         deadline: see capabilities/), answered from the syscall thread."""
         def h(self, lip, slot, cid, body, toks):
             def done(res, err):
-                if isinstance(err, CapError):
-                    err = SyscallFailure(err.type, err.code, str(err))
-
                 def reply():
                     lip.caps_in_flight -= 1
                     if err is None:

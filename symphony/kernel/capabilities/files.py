@@ -25,7 +25,8 @@ import stat
 from typing import Optional
 
 from .identity import Identity
-from .policy import CapPolicy, fail
+from ..failure import fail
+from .policy import CapPolicy
 
 MAX_ENTRIES = 10000
 _SCAN_LIMIT = 100000

@@ -22,7 +22,8 @@ import time
 import urllib.parse
 from typing import Optional
 
-from .policy import fail, parse_host
+from ..failure import fail
+from .policy import parse_host
 
 MAX_HOPS = 5
 METHODS = ("GET", "POST", "PUT", "DELETE", "HEAD")

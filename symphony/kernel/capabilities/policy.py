@@ -26,6 +26,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from ..failure import SyscallFailure
 from .identity import Credentials, Identity
 
 BUILTIN_DENY = ("/proc", "/sys", "/dev", "/run")
@@ -33,16 +34,7 @@ MAX_GRANTS = 64
 _HOST_RE = re.compile(r"(\*\.)?[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]")
 
 
-class CapError(Exception):
-    """A capability call failed; ``type``/``code`` name the error the LIP sees."""
-
-    def __init__(self, type_: str, code: str, message: str):
-        super().__init__(message)
-        self.type, self.code = type_, code
-
-
-def fail(type_: str, code: str, message: str):
-    raise CapError(type_, code, message)
+CapError = SyscallFailure        # a capability call failed: the syscall layer's one error type
 
 
 @dataclass(frozen=True)
