@@ -407,7 +407,7 @@ def main():
           flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-kernel-"))
     t_load = time.perf_counter()
-    k = KernelProc(tmp, "--kv-memory-mb", str(args.kv_memory_mb), "--max-lips", "256")
+    k = KernelProc(tmp, "--kv-memory-mb", str(args.kv_memory_mb), "--max-lips", "256", "--max-lips-per-user", "256")
     print(f"# kernel started in {time.perf_counter() - t_load:.1f} s (log: {k.log_path})", flush=True)
     watch = CpuWatch(k.proc.pid, *_children(k.proc.pid))          # the kernel and its zygote
     others: dict[str, list[float]] = {}

@@ -149,7 +149,7 @@ def main():
     rounds = []
     for r in range(args.rounds):
         (tmp / f"k{r}").mkdir()
-        k = KernelProc(tmp / f"k{r}", "--max-lips", "256", "--kv-memory-mb", "512")
+        k = KernelProc(tmp / f"k{r}", "--max-lips", "256", "--max-lips-per-user", "256", "--kv-memory-mb", "512")
         try:
             dec_only = run_kernel_round(k, args.lips, 0, args.steps)          # A: 64 decoders
             mixed = run_kernel_round(k, n_dec, args.prefill_lips, args.steps)  # B: decoders + prefills

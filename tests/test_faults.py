@@ -40,7 +40,7 @@ def tiny_gguf(tmp_path_factory):
 def fk(tmp_path_factory, tiny_gguf):
     """A kernel with fault-injection hooks on the tiny model."""
     k = KernelProc(tmp_path_factory.mktemp("faultk"), "--model", str(tiny_gguf), "--test-hooks",
-                   "--max-lips", "64")
+                   "--max-lips", "64", "--max-lips-per-user", "64")
     yield k
     k.stop()
     assert k.proc.returncode == 0, k.read_log()[-3000:]
