@@ -148,3 +148,23 @@ def write_hf_dir(path: Path, cfg: dict, sd: dict[str, torch.Tensor], tokenizer=N
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
     return path
+
+
+# Byte offsets of the float16 fields (d, dmin) in one block of each GGUF quant type, and the
+# block's (weights, bytes). Every other bit pattern of a block is a valid encoding.
+GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
+               "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def random_gguf_blocks(qtype: str, n: int, k: int, seed: int = 0, d: float = 0.01) -> np.ndarray:
+    """Random raw blocks of a GGUF quant type ([n, k / block * bytes] uint8): random quants and
+    sub-block scales, float16 d / dmin fields drawn from [0.25 d, d] (finite, so every weight is).
+    A test-side encoder for the types the ``gguf`` package cannot quantize (the K-quants)."""
+    qk, bb, f16_offsets = GGUF_BLOCKS[qtype]
+    assert k % qk == 0, (qtype, k)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // qk, bb), dtype=np.uint8)
+    for off in f16_offsets:
+        vals = rng.uniform(0.25 * d, d, size=(n, k // qk)).astype(np.float16)
+        blocks[:, :, off:off + 2] = vals.view(np.uint8).reshape(n, k // qk, 2)
+    return blocks.reshape(n, -1)
