@@ -279,6 +279,22 @@ def from_gguf(data: np.ndarray, qtype: str, n: int, k: int) -> QWeight:
 # -------------------------------------------------------------------------------- load-time quantizers
 
 
+def prepare_weights(weights, keep_quantized: bool, scheme: Optional[str] = None):
+    """Apply the engine's weight options to a ModelWeights: dequantize every QWeight (not
+    ``keep_quantized``), or quantize the float matrices whose K is a multiple of 32 with
+    ``scheme`` ("int8" / "int4"; QWeights keep the file's bits)."""
+    if not keep_quantized:
+        return weights.dequantized() if weights.is_quantized() else weights
+    if scheme is None:
+        return weights
+
+    def q(t):
+        if isinstance(t, QWeight) or t.dim() != 2 or t.shape[1] % 32:
+            return t
+        return quantize(t, scheme)
+    return weights.map_matrices(q)
+
+
 def quantize(w: torch.Tensor, scheme: str) -> QWeight:
     """Quantize a float matrix ``[N, K]`` (K a multiple of 32) at load: ``int8``: symmetric,
     groups of 32 (like Q8_0); ``int4``: scale + min, groups of 32 (like Q4_1)."""
