@@ -223,3 +223,26 @@ def test_load_time_quantizers(scheme, step):
         quant.quantize(torch.randn(4, 40), scheme)
     with pytest.raises(QuantError, match="unknown quantization"):
         quant.quantize(w, "int3")
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _cuda_ops() -> bool:
+    return torch.cuda.is_available() and ops.cuda_available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the CUDA qlinear/qdequant kernels cannot run here")
+@pytest.mark.parametrize("qtype", TYPES)
+def test_cuda_qlinear_matches_dequantized_reference(qtype):
+    if not _cuda_ops():
+        pytest.skip("the CUDA ops were not built (no CUDA toolkit)")
+    k = 512
+    qw, want = gguf_weight(qtype, 37, k, seed=7)
+    g = qw.to("cuda")
+    torch.testing.assert_close(g.dequantize().cpu(), torch.from_numpy(want), rtol=2.5e-7, atol=0)
+    for m in (1, 3, 8, 9, 40):               # GEMV kernel up to 8 rows, dequantize + GEMM above
+        x = torch.randn(m, k)
+        y = ops.qlinear(x.cuda(), g.qs, g.scales, g.mins, g.kind, g.group)
+        ref = x.double() @ torch.from_numpy(want).double().t()
+        # cuBLAS may use TF32 for float32 GEMMs where allowed: 1e-3 relative to |x| @ |W|^T
+        bound = 1e-3 * (x.double().abs() @ torch.from_numpy(want).double().abs().t()) + 1e-5
+        assert bool(((y.cpu().double() - ref).abs() <= bound).all())

@@ -71,7 +71,7 @@ logger = logging.getLogger("symphony.ops")
 _EXT_NAME = "symphony_ops"
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp")
-_CUDA_SOURCES = ("cuda/paged_attention.cu",)
+_CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu")
 _STALE_LOCK_SECONDS = 30 * 60
 
 _lock = threading.Lock()
@@ -436,8 +436,8 @@ def _find_nvcc() -> Optional[str]:
     return nvcc
 
 
-def compile_cuda_object(out_dir, arch: str = "sm_90") -> Path:
-    """Compile csrc/cuda/paged_attention.cu to an object file with nvcc; returns its path.
+def compile_cuda_object(out_dir, arch: str = "sm_90", source: str = "paged_attention.cu") -> Path:
+    """Compile csrc/cuda/<source> to an object file with nvcc; returns its path.
 
     Proves the CUDA kernels compile on a machine without a GPU (or a CUDA build of torch).
     """
@@ -446,10 +446,12 @@ def compile_cuda_object(out_dir, arch: str = "sm_90") -> Path:
     if nvcc is None:
         raise RuntimeError("symphony: nvcc not found (not on PATH, no CUDA_HOME)")
     root = csrc_dir()
-    src = root / "cuda" / "paged_attention.cu"
+    src = root / "cuda" / source
+    if not src.is_file():
+        raise RuntimeError(f"symphony: CUDA source {src} is missing")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    obj = out_dir / "paged_attention.cuda.o"
+    obj = out_dir / (Path(source).stem + ".cuda.o")
     includes = [*cpp_extension.include_paths(), str(root)]
     cmd = [nvcc, "-c", str(src), "-o", str(obj), _cxx_std(), "-O3", "--expt-relaxed-constexpr",
            "-Xcompiler", "-fPIC",
