@@ -34,8 +34,14 @@ void rows_avx512(const QView& w, const float* x, int64_t ldx, int64_t M, float* 
                  int64_t n0, int64_t n1);
 #endif
 
-// Dequantize rows n0..n1 of w into dst (float32 [n1 - n0, K], row stride K).
+// Dequantize rows n0..n1 of w into dst (float32 [n1 - n0, K], row stride K); every variant
+// computes fma(q, scale, min) (q * scale without mins), so all give the same bits.
+using DequantFn = void (*)(const QView& w, float* dst, int64_t n0, int64_t n1);
 void dequant_rows(const QView& w, float* dst, int64_t n0, int64_t n1);
+#if defined(__x86_64__) || defined(_M_X64)
+void dequant_rows_avx2(const QView& w, float* dst, int64_t n0, int64_t n1);
+void dequant_rows_avx512(const QView& w, float* dst, int64_t n0, int64_t n1);
+#endif
 
 }  // namespace qcpu
 }  // namespace symphony

@@ -16,6 +16,10 @@ namespace symphony {
 namespace qcpu {
 namespace {
 
+// Software prefetch of the rows this many rows ahead (the next tiles), a cache line at a time:
+// the hardware prefetcher alone left a GEMV over a large matrix at ~40% of the bandwidth.
+constexpr int64_t kPrefetchRows = 16;
+
 // ============================================================================================
 // AVX-512
 // ============================================================================================
@@ -35,6 +39,7 @@ u4_tile_512(const QView& w, const float* x, int64_t ldx, float* out, int64_t ldo
     __m512 wl[NB], wh[NB];
     for (int b = 0; b < NB; ++b) {
       const uint8_t* p = w.qs + (n + b) * w.row_bytes + g * 16;
+      if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
       const __m512 hi =
@@ -71,6 +76,7 @@ i8_tile_512(const QView& w, const float* x, int64_t ldx, float* out, int64_t ldo
     __m512 wv[NB];
     for (int b = 0; b < NB; ++b) {
       const int8_t* p = reinterpret_cast<const int8_t*>(w.qs) + (n + b) * w.row_bytes + c * 16;
+      if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
       const __m512 q = _mm512_cvtepi32_ps(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
       const __m512 s = _mm512_set1_ps(w.scales[(n + b) * G + g]);
@@ -131,6 +137,8 @@ __attribute__((target("avx2,fma"))) inline void u4_tile_256(const QView& w, cons
       __m256 w0[NB], w1[NB];
       for (int b = 0; b < NB; ++b) {
         const uint8_t* p = w.qs + (n + b) * w.row_bytes + g * 16;
+        if (h == 0 && (g & 3) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
         __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         v = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, mask);
         const __m256 s = _mm256_set1_ps(w.scales[(n + b) * G + g]);
@@ -172,6 +180,7 @@ __attribute__((target("avx2,fma"))) inline void i8_tile_256(const QView& w, cons
     __m256 w0[NB], w1[NB];
     for (int b = 0; b < NB; ++b) {
       const int8_t* p = reinterpret_cast<const int8_t*>(w.qs) + (n + b) * w.row_bytes + c * 16;
+      if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
       const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
@@ -220,12 +229,81 @@ __attribute__((target("avx2,fma"))) inline void tile_256(const QView& w, const f
 
 }  // namespace
 
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void dequant_rows_avx512(
+    const QView& w, float* dst, int64_t n0, int64_t n1) {
+  const int64_t G = w.n_groups;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    float* d = dst + (n - n0) * w.K;
+    const uint8_t* q = w.qs + n * w.row_bytes;
+    const float* sc = w.scales + n * G;
+    const float* mn = w.mins ? w.mins + n * G : nullptr;
+    if (w.kind == kQU4) {
+      for (int64_t g = 0; g < G; ++g) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
+        const __m512 s = _mm512_set1_ps(sc[g]), o = _mm512_set1_ps(mn[g]);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        _mm512_storeu_ps(d + g * 32, _mm512_fmadd_ps(lo, s, o));
+        _mm512_storeu_ps(d + g * 32 + 16, _mm512_fmadd_ps(hi, s, o));
+      }
+    } else {
+      const int shift = w.group == 32 ? 1 : 0;
+      for (int64_t c = 0; c < w.K / 16; ++c) {
+        const int64_t g = c >> shift;
+        const __m512 x = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 16))));
+        const __m512 s = _mm512_set1_ps(sc[g]);
+        _mm512_storeu_ps(d + c * 16, mn ? _mm512_fmadd_ps(x, s, _mm512_set1_ps(mn[g]))
+                                        : _mm512_mul_ps(x, s));
+      }
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void rows_avx512(
     const QView& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo, int64_t n0,
     int64_t n1) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) mloop_512<4>(w, x, ldx, M, out, ldo, n);
   for (; n < n1; ++n) mloop_512<1>(w, x, ldx, M, out, ldo, n);
+}
+
+__attribute__((target("avx2,fma"))) void dequant_rows_avx2(const QView& w, float* dst,
+                                                           int64_t n0, int64_t n1) {
+  const int64_t G = w.n_groups;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    float* d = dst + (n - n0) * w.K;
+    const uint8_t* q = w.qs + n * w.row_bytes;
+    const float* sc = w.scales + n * G;
+    const float* mn = w.mins ? w.mins + n * G : nullptr;
+    if (w.kind == kQU4) {
+      for (int64_t g = 0; g < G; ++g) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
+        const __m256 s = _mm256_set1_ps(sc[g]), o = _mm256_set1_ps(mn[g]);
+        for (int h = 0; h < 2; ++h) {
+          const __m128i b = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, mask);
+          const __m256 a0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+          const __m256 a1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+          _mm256_storeu_ps(d + g * 32 + h * 16, _mm256_fmadd_ps(a0, s, o));
+          _mm256_storeu_ps(d + g * 32 + h * 16 + 8, _mm256_fmadd_ps(a1, s, o));
+        }
+      }
+    } else {
+      const int shift = w.group == 32 ? 1 : 0;
+      for (int64_t c = 0; c < w.K / 16; ++c) {
+        const int64_t g = c >> shift;
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 16));
+        const __m256 s = _mm256_set1_ps(sc[g]);
+        const __m256 o = mn ? _mm256_set1_ps(mn[g]) : _mm256_setzero_ps();
+        _mm256_storeu_ps(d + c * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s, o));
+        _mm256_storeu_ps(d + c * 16 + 8, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), s, o));
+      }
+    }
+  }
 }
 
 __attribute__((target("avx2,fma"))) void rows_avx2(const QView& w, const float* x, int64_t ldx,

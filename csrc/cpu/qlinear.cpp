@@ -45,7 +45,8 @@ void rows_scalar(const QView& w, const float* x, int64_t ldx, int64_t M, float* 
 }
 
 void dequant_rows(const QView& w, float* dst, int64_t n0, int64_t n1) {
-  const int64_t G = w.n_groups;
+  // Loops of a fixed trip count per group, so that the compiler vectorizes them.
+  const int64_t G = w.n_groups, gs = w.group;
   for (int64_t n = n0; n < n1; ++n) {
     float* d = dst + (n - n0) * w.K;
     const uint8_t* q = w.qs + n * w.row_bytes;
@@ -54,17 +55,22 @@ void dequant_rows(const QView& w, float* dst, int64_t n0, int64_t n1) {
     if (w.kind == kQU4) {
       for (int64_t g = 0; g < G; ++g) {
         const float s = sc[g], o = mn[g];
-        for (int j = 0; j < 16; ++j) {
-          const uint8_t b = q[g * 16 + j];
-          d[g * 32 + j] = std::fma(float(b & 0x0F), s, o);
-          d[g * 32 + 16 + j] = std::fma(float(b >> 4), s, o);
-        }
+        const uint8_t* b = q + g * 16;
+        float* dg = d + g * 32;
+        for (int j = 0; j < 16; ++j) dg[j] = std::fma(float(b[j] & 0x0F), s, o);
+        for (int j = 0; j < 16; ++j) dg[16 + j] = std::fma(float(b[j] >> 4), s, o);
       }
     } else {
       const int8_t* qi = reinterpret_cast<const int8_t*>(q);
-      for (int64_t k = 0; k < w.K; ++k) {
-        const int64_t g = k / w.group;
-        d[k] = mn ? std::fma(float(qi[k]), sc[g], mn[g]) : float(qi[k]) * sc[g];
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = sc[g], o = mn ? mn[g] : 0.f;
+        const int8_t* b = qi + g * gs;
+        float* dg = d + g * gs;
+        if (mn) {
+          for (int64_t j = 0; j < gs; ++j) dg[j] = std::fma(float(b[j]), s, o);
+        } else {
+          for (int64_t j = 0; j < gs; ++j) dg[j] = float(b[j]) * s;
+        }
       }
     }
   }
@@ -121,6 +127,14 @@ RowsFn rows_fn(int64_t path) {
   return rows_scalar;
 }
 
+DequantFn dequant_fn() {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (cpu_has_avx512()) return dequant_rows_avx512;
+  if (cpu_has_avx2()) return dequant_rows_avx2;
+#endif
+  return dequant_rows;
+}
+
 QView view_of(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
               const QDims& d) {
   return {static_cast<const uint8_t*>(qs.data_ptr()),
@@ -136,8 +150,9 @@ at::Tensor qdequant_cpu(const at::Tensor& qs, const at::Tensor& scales, const at
   if (d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
   float* o = out.data_ptr<float>();
+  const DequantFn deq = dequant_fn();
   at::parallel_for(0, d.N, std::max<int64_t>(1, 16384 / d.K),
-                   [&](int64_t n0, int64_t n1) { dequant_rows(w, o + n0 * d.K, n0, n1); });
+                   [&](int64_t n0, int64_t n1) { deq(w, o + n0 * d.K, n0, n1); });
   return out;
 }
 
@@ -160,11 +175,12 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     // Tiles of rows small enough to stay in L2 between dequantization and the GEMM.
     const int64_t tn = std::clamp<int64_t>((int64_t(1) << 19) / (4 * d.K), 16, 1024);
     at::Tensor tile = at::empty({std::min(tn, d.N), d.K}, scales.options());
+    const DequantFn deq = dequant_fn();
     for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
       const int64_t n1 = std::min(d.N, n0 + tn);
       at::Tensor t = tile.narrow(0, 0, n1 - n0);
       float* tp = t.data_ptr<float>();
-      at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_rows(w, tp + (a - n0) * d.K, a, b); });
+      at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { deq(w, tp + (a - n0) * d.K, a, b); });
       out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
     }
     return out;
