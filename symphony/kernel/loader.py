@@ -71,6 +71,7 @@ def load_model(path: Union[str, Path, None] = None, *, progress: bool = True,
     else:
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a Hugging Face "
                              "model directory")
+    _release_free_heap()
     c = weights.config
     log.info("loaded %s (%s, %d layers, %.1fM parameters) from %s in %.1f s",
              c.name or c.arch, c.arch, c.n_layers, weights.num_parameters() / 1e6, path,
@@ -103,6 +104,18 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _release_free_heap() -> None:
+    """Give the heap freed by loading (repacking temporaries) back to the OS: ~25 MB of RSS."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import gc
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):   # not glibc
+            pass
 
 
 def _has_gguf_magic(path: Path) -> bool:
