@@ -30,7 +30,7 @@ TORCH_LIBRARY(symphony, m) {
   // int8 [N, K] for kind 1 "i8"), scales float32 [N, K/group] and mins (same shape, or empty);
   // W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group].
   // qlinear: x float32 [M, K] -> x @ W^T, float32 [M, N]. path: -1 picks; 0 scalar, 1 AVX2,
-  // 2 AVX-512 (register kernels), 3 dense tiles + torch GEMM force one (CPU; CUDA ignores it).
+  // 2 AVX-512 (register kernels), 3 dequantize + torch GEMM force one (CPU; CUDA ignores it).
   m.def(
       "qlinear(Tensor x, Tensor qs, Tensor scales, Tensor mins, int kind, int group, "
       "int path=-1) -> Tensor");

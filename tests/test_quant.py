@@ -246,3 +246,15 @@ def test_cuda_qlinear_matches_dequantized_reference(qtype):
         # cuBLAS may use TF32 for float32 GEMMs where allowed: 1e-3 relative to |x| @ |W|^T
         bound = 1e-3 * (x.double().abs() @ torch.from_numpy(want).double().abs().t()) + 1e-5
         assert bool(((y.cpu().double() - ref).abs() <= bound).all())
+
+
+def test_dense_path_in_pieces():
+    """A matrix over the 32 MiB dequantization scratch (a large vocabulary's head) is multiplied
+    in pieces of rows: N = 2^18 + 5 rows of K = 32 gives two pieces, the second of 5 rows."""
+    n, k = (1 << 18) + 5, 32
+    g = torch.Generator().manual_seed(0)
+    qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, mins = torch.rand(n, 1, generator=g), torch.randn(n, 1, generator=g)
+    x = torch.randn(2, k, generator=g)
+    y = ops.qlinear(x, qs, scales, mins, U4, 32, 3)
+    assert_linear_close(y, x, ops.qdequant_reference(qs, scales, mins, U4, 32))

@@ -7,9 +7,9 @@
 //   * register kernels (M below kDenseM: decode, batched decode): each group of W is
 //     dequantized into registers and multiplied with the float32 activations; only the quantized
 //     bytes are read from memory. AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
-//   * dense tiles (M >= kDenseM: prefill): W is dequantized a cache-sized tile of rows at a
-//     time and multiplied by torch's GEMM (oneDNN/MKL), so prefill runs at the float32 path's
-//     speed while the model stays quantized in memory.
+//   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 32 MiB
+//     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
+//     runs at the float32 path's speed while the model stays quantized in memory.
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -161,7 +161,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
   TORCH_CHECK(path >= kAuto && path <= kDense, op, ": path must be -1 (auto), 0 (scalar), 1 (AVX2), "
-              "2 (AVX-512) or 3 (dense tiles), got ", path);
+              "2 (AVX-512) or 3 (dense), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
@@ -172,15 +172,18 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   if (M == 0 || d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
   if (path == kDense || (path == kAuto && M >= kDenseM)) {
-    // Tiles of rows small enough to stay in L2 between dequantization and the GEMM.
-    const int64_t tn = std::clamp<int64_t>((int64_t(1) << 19) / (4 * d.K), 16, 1024);
-    at::Tensor tile = at::empty({std::min(tn, d.N), d.K}, scales.options());
+    // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
+    // narrow tiles cost 20-40%: dequantize up to 32 MiB of rows at once (all of a layer's
+    // matrices; the output head of a large vocabulary in a few pieces) and multiply each piece.
+    const int64_t tn = std::clamp<int64_t>((int64_t(32) << 20) / (4 * d.K), 16, d.N);
+    at::Tensor tile = at::empty({tn, d.K}, scales.options());
     const DequantFn deq = dequant_fn();
     for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
       const int64_t n1 = std::min(d.N, n0 + tn);
       at::Tensor t = tile.narrow(0, 0, n1 - n0);
       float* tp = t.data_ptr<float>();
       at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { deq(w, tp + (a - n0) * d.K, a, b); });
+      if (n1 - n0 == d.N) return at::mm(x, t.t());
       out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
     }
     return out;

@@ -275,7 +275,7 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
     """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
 
     ``path`` (CPU only): -1 picks by M and the CPU's features; 0 scalar, 1 AVX2, 2 AVX-512
-    (register kernels), 3 dense tiles + torch GEMM force one (an unsupported one raises).
+    (register kernels), 3 dequantize + torch GEMM force one (an unsupported one raises).
     """
     if not _loaded:
         load()
