@@ -192,7 +192,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const float* xp = x.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), nblocks = (d.N + 3) / 4;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  // at least ~64K weights a thread: smaller matrices are not worth waking a second thread for
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * d.K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     fn(w, xp, ldx, M, op_, d.N, b0 * 4, std::min(d.N, b1 * 4));
   });
   return out;
