@@ -249,9 +249,9 @@ def test_cuda_qlinear_matches_dequantized_reference(qtype):
 
 
 def test_dense_path_in_pieces():
-    """A matrix over the 32 MiB dequantization scratch (a large vocabulary's head) is multiplied
-    in pieces of rows: N = 2^18 + 5 rows of K = 32 gives two pieces, the second of 5 rows."""
-    n, k = (1 << 18) + 5, 32
+    """A matrix over the 8 MiB dequantization scratch (a large vocabulary's head) is multiplied
+    in pieces of rows: N = 2^16 + 5 rows of K = 32 gives two pieces, the second of 5 rows."""
+    n, k = (1 << 16) + 5, 32
     g = torch.Generator().manual_seed(0)
     qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     scales, mins = torch.rand(n, 1, generator=g), torch.randn(n, 1, generator=g)

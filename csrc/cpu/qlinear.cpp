@@ -7,7 +7,7 @@
 //   * register kernels (M below kDenseM: decode, batched decode): each group of W is
 //     dequantized into registers and multiplied with the float32 activations; only the quantized
 //     bytes are read from memory. AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
-//   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 32 MiB
+//   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 8 MiB
 //     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
 //     runs at the float32 path's speed while the model stays quantized in memory.
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
@@ -173,14 +173,16 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const QView w = view_of(qs, scales, mins, d);
   if (path == kDense || (path == kAuto && M >= kDenseM)) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
-    // narrow tiles cost 20-40%: dequantize up to 32 MiB of rows at once (all of a layer's
-    // matrices; the output head of a large vocabulary in a few pieces) and multiply each piece.
-    const int64_t tn = std::clamp<int64_t>((int64_t(32) << 20) / (4 * d.K), 16, d.N);
-    at::Tensor tile = at::empty({tn, d.K}, scales.options());
+    // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
+    // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
+    // The scratch is kept per thread (8 MiB at most), so no call pays page faults for it.
+    const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
+    static thread_local at::Tensor scratch;
+    if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options());
     const DequantFn deq = dequant_fn();
     for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
       const int64_t n1 = std::min(d.N, n0 + tn);
-      at::Tensor t = tile.narrow(0, 0, n1 - n0);
+      at::Tensor t = scratch.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K});
       float* tp = t.data_ptr<float>();
       at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { deq(w, tp + (a - n0) * d.K, a, b); });
       if (n1 - n0 == d.N) return at::mm(x, t.t());
