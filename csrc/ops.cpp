@@ -25,4 +25,16 @@ TORCH_LIBRARY(symphony, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
       "Tensor cu_q_lens, Tensor kv_lens, float scale) -> Tensor");
+
+  // Quantized weights (layout in csrc/quant.h): W [N, K] is qs (uint8 [N, K/2] for kind 0 "u4",
+  // int8 [N, K] for kind 1 "i8"), scales float32 [N, K/group] and mins (same shape, or empty);
+  // W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group].
+  // qlinear: x float32 [M, K] -> x @ W^T, float32 [M, N]. path: -1 picks; 0 scalar, 1 AVX2,
+  // 2 AVX-512 (register kernels), 3 dequantize + torch GEMM force one (CPU; CUDA ignores it).
+  m.def(
+      "qlinear(Tensor x, Tensor qs, Tensor scales, Tensor mins, int kind, int group, "
+      "int path=-1) -> Tensor");
+  // qdequant: W as float32 [N, K].
+  m.def("qdequant(Tensor qs, Tensor scales, Tensor mins, int kind, int group) -> Tensor");
+  // qcpu_features() -> int is defined in csrc/cpu/qlinear.cpp (no tensor arguments).
 }

@@ -1,18 +1,24 @@
-"""Decode throughput, side by side in one process, on the embedded SmolLM2.
+"""Decode and prefill throughput, side by side in one process, on a GGUF file (default: the
+embedded SmolLM2-135M-Instruct, Q4_1 + Q8_0).
 
-    python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--no-llamacpp]
-                                [--dtypes float32,bfloat16,float16] [--threads N]
+    python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--prefill 1500]
+                                [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16]
+                                [--threads N] [--model PATH.gguf]
 
-Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every
-contender alike, and reports medians:
-  * single-stream decode tokens/s: our paged engine vs a plain PyTorch loop
-    over the same weights with a contiguous KV cache (symphony.kernel.reference)
-  * batch-N decode tokens/s of our engine (N sequences, one forward pass per step)
-  * the same two figures for llama.cpp (llama-cpp-python) on the same GGUF file,
-    when it is installed (it is a perf-only dependency, never needed by CI)
-  * with --dtypes naming several dtypes (default: float32 only), the engine and the
-    plain loop in each of them, in the same rounds, and each dtype's speed relative
-    to the first one (per-round ratios, then their median)
+Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every contender alike,
+and reports medians with the per-round spread:
+  * single-stream decode tokens/s, batch-N decode tokens/s (N sequences, one forward pass per
+    step) and prefill tokens/s of one --prefill-token prompt, for
+      - the engine on the GGUF's quantized bits (--weights quantized, the CPU default),
+      - the engine on the same weights dequantized to each --dtypes dtype (--weights float),
+      - llama.cpp (llama-cpp-python) on the same file, when installed (perf-only dependency);
+  * a plain PyTorch loop over the float32 weights (contiguous KV), single stream;
+  * ratios from the same rounds: quantized / float32 and quantized / llama.cpp;
+  * the physical limit: bytes read per decode token (weights + KV) over the read bandwidth
+    measured in the same run (a multi-threaded sum over 256 MiB), and each contender's share;
+  * the resident memory of a real symphony-kernel started with each --weights mode (not with
+    --no-rss), against 1.5 x (GGUF size + KV pool);
+  * the CPU model and its SIMD flags, the load average before and after.
 """
 from __future__ import annotations
 
@@ -30,7 +36,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from symphony.kernel.config import DTYPES, EngineConfig          # noqa: E402
 from symphony.kernel.engine import Engine, PredRequest           # noqa: E402
 from symphony.kernel.loader import default_model_path, load_model  # noqa: E402
+from symphony.kernel.quant import QWeight                          # noqa: E402
 from symphony.kernel.reference import ReferenceLlama             # noqa: E402
+
+PREFILL_TEXT = ("The history of the violin begins in sixteenth-century Italy, where makers in Cremona "
+                "and Brescia gave the instrument the shape it still has. Over the following centuries "
+                "composers wrote concertos, sonatas and chamber music for it, and players carried it "
+                "from courts and churches to concert halls, folk dances and recording studios. ")
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+              "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 PROMPT = "Write a short story about a robot who learns to play the violin."
 
@@ -53,6 +67,88 @@ def bench_reference_single(ref, prompt_ids, steps):
     for _ in range(steps):
         logits = ref.forward([int(logits.argmax())], cache=cache)[-1]
     return steps / (time.perf_counter() - t0)
+
+
+def bench_engine_prefill(eng, ids):
+    kv = eng.new_sequence()
+    t0 = time.perf_counter()
+    eng.pred(kv, ids)
+    dt = time.perf_counter() - t0
+    eng.release(kv)
+    return len(ids) / dt
+
+
+def read_bandwidth(buf):
+    """GB/s of a multi-threaded sum over ``buf`` (best of 3)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * buf.element_size() / best / 1e9
+
+
+def cpu_description():
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k.strip() == "model name" and model == "unknown CPU":
+                    model = v.strip()
+                if k.strip() == "flags":
+                    flags = set(v.split())
+                    break
+    except OSError:
+        pass
+    return model, [f for f in SIMD_FLAGS if f in flags]
+
+
+def kernel_rss(model, mode, kv_mb, timeout=600):
+    """VmRSS (bytes) of a real symphony-kernel once it listens, started with --weights mode."""
+    import signal
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = os.path.join(tmp, "k.sock")
+        cmd = [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; "
+               "sys.exit(kernel_main(sys.argv[1:]))", "--socket", sock, "--kv-memory-mb", str(kv_mb),
+               "--weights", mode]
+        if model:
+            cmd += ["--model", str(model)]
+        env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            t0 = time.time()
+            while not os.path.exists(sock):
+                if proc.poll() is not None or time.time() - t0 > timeout:
+                    return None
+                time.sleep(0.2)
+            time.sleep(1.0)
+            with open(f"/proc/{proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return None
+
+
+def weight_bytes_per_token(w):
+    """Bytes of weights one decode step reads: every matrix, the embedding only when it is
+    also the (tied) head (one embedding row otherwise)."""
+    def nb(t):
+        return t.nbytes() if isinstance(t, QWeight) else t.numel() * t.element_size()
+    total = nb(w.lm_head) + w.norm.numel() * 4
+    for l in w.layers:
+        total += sum(nb(t) for t in (l.wqkv, l.wo, l.w_gate_up, l.w_down))
+        total += (l.attn_norm.numel() + l.mlp_norm.numel()) * 4
+    return total
 
 
 def bench_engine_batch(eng, prompt_ids, steps, batch):
@@ -123,6 +219,15 @@ class LlamaCpp:
         else:
             lc.llama_kv_self_clear(self.ctx) if hasattr(lc, "llama_kv_self_clear") else lc.llama_kv_cache_clear(self.ctx)
 
+    def prefill(self, ids):
+        """tokens/s of one prompt (fed in n_batch chunks, logits of the last token only)."""
+        self._clear()
+        t0 = time.perf_counter()
+        for i in range(0, len(ids), 512):
+            chunk = ids[i:i + 512]
+            self._decode([(0, chunk, i)])
+        return len(ids) / (time.perf_counter() - t0)
+
     def single(self, prompt_ids, steps):
         self._clear()
         [t] = self._decode([(0, prompt_ids, 0)])
@@ -145,15 +250,23 @@ class LlamaCpp:
         return n * steps / (time.perf_counter() - t0)
 
 
+def spread(v):
+    return f"{statistics.median(v):.1f} ({min(v):.1f}..{max(v):.1f})"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=1500, help="prompt tokens of the prefill test (0: skip)")
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--no-rss", action="store_true", help="skip starting real kernels for their RSS")
+    ap.add_argument("--kv-mb", type=int, default=256, help="KV pool of the engines and kernels, MiB")
     ap.add_argument("--dtypes", default="float32",
-                    help="comma-separated engine dtypes: float32, bfloat16, float16 (default float32)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+                    help="comma-separated dtypes of the dequantized engines: float32, bfloat16, float16")
+    ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,67 +275,114 @@ def main():
         if d not in DTYPES:
             ap.error(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
     threads = torch.get_num_threads()
-    print(f"# SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32, run as {', '.join(dnames)}), "
-          f"CPU, {threads} threads, torch {torch.__version__}", flush=True)
-    weights, tok = load_model(None, progress=False)
-    engines = {d: Engine(weights, tok, EngineConfig(page_size=16, kv_memory_bytes=512 * 2**20,
-                                                    dtype=DTYPES[d])) for d in dnames}
-    refs = {d: ReferenceLlama(weights, dtype=DTYPES[d]) for d in dnames}
-    del weights
+    path = args.model or default_model_path()
+    cpu, flags = cpu_description()
+    print(f"# {os.path.basename(str(path))} ({os.path.getsize(path) / 1e6:.1f} MB), {threads} threads, "
+          f"torch {torch.__version__}", flush=True)
+    print(f"# CPU: {cpu}, {os.cpu_count()} logical CPUs; SIMD flags: {' '.join(flags)}", flush=True)
+    print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    weights, tok = load_model(path, progress=False)
+    kv_bytes = args.kv_mb * 2**20
+
+    def cfg(**kw):
+        return EngineConfig(page_size=16, kv_memory_bytes=kv_bytes, **kw)
+    engines = {"quantized": Engine(weights, tok, cfg(weights="quantized"))}
+    dense = weights.dequantized()
+    for d in dnames:
+        engines[d] = Engine(dense, tok, cfg(weights="float", dtype=DTYPES[d]))
+    ref = ReferenceLlama(dense)
+    del weights, dense
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
-    print(f"# prompt {len(ids)} tokens, {args.steps} decode steps, {args.rounds} interleaved rounds", flush=True)
+    pre = (tok.encode(PREFILL_TEXT) * (args.prefill // 40 + 1))[: args.prefill] if args.prefill else []
+    print(f"# decode prompt {len(ids)} tokens, {args.steps} steps (batch: {args.steps // 2}), "
+          f"prefill {len(pre)} tokens, {args.rounds} interleaved rounds", flush=True)
     lcpp = None
     if not args.no_llamacpp:
         try:
-            lcpp = LlamaCpp(default_model_path(), n_ctx=(len(ids) + args.steps + 8) * args.batch,
+            lcpp = LlamaCpp(path, n_ctx=max((len(ids) + args.steps + 8) * args.batch, len(pre) + 8),
                             n_seq=args.batch, threads=threads)
         except ImportError:
             print("# llama-cpp-python not installed: skipping llama.cpp (pip install llama-cpp-python)")
-    keys = [f"{k}_{d}" for d in dnames for k in ("engine_1", "torch_1", "engine_b")]
-    res = {k: [] for k in keys + ["lcpp_1", "lcpp_b"]}
-    for d in dnames:                                                 # warm-up
-        bench_engine_single(engines[d], ids, 4)
-        bench_reference_single(refs[d], ids, 4)
-        bench_engine_batch(engines[d], ids, 2, args.batch)
+    bw_buf = torch.ones(64 * 2**20)                                  # 256 MiB of float32
+    names = list(engines)
+    res = {f"{k}_{n}": [] for n in names for k in ("one", "batch", "prefill")}
+    res.update({"torch_one": [], "bw": []})
+    if lcpp:
+        res.update({"lcpp_one": [], "lcpp_batch": [], "lcpp_prefill": []})
+    for n in names:                                                   # warm-up
+        bench_engine_single(engines[n], ids, 4)
+        bench_engine_batch(engines[n], ids, 2, args.batch)
+        if pre:
+            bench_engine_prefill(engines[n], pre[:64])
+    bench_reference_single(ref, ids, 2)
     for r in range(args.rounds):
-        for d in dnames:
-            res[f"engine_1_{d}"].append(bench_engine_single(engines[d], ids, args.steps))
-            res[f"torch_1_{d}"].append(bench_reference_single(refs[d], ids, args.steps))
-            res[f"engine_b_{d}"].append(bench_engine_batch(engines[d], ids, args.steps // 2, args.batch))
+        res["bw"].append(read_bandwidth(bw_buf))
+        for n in names:
+            e = engines[n]
+            res[f"one_{n}"].append(bench_engine_single(e, ids, args.steps))
+            res[f"batch_{n}"].append(bench_engine_batch(e, ids, args.steps // 2, args.batch))
+            if pre:
+                res[f"prefill_{n}"].append(bench_engine_prefill(e, pre))
+        res["torch_one"].append(bench_reference_single(ref, ids, args.steps))
         if lcpp:
-            res["lcpp_1"].append(lcpp.single(ids, args.steps))
-            res["lcpp_b"].append(lcpp.batch(ids, args.steps // 2, args.batch))
+            res["lcpp_one"].append(lcpp.single(ids, args.steps))
+            res["lcpp_batch"].append(lcpp.batch(ids, args.steps // 2, args.batch))
+            if pre:
+                res["lcpp_prefill"].append(lcpp.prefill(pre))
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {v[-1]:.1f}" for k, v in res.items() if v), flush=True)
-    med = {k: statistics.median(v) for k, v in res.items() if v}
+    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     b = args.batch
-    print("\n| contender | single-stream tok/s | batch-%d tok/s | batch-%d / single |" % (b, b))
+    has_pre = bool(pre)
+    print(f"\n| contender | single-stream tok/s | batch-{b} tok/s | prefill {len(pre)} tok/s |")
     print("|---|---|---|---|")
-    for d in dnames:
-        e1, eb = med[f"engine_1_{d}"], med[f"engine_b_{d}"]
-        print(f"| symphony paged engine, {d} | {e1:.1f} | {eb:.1f} | {eb / e1:.1f}x |")
-        print(f"| plain PyTorch loop (contiguous KV), {d} | {med[f'torch_1_{d}']:.1f} | - | - |")
+    label = {"quantized": "symphony, quantized weights (GGUF bits)"}
+    for n in names:
+        print(f"| {label.get(n, f'symphony, dequantized {n}')} | {spread(res[f'one_{n}'])} | "
+              f"{spread(res[f'batch_{n}'])} | {spread(res[f'prefill_{n}']) if has_pre else '-'} |")
+    print(f"| plain PyTorch loop, float32 | {spread(res['torch_one'])} | - | - |")
     if lcpp:
-        print(f"| llama.cpp (llama-cpp-python, Q4_1) | {med['lcpp_1']:.1f} | {med['lcpp_b']:.1f} | "
-              f"{med['lcpp_b'] / med['lcpp_1']:.1f}x |")
-    print()
-    for d in dnames:
-        print(f"[{d}] engine / plain PyTorch, single stream: "
-              f"{med[f'engine_1_{d}'] / med[f'torch_1_{d}']:.2f}x (target >= 1.0)")
-        print(f"[{d}] engine batch-{b} / single stream:      "
-              f"{med[f'engine_b_{d}'] / med[f'engine_1_{d}']:.1f}x (target >= 8)")
+        print(f"| llama.cpp (llama-cpp-python) | {spread(res['lcpp_one'])} | {spread(res['lcpp_batch'])} | "
+              f"{spread(res['lcpp_prefill']) if has_pre else '-'} |")
+    print("\nRatios (per round, then median; min..max over rounds):")
+
+    def ratio(a, c, what):
+        if not res.get(a) or not res.get(c):
+            return
+        per = [x / y for x, y in zip(res[a], res[c])]
+        print(f"  {what}: {statistics.median(per):.2f}x ({min(per):.2f}..{max(per):.2f})")
     d0 = dnames[0]
-    for d in dnames[1:]:
-        def ratio(k):
-            per_round = [x / y for x, y in zip(res[f"{k}_{d}"], res[f"{k}_{d0}"])]
-            return statistics.median(per_round), min(per_round), max(per_round)
-        for k, what in (("engine_1", "engine single stream"), ("engine_b", f"engine batch-{b}"),
-                        ("torch_1", "plain PyTorch single stream")):
-            m, lo, hi = ratio(k)
-            print(f"{d} / {d0}, {what}: {m:.2f}x (rounds {lo:.2f}..{hi:.2f})")
+    for k, what in (("one", "single stream"), ("batch", f"batch-{b}"), ("prefill", "prefill")):
+        ratio(f"{k}_quantized", f"{k}_{d0}", f"quantized / dequantized {d0}, {what}")
+        if lcpp:
+            ratio(f"{k}_quantized", f"lcpp_{k}", f"quantized / llama.cpp, {what}")
+    # the physical limit: bytes a decode step must read over the bandwidth just measured
+    bw = statistics.median(res["bw"]) * 1e9
+    c = engines["quantized"].model_config
+    ctx = len(ids) + args.steps / 2
+    print(f"\nRead bandwidth (sum over 256 MiB, {threads} threads): {bw / 1e9:.1f} GB/s "
+          f"(rounds {min(res['bw']):.1f}..{max(res['bw']):.1f})")
+    rows = [(n, weight_bytes_per_token(engines[n].model.w),
+             2 * c.n_layers * c.kv_size * engines[n].kv.pool.element_size() * ctx) for n in names]
     if lcpp:
-        print(f"engine / llama.cpp, single stream:     {med[f'engine_1_{d0}'] / med['lcpp_1']:.2f}x")
-        print(f"engine / llama.cpp, batch-{b}:          {med[f'engine_b_{d0}'] / med['lcpp_b']:.2f}x")
+        gguf_bytes = os.path.getsize(path)
+        rows.append(("llama.cpp", gguf_bytes, 2 * c.n_layers * c.kv_size * 2 * ctx))
+    print("| contender | weight bytes / token | KV bytes / token | limit tok/s | measured | share |")
+    print("|---|---|---|---|---|---|")
+    for n, wb, kb in rows:
+        limit = bw / (wb + kb)
+        got = statistics.median(res["lcpp_one" if n == "llama.cpp" else f"one_{n}"])
+        print(f"| {n} | {wb / 1e6:.1f} MB | {kb / 1e6:.2f} MB | {limit:.1f} | {got:.1f} | {got / limit:.0%} |")
+    if not args.no_rss:
+        print("\nKernel RSS after start (symphony-kernel --kv-memory-mb %d):" % args.kv_mb)
+        target = 1.5 * (os.path.getsize(path) + kv_bytes)
+        for mode in ("quantized", "float"):
+            rss = kernel_rss(args.model, mode, args.kv_mb)
+            if rss is None:
+                print(f"  --weights {mode}: the kernel did not start")
+                continue
+            print(f"  --weights {mode}: {rss / 2**20:.0f} MiB (target 1.5 x (GGUF + KV pool) = "
+                  f"{target / 2**20:.0f} MiB: {rss / target:.2f} of it)")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights, activations and KV pool (default float32 on a CPU, bfloat16 on a GPU)")
+    p.add_argument("--weights", default="auto", choices=["auto", "quantized", "float"],
+                   help="quantized GGUF tensors: keep them quantized in memory and compute on their "
+                        "bits, or dequantize them to --dtype at load (default auto: quantized on a CPU, "
+                        "float on a GPU)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize float weights (safetensors, F16/F32 GGUF) at load, groups of 32")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
 
 
 def _build_engine(args):
-    from .kernel.config import DTYPES, EngineConfig
+    from .kernel.config import DTYPES, ConfigError, EngineConfig
     from .kernel.engine import Engine
     device = "cpu"
     if args.gpus:
@@ -37,9 +43,13 @@ def _build_engine(args):
         if len(ids) != 1 or not ids[0].isdigit():
             raise SystemExit(f"--gpus: one GPU index is supported for now, got {args.gpus!r}")
         device = f"cuda:{ids[0]}"
-    cfg = EngineConfig(device=device, dtype=DTYPES[args.dtype] if args.dtype else None,
-                       page_size=args.page_size, kv_memory_bytes=args.kv_memory_mb * 2**20,
-                       cuda_graphs=False if args.no_cuda_graphs else None)
+    try:
+        cfg = EngineConfig(device=device, dtype=DTYPES[args.dtype] if args.dtype else None,
+                           page_size=args.page_size, kv_memory_bytes=args.kv_memory_mb * 2**20,
+                           cuda_graphs=False if args.no_cuda_graphs else None,
+                           weights=args.weights, quantize=args.quantize)
+    except ConfigError as e:
+        raise SystemExit(f"symphony: {e}") from None
     return Engine.load(args.model, cfg)
 
 

@@ -3,6 +3,7 @@ known random weights, to test the loaders without downloading anything."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +75,22 @@ def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .reshape(w.shape))
 
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _tensor_quant(quant: str | None, name: str) -> str | None:
+    """The GGUF type of matrix ``name`` under ``quant``: one type for every matrix, or
+    "Q4_K_M" (llama.cpp's mix: Q6_K for attn_v, ffn_down and the output head, Q4_K elsewhere)."""
+    if quant == "Q4_K_M":
+        return "Q6_K" if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K"
+    return quant
+
+
 def write_gguf(path: Path, cfg: dict, sd: dict[str, torch.Tensor], *, arch: str = "llama",
                quant: str | None = None, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """A GGUF file of ``sd``. ``quant``: a GGUF type for every matrix (Q8_0 / Q4_0 / Q4_1 are
+    quantized from the weights; the K-quants and "Q4_K_M" get random blocks instead, and
+    matrices whose rows are not a multiple of 256 stay float32)."""
     import gguf
     w = gguf.GGUFWriter(str(path), arch)
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -115,8 +130,15 @@ def write_gguf(path: Path, cfg: dict, sd: dict[str, torch.Tensor], *, arch: str 
         else:
             name = names[k]
         arr = t.numpy().astype(np.float32)
-        if quant and arr.ndim == 2:
-            qt = getattr(gguf.GGMLQuantizationType, quant)
+        qtype = _tensor_quant(quant, name) if arr.ndim == 2 else None
+        if qtype in K_QUANTS and arr.shape[1] % 256 == 0:
+            # the gguf package has no K-quant quantizer: random blocks, seeded by the name
+            qt = getattr(gguf.GGMLQuantizationType, qtype)
+            raw = random_gguf_blocks(qtype, arr.shape[0], arr.shape[1], seed=zlib.crc32(name.encode()),
+                                     d=2e-4)
+            w.add_tensor(name, raw, raw_dtype=qt)
+        elif qtype and qtype not in K_QUANTS:
+            qt = getattr(gguf.GGMLQuantizationType, qtype)
             w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, arr)
@@ -148,3 +170,23 @@ def write_hf_dir(path: Path, cfg: dict, sd: dict[str, torch.Tensor], tokenizer=N
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
     return path
+
+
+# Byte offsets of the float16 fields (d, dmin) in one block of each GGUF quant type, and the
+# block's (weights, bytes). Every other bit pattern of a block is a valid encoding.
+GGUF_BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,)),
+               "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def random_gguf_blocks(qtype: str, n: int, k: int, seed: int = 0, d: float = 0.01) -> np.ndarray:
+    """Random raw blocks of a GGUF quant type ([n, k / block * bytes] uint8): random quants and
+    sub-block scales, float16 d / dmin fields drawn from [0.25 d, d] (finite, so every weight is).
+    A test-side encoder for the types the ``gguf`` package cannot quantize (the K-quants)."""
+    qk, bb, f16_offsets = GGUF_BLOCKS[qtype]
+    assert k % qk == 0, (qtype, k)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // qk, bb), dtype=np.uint8)
+    for off in f16_offsets:
+        vals = rng.uniform(0.25 * d, d, size=(n, k // qk)).astype(np.float16)
+        blocks[:, :, off:off + 2] = vals.view(np.uint8).reshape(n, k // qk, 2)
+    return blocks.reshape(n, -1)

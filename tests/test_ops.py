@@ -428,3 +428,9 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     obj = ops.compile_cuda_object(tmp_path, arch="sm_90")
     assert obj.exists() and obj.stat().st_size > 0
     print(f"nvcc compile took {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_cuda_qlinear_source_compiles_with_nvcc(tmp_path):
+    obj = ops.compile_cuda_object(tmp_path, arch="sm_90", source="qlinear.cu")
+    assert obj.exists() and obj.stat().st_size > 0

@@ -111,8 +111,9 @@ def smollm_half(request, smollm):
     from symphony.kernel.engine import Engine
     from symphony.kernel.reference import ReferenceLlama
     dt = request.param
-    eng = Engine(smollm.model.w, smollm.tokenizer, EngineConfig(page_size=16, num_pages=128, dtype=dt))
-    return eng, ReferenceLlama(smollm.model.w, dtype=dt)
+    w = smollm.model.w.dequantized()     # dense half weights (the CPU default keeps them quantized)
+    eng = Engine(w, smollm.tokenizer, EngineConfig(page_size=16, num_pages=128, dtype=dt, weights="float"))
+    return eng, ReferenceLlama(w, dtype=dt)
 
 
 def _encode(tok, kind, text):

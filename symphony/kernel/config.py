@@ -83,6 +83,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+WEIGHT_MODES = ("auto", "quantized", "float")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -124,6 +125,14 @@ class EngineConfig:
     # CPU, off on a GPU, where the float32 copy of lm_head would be read every step
     # (for a 1B model with a 128k vocabulary, +20% bytes a decode step).
     float32_head: Optional[bool] = None
+    # Quantized matrices: "quantized" keeps a GGUF file's quantized tensors in memory, in their
+    # own bits, and computes with them (symphony/kernel/quant.py); "float" dequantizes them to
+    # `dtype` at load; "auto": quantized on the CPU (faster and ~5x smaller, perf/RESULTS.md),
+    # float on a GPU.
+    weights: str = "auto"
+    # "int8" / "int4": quantize float matrices (a safetensors checkpoint, F16/F32 GGUF tensors)
+    # at load, groups of 32; None: keep them float.
+    quantize: Optional[str] = None
 
     def __post_init__(self) -> None:
         try:
@@ -147,6 +156,13 @@ class EngineConfig:
             raise ConfigError(f"engine config: float32_head must be None, True or False, got {self.float32_head!r}")
         if not isinstance(self.graph_max_batch, int) or not 1 <= self.graph_max_batch <= 4096:
             raise ConfigError(f"engine config: graph_max_batch must be in 1..4096, got {self.graph_max_batch!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"engine config: weights must be one of {', '.join(WEIGHT_MODES)}, "
+                              f"got {self.weights!r}")
+        if self.quantize not in (None, "int8", "int4"):
+            raise ConfigError(f"engine config: quantize must be None, 'int8' or 'int4', got {self.quantize!r}")
+        if self.quantize is not None and self.weights == "float":
+            raise ConfigError("engine config: quantize=... needs weights 'quantized' or 'auto', not 'float'")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
 
@@ -166,6 +182,13 @@ class EngineConfig:
         if self.cuda_graphs is None:
             return self.torch_device.type == "cuda"
         return self.cuda_graphs
+
+    @property
+    def keep_quantized(self) -> bool:
+        """Whether matrices stay quantized in memory (``weights`` resolved for the device)."""
+        if self.weights == "auto":
+            return self.torch_device.type == "cpu" or self.quantize is not None
+        return self.weights == "quantized"
 
     @property
     def torch_dtype(self) -> torch.dtype:

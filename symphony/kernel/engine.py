@@ -34,6 +34,7 @@ from .kv_cache import KVPool, KVSequence
 from .model import BatchMeta, PagedLlama
 from .page_allocator import OutOfPages
 from .tokenizer import Tokenizer
+from .quant import prepare_weights
 from .weights import ModelWeights
 
 log = logging.getLogger("symphony.engine")
@@ -71,6 +72,7 @@ class Engine:
         self.model_config = weights.config
         self.tokenizer = tokenizer
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        weights = prepare_weights(weights, config.keep_quantized, config.quantize)
         self.model = PagedLlama(weights, self.device, self.dtype, config.use_float32_head)
         self.kv = KVPool(self.model_config, config)
         self.page_size = self.kv.page_size
@@ -92,7 +94,7 @@ class Engine:
     def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True) -> "Engine":
         """Load a model from disk (default: the embedded SmolLM2) and build an engine."""
         from .loader import load_model
-        weights, tok = load_model(path, progress=progress)
+        weights, tok = load_model(path, progress=progress, keep_quantized=config.keep_quantized)
         return cls(weights, tok, config)
 
     # ------------------------------------------------------------------ sequences

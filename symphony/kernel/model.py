@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .quant import QWeight, embedding, linear
 from .config import ModelConfig, RopeScaling
 from .kv_cache import KVPool
 from .weights import ModelWeights
@@ -64,7 +65,8 @@ class PagedLlama:
         # answer changes; perf/RESULTS.md). It costs a float32 copy of lm_head, read every
         # step; otherwise the head runs in the model dtype and its logits are widened.
         self.head_dtype = torch.float32 if float32_head else dtype
-        self.lm_head = (self.w.lm_head if self.head_dtype == dtype
+        # (a quantized lm_head computes in float32 anyway: no copy)
+        self.lm_head = (self.w.lm_head if self.head_dtype == dtype or isinstance(self.w.lm_head, QWeight)
                         else weights.lm_head.to(device, self.head_dtype))
         c = self.config
         inv = rope_inv_freq(c, weights.rope_freq_factors)
@@ -85,10 +87,10 @@ class PagedLlama:
         T = meta.tokens.shape[0]
         qk_heads = c.n_heads + c.n_kv_heads
         rot = self.rope[meta.positions].unsqueeze(1)               # [T, 1, head_dim/2]
-        x = F.embedding(meta.tokens, w.embed)                      # [T, hidden]
+        x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
         for i, lw in enumerate(w.layers):
             h = F.rms_norm(x, (c.hidden_size,), lw.attn_norm.to(x.dtype), c.rms_eps)
-            qkv = F.linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
+            qkv = linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
             # [T, n_heads + n_kv_heads, head_dim/2] as complex: rotate q and k at once
             qk = torch.view_as_complex(
                 qkv[:, : c.q_size + c.kv_size].float().reshape(T, qk_heads, c.head_dim // 2, 2))
@@ -103,13 +105,13 @@ class PagedLlama:
             else:
                 o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
                                         meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
-            x = x + F.linear(o.reshape(T, c.q_size), lw.wo)
+            x = x + linear(o.reshape(T, c.q_size), lw.wo)
             h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps)
-            gu = F.linear(h, lw.w_gate_up)                          # [T, 2 * intermediate]
-            x = x + F.linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
+            gu = linear(h, lw.w_gate_up)                            # [T, 2 * intermediate]
+            x = x + linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
         x = F.rms_norm(x.to(self.head_dtype), (c.hidden_size,), w.norm.to(self.head_dtype), c.rms_eps)
-        return F.linear(x, self.lm_head).float()                    # [R, vocab]
+        return linear(x, self.lm_head).float()                      # [R, vocab]
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a whole prompt over its own K/V ([T, heads, head_dim]

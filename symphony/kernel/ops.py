@@ -56,6 +56,11 @@ __all__ = [
     "load",
     "write_kv",
     "paged_attention",
+    "qlinear",
+    "qdequant",
+    "qcpu_features",
+    "qlinear_reference",
+    "qdequant_reference",
     "write_kv_reference",
     "paged_attention_reference",
     "cuda_available",
@@ -67,8 +72,8 @@ logger = logging.getLogger("symphony.ops")
 
 _EXT_NAME = "symphony_ops"
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp")
-_CUDA_SOURCES = ("cuda/paged_attention.cu",)
+_CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp")
+_CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu")
 _LOCK_TIMEOUT_S = 30 * 60        # default wait for another live builder ($SYMPHONY_BUILD_LOCK_TIMEOUT)
 _LOCK_PROGRESS_S = 10.0
 
@@ -375,6 +380,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                               kv_lens, float(scale))
 
 
+def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+            kind: int, group: int, path: int = -1) -> torch.Tensor:
+    """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
+
+    ``path`` (CPU only): -1 picks by M and the CPU's features; 0 scalar, 1 AVX2, 2 AVX-512
+    (register kernels), 3 dequantize + torch GEMM force one (an unsupported one raises).
+    """
+    if not _loaded:
+        load()
+    return torch.ops.symphony.qlinear(x, qs, scales, mins, int(kind), int(group), int(path))
+
+
+def qdequant(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: int,
+             group: int) -> torch.Tensor:
+    """The quantized weight W as float32 ``[N, K]``."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.qdequant(qs, scales, mins, int(kind), int(group))
+
+
+def qcpu_features() -> dict[str, bool]:
+    """Which SIMD paths of qlinear this CPU runs: ``{"avx2": ..., "avx512": ...}``."""
+    if not _loaded:
+        load()
+    bits = int(torch.ops.symphony.qcpu_features())
+    return {"avx2": bool(bits & 1), "avx512": bool(bits & 2)}
+
+
 # Fake (meta) implementations, for torch.compile / FakeTensor tracing. They can only be
 # registered once the ops exist, so load() registers them; the C++ library also names this
 # module (set_python_module) so that torch imports it when it needs them.
@@ -390,6 +423,17 @@ def _paged_attention_fake(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, s
     torch._check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape)
     torch._check(page_table.dim() == 2 and kv_lens.dim() == 1 and cu_q_lens.dim() == 1)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _qlinear_fake(x, qs, scales, mins, kind, group, path=-1):
+    torch._check(x.dim() == 2 and qs.dim() == 2)
+    return torch.empty((x.shape[0], qs.shape[0]), dtype=torch.float32, device=x.device)
+
+
+def _qdequant_fake(qs, scales, mins, kind, group):
+    torch._check(qs.dim() == 2)
+    k = qs.shape[1] * (2 if kind == 0 else 1)
+    return torch.empty((qs.shape[0], k), dtype=torch.float32, device=qs.device)
 
 
 _fakes_registered = False
@@ -410,6 +454,8 @@ def _register_fakes() -> None:
         return
     torch.library.register_fake("symphony::write_kv", _write_kv_fake)
     torch.library.register_fake("symphony::paged_attention", _paged_attention_fake)
+    torch.library.register_fake("symphony::qlinear", _qlinear_fake)
+    torch.library.register_fake("symphony::qdequant", _qdequant_fake)
     _fakes_registered = True
 
 
@@ -427,6 +473,30 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     idx = slots[keep]
     k_cache.view(-1, *k_cache.shape[2:])[idx] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[idx] = v[keep]
+
+
+def qdequant_reference(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: int,
+                       group: int) -> torch.Tensor:
+    """Reference qdequant: unpack the quants, ``scale * q + min`` per group (float32 [N, K]).
+
+    Computed in float64 and rounded once, like the kernels' fused multiply-add (they may differ
+    by one float32 ulp where double rounding bites)."""
+    if kind == 0:                                   # u4: byte j of a group = elements j, j + 16
+        b = qs.view(qs.shape[0], -1, 16).to(torch.int32)                  # [N, G, 16]
+        q = torch.cat([b & 0xF, b >> 4], dim=2).reshape(qs.shape[0], -1)  # [N, K]
+    else:
+        q = qs.to(torch.int32)                                            # [N, K]
+    w = q.double() * scales.double().repeat_interleave(group, dim=1)
+    if mins.numel():
+        w = w + mins.double().repeat_interleave(group, dim=1)
+    return w.float()
+
+
+def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      kind: int, group: int, path: int = -1) -> torch.Tensor:
+    """Reference qlinear: float64 product with the dequantized weight, rounded to float32."""
+    w = qdequant_reference(qs, scales, mins, kind, group)
+    return (x.double() @ w.double().t()).float()
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -476,8 +546,8 @@ def _find_nvcc() -> Optional[str]:
     return nvcc
 
 
-def compile_cuda_object(out_dir, arch: str = "sm_90") -> Path:
-    """Compile csrc/cuda/paged_attention.cu to an object file with nvcc; returns its path.
+def compile_cuda_object(out_dir, arch: str = "sm_90", source: str = "paged_attention.cu") -> Path:
+    """Compile csrc/cuda/<source> to an object file with nvcc; returns its path.
 
     Proves the CUDA kernels compile on a machine without a GPU (or a CUDA build of torch).
     """
@@ -486,10 +556,12 @@ def compile_cuda_object(out_dir, arch: str = "sm_90") -> Path:
     if nvcc is None:
         raise RuntimeError("symphony: nvcc not found (not on PATH, no CUDA_HOME)")
     root = csrc_dir()
-    src = root / "cuda" / "paged_attention.cu"
+    src = root / "cuda" / source
+    if not src.is_file():
+        raise RuntimeError(f"symphony: CUDA source {src} is missing")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    obj = out_dir / "paged_attention.cuda.o"
+    obj = out_dir / (Path(source).stem + ".cuda.o")
     includes = [*cpp_extension.include_paths(), str(root)]
     cmd = [nvcc, "-c", str(src), "-o", str(obj), _cxx_std(), "-O3", "--expt-relaxed-constexpr",
            "-Xcompiler", "-fPIC",

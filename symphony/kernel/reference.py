@@ -27,6 +27,7 @@ class ReferenceCache:
 class ReferenceLlama:
     def __init__(self, weights: ModelWeights, device="cpu", dtype=torch.float32):
         self.config = weights.config
+        weights = weights.dequantized()   # quantized matrices: the same values, as float32
         self.w = weights.to(torch.device(device), dtype)
         self.device, self.dtype = torch.device(device), dtype
         # float32 final norm and head in every dtype, as the paged model does

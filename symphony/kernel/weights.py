@@ -6,34 +6,38 @@ K rows are in the *interleaved* RoPE layout (dimensions 2i and 2i+1 rotate
 together), as GGUF llama files store them; the loader permutes Hugging Face
 "rotate-half" weights into it.  Permuting Q and K rows alike leaves every
 attention score unchanged, so this is a storage choice, not a model change.
+
+Each matrix (the projections, the embedding and lm_head) is either a dense tensor or a
+`QWeight` kept quantized in memory (symphony/kernel/quant.py); norms and biases are dense.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .config import ModelConfig
+from .quant import QWeight, Weight
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor            # [hidden]
-    wqkv: torch.Tensor                 # [q_size + 2*kv_size, hidden]
+    wqkv: Weight                       # [q_size + 2*kv_size, hidden]
     bqkv: Optional[torch.Tensor]       # [q_size + 2*kv_size] (Qwen2) or None
-    wo: torch.Tensor                   # [hidden, q_size]
+    wo: Weight                         # [hidden, q_size]
     mlp_norm: torch.Tensor             # [hidden]
-    w_gate_up: torch.Tensor            # [2*intermediate, hidden]
-    w_down: torch.Tensor               # [hidden, intermediate]
+    w_gate_up: Weight                  # [2*intermediate, hidden]
+    w_down: Weight                     # [hidden, intermediate]
 
 
 @dataclass
 class ModelWeights:
     config: ModelConfig
-    embed: torch.Tensor                # [vocab, hidden]
+    embed: Weight                      # [vocab, hidden]
     norm: torch.Tensor                 # [hidden]
-    lm_head: torch.Tensor              # [vocab, hidden] (the embedding when tied)
+    lm_head: Weight                    # [vocab, hidden] (the embedding when tied)
     layers: list[LayerWeights]
     rope_freq_factors: Optional[torch.Tensor] = None  # [head_dim/2] (GGUF llama3)
 
@@ -42,6 +46,8 @@ class ModelWeights:
         def mv(t, keep_fp32=False):
             if t is None:
                 return None
+            if isinstance(t, QWeight):          # quantized weights keep their bits
+                return t.to(device)
             return t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
         embed = mv(self.embed)
         lm_head = embed if self.config.tie_embeddings else mv(self.lm_head)
@@ -50,6 +56,42 @@ class ModelWeights:
                   for l in self.layers]
         return ModelWeights(self.config, embed, mv(self.norm, True), lm_head, layers,
                             mv(self.rope_freq_factors, True))
+
+    def map_matrices(self, fn: Callable[[Weight], Weight]) -> "ModelWeights":
+        """A copy with ``fn`` applied to every matrix (projections, embedding, lm_head); a tied
+        lm_head stays the embedding."""
+        embed = fn(self.embed)
+        lm_head = embed if self.config.tie_embeddings else fn(self.lm_head)
+        layers = [LayerWeights(l.attn_norm, fn(l.wqkv), l.bqkv, fn(l.wo), l.mlp_norm,
+                               fn(l.w_gate_up), fn(l.w_down)) for l in self.layers]
+        return ModelWeights(self.config, embed, self.norm, lm_head, layers, self.rope_freq_factors)
+
+    def is_quantized(self) -> bool:
+        """Whether any matrix is a QWeight."""
+        found = []
+        self.map_matrices(lambda t: found.append(isinstance(t, QWeight)) or t)
+        return any(found)
+
+    def dequantized(self) -> "ModelWeights":
+        """Every QWeight as a float32 tensor (the same values the kernels compute with)."""
+        return self.map_matrices(lambda t: t.dequantize() if isinstance(t, QWeight) else t)
+
+    def nbytes(self) -> int:
+        """Bytes held by the weights (quantized ones at their in-memory size)."""
+        seen, total = set(), 0
+
+        def add(t):
+            nonlocal total
+            if t is None or id(t) in seen:
+                return
+            seen.add(id(t))
+            total += t.nbytes() if isinstance(t, QWeight) else t.numel() * t.element_size()
+        for t in (self.embed, self.norm, self.lm_head, self.rope_freq_factors):
+            add(t)
+        for l in self.layers:
+            for t in (l.attn_norm, l.wqkv, l.bqkv, l.wo, l.mlp_norm, l.w_gate_up, l.w_down):
+                add(t)
+        return total
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel()

@@ -1,0 +1,222 @@
+// CPU implementation of the quantized-weight ops (layout: csrc/quant.h; schemas: csrc/ops.cpp).
+//
+//   qlinear(x [M, K] float32, W) -> x @ W^T  [M, N] float32
+//   qdequant(W) -> W as float32 [N, K]
+//
+// qlinear has two strategies:
+//   * register kernels (M below kDenseM: decode, batched decode): each group of W is
+//     dequantized into registers and multiplied with the float32 activations; only the quantized
+//     bytes are read from memory. AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
+//   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 8 MiB
+//     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
+//     runs at the float32 path's speed while the model stays quantized in memory.
+// Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../quant.h"
+#include "qkernels.h"
+
+namespace symphony {
+namespace qcpu {
+
+void rows_scalar(const QView& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
+                 int64_t n0, int64_t n1) {
+  std::vector<float> row(w.K);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_rows(w, row.data(), n, n + 1);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * ldx;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t k = 0; k < w.K; k += 8)
+        for (int i = 0; i < 8; ++i) acc[i] += xr[k + i] * row[k + i];
+      out[m * ldo + n] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    }
+  }
+}
+
+void dequant_rows(const QView& w, float* dst, int64_t n0, int64_t n1) {
+  // Loops of a fixed trip count per group, so that the compiler vectorizes them.
+  const int64_t G = w.n_groups, gs = w.group;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* d = dst + (n - n0) * w.K;
+    const uint8_t* q = w.qs + n * w.row_bytes;
+    const float* sc = w.scales + n * G;
+    const float* mn = w.mins ? w.mins + n * G : nullptr;
+    if (w.kind == kQU4) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = sc[g], o = mn[g];
+        const uint8_t* b = q + g * 16;
+        float* dg = d + g * 32;
+        for (int j = 0; j < 16; ++j) dg[j] = std::fma(float(b[j] & 0x0F), s, o);
+        for (int j = 0; j < 16; ++j) dg[16 + j] = std::fma(float(b[j] >> 4), s, o);
+      }
+    } else {
+      const int8_t* qi = reinterpret_cast<const int8_t*>(q);
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = sc[g], o = mn ? mn[g] : 0.f;
+        const int8_t* b = qi + g * gs;
+        float* dg = d + g * gs;
+        if (mn) {
+          for (int64_t j = 0; j < gs; ++j) dg[j] = std::fma(float(b[j]), s, o);
+        } else {
+          for (int64_t j = 0; j < gs; ++j) dg[j] = float(b[j]) * s;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace qcpu
+
+namespace {
+
+using namespace qcpu;
+
+// Paths of qlinear: -1 picks; the others force one (tests run every path the CPU has).
+enum Path : int64_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3 };
+
+constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return v;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        cpu_has_avx2();
+  return v;
+#else
+  return false;
+#endif
+}
+
+RowsFn rows_fn(int64_t path) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (path == kAvx512) {
+    TORCH_CHECK(cpu_has_avx512(), "symphony::qlinear: path 2 (AVX-512) asked for, but this CPU "
+                "lacks avx512f/bw/vl/dq");
+    return rows_avx512;
+  }
+  if (path == kAvx2) {
+    TORCH_CHECK(cpu_has_avx2(), "symphony::qlinear: path 1 (AVX2) asked for, but this CPU lacks "
+                "avx2/fma");
+    return rows_avx2;
+  }
+  if (path == kAuto) return cpu_has_avx512() ? rows_avx512 : cpu_has_avx2() ? rows_avx2 : rows_scalar;
+#else
+  TORCH_CHECK(path == kAuto || path == kScalar, "symphony::qlinear: path ", path,
+              " needs an x86-64 CPU");
+#endif
+  return rows_scalar;
+}
+
+DequantFn dequant_fn() {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (cpu_has_avx512()) return dequant_rows_avx512;
+  if (cpu_has_avx2()) return dequant_rows_avx2;
+#endif
+  return dequant_rows;
+}
+
+QView view_of(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
+              const QDims& d) {
+  return {static_cast<const uint8_t*>(qs.data_ptr()),
+          scales.data_ptr<float>(), d.has_min ? mins.data_ptr<float>() : nullptr,
+          d.N, d.K, d.group, d.n_groups, qs.size(1), d.kind};
+}
+
+at::Tensor qdequant_cpu(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
+                        int64_t kind, int64_t group) {
+  const QDims d = check_qweight("symphony::qdequant", qs, scales, mins, kind, group);
+  TORCH_CHECK(qs.device().is_cpu(), "symphony::qdequant: CPU tensors expected");
+  at::Tensor out = at::empty({d.N, d.K}, scales.options());
+  if (d.N == 0) return out;
+  const QView w = view_of(qs, scales, mins, d);
+  float* o = out.data_ptr<float>();
+  const DequantFn deq = dequant_fn();
+  at::parallel_for(0, d.N, std::max<int64_t>(1, 16384 / d.K),
+                   [&](int64_t n0, int64_t n1) { deq(w, o + n0 * d.K, n0, n1); });
+  return out;
+}
+
+at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
+  constexpr const char* op = "symphony::qlinear";
+  const QDims d = check_qweight(op, qs, scales, mins, kind, group);
+  TORCH_CHECK(path >= kAuto && path <= kDense, op, ": path must be -1 (auto), 0 (scalar), 1 (AVX2), "
+              "2 (AVX-512) or 3 (dense), got ", path);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
+  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu(), op, ": CPU tensors expected");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x rows must be contiguous");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, d.N}, x.options());
+  if (M == 0 || d.N == 0) return out;
+  const QView w = view_of(qs, scales, mins, d);
+  if (path == kDense || (path == kAuto && M >= kDenseM)) {
+    // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
+    // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
+    // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
+    // The scratch is kept per thread (8 MiB at most), so no call pays page faults for it.
+    const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
+    static thread_local at::Tensor scratch;
+    if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options());
+    const DequantFn deq = dequant_fn();
+    for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
+      const int64_t n1 = std::min(d.N, n0 + tn);
+      at::Tensor t = scratch.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K});
+      float* tp = t.data_ptr<float>();
+      at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { deq(w, tp + (a - n0) * d.K, a, b); });
+      if (n1 - n0 == d.N) return at::mm(x, t.t());
+      out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
+    }
+    return out;
+  }
+  const RowsFn fn = rows_fn(path);
+  const float* xp = x.data_ptr<float>();
+  float* op_ = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), nblocks = (d.N + 3) / 4;
+  // at least ~64K weights a thread: smaller matrices are not worth waking a second thread for
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * d.K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    fn(w, xp, ldx, M, op_, d.N, b0 * 4, std::min(d.N, b1 * 4));
+  });
+  return out;
+}
+
+int64_t qcpu_features() {
+  return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(symphony, CPU, m) {
+  m.impl("qlinear", &qlinear_cpu);
+  m.impl("qdequant", &qdequant_cpu);
+}
+
+// Bit 0: the AVX2 path runs here, bit 1: the AVX-512 path. No tensor arguments, so a catch-all
+// kernel defined here rather than a schema in ops.cpp with per-backend implementations.
+TORCH_LIBRARY_FRAGMENT(symphony, m) {
+  m.def("qcpu_features() -> int", &qcpu_features);
+}
+
+}  // namespace symphony

@@ -1,0 +1,70 @@
+// Quantized weights: the in-memory layout shared by the CPU and CUDA kernels, and the argument
+// checks of qlinear / qdequant (schemas in csrc/ops.cpp).
+//
+// A quantized weight W [N, K] (N output rows, K inputs) is three tensors:
+//
+//   kind 0, "u4"  qs     uint8 [N, K/2]     group g of row n is the 16 bytes qs[n, 16g : 16g+16];
+//                                            byte j holds element 32g+j (low nibble) and element
+//                                            32g+16+j (high nibble), unsigned 0..15; group = 32.
+//   kind 1, "i8"  qs     int8  [N, K]       one signed byte per element; group = 16 or 32.
+//                 scales float32 [N, K/group]
+//                 mins   float32 [N, K/group], or empty (no offset)
+//
+//   W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group]
+//
+// Every GGUF format we load maps onto one of the two exactly (symphony/kernel/quant.py does the
+// repacking): Q4_0 (min = -8 d), Q4_1, Q4_K (scale d*sc, min -dmin*m: both exact in float32)
+// are u4; Q8_0, Q5_K (0..31) and Q6_K (-32..31, group 16) are i8.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace symphony {
+
+enum QKind : int64_t { kQU4 = 0, kQI8 = 1 };
+
+struct QDims {
+  int64_t N, K, group, n_groups;
+  QKind kind;
+  bool has_min;
+};
+
+inline QDims check_qweight(const char* op, const at::Tensor& qs, const at::Tensor& scales,
+                           const at::Tensor& mins, int64_t kind, int64_t group) {
+  TORCH_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
+  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D [N, packed K], got shape ", qs.sizes());
+  TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), op,
+              ": qs, scales and mins must be contiguous");
+  const int64_t N = qs.size(0);
+  int64_t K;
+  if (kind == kQU4) {
+    TORCH_CHECK(qs.scalar_type() == at::kByte, op, ": u4 qs must be uint8, got ", qs.scalar_type());
+    TORCH_CHECK(group == 32, op, ": u4 weights have groups of 32, got ", group);
+    K = qs.size(1) * 2;
+  } else {
+    TORCH_CHECK(qs.scalar_type() == at::kChar, op, ": i8 qs must be int8, got ", qs.scalar_type());
+    TORCH_CHECK(group == 16 || group == 32, op, ": i8 groups must be 16 or 32, got ", group);
+    K = qs.size(1);
+  }
+  TORCH_CHECK(K > 0 && K % 32 == 0, op, ": K must be a positive multiple of 32, got ", K);
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
+              scales.scalar_type());
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G, op,
+              ": scales must be [N, K/group] = [", N, ", ", G, "], got ", scales.sizes());
+  const bool has_min = mins.numel() > 0;
+  if (has_min) {
+    TORCH_CHECK(mins.scalar_type() == at::kFloat, op, ": mins must be float32, got ",
+                mins.scalar_type());
+    TORCH_CHECK(mins.sizes() == scales.sizes(), op, ": mins shape ", mins.sizes(),
+                " differs from scales shape ", scales.sizes());
+  }
+  TORCH_CHECK(scales.device() == qs.device() && mins.device() == qs.device(), op,
+              ": qs, scales and mins must be on one device");
+  return {N, K, group, G, static_cast<QKind>(kind), has_min};
+}
+
+}  // namespace symphony

@@ -1,0 +1,317 @@
+"""Quantized weights kept quantized in memory: `QWeight`, GGUF repacking, load-time quantizers.
+
+A `QWeight` is a matrix W ``[N, K]`` in one of two layouts the kernels read (``csrc/quant.h``):
+
+    kind 0 "u4": qs uint8 [N, K/2]   (group g: 16 bytes, byte j = element 32g+j | element 32g+16+j << 4)
+    kind 1 "i8": qs int8  [N, K]
+    scales float32 [N, K/group], mins float32 [N, K/group] or empty
+    W[n, k] = scales[n, k // group] * q[n, k] + mins[n, k // group]
+
+Every GGUF format below is repacked into one of them without changing a single weight (the
+kernels and the ``gguf`` package's dequantizer agree to a float32 ulp): the per-group scale of a
+K-quant, ``d * sc``, is a float16 times a 6- or 8-bit integer and exact in float32.
+
+    GGUF    ours           bytes/weight (file -> memory)
+    Q4_0    u4, g32        0.5625 -> 0.75
+    Q4_1    u4, g32        0.625  -> 0.75
+    Q4_K    u4, g32        0.5625 -> 0.75
+    Q8_0    i8, g32        1.0625 -> 1.125
+    Q5_K    i8, g32 + min  0.6875 -> 1.25
+    Q6_K    i8, g16        0.8203 -> 1.25
+
+Other quantized GGUF types (Q5_0, Q2_K, IQ*, ...) are dequantized to float at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import ops
+
+U4, I8 = 0, 1
+GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZE_CHOICES = ("int8", "int4")
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+class QuantError(ValueError):
+    """A quantized tensor has a shape or type the kernels cannot take."""
+
+
+@dataclass
+class QWeight:
+    """A quantized matrix ``[N, K]`` (see the module docstring for the layout)."""
+
+    qs: torch.Tensor          # uint8 [N, K/2] (u4) or int8 [N, K] (i8)
+    scales: torch.Tensor      # float32 [N, K/group]
+    mins: torch.Tensor        # float32 [N, K/group], or empty: no offset
+    kind: int
+    group: int
+    source: str = ""          # where the bits came from ("Q4_1", "int8", ...)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (U4, I8):
+            raise QuantError(f"kind must be 0 (u4) or 1 (i8), got {self.kind}")
+        if self.qs.dim() != 2:
+            raise QuantError(f"qs must be 2-D, got shape {tuple(self.qs.shape)}")
+        k = self.in_features
+        if k % 32 or self.group not in ((32,) if self.kind == U4 else (16, 32)):
+            raise QuantError(f"bad quantized shape: K={k}, group={self.group}, kind={self.kind}")
+        if tuple(self.scales.shape) != (self.qs.shape[0], k // self.group):
+            raise QuantError(f"scales shape {tuple(self.scales.shape)} does not match qs "
+                             f"{tuple(self.qs.shape)} with groups of {self.group}")
+        if self.mins.numel() and self.mins.shape != self.scales.shape:
+            raise QuantError("mins and scales shapes differ")
+
+    # ---------------------------------------------------------------- shape
+    @property
+    def in_features(self) -> int:
+        return self.qs.shape[1] * (2 if self.kind == U4 else 1)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.qs.shape[0], self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins))
+
+    # ---------------------------------------------------------------- compute
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` for x ``[..., K]`` (any float dtype; computed in float32, returned in x's)."""
+        n, k = self.shape
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = ops.qlinear(x2, self.qs, self.scales, self.mins, self.kind, self.group)  # [M, N]
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 ``[N, K]``."""
+        return ops.qdequant(self.qs, self.scales, self.mins, self.kind, self.group)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``W[index]`` (an embedding lookup), ``[*index.shape, K]``."""
+        flat = index.reshape(-1)
+        mins = self.mins.index_select(0, flat) if self.mins.numel() else self.mins
+        out = ops.qdequant(self.qs.index_select(0, flat), self.scales.index_select(0, flat), mins,
+                           self.kind, self.group)
+        return out.reshape(*index.shape, self.in_features)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        """Dequantized rows (a slice or index of rows), float32."""
+        rows = torch.arange(self.shape[0], device=self.device)[idx]
+        return self.rows(rows)
+
+    # ---------------------------------------------------------------- transforms
+    def to(self, device=None, dtype=None) -> "QWeight":
+        """Move to ``device``; ``dtype`` is ignored (quantized weights keep their bits)."""
+        if device is None or torch.device(device) == self.device:
+            return self
+        return QWeight(self.qs.to(device), self.scales.to(device), self.mins.to(device),
+                       self.kind, self.group, self.source)
+
+    def select_rows(self, index: torch.Tensor) -> "QWeight":
+        """The rows ``index`` (a permutation, say) as a new QWeight."""
+        mins = self.mins[index] if self.mins.numel() else self.mins
+        return QWeight(self.qs[index].contiguous(), self.scales[index].contiguous(),
+                       mins.contiguous(), self.kind, self.group, self.source)
+
+    def as_i8(self, group: int) -> "QWeight":
+        """The same weights as i8 with groups of ``group`` (exact: only the storage widens)."""
+        if self.kind == I8 and self.group == group:
+            return self
+        if self.kind == U4:
+            b = self.qs.view(self.qs.shape[0], -1, 16)                        # [N, G, 16]
+            q = torch.cat([b & 0xF, b >> 4], dim=2).reshape(self.qs.shape[0], -1).to(torch.int8)
+        else:
+            q = self.qs
+        rep = self.group // group
+        if rep < 1:
+            raise QuantError(f"cannot regroup groups of {self.group} into {group}")
+        sc = self.scales.repeat_interleave(rep, dim=1)
+        mn = self.mins.repeat_interleave(rep, dim=1) if self.mins.numel() else self.mins
+        return QWeight(q.contiguous(), sc.contiguous(), mn.contiguous(), I8, group, self.source)
+
+    @staticmethod
+    def cat(parts: Sequence["QWeight"]) -> "QWeight":
+        """Stack along N (the fused qkv / gate_up projections). Parts of different layouts are
+        widened to a common one first (u4 -> i8, groups of 32 -> 16), exactly."""
+        if len({p.in_features for p in parts}) != 1:
+            raise QuantError("cannot stack quantized matrices of different K")
+        same = all(p.kind == parts[0].kind and p.group == parts[0].group for p in parts)
+        if not same:
+            g = min(p.group for p in parts)
+            parts = [p.as_i8(g) for p in parts]
+        any_min = any(p.mins.numel() for p in parts)
+        mins = [p.mins if p.mins.numel() or not any_min else torch.zeros_like(p.scales)
+                for p in parts]
+        src = "+".join(dict.fromkeys(p.source for p in parts))
+        return QWeight(torch.cat([p.qs for p in parts]).contiguous(),
+                       torch.cat([p.scales for p in parts]).contiguous(),
+                       torch.cat(mins).contiguous() if any_min else parts[0].mins,
+                       parts[0].kind, parts[0].group, src)
+
+
+Weight = Union[torch.Tensor, QWeight]
+
+
+def linear(x: torch.Tensor, w: Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` for a dense or a quantized weight."""
+    if isinstance(w, QWeight):
+        y = w.linear(x)
+        return y if bias is None else y + bias.to(y.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def embedding(tokens: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the embedding table (dense or quantized) as ``dtype``, ``[*tokens.shape, K]``."""
+    if isinstance(w, QWeight):
+        return w.rows(tokens).to(dtype)
+    return torch.nn.functional.embedding(tokens, w)
+
+
+def dense(w: Weight) -> torch.Tensor:
+    """float32 for a quantized weight, the tensor itself otherwise."""
+    return w.dequantize() if isinstance(w, QWeight) else w
+
+
+def cat_rows(parts: Sequence[Weight]) -> Weight:
+    """Stack weights along N; all quantized: a QWeight, else a dense float32 tensor."""
+    if all(isinstance(p, QWeight) for p in parts):
+        return QWeight.cat(parts)
+    return torch.cat([dense(p).float() for p in parts]).contiguous()
+
+
+# -------------------------------------------------------------------------------- GGUF
+
+
+def _f16(b: np.ndarray, off: int) -> np.ndarray:
+    """float16 at byte offset ``off`` of every block -> float32 [..., 1]."""
+    return np.ascontiguousarray(b[..., off:off + 2]).view(np.float16).astype(np.float32)
+
+
+def _pack_u4(vals: np.ndarray) -> np.ndarray:
+    """[N, K] values 0..15 -> our u4 bytes [N, K/2] (group: byte j = v[j] | v[j + 16] << 4)."""
+    n, k = vals.shape
+    v = vals.reshape(n, k // 32, 2, 16).astype(np.uint8)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed scale bytes of Q4_K / Q5_K -> (sc, m), 6-bit each, [..., 8]."""
+    s = s.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    m = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    m[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, m
+
+
+def from_gguf(data: np.ndarray, qtype: str, n: int, k: int) -> QWeight:
+    """Repack a GGUF tensor's raw blocks (uint8, ``n`` rows of ``k`` weights) into a QWeight."""
+    if qtype not in _BLOCK:
+        raise QuantError(f"GGUF type {qtype} is not kept quantized (supported: "
+                         f"{', '.join(GGUF_QUANT_TYPES)})")
+    qk, bb = _BLOCK[qtype]
+    if k % qk:
+        raise QuantError(f"{qtype}: row length {k} is not a multiple of {qk}")
+    nb = k // qk
+    raw = np.asarray(data, dtype=np.uint8)
+    if raw.size != n * nb * bb:
+        raise QuantError(f"{qtype}: {raw.size} bytes for a [{n}, {k}] tensor, expected {n * nb * bb}")
+    b = raw.reshape(n, nb, bb)
+    t = torch.from_numpy
+    if qtype in ("Q4_0", "Q4_1"):
+        d = _f16(b, 0)[..., 0]                                          # [n, nb]
+        mins = -8.0 * d if qtype == "Q4_0" else _f16(b, 2)[..., 0]
+        qs = b[:, :, 2:18] if qtype == "Q4_0" else b[:, :, 4:20]        # our u4 layout already
+        return QWeight(t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(d.copy()),
+                       t(np.ascontiguousarray(mins, np.float32)), U4, 32, qtype)
+    if qtype == "Q8_0":
+        d = _f16(b, 0)[..., 0]
+        qs = np.ascontiguousarray(b[:, :, 2:34]).view(np.int8).reshape(n, k)
+        return QWeight(t(qs), t(d.copy()), torch.empty(0), I8, 32, qtype)
+    if qtype in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b, 0), _f16(b, 2)                                 # [n, nb, 1]
+        sc, m = _k4_scales(b[:, :, 4:16])                                # [n, nb, 8]
+        scales = (d * sc.astype(np.float32)).reshape(n, nb * 8)          # exact in float32
+        mins = (-(dmin * m.astype(np.float32))).reshape(n, nb * 8)
+        ql = b[:, :, 16:144] if qtype == "Q4_K" else b[:, :, 48:176]
+        ql = ql.reshape(n, nb, 4, 32)                                    # 4 pairs of sub-blocks
+        q = np.stack([ql & 0xF, ql >> 4], axis=3)                        # [n, nb, 4, 2, 32]
+        if qtype == "Q4_K":
+            return QWeight(t(_pack_u4(q.reshape(n, k))), t(scales), t(mins), U4, 32, qtype)
+        qh = b[:, :, 16:48]                                              # [n, nb, 32]
+        j = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)                # sub-block j: bit j
+        hi = (qh[:, :, None, None, :] >> j) & 1                          # [n, nb, 4, 2, 32]
+        q = (q + (hi << 4)).astype(np.int8)
+        return QWeight(t(q.reshape(n, k)), t(scales), t(mins), I8, 32, qtype)
+    # Q6_K: ql [0:128], qh [128:192], scales int8 [192:208], d [208:210]
+    d = _f16(b, 208)                                                     # [n, nb, 1]
+    sc = np.ascontiguousarray(b[:, :, 192:208]).view(np.int8).astype(np.float32)
+    scales = (d * sc).reshape(n, nb * 16)
+    ql = b[:, :, 0:128].reshape(n, nb, 2, 2, 32)                         # [half, l // 32, l % 32]
+    qh = b[:, :, 128:192].reshape(n, nb, 2, 32)                          # [half, l]
+    lo = np.stack([ql[:, :, :, 0] & 0xF, ql[:, :, :, 1] & 0xF,
+                   ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], axis=3)    # [n, nb, 2, 4, 32]
+    sh = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    hi = (qh[:, :, :, None, :] >> sh) & 3                                # [n, nb, 2, 4, 32]
+    q = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32
+    return QWeight(t(q.astype(np.int8).reshape(n, k)), t(np.ascontiguousarray(scales)),
+                   torch.empty(0), I8, 16, qtype)
+
+
+# -------------------------------------------------------------------------------- load-time quantizers
+
+
+def prepare_weights(weights, keep_quantized: bool, scheme: Optional[str] = None):
+    """Apply the engine's weight options to a ModelWeights: dequantize every QWeight (not
+    ``keep_quantized``), or quantize the float matrices whose K is a multiple of 32 with
+    ``scheme`` ("int8" / "int4"; QWeights keep the file's bits)."""
+    if not keep_quantized:
+        return weights.dequantized() if weights.is_quantized() else weights
+    if scheme is None:
+        return weights
+
+    def q(t):
+        if isinstance(t, QWeight) or t.dim() != 2 or t.shape[1] % 32:
+            return t
+        return quantize(t, scheme)
+    return weights.map_matrices(q)
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QWeight:
+    """Quantize a float matrix ``[N, K]`` (K a multiple of 32) at load: ``int8``: symmetric,
+    groups of 32 (like Q8_0); ``int4``: scale + min, groups of 32 (like Q4_1)."""
+    if scheme not in QUANTIZE_CHOICES:
+        raise QuantError(f"unknown quantization {scheme!r} (choices: {', '.join(QUANTIZE_CHOICES)})")
+    if w.dim() != 2 or w.shape[1] % 32:
+        raise QuantError(f"can only quantize [N, K] matrices with K % 32 == 0, got {tuple(w.shape)}")
+    n, k = w.shape
+    g = w.detach().float().cpu().reshape(n, k // 32, 32)
+    if scheme == "int8":
+        amax = g.abs().amax(dim=2)                                        # [n, G]
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        return QWeight(q.reshape(n, k).contiguous(), scale.contiguous(), torch.empty(0), I8, 32,
+                       "int8")
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2)
+    return QWeight(qs.contiguous(), scale.contiguous(), lo.contiguous(), U4, 32, "int4")

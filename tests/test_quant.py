@@ -1,0 +1,260 @@
+"""Quantized weights, op level: GGUF repacking against the ``gguf`` package's own dequantizer,
+qlinear / qdequant against the plain PyTorch reference on every path this CPU runs, opcheck,
+argument errors, the load-time quantizers.
+
+Tolerance of qlinear: the kernels compute the float32 product with the dequantized weight (no
+activation quantization), so they differ from the float64 reference only by float32 rounding of
+the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
+"""
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from modelfiles import random_gguf_blocks
+from symphony.kernel import ops, quant
+from symphony.kernel.quant import I8, U4, QuantError, QWeight
+
+TYPES = quant.GGUF_QUANT_TYPES
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+FLAGS = _cpu_flags()
+HAS_AVX2 = {"avx2", "fma"} <= FLAGS
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
+PATHS = [
+    pytest.param(0, id="scalar"),
+    pytest.param(1, id="avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the AVX2 path cannot run here")),
+    pytest.param(2, id="avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512 (f/bw/vl/dq): the AVX-512 path cannot run here")),
+    pytest.param(3, id="dense"),
+]
+
+
+def gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
+    """A QWeight from random GGUF blocks, and the gguf package's dequantization of them."""
+    raw = random_gguf_blocks(qtype, n, k, seed=seed)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)
+    return quant.from_gguf(raw, qtype, n, k), want
+
+
+def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y vs x @ w^T within float32 summation error (module docstring)."""
+    ref = x.double() @ w.double().t()
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().t()) + 1e-6
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max err {err.max():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+
+
+# ---------------------------------------------------------------------------------- repacking
+@pytest.mark.parametrize("qtype", TYPES)
+def test_repack_equals_gguf_dequantize(qtype):
+    k = 512
+    qw, want = gguf_weight(qtype, 7, k, seed=3)
+    assert qw.shape == (7, k) and qw.source == qtype
+    got = qw.dequantize().numpy()
+    # the kernels use a fused multiply-add for scale * q + min: at most one float32 ulp apart
+    np.testing.assert_allclose(got, want, rtol=2.5e-7, atol=1e-30)
+    np.testing.assert_allclose(ops.qdequant_reference(qw.qs, qw.scales, qw.mins, qw.kind, qw.group).numpy(),
+                               want, rtol=2.5e-7, atol=1e-30)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_repack_of_real_quantization(qtype):
+    """The gguf package's own quantizer on smooth data (not random bits)."""
+    w = np.random.default_rng(0).standard_normal((9, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    qw = quant.from_gguf(raw, qtype, 9, 96)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(9, 96)
+    np.testing.assert_allclose(qw.dequantize().numpy(), want, rtol=2.5e-7, atol=1e-30)
+    assert np.abs(want - w).max() < (0.02 if qtype == "Q8_0" else 0.3)
+
+
+def test_repack_rejects_bad_sizes():
+    raw = random_gguf_blocks("Q4_K", 2, 256)
+    with pytest.raises(QuantError, match="not a multiple of 256"):
+        quant.from_gguf(raw, "Q4_K", 2, 128)
+    with pytest.raises(QuantError, match="bytes for a"):
+        quant.from_gguf(raw[:, :-1], "Q4_K", 2, 256)
+    with pytest.raises(QuantError, match="not kept quantized"):
+        quant.from_gguf(raw, "Q2_K", 2, 256)
+
+
+# ---------------------------------------------------------------------------------- qlinear
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_qlinear_matches_dequantized_reference(qtype, path):
+    k = 512 if qtype.endswith("_K") else 96
+    for n in (1, 7, 37):                    # odd N: the 4-row blocks' remainders
+        qw, want = gguf_weight(qtype, n, k, seed=n)
+        w = torch.from_numpy(want)
+        for m in (1, 2, 3, 5, 9, 33):       # the m-blocks' remainders, and the dense-tile size
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert_linear_close(y, x, w)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_qlinear_strided_rows_and_threads(path):
+    """x a row-strided view (a slice of a fused projection), several threads, a wide N."""
+    qw, want = gguf_weight("Q4_1", 301, 128, seed=5)
+    big = torch.randn(6, 200)
+    x = big[:, 40:168]                      # rows of stride 200
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
+            assert_linear_close(y, x, torch.from_numpy(want))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_qlinear_auto_path_and_empty_batch():
+    qw, want = gguf_weight("Q6_K", 13, 256)
+    for m in (1, 4, 31, 32, 100):           # register kernels below 32 rows, dense tiles from 32
+        x = torch.randn(m, 256)
+        assert_linear_close(qw.linear(x), x, torch.from_numpy(want))
+    assert qw.linear(torch.randn(0, 256)).shape == (0, 13)
+    y = qw.linear(torch.randn(2, 3, 256, dtype=torch.bfloat16))       # any leading shape / dtype
+    assert y.shape == (2, 3, 13) and y.dtype == torch.bfloat16
+
+
+def test_cpu_features_match_cpuinfo():
+    feats = ops.qcpu_features()
+    assert feats == {"avx2": HAS_AVX2, "avx512": HAS_AVX512}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_qdequant_and_rows(qtype):
+    qw, want = gguf_weight(qtype, 11, 256)
+    ref = ops.qdequant_reference(qw.qs, qw.scales, qw.mins, qw.kind, qw.group)
+    torch.testing.assert_close(qw.dequantize(), ref, rtol=2.5e-7, atol=0)
+    idx = torch.tensor([[3, 0], [10, 3]])
+    torch.testing.assert_close(qw.rows(idx), ref[idx], rtol=2.5e-7, atol=0)
+    torch.testing.assert_close(qw[2:5], ref[2:5], rtol=2.5e-7, atol=0)
+
+
+def test_opcheck_qlinear_and_qdequant():
+    for qtype in ("Q4_1", "Q6_K", "Q5_K"):
+        qw, _ = gguf_weight(qtype, 5, 256)
+        for m in (1, 3, 40):
+            torch.library.opcheck(torch.ops.symphony.qlinear.default,
+                                  (torch.randn(m, 256), qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -1))
+        torch.library.opcheck(torch.ops.symphony.qdequant.default,
+                              (qw.qs, qw.scales, qw.mins, qw.kind, qw.group))
+
+
+def _args(**over):
+    qw, _ = gguf_weight("Q4_0", 4, 64)
+    a = dict(x=torch.randn(2, 64), qs=qw.qs, scales=qw.scales, mins=qw.mins, kind=U4, group=32, path=-1)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(kind=2), "kind must be 0"),
+    (dict(group=16), "u4 weights have groups of 32"),
+    (dict(x=torch.randn(2, 63)), "x has 63 columns"),
+    (dict(x=torch.randn(2, 64, dtype=torch.float64)), "x must be float32"),
+    (dict(x=torch.randn(64)), "x must be 2-D"),
+    (dict(x=torch.randn(64, 2).t()), "x rows must be contiguous"),
+    (dict(qs=torch.zeros(4, 32, dtype=torch.int8)), "u4 qs must be uint8"),
+    (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
+    (dict(mins=torch.ones(4, 3)), "mins shape"),
+    (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
+    (dict(path=7), "path must be"),
+    (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
+     "multiple of 32"),
+])
+def test_bad_qlinear_input_raises(over, match):
+    a = _args(**over)
+    with pytest.raises(RuntimeError, match=match):
+        ops.qlinear(a["x"], a["qs"], a["scales"], a["mins"], a["kind"], a["group"], a["path"])
+
+
+@pytest.mark.skipif(HAS_AVX512, reason="this CPU has AVX-512: the unsupported-path error cannot show")
+def test_unsupported_path_raises():
+    a = _args()
+    with pytest.raises(RuntimeError, match=re.escape("path 2 (AVX-512) asked for")):
+        ops.qlinear(a["x"], a["qs"], a["scales"], a["mins"], 0, 32, 2)
+
+
+# ---------------------------------------------------------------------------------- QWeight
+def test_cat_widens_mixed_layouts_exactly():
+    """Q4_K_M fuses Q4_K q/k with a Q6_K v: stacked as i8 groups of 16, the same numbers."""
+    a, wa = gguf_weight("Q4_K", 6, 256, seed=1)
+    b, wb = gguf_weight("Q6_K", 3, 256, seed=2)
+    c, wc = gguf_weight("Q8_0", 2, 256, seed=3)
+    fused = QWeight.cat([a, b, c])
+    assert (fused.kind, fused.group, fused.shape) == (I8, 16, (11, 256))
+    np.testing.assert_allclose(fused.dequantize().numpy(), np.concatenate([wa, wb, wc]), rtol=2.5e-7, atol=1e-30)
+    same = QWeight.cat([a, a])
+    assert (same.kind, same.group) == (U4, 32)
+    perm = torch.tensor([2, 0, 1, 5, 4, 3])
+    torch.testing.assert_close(a.select_rows(perm).dequantize(), a.dequantize()[perm])
+    with pytest.raises(QuantError, match="different K"):
+        QWeight.cat([a, gguf_weight("Q8_0", 2, 64)[0]])
+
+
+@pytest.mark.parametrize("scheme, step", [("int8", 1 / 127), ("int4", 1 / 15)])
+def test_load_time_quantizers(scheme, step):
+    w = torch.randn(10, 96)
+    qw = quant.quantize(w, scheme)
+    g = w.reshape(10, 3, 32)
+    span = (g.abs().amax(2) if scheme == "int8" else g.amax(2) - g.amin(2)).repeat_interleave(32, 1)
+    err = (qw.dequantize() - w).abs()
+    assert bool((err <= 0.5 * step * span + 1e-6).all())     # half a quantization step
+    x = torch.randn(3, 96)
+    assert_linear_close(qw.linear(x), x, qw.dequantize())
+    with pytest.raises(QuantError, match="K % 32"):
+        quant.quantize(torch.randn(4, 40), scheme)
+    with pytest.raises(QuantError, match="unknown quantization"):
+        quant.quantize(w, "int3")
+
+
+# ---------------------------------------------------------------------------------- CUDA
+def _cuda_ops() -> bool:
+    return torch.cuda.is_available() and ops.cuda_available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the CUDA qlinear/qdequant kernels cannot run here")
+@pytest.mark.parametrize("qtype", TYPES)
+def test_cuda_qlinear_matches_dequantized_reference(qtype):
+    if not _cuda_ops():
+        pytest.skip("the CUDA ops were not built (no CUDA toolkit)")
+    k = 512
+    qw, want = gguf_weight(qtype, 37, k, seed=7)
+    g = qw.to("cuda")
+    torch.testing.assert_close(g.dequantize().cpu(), torch.from_numpy(want), rtol=2.5e-7, atol=0)
+    for m in (1, 3, 8, 9, 40):               # GEMV kernel up to 8 rows, dequantize + GEMM above
+        x = torch.randn(m, k)
+        y = ops.qlinear(x.cuda(), g.qs, g.scales, g.mins, g.kind, g.group)
+        ref = x.double() @ torch.from_numpy(want).double().t()
+        # cuBLAS may use TF32 for float32 GEMMs where allowed: 1e-3 relative to |x| @ |W|^T
+        bound = 1e-3 * (x.double().abs() @ torch.from_numpy(want).double().abs().t()) + 1e-5
+        assert bool(((y.cpu().double() - ref).abs() <= bound).all())
+
+
+def test_dense_path_in_pieces():
+    """A matrix over the 8 MiB dequantization scratch (a large vocabulary's head) is multiplied
+    in pieces of rows: N = 2^16 + 5 rows of K = 32 gives two pieces, the second of 5 rows."""
+    n, k = (1 << 16) + 5, 32
+    g = torch.Generator().manual_seed(0)
+    qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, mins = torch.rand(n, 1, generator=g), torch.randn(n, 1, generator=g)
+    x = torch.randn(2, k, generator=g)
+    y = ops.qlinear(x, qs, scales, mins, U4, 32, 3)
+    assert_linear_close(y, x, ops.qdequant_reference(qs, scales, mins, U4, 32))

@@ -1,0 +1,147 @@
+"""Quantized weights, engine level: the engine computing on a GGUF file's quantized bits vs the
+same engine on the dequantized weights (the same numbers as float32 tensors), for every format
+kept quantized and llama.cpp's Q4_K_M mix; load-time --quantize of a safetensors checkpoint;
+the embedded model's answer and perplexity.
+
+Tolerance: both engines run float32 activations over the same weight values; only the order of
+float32 sums differs, so logits agree to ~1e-5 of their scale (we allow 1e-4).
+"""
+import math
+
+import pytest
+import torch
+
+from modelfiles import hf_state_dict, tiny_hf_config, write_gguf, write_hf_dir
+from symphony.kernel.config import ConfigError, EngineConfig
+from symphony.kernel.engine import Engine, PredRequest
+from symphony.kernel.loader import load_model
+from symphony.kernel.quant import QWeight
+
+PROMPT = list(range(3, 60, 3))
+SMALL = EngineConfig(page_size=4, num_pages=64)
+
+
+def tiny_cfg(k_quant: bool) -> dict:
+    # K-quants pack 256 weights a block: every row length (hidden, intermediate) a multiple of 256
+    if k_quant:
+        return tiny_hf_config(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                              num_key_value_heads=2)
+    return tiny_hf_config()
+
+
+def decode(eng: Engine, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """All prompt logits, then greedy steps; returns ([len(prompt) + steps - 1, vocab], tokens)."""
+    kv = eng.new_sequence()
+    rows = [eng.pred(kv, prompt, all_logits=True)]
+    toks = []
+    for _ in range(steps - 1):
+        toks.append(int(rows[-1][-1].argmax()))
+        rows.append(eng.pred(kv, [toks[-1]], all_logits=True))
+    eng.release(kv)
+    return torch.cat(rows), toks
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"])
+def test_engine_on_quantized_bits_matches_dequantized(tmp_path, qtype):
+    k_quant = "_K" in qtype
+    cfg = tiny_cfg(k_quant)
+    w, _ = load_model(write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg), quant=qtype), progress=False)
+    l0 = w.layers[0]
+    for t in (w.embed, w.lm_head, l0.wqkv, l0.wo, l0.w_gate_up, l0.w_down):
+        assert isinstance(t, QWeight), type(t)
+    if qtype == "Q4_K_M":                        # Q4_K q/k + Q6_K v: widened to one layout
+        assert l0.wqkv.source == "Q4_K+Q6_K" and l0.w_down.source == "Q6_K"
+    eq = Engine(w, None, SMALL)
+    ef = Engine(w.dequantized(), None, SMALL)
+    assert isinstance(eq.model.w.layers[0].wqkv, QWeight)
+    assert not isinstance(ef.model.w.layers[0].wqkv, QWeight)
+    assert eq.model.w.nbytes() < 0.45 * ef.model.w.nbytes()
+    a, ta = decode(eq, PROMPT, 6)
+    b, tb = decode(ef, PROMPT, 6)
+    scale = b.abs().max()
+    assert torch.isfinite(a).all() and scale > 0
+    assert (a - b).abs().max() <= 1e-4 * scale
+    assert ta == tb
+    # a batch (two decodes and a prefill: the register kernels and the dense tiles at once)
+    seqs = [eq.new_sequence() for _ in range(3)]
+    eq.pred(seqs[0], PROMPT[:5])
+    eq.pred(seqs[1], PROMPT[:9])
+    out = eq.pred_batch([PredRequest(seqs[0], PROMPT[5:6]), PredRequest(seqs[1], PROMPT[9:10]),
+                         PredRequest(seqs[2], PROMPT, all_logits=True)])
+    assert (out[2] - b[: len(PROMPT)]).abs().max() <= 1e-4 * scale
+    for s in seqs:
+        eq.release(s)
+
+
+def test_weights_float_dequantizes_at_load(tmp_path):
+    cfg = tiny_cfg(False)
+    path = write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg), quant="Q4_1")
+    wf, _ = load_model(path, progress=False, keep_quantized=False)
+    assert not wf.is_quantized()
+    eng = Engine.load(path, EngineConfig(page_size=4, num_pages=64, weights="float"), progress=False)
+    assert not eng.model.w.is_quantized()
+    engq = Engine.load(path, EngineConfig(page_size=4, num_pages=64, weights="quantized"), progress=False)
+    assert engq.model.w.is_quantized()
+    a = eng.pred(eng.new_sequence(), PROMPT)
+    b = engq.pred(engq.new_sequence(), PROMPT)
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+@pytest.mark.parametrize("scheme, rel", [("int8", 0.03), ("int4", 0.5)])
+def test_quantize_a_safetensors_checkpoint_at_load(tmp_path, scheme, rel):
+    cfg = tiny_cfg(False)
+    path = write_hf_dir(tmp_path / "hf", cfg, hf_state_dict(cfg))
+    ef = Engine.load(path, SMALL, progress=False)
+    assert not ef.model.w.is_quantized()          # float checkpoints stay float by default
+    eq = Engine.load(path, EngineConfig(page_size=4, num_pages=64, quantize=scheme), progress=False)
+    w = eq.model.w
+    assert isinstance(w.layers[1].w_down, QWeight) and w.layers[1].w_down.source == scheme
+    assert isinstance(w.embed, QWeight) and isinstance(w.lm_head, QWeight)
+    a, b = decode(eq, PROMPT, 1)[0], decode(ef, PROMPT, 1)[0]
+    assert (a - b).abs().max() <= rel * b.abs().max()
+    # ... and exactly the engine on its own dequantized weights
+    c = decode(Engine(w.dequantized(), None, SMALL), PROMPT, 1)[0]
+    assert (a - c).abs().max() <= 1e-4 * c.abs().max()
+
+
+def test_weight_options_are_validated():
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        EngineConfig(weights="int8")
+    with pytest.raises(ConfigError, match="quantize must be"):
+        EngineConfig(quantize="int3")
+    with pytest.raises(ConfigError, match="needs weights"):
+        EngineConfig(weights="float", quantize="int8")
+    assert EngineConfig().keep_quantized                      # the CPU default
+
+
+# ------------------------------------------------------------------ the embedded model (Q4_1 + Q8_0)
+TEXT = ("The city of Paris is the capital of France and its largest city. It lies on the river "
+        "Seine in the north of the country. Paris is known for its museums, its architecture and "
+        "its cafes, and millions of visitors come every year to see the Eiffel Tower, the Louvre "
+        "and the cathedral of Notre-Dame. The city has been a centre of finance, diplomacy, "
+        "commerce, fashion and science for centuries.")
+
+
+def perplexity(eng: Engine, ids: list[int]) -> float:
+    kv = eng.new_sequence()
+    logits = eng.pred(kv, ids, all_logits=True)           # [T, vocab]
+    eng.release(kv)
+    logp = torch.log_softmax(logits[:-1].double(), dim=-1)
+    nll = -logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
+    return math.exp(float(nll))
+
+
+def test_embedded_model_quantized_paris_and_perplexity(smollm):
+    from test_smollm2 import greedy
+    w = smollm.model.w
+    assert isinstance(w.embed, QWeight) and w.embed.source == "Q8_0"       # the default on a CPU
+    assert isinstance(w.layers[0].wqkv, QWeight) and w.layers[0].wqkv.source == "Q4_1"
+    assert w.nbytes() < 140e6                                               # not 540 MB of float32
+    tok = smollm.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in greedy(smollm, ids, max_tokens=12)
+    dense = Engine(w.dequantized(), tok, EngineConfig(page_size=16, num_pages=64))
+    text = tok.encode(TEXT)
+    pq, pf = perplexity(smollm, text), perplexity(dense, text)
+    assert 1.5 < pf < 60, pf                                                # a sane model on English
+    assert abs(pq / pf - 1) < 0.01, (pq, pf)
