@@ -69,8 +69,10 @@ class Soak:
         self.rng = random.Random(a.seed)
         self.tmp = Path(tempfile.mkdtemp(prefix="symphony-soak-"))
         os.chmod(self.tmp, 0o755)
-        self.docs = self.tmp / "docs"
-        self.docs.mkdir()
+        # rag's documents live apart from the kernel's socket directory, which the
+        # capability policy denies (grants to it are refused at spawn)
+        self.docs = Path(tempfile.mkdtemp(prefix="symphony-soak-docs-"))
+        os.chmod(self.docs, 0o755)
         for i, text in enumerate(["Paris is the capital of France. It lies on the Seine.",
                                   "The Nile is the longest river in Africa.",
                                   "Mount Everest is the highest mountain on Earth.",
@@ -234,7 +236,8 @@ class Soak:
         Client(self.socket).shutdown()
         rc = self.kernel.wait(60)
         print(f"kernel exit status {rc}; shm left after shutdown: {len(self.shm())}")
-        bad = leaked or shm_left or self.lost or st["lips"] or rc or self.shm()
+        # a refused spawn means the workload was not the mix it claims to be
+        bad = leaked or shm_left or self.lost or st["lips"] or rc or self.shm() or self.count["spawn_refused"]
         return 1 if bad else 0
 
 
