@@ -143,7 +143,6 @@ What a LIP author should know
 from __future__ import annotations
 
 import ctypes
-import errno as _errno
 import os
 import resource
 import signal
