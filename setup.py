@@ -1,7 +1,7 @@
 """Symphony: a programmable LLM serving system (serve programs, not prompts).
 
 The C++/CUDA operators in csrc/ are compiled on first use by
-torch.utils.cpp_extension (symphony/kernel/ops.py), so installing needs no
+torch.utils.cpp_extension (symphony/engine/ops/__init__.py), so installing needs no
 compiler-time torch and no build isolation:  pip install --no-build-isolation -e .
 """
 from setuptools import find_packages, setup

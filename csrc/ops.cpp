@@ -1,11 +1,11 @@
 // Operator schemas of the symphony custom ops. The CPU kernels live in csrc/cpu/, the CUDA
 // kernels in csrc/cuda/; FakeTensor (meta) implementations are registered from Python in
-// symphony/kernel/ops.py, which also holds the pure-PyTorch reference implementations.
+// symphony/engine/ops/, which also holds the pure-PyTorch reference implementations.
 #include <torch/library.h>
 
 TORCH_LIBRARY(symphony, m) {
   // Fake implementations live in this Python module; torch imports it when it needs them.
-  m.set_python_module("symphony.kernel.ops");
+  m.set_python_module("symphony.engine.ops");
 
   // Scatter k[t], v[t] ([n_kv_heads, head_dim] each) into k_cache / v_cache
   // ([num_pages, page_size, n_kv_heads, head_dim]) at slot slots[t] = page * page_size + offset.

@@ -12,7 +12,7 @@
 //
 //   W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group]
 //
-// Every GGUF format we load maps onto one of the two exactly (symphony/kernel/quant.py does the
+// Every GGUF format we load maps onto one of the two exactly (symphony/engine/quant.py does the
 // repacking): Q4_0 (min = -8 d), Q4_1, Q4_K (scale d*sc, min -dmin*m: both exact in float32)
 // are u4; Q8_0, Q5_K (0..31) and Q6_K (-32..31, group 16) are i8.
 #pragma once

@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from symphony.kernel.config import DTYPES, EngineConfig          # noqa: E402
-from symphony.kernel.engine import Engine, PredRequest           # noqa: E402
-from symphony.kernel.loader import default_model_path, load_model  # noqa: E402
-from symphony.kernel.quant import QWeight                          # noqa: E402
-from symphony.kernel.reference import ReferenceLlama             # noqa: E402
+from symphony.engine.config import DTYPES, EngineConfig          # noqa: E402
+from symphony.engine.engine import Engine, PredRequest           # noqa: E402
+from symphony.engine.loader import default_model_path, load_model  # noqa: E402
+from symphony.engine.quant import QWeight                          # noqa: E402
+from symphony.engine.reference import ReferenceLlama             # noqa: E402
 
 PREFILL_TEXT = ("The history of the violin begins in sixteenth-century Italy, where makers in Cremona "
                 "and Brescia gave the instrument the shape it still has. Over the following centuries "

@@ -9,7 +9,7 @@ The model is built ONCE as a Hugging Face ``LlamaForCausalLM`` with random
 weights (normal, std ``--init-std``) in the bench dtype from a ``LlamaConfig``
 (default shape: Llama-3.2-1B) and saved with ``save_pretrained`` (safetensors)
 into a temporary directory.  Symphony loads that directory with its own loader
-(``symphony.kernel.loader.load_model``); transformers runs the model object it
+(``symphony.engine.loader.load_model``); transformers runs the model object it
 built.  Both systems thus run the very same weights, each through its real
 loading path.  One thing is added to the directory for our loader: a 3-token
 stub ``tokenizer.json`` (load_model requires one; the bench feeds token ids).
@@ -71,10 +71,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from symphony.kernel import ops                                  # noqa: E402
-from symphony.kernel.config import EngineConfig                  # noqa: E402
-from symphony.kernel.engine import Engine, PredRequest           # noqa: E402
-from symphony.kernel.loader import load_model                    # noqa: E402
+from symphony.engine import ops                                  # noqa: E402
+from symphony.engine.config import EngineConfig                  # noqa: E402
+from symphony.engine.engine import Engine, PredRequest           # noqa: E402
+from symphony.engine.loader import load_model                    # noqa: E402
 
 SHAPES = {
     # Llama-3.2-1B (1.24B parameters; llama3 RoPE scaling as in its config.json)

@@ -55,8 +55,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import KernelProc as _TestKernelProc  # noqa: E402  (one way to start a kernel)
 
 from symphony.client import Client                               # noqa: E402
-from symphony.kernel.config import EngineConfig                  # noqa: E402
-from symphony.kernel.engine import Engine, PredRequest           # noqa: E402
+from symphony.engine.config import EngineConfig                  # noqa: E402
+from symphony.engine.engine import Engine, PredRequest           # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to play the violin."
 

@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from symphony.kernel.config import EngineConfig                       # noqa: E402
-from symphony.kernel.engine import Engine                             # noqa: E402
-from symphony.kernel.kvfs import KVFS, KVFSConfig, Principal          # noqa: E402
-from symphony.kernel.loader import load_model                         # noqa: E402
+from symphony.engine.config import EngineConfig                       # noqa: E402
+from symphony.engine.engine import Engine                             # noqa: E402
+from symphony.kvfs import KVFS, KVFSConfig, Principal          # noqa: E402
+from symphony.engine.loader import load_model                         # noqa: E402
 
 ME = Principal("bench", 1)
 QUESTION = "\n\nQuestion: Which robot counted the most stars before sunrise, and where did it walk?"

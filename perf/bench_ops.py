@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from symphony.kernel import ops  # noqa: E402
+from symphony.engine import ops  # noqa: E402
 
 N_HEADS, N_KV, HEAD_DIM, PAGE = 9, 3, 64, 16
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from symphony.kernel.config import EngineConfig  # noqa: E402
-from symphony.kernel.engine import Engine  # noqa: E402
+from symphony.engine.config import EngineConfig  # noqa: E402
+from symphony.engine.engine import Engine  # noqa: E402
 
 
 def main() -> None:

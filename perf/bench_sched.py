@@ -115,8 +115,8 @@ def run_kernel_round(k, n_dec, n_pre, steps):
 
 
 def run_inprocess(n_dec, steps):
-    from symphony.kernel.config import EngineConfig
-    from symphony.kernel.engine import Engine, PredRequest
+    from symphony.engine.config import EngineConfig
+    from symphony.engine.engine import Engine, PredRequest
     eng = Engine.load(config=EngineConfig(kv_memory_bytes=512 << 20), progress=False)
     tok = eng.tokenizer
     seqs = [eng.new_sequence() for _ in range(n_dec)]

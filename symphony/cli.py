@@ -35,8 +35,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args):
-    from .kernel.config import DTYPES, ConfigError, EngineConfig
-    from .kernel.engine import Engine
+    from .engine.config import DTYPES, ConfigError, EngineConfig
+    from .engine.engine import Engine
     device = "cpu"
     if args.gpus:
         ids = [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -63,7 +63,7 @@ def _sample(logits, temperature: float, gen):
 
 def _complete(engine, ids: list[int], max_tokens: int, temperature: float, seed: int) -> None:
     import torch
-    from .kernel.tokenizer import StreamDecoder
+    from .tokenizer import StreamDecoder
     tok = engine.tokenizer
     gen = torch.Generator().manual_seed(seed)
     kv = engine.new_sequence()
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                         stream=sys.stderr)
     if args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
-    from .kernel.loader import ModelLoadError
+    from .engine.loader import ModelLoadError
     try:
         engine = _build_engine(args)
     except ModelLoadError as e:
@@ -204,7 +204,7 @@ def kernel_main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     log = logging.getLogger("symphony.kernel")
-    from .kernel.loader import ModelLoadError
+    from .engine.loader import ModelLoadError
     try:
         engine = _build_engine(args)
     except ModelLoadError as e:
@@ -216,8 +216,8 @@ def kernel_main(argv=None) -> int:
         log.error("%s", e)
         return 1
     from .kernel.daemon import Kernel
-    from .kernel.protocol import default_socket_path
-    from .kernel.kvfs import KVFS, KVFSConfig
+    from .ipc.protocol import default_socket_path
+    from .kvfs import KVFS, KVFSConfig
     user_pages = args.user_quota
     if isinstance(user_pages, float):               # a share of the device + host tiers
         user_pages = int(user_pages * (engine.kv.allocator.capacity + args.host_pages))
@@ -264,7 +264,7 @@ def _cap_policy(p: argparse.ArgumentParser, args):
     """The capability policy from the kernel's flags (exits with a usage error if one is bad)."""
     import os
     from .kernel.capabilities import CapPolicy
-    from .kernel.protocol import default_socket_path
+    from .ipc.protocol import default_socket_path
     build = os.environ.get("SYMPHONY_BUILD_DIR") or os.path.expanduser("~/.cache/symphony")
     try:
         return CapPolicy.build(allow_read=args.allow_read, deny_read=args.deny_read, allow_http=args.allow_http,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 from typing import Iterator, Optional
 
-from .kernel.protocol import recv_frame_sync, send_frame_sync
+from .ipc.protocol import recv_frame_sync, send_frame_sync
 
 
 class KernelError(Exception):
@@ -27,7 +27,7 @@ class Client:
         """Connect to the kernel at ``socket_path`` (default: $SYMPHONY_SOCKET or the
         default path), or use ``sock``, an already connected Unix socket: the kernel
         knows the caller by the credentials of whoever connected it (SO_PEERCRED)."""
-        from .kernel.protocol import default_socket_path
+        from .ipc.protocol import default_socket_path
         self.path = socket_path or default_socket_path()
         self.user = user
         if sock is not None:

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from symphony.kernel.config import EngineConfig, ModelConfig
-from symphony.kernel.weights import random_weights
+from symphony.engine.config import EngineConfig, ModelConfig
+from symphony.engine.weights import random_weights
 
 # Tolerances, stated once (float32 on the CPU):
 #   tiny random models: paged logits vs reference, max |diff| <= 1e-4
@@ -37,13 +37,13 @@ def tiny_weights():
 @pytest.fixture(scope="session")
 def smollm():
     """The real embedded model, loaded once per test session."""
-    from symphony.kernel.engine import Engine
+    from symphony.engine.engine import Engine
     return Engine.load(config=EngineConfig(page_size=16, num_pages=1024), progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm_reference(smollm):
-    from symphony.kernel.reference import ReferenceLlama
+    from symphony.engine.reference import ReferenceLlama
     return ReferenceLlama(smollm.model.w)     # the same weights, shared, not reloaded
 
 

@@ -151,7 +151,7 @@ def write_gguf(path: Path, cfg: dict, sd: dict[str, torch.Tensor], *, arch: str 
 
 def tiny_tokenizer():
     """The tiny byte-level BPE tokenizer, built the way a GGUF file's is."""
-    from symphony.kernel.tokenizer import Tokenizer
+    from symphony.tokenizer import Tokenizer
     vocab = tiny_vocab()
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": vocab, "tokenizer.ggml.merges": MERGES,
             "tokenizer.ggml.token_type": [3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)),

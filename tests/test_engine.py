@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from conftest import HALF_TINY_ATOL, HALF_TINY_SAME_DTYPE_ATOL, TINY_ATOL, tiny_config
-from symphony.kernel.config import EngineConfig, RopeScaling
-from symphony.kernel.engine import Engine, PredError, PredRequest
-from symphony.kernel.page_allocator import OutOfPages
-from symphony.kernel.reference import ReferenceLlama
-from symphony.kernel.weights import random_weights
+from symphony.engine.config import EngineConfig, RopeScaling
+from symphony.engine.engine import Engine, PredError, PredRequest
+from symphony.engine.page_allocator import OutOfPages
+from symphony.engine.reference import ReferenceLlama
+from symphony.engine.weights import random_weights
 
 
 def make(cfg=None, pages=128, page_size=4, seed=0):

@@ -284,7 +284,7 @@ def test_kernel_crash_and_restart(tmp_path, tiny_gguf):
 # ---------------------------------------------------------------- stale build lock (regression 2)
 def _build_copy(tmp_path) -> Path:
     """A private copy of this checkout's ops build directory, loaded once."""
-    from symphony.kernel import ops
+    from symphony.engine import ops
     src = ops._build_dir(False)
     dst = tmp_path / "ops"
     if src.is_dir():
@@ -292,7 +292,7 @@ def _build_copy(tmp_path) -> Path:
     else:
         dst.mkdir()
     env = dict(os.environ, SYMPHONY_BUILD_DIR=str(dst), PYTHONPATH=str(REPO))
-    subprocess.run([sys.executable, "-c", "from symphony.kernel import ops; ops.load()"], env=env,
+    subprocess.run([sys.executable, "-c", "from symphony.engine import ops; ops.load()"], env=env,
                    check=True, timeout=900, cwd=REPO, capture_output=True)
     return dst
 
@@ -343,7 +343,7 @@ def test_live_build_lock_is_waited_for_with_a_message(tmp_path, kind):
                               text=True)
     assert holder.stdout.readline().strip() == "held"
     env = dict(os.environ, SYMPHONY_BUILD_DIR=str(d), PYTHONPATH=str(REPO))
-    load = [sys.executable, "-c", "from symphony.kernel import ops; ops.load(); print('loaded')"]
+    load = [sys.executable, "-c", "from symphony.engine import ops; ops.load(); print('loaded')"]
     r = subprocess.run(load, env=dict(env, SYMPHONY_BUILD_LOCK_TIMEOUT="1"), capture_output=True, text=True,
                        timeout=120, cwd=REPO)
     assert r.returncode != 0 and f"build lock {lock}" in r.stderr and f"pid {holder.pid}" in r.stderr, r.stderr

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import TINY_ATOL, tiny_config
-from symphony.kernel import ops
-from symphony.kernel.config import EngineConfig
-from symphony.kernel.engine import Engine, PredRequest
-from symphony.kernel.graphs import DecodeGraphs, bucket_sizes, decode_step
-from symphony.kernel.reference import ReferenceLlama
-from symphony.kernel.weights import random_weights
+from symphony.engine import ops
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine, PredRequest
+from symphony.engine.graphs import DecodeGraphs, bucket_sizes, decode_step
+from symphony.engine.reference import ReferenceLlama
+from symphony.engine.weights import random_weights
 
 
 def engines(cfg=None, pages=256, page_size=4, max_batch=32, device="cpu", dtype=None):

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from conftest import HALF_TINY_ATOL, HALF_TINY_SAME_DTYPE_ATOL, TINY_ATOL, tiny_config
-from symphony.kernel.config import EngineConfig
-from symphony.kernel.engine import Engine, PredError
-from symphony.kernel.kvfs import (KVFS, AlreadyExists, BadHandle, DirectoryNotEmpty,
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine, PredError
+from symphony.kvfs import (KVFS, AlreadyExists, BadHandle, DirectoryNotEmpty,
                                   InvalidArgument, InvalidPath, IsADirectory, KVFSConfig, KVPred,
                                   NoSpace, NotFound, PermissionDenied, Principal, QuotaExceeded,
                                   ReadOnlyHandle)
-from symphony.kernel.reference import ReferenceLlama
-from symphony.kernel.weights import random_weights
+from symphony.engine.reference import ReferenceLlama
+from symphony.engine.weights import random_weights
 
 ALICE, BOB, ALICE2 = Principal("alice", 1), Principal("bob", 2), Principal("alice", 3)
 

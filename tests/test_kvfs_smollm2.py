@@ -11,9 +11,9 @@ count is back where it started.
 import pytest
 
 from conftest import SMOLLM_ATOL
-from symphony.kernel.config import EngineConfig
-from symphony.kernel.engine import Engine
-from symphony.kernel.kvfs import KVFS, KVFSConfig, KVPred, Principal
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine
+from symphony.kvfs import KVFS, KVFSConfig, KVPred, Principal
 
 ALICE, BOB = Principal("alice", 11), Principal("bob", 12)
 S = 16                                   # the smollm fixture's page size

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from conftest import tiny_config
-from symphony.kernel.config import EngineConfig
-from symphony.kernel.engine import Engine, PredError
-from symphony.kernel.kvfs import (KVFS, KVFSConfig, KVFSError, NoSpace, NotFound, PermissionDenied,
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine, PredError
+from symphony.kvfs import (KVFS, KVFSConfig, KVFSError, NoSpace, NotFound, PermissionDenied,
                                   Principal, QuotaExceeded)
-from symphony.kernel.weights import random_weights
+from symphony.engine.weights import random_weights
 
 PROCS = [Principal("alice", 1), Principal("alice", 2), Principal("bob", 3), Principal("carol", 4)]
 NAMES = ["/shared/a.kv", "/shared/b.kv", "/tmp/t.kv", "/home/alice/x.kv", "/home/bob/y.kv",

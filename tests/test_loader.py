@@ -6,11 +6,11 @@ import torch
 
 from modelfiles import (TINY_VOCAB_SIZE, hf_state_dict, tiny_hf_config, write_gguf,
                         write_hf_dir)
-from symphony.kernel.config import EngineConfig
-from symphony.kernel.engine import Engine
-from symphony.kernel.loader import ModelLoadError, load_model
-from symphony.kernel.reference import ReferenceLlama
-from symphony.kernel.tokenizer import Tokenizer
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine
+from symphony.engine.loader import ModelLoadError, load_model
+from symphony.engine.reference import ReferenceLlama
+from symphony.tokenizer import Tokenizer
 
 PROMPT = list(range(3, 40, 2))
 
@@ -173,7 +173,7 @@ def test_wrong_shape_is_named(tmp_path):
 def test_hf_config_rope_in_both_transformers_formats():
     """transformers < 5 writes rope_theta + rope_scaling; 5 writes rope_parameters.
     Both must give the same RoPE (a silent theta of 10000 ruins every logit)."""
-    from symphony.kernel.loader import ModelLoadError, hf_config_to_model_config
+    from symphony.engine.loader import ModelLoadError, hf_config_to_model_config
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
             "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2}

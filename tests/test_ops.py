@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from symphony.kernel import ops
+from symphony.engine import ops
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))]

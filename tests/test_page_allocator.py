@@ -1,6 +1,6 @@
 import pytest
 
-from symphony.kernel.page_allocator import NULL_PAGE, OutOfPages, PageAllocator, PageError
+from symphony.engine.page_allocator import NULL_PAGE, OutOfPages, PageAllocator, PageError
 
 
 def test_allocates_in_order_and_never_the_null_page():

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from modelfiles import random_gguf_blocks
-from symphony.kernel import ops, quant
-from symphony.kernel.quant import I8, U4, QuantError, QWeight
+from symphony.engine import ops
+from symphony.engine import quant
+from symphony.engine.quant import I8, U4, QuantError, QWeight
 
 TYPES = quant.GGUF_QUANT_TYPES
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from modelfiles import hf_state_dict, tiny_hf_config, write_gguf, write_hf_dir
-from symphony.kernel.config import ConfigError, EngineConfig
-from symphony.kernel.engine import Engine, PredRequest
-from symphony.kernel.loader import load_model
-from symphony.kernel.quant import QWeight
+from symphony.engine.config import ConfigError, EngineConfig
+from symphony.engine.engine import Engine, PredRequest
+from symphony.engine.loader import load_model
+from symphony.engine.quant import QWeight
 
 PROMPT = list(range(3, 60, 3))
 SMALL = EngineConfig(page_size=4, num_pages=64)

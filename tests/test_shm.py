@@ -1,4 +1,4 @@
-"""The shared-memory system-call ring (symphony/kernel/shm.py)."""
+"""The shared-memory system-call ring (symphony/ipc/shm.py)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -12,8 +12,8 @@ import numpy as np
 import orjson
 import pytest
 
-from symphony.kernel import shm
-from symphony.kernel.shm import (ARENA_F32, BUSY, FREE, REQUEST, RESPONSE, KernelSide,
+from symphony.ipc import shm
+from symphony.ipc.shm import (ARENA_F32, BUSY, FREE, REQUEST, RESPONSE, KernelSide,
                                  LipSide, RingClosed, RingError, WaitSet)
 
 EINVAL = -22

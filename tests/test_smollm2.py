@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import SMOLLM_ATOL
-from symphony.kernel.engine import PredRequest
+from symphony.engine.engine import PredRequest
 
 
 def greedy(engine, ids, max_tokens=40):
@@ -107,9 +107,9 @@ PROMPTS = [("chat", "Name three colours of the rainbow."),
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def smollm_half(request, smollm):
     """The same weights in a reduced dtype (not reloaded), and the plain loop in that dtype."""
-    from symphony.kernel.config import EngineConfig
-    from symphony.kernel.engine import Engine
-    from symphony.kernel.reference import ReferenceLlama
+    from symphony.engine.config import EngineConfig
+    from symphony.engine.engine import Engine
+    from symphony.engine.reference import ReferenceLlama
     dt = request.param
     w = smollm.model.w.dequantized()     # dense half weights (the CPU default keeps them quantized)
     eng = Engine(w, smollm.tokenizer, EngineConfig(page_size=16, num_pages=128, dtype=dt, weights="float"))

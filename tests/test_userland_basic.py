@@ -199,8 +199,8 @@ def tiny_model(tmp_path_factory):
     enough (output weights x3) that two-token sequences outscore EOS and the
     greedy first token is not always the best one; in-process and in a kernel."""
     from modelfiles import hf_state_dict, tiny_hf_config, write_gguf
-    from symphony.kernel.config import EngineConfig
-    from symphony.kernel.engine import Engine
+    from symphony.engine.config import EngineConfig
+    from symphony.engine.engine import Engine
     tmp = tmp_path_factory.mktemp("tiny")
     cfg = tiny_hf_config()
     sd = hf_state_dict(cfg, seed=3)
@@ -214,7 +214,7 @@ def tiny_model(tmp_path_factory):
 
 def two_token_table(engine, prompt):
     """Exact log-probs of every 2-token continuation: lp1 [V], lp2 [V, V]."""
-    from symphony.kernel.engine import PredRequest
+    from symphony.engine.engine import PredRequest
     seq = engine.new_sequence()
     lp1 = log_softmax(np.asarray(engine.pred(seq, engine.tokenizer.encode(prompt))))
     forks = [engine.fork(seq) for _ in range(lp1.size)]

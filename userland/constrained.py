@@ -32,7 +32,7 @@ import llguidance
 from symphony.lip import runtime
 import numpy as np
 
-from symphony.kernel.tokenizer import StreamDecoder
+from symphony.tokenizer import StreamDecoder
 from symphony.lip import kv, pred, send, tokenizer
 
 USAGE = ("usage: constrained.py (--json-schema SCHEMA | --regex REGEX | --lark GRAMMAR) PROMPT "

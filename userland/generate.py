@@ -3,7 +3,7 @@
     symphony run userland/generate.py "What is the capital of France?" [max_tokens]
 """
 from symphony.lip import kv, pred, send, tokenizer
-from symphony.kernel.tokenizer import StreamDecoder
+from symphony.tokenizer import StreamDecoder
 
 
 def main(question, max_tokens="128"):

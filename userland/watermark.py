@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from symphony.kernel.tokenizer import StreamDecoder
+from symphony.tokenizer import StreamDecoder
 from symphony.lip import kv, pred, send, tokenizer
 from symphony.lip.sampling import Sampler
 

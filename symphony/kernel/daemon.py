@@ -37,13 +37,13 @@ from typing import Optional
 
 import orjson
 
-from ..sched import admit
+from symphony.sched import admit
 from .capabilities import Capabilities, CapPolicy, Identity, identity_for
-from .kvfs import KVFS, KVFSError, Principal
+from symphony.kvfs import KVFS, KVFSError, Principal
 from .limits import LimitPolicy
-from .protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
+from symphony.ipc.protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
 from .identity import UidPool, check_caller
-from .shm import KernelSide, WaitSet
+from symphony.ipc.shm import KernelSide, WaitSet
 from .syscalls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, LipProc, SyscallServer
 
 log = logging.getLogger("symphony.kernel")
@@ -157,7 +157,7 @@ class Kernel:
         for lip_id in list(self.lips):                     # never reported: reclaim anyway
             self._reclaim(lip_id, -9, 9)
         healthy = await self._drain_reaping(10)
-        from .kvfs.store import write_durable
+        from symphony.kvfs.store import write_durable
         synced = None
         if healthy:
             try:

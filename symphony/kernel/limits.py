@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..sched import priority_of
-from ..sched.lips import PRIORITY_CLASSES
+from symphony.sched import priority_of
+from symphony.sched.lips import PRIORITY_CLASSES
 
 LIMIT_KEYS = ("memory_bytes", "cpu_seconds", "timeout", "threads", "open_files")
 # the range a value must be in to mean anything, whatever the ceiling

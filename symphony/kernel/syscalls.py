@@ -28,16 +28,16 @@ import numpy as np
 import orjson
 import torch
 
-from . import abi
+from symphony.ipc import abi
 from .capabilities import Capabilities
 from .failure import SyscallFailure, fail as _fail
-from .engine import PredError
-from .kvfs import KVFS, KVFSError, KVPred, Principal
-from .page_allocator import OutOfPages
-from .protocol import encode_frame
+from symphony.engine.engine import PredError
+from symphony.kvfs import KVFS, KVFSError, KVPred, Principal
+from symphony.engine.page_allocator import OutOfPages
+from symphony.ipc.protocol import encode_frame
 from .replies import ReplyStore, truncate_message
-from ..sched import BatchScheduler, Call, LipView, swap_out_order
-from .shm import RESP_BODY_OFF, KernelSide, RingError
+from symphony.sched import BatchScheduler, Call, LipView, swap_out_order
+from symphony.ipc.shm import RESP_BODY_OFF, KernelSide, RingError
 
 log = logging.getLogger("symphony.syscalls")
 

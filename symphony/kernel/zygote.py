@@ -65,8 +65,8 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "copy", "struct", "hashlib", "base64", "datetime", "decimal", "fractions", "operator",
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
            "secrets", "unicodedata", "encodings.idna", "argparse", "gettext", "locale", "shutil", "ast", "numpy",
-           "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.kernel.shm",
-           "symphony.kernel.sandbox", "symphony.kernel.tokenizer",
+           "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.ipc.shm",
+           "symphony.kernel.sandbox.lockdown", "symphony.tokenizer",
            # the LIP standard library and the libraries stock programs use
            "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy"]
 
@@ -125,8 +125,8 @@ def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         os.close(devnull)
-        from symphony.kernel.sandbox import lockdown
-        from symphony.kernel.shm import LipSide
+        from symphony.kernel.sandbox.lockdown import lockdown
+        from symphony.ipc.shm import LipSide
         from symphony.lip import runtime
         prog = _read_program(prog_fd)
         ring = LipSide.attach(msg["names"], bell_fd)
@@ -192,7 +192,7 @@ def main() -> None:
             importlib.import_module(m)
         except ImportError as e:                        # LIPs that import it will fail clearly
             print(f"symphony zygote: cannot preload {m}: {e}", file=sys.stderr, flush=True)
-    from symphony.kernel.tokenizer import Tokenizer
+    from symphony.tokenizer import Tokenizer
     with open(tok_file, encoding="utf-8") as f:
         tok = Tokenizer.from_json(f.read())
     if tok.chat_template:                                   # compile it (and import jinja2) now:

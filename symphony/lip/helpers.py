@@ -17,7 +17,7 @@ import shutil  # noqa: F401
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional, Sequence
 
-from symphony.kernel.tokenizer import StreamDecoder
+from symphony.tokenizer import StreamDecoder
 
 from .runtime import KVFile, pred, tokenizer
 from .sampling import Sampler
@@ -67,7 +67,7 @@ class StopChecker:
 
 
 class StreamText(StreamDecoder):
-    """`symphony.kernel.tokenizer.StreamDecoder` on the LIP's tokenizer:
+    """`symphony.tokenizer.StreamDecoder` on the LIP's tokenizer:
     ``push(token_id) -> new text`` (held back while it ends in an incomplete
     UTF-8 sequence), ``flush() -> the rest``."""
 

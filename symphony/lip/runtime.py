@@ -7,11 +7,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import orjson
 
-from ..kernel import abi
+from symphony.ipc import abi
 from .errors import BY_NAME, NotInLIP, SyscallError
 
-_ring = None          # symphony.kernel.shm.LipSide, set by the worker before user code runs
-_tok = None           # symphony.kernel.tokenizer.Tokenizer
+_ring = None          # symphony.ipc.shm.LipSide, set by the worker before user code runs
+_tok = None           # symphony.tokenizer.Tokenizer
 _eos: tuple = ()
 EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach (-1 outside a LIP)
 ATTACHED = ("EOS",)   # globals set by _attach: `symphony.lip` reads them here at each access

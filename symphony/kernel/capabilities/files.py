@@ -25,7 +25,7 @@ import stat
 from typing import Optional
 
 from .identity import Identity
-from ..failure import fail
+from symphony.kernel.failure import fail
 from .policy import CapPolicy
 
 MAX_ENTRIES = 10000

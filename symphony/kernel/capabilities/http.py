@@ -22,7 +22,7 @@ import time
 import urllib.parse
 from typing import Optional
 
-from ..failure import fail
+from symphony.kernel.failure import fail
 from .policy import parse_host
 
 MAX_HOPS = 5

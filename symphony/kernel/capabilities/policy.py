@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..failure import SyscallFailure
+from symphony.kernel.failure import SyscallFailure
 from .identity import Credentials, Identity
 
 BUILTIN_DENY = ("/proc", "/sys", "/dev", "/run")

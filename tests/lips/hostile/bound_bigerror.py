@@ -3,7 +3,7 @@ grants (on 04f0b73 the message quoted it whole; now the capability layer may
 refuse an over-long path without quoting it, or quote it truncated), and a pred() whose bad n_tokens the kernel
 quotes with repr() (20000 zero-width spaces: 60 KB of request, 120 KB of
 message).  On 04f0b73 the second killed the syscall thread: every LIP hung."""
-from symphony.kernel import abi
+from symphony.ipc import abi
 from symphony.lip import read_file, send
 from symphony.lip.errors import InvalidArgument, PermissionDenied
 from symphony.lip.runtime import _call

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
-from ..engine import Engine
+from symphony.engine.engine import Engine
 from .data import DataOps
 from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, InvalidPath,
                      IsADirectory, NotADirectory, NotFound, PermissionDenied)

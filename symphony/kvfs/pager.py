@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..kv_cache import KVPool
+from symphony.engine.kv_cache import KVPool
 from .errors import NoSpace
 from .namespace import Block
 

@@ -33,7 +33,7 @@ from .graphs import DecodeGraphs, decode_step
 from .kv_cache import KVPool, KVSequence
 from .model import BatchMeta, PagedLlama
 from .page_allocator import OutOfPages
-from .tokenizer import Tokenizer
+from symphony.tokenizer import Tokenizer
 from .quant import prepare_weights
 from .weights import ModelWeights
 

@@ -26,7 +26,7 @@ import torch
 
 from .config import ConfigError, ModelConfig, RopeScaling
 from .quant import GGUF_QUANT_TYPES, QuantError, QWeight, cat_rows, from_gguf
-from .tokenizer import Tokenizer, TokenizerError
+from symphony.tokenizer import Tokenizer, TokenizerError
 from .weights import LayerWeights, ModelWeights
 
 log = logging.getLogger("symphony.loader")

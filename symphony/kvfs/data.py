@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..engine import PredRequest
-from ..kv_cache import KVSequence
+from symphony.engine.engine import PredRequest
+from symphony.engine.kv_cache import KVSequence
 from .errors import InvalidArgument, ReadOnlyHandle
 from .namespace import Block, Inode, Principal
 

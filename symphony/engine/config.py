@@ -126,7 +126,7 @@ class EngineConfig:
     # (for a 1B model with a 128k vocabulary, +20% bytes a decode step).
     float32_head: Optional[bool] = None
     # Quantized matrices: "quantized" keeps a GGUF file's quantized tensors in memory, in their
-    # own bits, and computes with them (symphony/kernel/quant.py); "float" dequantizes them to
+    # own bits, and computes with them (symphony/engine/quant.py); "float" dequantizes them to
     # `dtype` at load; "auto": quantized on the CPU (faster and ~5x smaller, perf/RESULTS.md),
     # float on a GPU.
     weights: str = "auto"

@@ -8,7 +8,7 @@ together), as GGUF llama files store them; the loader permutes Hugging Face
 attention score unchanged, so this is a storage choice, not a model change.
 
 Each matrix (the projections, the embedding and lm_head) is either a dense tensor or a
-`QWeight` kept quantized in memory (symphony/kernel/quant.py); norms and biases are dense.
+`QWeight` kept quantized in memory (symphony/engine/quant.py); norms and biases are dense.
 """
 from __future__ import annotations
 

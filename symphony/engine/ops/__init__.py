@@ -1,0 +1,212 @@
+"""Symphony's custom attention ops: loader, typed wrappers, fake impls and references.
+
+The ops are C++/CUDA kernels in ``<repo>/csrc`` registered as ``torch.ops.symphony.*``
+(schemas in ``csrc/ops.cpp``). They are compiled on first use with
+``torch.utils.cpp_extension`` into a cache directory (``$SYMPHONY_BUILD_DIR`` or
+``~/.cache/symphony/ops/<hash>``) and loaded into the process as a plain shared library.
+
+KV page pool layout of one layer: ``k_cache`` / ``v_cache`` are
+``[num_pages, page_size, n_kv_heads, head_dim]`` (views ``pool[layer, 0]`` / ``pool[layer, 1]``
+of a contiguous pool). Cache slot ``s`` is page ``s // page_size``, offset ``s % page_size``.
+
+``write_kv(k, v, k_cache, v_cache, slots)``
+    ``k``, ``v``: ``[T, n_kv_heads, head_dim]``; ``slots``: int64 ``[T]``. Writes ``k[t]``,
+    ``v[t]`` at slot ``slots[t]``; negative slots are skipped.
+
+``paged_attention(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale) -> out``
+    ``q``: ``[T, n_heads, head_dim]`` holding every sequence's query tokens back to back;
+    ``page_table``: int32 ``[B, max_pages]``; ``cu_q_lens``: int32 ``[B + 1]`` (sequence b's
+    queries are ``q[cu_q_lens[b]:cu_q_lens[b + 1]]``); ``kv_lens``: int32 ``[B]``, the number of
+    cache slots of sequence b, its new tokens included. Query i of a sequence sees slots
+    ``0 .. kv_len - q_len + i``; query head h uses kv head ``h // (n_heads // n_kv_heads)``.
+    Returns ``softmax(scale * q k^T) v`` as ``[T, n_heads, head_dim]`` in q's dtype, computed
+    with float32 accumulation.
+
+q, k and v may be strided along the token dimension (slices of a fused qkv projection) as long
+as each token's ``[heads, head_dim]`` block is contiguous.
+
+Dtypes: float32, float16 and bfloat16, on the CPU and on CUDA; q, k, v and the caches share
+one dtype. ``write_kv`` copies rows bit-exactly. ``paged_attention`` computes the softmax and
+its accumulations in float32 and rounds the output to q's dtype once. On the CPU, with float16 /
+bfloat16 caches the decode kernel (sequences with at most 8 query rows per KV head) reads the
+cache directly, widening a vector at a time; for the other (prefill-like) sequences the pages
+they read are widened into float32 scratch pages, each distinct page once (never the whole
+pool), for the float32 prefill kernel. Every widening is exact, so the result is the float32
+kernel's on the same values, rounded (nearest even) to q's dtype.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import torch
+
+from .build import _build_and_load, _build_dir, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401 (_build_dir: tests)
+from .reference import (paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
+                        write_kv_reference)
+
+__all__ = [
+    "load",
+    "write_kv",
+    "paged_attention",
+    "qlinear",
+    "qdequant",
+    "qcpu_features",
+    "qlinear_reference",
+    "qdequant_reference",
+    "write_kv_reference",
+    "paged_attention_reference",
+    "cuda_available",
+    "compile_cuda_object",
+    "csrc_dir",
+]
+
+logger = logging.getLogger("symphony.ops")
+
+_lock = threading.Lock()
+_loaded = False
+_cuda_built = False
+
+
+# --------------------------------------------------------------------------------------------
+# Build / load
+# --------------------------------------------------------------------------------------------
+def load() -> None:
+    """Build (first use only) and load the ops. Idempotent and thread-safe.
+
+    The CUDA kernels are included when torch sees a GPU and a CUDA toolkit is found
+    (``SYMPHONY_NO_CUDA=1`` forces a CPU-only build); if that build fails, a CPU-only build
+    is tried so that CPU inference still works.
+    """
+    global _loaded, _cuda_built
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        with_cuda = _want_cuda()
+        if with_cuda:
+            try:
+                _build_and_load(True)
+            except Exception as e:  # noqa: BLE001 - fall back to the CPU kernels, loudly
+                logger.warning("symphony: building the CUDA ops failed (%s); falling back to a "
+                               "CPU-only build", e)
+                print(f"symphony: WARNING: building the CUDA ops failed ({e}); "
+                      "falling back to CPU-only ops", file=sys.stderr, flush=True)
+                with_cuda = False
+        if not with_cuda:
+            _build_and_load(False)
+        _register_fakes()
+        _cuda_built = with_cuda
+        _loaded = True
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels were built into the loaded library."""
+    load()
+    return _cuda_built
+
+
+# --------------------------------------------------------------------------------------------
+# Ops
+# --------------------------------------------------------------------------------------------
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write k[t], v[t] into k_cache / v_cache at slots[t] (negative slots skipped), in place."""
+    if not _loaded:
+        load()
+    torch.ops.symphony.write_kv(k, v, k_cache, v_cache, slots)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of packed queries over the paged KV cache; see the module docstring."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.paged_attention(q, k_cache, v_cache, page_table, cu_q_lens,
+                                              kv_lens, float(scale))
+
+
+def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+            kind: int, group: int, path: int = -1) -> torch.Tensor:
+    """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
+
+    ``path`` (CPU only): -1 picks by M and the CPU's features; 0 scalar, 1 AVX2, 2 AVX-512
+    (register kernels), 3 dequantize + torch GEMM force one (an unsupported one raises).
+    """
+    if not _loaded:
+        load()
+    return torch.ops.symphony.qlinear(x, qs, scales, mins, int(kind), int(group), int(path))
+
+
+def qdequant(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: int,
+             group: int) -> torch.Tensor:
+    """The quantized weight W as float32 ``[N, K]``."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.qdequant(qs, scales, mins, int(kind), int(group))
+
+
+def qcpu_features() -> dict[str, bool]:
+    """Which SIMD paths of qlinear this CPU runs: ``{"avx2": ..., "avx512": ...}``."""
+    if not _loaded:
+        load()
+    bits = int(torch.ops.symphony.qcpu_features())
+    return {"avx2": bool(bits & 1), "avx512": bool(bits & 2)}
+
+
+# Fake (meta) implementations, for torch.compile / FakeTensor tracing. They can only be
+# registered once the ops exist, so load() registers them; the C++ library also names this
+# module (set_python_module) so that torch imports it when it needs them.
+def _write_kv_fake(k, v, k_cache, v_cache, slots) -> None:
+    torch._check(k.dim() == 3 and k.shape == v.shape)
+    torch._check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape)
+    torch._check(slots.dim() == 1 and slots.shape[0] == k.shape[0])
+    return None
+
+
+def _paged_attention_fake(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale):
+    torch._check(q.dim() == 3)
+    torch._check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape)
+    torch._check(page_table.dim() == 2 and kv_lens.dim() == 1 and cu_q_lens.dim() == 1)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _qlinear_fake(x, qs, scales, mins, kind, group, path=-1):
+    torch._check(x.dim() == 2 and qs.dim() == 2)
+    return torch.empty((x.shape[0], qs.shape[0]), dtype=torch.float32, device=x.device)
+
+
+def _qdequant_fake(qs, scales, mins, kind, group):
+    torch._check(qs.dim() == 2)
+    k = qs.shape[1] * (2 if kind == 0 else 1)
+    return torch.empty((qs.shape[0], k), dtype=torch.float32, device=qs.device)
+
+
+_fakes_registered = False
+
+
+def _ops_exist() -> bool:
+    try:
+        torch.ops.symphony.write_kv
+        torch.ops.symphony.paged_attention
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _register_fakes() -> None:
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    torch.library.register_fake("symphony::write_kv", _write_kv_fake)
+    torch.library.register_fake("symphony::paged_attention", _paged_attention_fake)
+    torch.library.register_fake("symphony::qlinear", _qlinear_fake)
+    torch.library.register_fake("symphony::qdequant", _qdequant_fake)
+    _fakes_registered = True
+
+
+if _ops_exist():  # the library was loaded by other means before this module was imported
+    _register_fakes()

@@ -1,0 +1,75 @@
+"""Pure-PyTorch references of the ops (tests and documentation): same semantics, no speed."""
+from __future__ import annotations
+
+import torch
+
+def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference write_kv: scatter rows into the flattened [num_pages * page_size] slot axis."""
+    keep = slots >= 0
+    idx = slots[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[idx] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[idx] = v[keep]
+
+
+def qdequant_reference(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: int,
+                       group: int) -> torch.Tensor:
+    """Reference qdequant: unpack the quants, ``scale * q + min`` per group (float32 [N, K]).
+
+    Computed in float64 and rounded once, like the kernels' fused multiply-add (they may differ
+    by one float32 ulp where double rounding bites)."""
+    if kind == 0:                                   # u4: byte j of a group = elements j, j + 16
+        b = qs.view(qs.shape[0], -1, 16).to(torch.int32)                  # [N, G, 16]
+        q = torch.cat([b & 0xF, b >> 4], dim=2).reshape(qs.shape[0], -1)  # [N, K]
+    else:
+        q = qs.to(torch.int32)                                            # [N, K]
+    w = q.double() * scales.double().repeat_interleave(group, dim=1)
+    if mins.numel():
+        w = w + mins.double().repeat_interleave(group, dim=1)
+    return w.float()
+
+
+def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                      kind: int, group: int, path: int = -1) -> torch.Tensor:
+    """Reference qlinear: float64 product with the dequantized weight, rounded to float32."""
+    w = qdequant_reference(qs, scales, mins, kind, group)
+    return (x.double() @ w.double().t()).float()
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              page_table: torch.Tensor, cu_q_lens: torch.Tensor,
+                              kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference paged_attention: per sequence, gather K/V, build the causal mask, softmax."""
+    T, n_heads, head_dim = q.shape
+    _, page_size, n_kv_heads, _ = k_cache.shape
+    group = n_heads // n_kv_heads
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # float32 accumulation
+    out = torch.zeros(T, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    cu = cu_q_lens.tolist()
+    kvl = kv_lens.tolist()
+    for b in range(len(kvl)):
+        q0, q1, kv_len = cu[b], cu[b + 1], kvl[b]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        n_pages = -(-kv_len // page_size)
+        pages = page_table[b, :n_pages].long()
+        # [kv_len, n_kv_heads, head_dim] -> one K/V head per query head
+        k = k_cache[pages].reshape(-1, n_kv_heads, head_dim)[:kv_len].to(acc)
+        v = v_cache[pages].reshape(-1, n_kv_heads, head_dim)[:kv_len].to(acc)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[q0:q1].to(acc)
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale      # [n_heads, q_len, kv_len]
+        i = torch.arange(q_len, device=q.device).unsqueeze(1)
+        j = torch.arange(kv_len, device=q.device).unsqueeze(0)
+        visible = j <= (kv_len - q_len + i)                         # [q_len, kv_len]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA compile check (no GPU needed)
+# --------------------------------------------------------------------------------------------
