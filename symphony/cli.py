@@ -322,7 +322,7 @@ def _warm_up(engine) -> None:
     """Before the kernel says "ready": build/load the C++ ops (a stale build
     lock is cleared, a live builder waited for) and run one forward pass, with
     progress on stderr, so that no LIP's first pred pays for (or hangs on) it."""
-    from .kernel import ops
+    from .engine import ops
     t0 = time.perf_counter()
     print("symphony-kernel: loading the C++ ops...", file=sys.stderr, flush=True)
     ops.load()

@@ -215,7 +215,8 @@ def test_reply_store_chunks_and_bounds():
 
 def test_sample_rejects_a_distribution_it_cannot_draw_from():
     import torch
-    from symphony.kernel.syscalls import SyscallFailure, _sample
+    from symphony.kernel.failure import SyscallFailure
+    from symphony.kernel.pred_calls import _sample
     x = torch.full((1, 8), float("-inf"))                        # [rows, vocab]: nothing allowed
     with pytest.raises(SyscallFailure, match="no valid distribution"):
         _sample(x, {"temperature": 1.0})

@@ -44,7 +44,9 @@ from .limits import LimitPolicy
 from symphony.ipc.protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
 from .identity import UidPool, check_caller
 from symphony.ipc.shm import KernelSide, WaitSet
-from .syscalls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, LipProc, SyscallServer
+from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
+from .proc import LipProc
+from .syscalls import SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 

@@ -1,0 +1,196 @@
+"""The non-pred system calls: info, KV files, messages and output, chunked-reply FETCH, recv, and
+capabilities.  `IOCalls` is a part of `SyscallServer`; `handler_table` maps ABI ops to handlers.
+"""
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from symphony.ipc import abi
+from symphony.ipc.protocol import encode_frame
+from symphony.ipc.shm import RESP_BODY_OFF
+
+from .failure import fail as _fail
+from .proc import LipProc
+from .validate import _int, _path
+
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits
+
+
+class IOCalls:
+    """Handlers of every call but pred (mixed into SyscallServer)."""
+
+    def _nop(self, lip, slot, cid, body, toks):
+        return {}
+
+    def _info(self, lip, slot, cid, body, toks):
+        c = self.engine.model_config
+        return {"lip": lip.id, "user": lip.user, "grants": lip.grants, "limits": lip.limits,
+                "vocab_size": c.vocab_size, "max_context": c.max_context,
+                "eos_ids": list(self.engine.tokenizer.eos_ids) if self.engine.tokenizer else []}
+
+    def _kv(self, fn):
+        def h(self, lip, slot, cid, body, toks):
+            return fn(self, lip.principal, body)
+        return h
+
+    def _send(self, lip, slot, cid, body, toks):
+        if "data" not in body:
+            _fail("InvalidArgument", "EINVAL", "send needs data")
+        data = body["data"]
+        if len(orjson.dumps(data)) > MAX_MESSAGE_BYTES:
+            _fail("InvalidArgument", "EINVAL", f"message larger than {MAX_MESSAGE_BYTES} bytes")
+        return self._emit_output(lip, slot, cid, {"event": "out", "data": data})
+
+    def _write_stream(self, lip, slot, cid, body, toks):
+        stream, data = body.get("stream"), body.get("data")
+        if stream not in ("stdout", "stderr") or not isinstance(data, str):
+            _fail("InvalidArgument", "EINVAL", "bad stream write")
+        return self._emit_output(lip, slot, cid, {"event": stream, "data": data[:MAX_MESSAGE_BYTES]})
+
+    def _emit_output(self, lip, slot, cid, event: dict):
+        """Hand ``event`` to the client and count its bytes as queued; past
+        ``max_queued_output`` the call waits (parked, like recv) until the
+        client has taken enough (`credit_output`)."""
+        lip.out_bytes += len(encode_frame(event))      # the event loop credits the same frame size back
+        self.emit(lip.id, event)
+        if lip.out_bytes > self.max_queued_output:
+            lip.parked_out.append((slot, cid))
+            lip.blocked_since = time.monotonic()
+            return None
+        return {}
+
+    def credit_output(self, lip_id: int, n: int) -> None:
+        """The event loop says ``n`` bytes of the LIP's output left the kernel
+        (taken by the client, or dropped): wake parked senders if there is room."""
+        lip = self.lips.get(lip_id)
+        if lip is None:
+            return
+        lip.out_bytes = max(0, lip.out_bytes - n)
+        while lip.parked_out and lip.out_bytes <= self.max_queued_output:
+            slot, cid = lip.parked_out.popleft()
+            self._reply(lip, slot, cid, {})
+
+    def _fetch(self, lip, slot, cid, body, toks):
+        """The next chunk of a reply too large for a slot: raw bytes, not JSON."""
+        rid = _int(body.get("id"), "id", 1, 1 << 62)
+        off = _int(body.get("offset"), "offset", 0, 1 << 62)
+        try:
+            chunk = lip.replies.take(rid, off, lip.ring.slot_bytes - RESP_BODY_OFF)
+        except (KeyError, IndexError) as e:
+            _fail("InvalidArgument", "EINVAL", f"fetch: {e.args[0]}")
+        if lip.state in ("running", "killing"):
+            lip.ring.respond(slot, cid, abi.OK, chunk)
+        return None
+
+    def _recv(self, lip, slot, cid, body, toks):
+        if lip.parked_recv is not None:
+            _fail("InvalidArgument", "EBUSY", "another thread of this LIP is already in recv()")
+        lip.parked_recv = (slot, cid)
+        lip.blocked_since = time.monotonic()
+        self._serve_recv(lip)
+        return None
+
+    def _serve_recv(self, lip: LipProc) -> None:
+        if lip.parked_recv is None or not (lip.inbox or lip.eof):
+            return
+        slot, cid = lip.parked_recv
+        lip.parked_recv = None
+        self._reply(lip, slot, cid, {"data": lip.inbox.popleft()} if lip.inbox else {"eof": True})
+
+    def _cap(self, op: str):
+        """A capability call: run on the capability pool (policy, per-LIP share,
+        deadline: see capabilities/), answered from the syscall thread."""
+        def h(self, lip, slot, cid, body, toks):
+            def done(res, err):
+                def reply():
+                    lip.caps_in_flight -= 1
+                    if err is None:
+                        self._reply(lip, slot, cid, res)
+                    else:
+                        self._reply_error(lip, slot, cid, err)
+                self.submit(reply)
+            lip.caps_in_flight += 1
+            lip.blocked_since = time.monotonic()
+            self.caps.submit(lip, op, body, done)
+            return None
+        return h
+
+    _handlers: dict = {}
+
+
+def _kv_create(s, who, b):
+    h = s.fs.create(who, _path(b, optional=True), b.get("mode"))      # None: KVFS default (0600)
+    return {"handle": h}
+
+
+def _kv_open(s, who, b):
+    h = s.fs.open(who, _path(b), b.get("mode", "r"))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_close(s, who, b):
+    s.fs.close(who, b.get("kv"))
+    return {}
+
+
+def _kv_fork(s, who, b):
+    h = s.fs.fork(who, b.get("kv"), _path(b, optional=True), b.get("mode"))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_truncate(s, who, b):
+    s.fs.truncate(who, b.get("kv"), b.get("n"))
+    return {"length": s.fs.handles[b["kv"]].inode.length}
+
+
+def _kv_extract(s, who, b):
+    h = s.fs.extract(who, b.get("kv"), b.get("ranges"), _path(b, optional=True), b.get("mode"))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_merge(s, who, b):
+    kvs = b.get("kvs")
+    h = s.fs.merge(who, kvs, _path(b, optional=True), b.get("mode"))
+    return {"handle": h, "length": s.fs.handles[h].inode.length}
+
+
+def _kv_stat(s, who, b):
+    return s.fs.stat(who, b["kv"] if "kv" in b else _path(b))
+
+
+def _kv_list(s, who, b):
+    return {"entries": s.fs.list(who, _path(b))}
+
+
+def _kv_advise(s, who, b):
+    s.fs.advise(who, b.get("kv"), b.get("hint"), b.get("seconds"))
+    return {}
+
+
+def _kv_simple(method, *keys):
+    def h(s, who, b):
+        getattr(s.fs, method)(who, *[(_path(b, k) if k in ("path", "old", "new") else b.get(k)) for k in keys])
+        return {}
+    return h
+
+
+def handler_table(S) -> dict:
+    """ABI op -> handler(server, lip, slot, call_id, body, tokens) of the server class S."""
+    return {
+        abi.NOP: S._nop, abi.INFO: S._info, abi.PRED: S._pred,
+        abi.KV_CREATE: S._kv(S, _kv_create), abi.KV_OPEN: S._kv(S, _kv_open),
+        abi.KV_CLOSE: S._kv(S, _kv_close), abi.KV_FORK: S._kv(S, _kv_fork),
+        abi.KV_TRUNCATE: S._kv(S, _kv_truncate), abi.KV_EXTRACT: S._kv(S, _kv_extract),
+        abi.KV_MERGE: S._kv(S, _kv_merge), abi.KV_STAT: S._kv(S, _kv_stat), abi.KV_LIST: S._kv(S, _kv_list),
+        abi.KV_ADVISE: S._kv(S, _kv_advise), abi.KV_REMOVE: S._kv(S, _kv_simple("remove", "path")),
+        abi.KV_RENAME: S._kv(S, _kv_simple("rename", "old", "new")),
+        abi.KV_SYNC: S._kv(S, _kv_simple("sync", "kv")),
+        abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode")) or {}),
+        abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
+        abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream, abi.FETCH: S._fetch,
+        abi.CAP_HTTP: S._cap(S, "http"), abi.CAP_READ_FILE: S._cap(S, "read"),
+        abi.CAP_LIST_DIR: S._cap(S, "list"),
+    }
