@@ -31,6 +31,6 @@ setup(
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema"]},
     entry_points={"console_scripts": [
         "symphony=symphony.cli:main",
-        "symphony-kernel=symphony.cli:kernel_main",
+        "symphony-kernel=symphony.kernel_cli:kernel_main",
     ]},
 )

@@ -157,7 +157,7 @@ def test_only_root_is_the_kvfs_root_user(kern):
 def test_kernel_quota_flags_parse_and_refuse_bad_values():
     import argparse
 
-    from symphony.cli import _nonneg_int, _pages_or_percent, _umask
+    from symphony.kernel_cli import _nonneg_int, _pages_or_percent, _umask
     assert _pages_or_percent("50%") == 0.5 and _pages_or_percent("1200") == 1200
     assert _umask("077") == 0o077 and _nonneg_int("0") == 0
     for f, bad in ((_pages_or_percent, "0%"), (_pages_or_percent, "101%"), (_pages_or_percent, "-3"),

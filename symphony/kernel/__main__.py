@@ -1,6 +1,6 @@
 """python -m symphony.kernel  ==  symphony-kernel"""
 import sys
 
-from symphony.cli import kernel_main
+from symphony.kernel_cli import kernel_main
 
 sys.exit(kernel_main())
