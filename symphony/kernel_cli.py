@@ -211,7 +211,7 @@ def _warm_up(engine) -> None:
     progress on stderr, so that no LIP's first pred pays for (or hangs on) it."""
     from .engine import ops
     t0 = time.perf_counter()
-    print("symphony-kernel: loading the C++ ops...", file=sys.stderr, flush=True)
+    print(f"symphony-kernel: loading the C++ ops (sources: {ops.csrc_dir()})...", file=sys.stderr, flush=True)
     ops.load()
     t1 = time.perf_counter()
     print(f"symphony-kernel: C++ ops loaded in {t1 - t0:.1f} s; warming up one forward pass...",

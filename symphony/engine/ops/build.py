@@ -1,9 +1,13 @@
 """Building the C++/CUDA ops: sources, compiler flags per CPU, the build cache and its lock.
 
-The sources are ``csrc/`` (shipped inside the package as ``symphony/_csrc`` by a wheel, or the
-checkout's top-level ``csrc/``). They are compiled with ``torch.utils.cpp_extension`` into
-``$SYMPHONY_BUILD_DIR`` or ``~/.cache/symphony/ops/<hash>`` (the hash covers the sources, torch,
-the compiler flags and the CPU signature) under a file lock, so concurrent first users build once.
+The sources are ``csrc/``: the copy shipped inside an installed wheel as ``symphony/_csrc``, or
+the checkout's top-level ``csrc/`` (a source checkout or an editable install). They are compiled
+with ``torch.utils.cpp_extension`` into ``$SYMPHONY_BUILD_DIR`` or ``~/.cache/symphony/ops/<hash>``
+(the hash covers the sources' bytes, torch, the compiler flags and the CPU signature) under a file
+lock, so concurrent first users build once. The build compiles a copy of the sources staged inside
+the build directory (``<build>/csrc``), so the compiled paths do not depend on where the sources
+came from: a checkout, a worktree and an installed wheel with the same sources share one build
+instead of rebuilding it in turn for each path.
 """
 from __future__ import annotations
 
@@ -25,19 +29,56 @@ import torch
 logger = logging.getLogger("symphony.ops")
 
 _EXT_NAME = "symphony_ops"
-_CSRC = Path(__file__).resolve().parents[3] / "csrc"
+_PACKAGED_CSRC = Path(__file__).resolve().parents[2] / "_csrc"   # site-packages/symphony/_csrc (a wheel)
+_CHECKOUT_CSRC = Path(__file__).resolve().parents[3] / "csrc"    # <repo>/csrc (a checkout, -e install)
+_SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh", ".hpp")
 _CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp")
 _CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu")
 _LOCK_TIMEOUT_S = 30 * 60        # default wait for another live builder ($SYMPHONY_BUILD_LOCK_TIMEOUT)
 _LOCK_PROGRESS_S = 10.0
 
 def csrc_dir() -> Path:
-    """The directory holding the C++/CUDA sources; raises if it is missing."""
-    if not (_CSRC / "ops.cpp").is_file():
-        raise RuntimeError(
-            f"symphony: the C++ op sources were not found at {_CSRC} (expected csrc/ops.cpp next "
-            "to the symphony package). Run from a source checkout of the repository.")
-    return _CSRC
+    """The directory holding the C++/CUDA sources: the copy an installed wheel ships
+    (``symphony/_csrc``), else the checkout's ``csrc/``; RuntimeError if neither has ops.cpp."""
+    for d in (_PACKAGED_CSRC, _CHECKOUT_CSRC):
+        if (d / "ops.cpp").is_file():
+            return d
+    raise RuntimeError(
+        f"symphony: the C++ op sources were not found: neither {_PACKAGED_CSRC} (an installed "
+        f"wheel's copy) nor {_CHECKOUT_CSRC} (a source checkout) has ops.cpp. Reinstall symphony "
+        "from a wheel or sdist built with setup.py, or run from a source checkout.")
+
+
+def _source_files(root: Path) -> list[Path]:
+    """Every C++/CUDA source and header under ``root``, sorted."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _SOURCE_SUFFIXES)
+
+
+def _stage_sources(root: Path, build_dir: Path) -> Path:
+    """Mirror the sources of ``root`` into ``build_dir/csrc`` and return that directory.
+
+    Only a file whose bytes differ is rewritten (atomically), so an unchanged tree keeps its
+    mtimes and ninja finds the build up to date; a file no longer in ``root`` is removed.
+    Called under the build lock."""
+    dst_root = build_dir / "csrc"
+    wanted = set()
+    for path in _source_files(root):
+        rel = path.relative_to(root)
+        wanted.add(rel)
+        dst, data = dst_root / rel, path.read_bytes()
+        try:
+            if dst.read_bytes() == data:
+                continue
+        except OSError:
+            pass
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    for path in _source_files(dst_root):
+        if path.relative_to(dst_root) not in wanted:
+            path.unlink()
+    return dst_root
 
 
 def _cpu_arch_flags() -> list[str]:
@@ -93,12 +134,11 @@ def _build_dir(with_cuda: bool) -> Path:
     env = os.environ.get("SYMPHONY_BUILD_DIR")
     if env:
         return Path(env).expanduser()
-    h = hashlib.sha256()
+    h = hashlib.sha256(b"staged sources\n")     # builds from <build>/csrc, not from where they lie
     root = csrc_dir()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        if path.suffix in (".cpp", ".cu", ".h", ".cuh", ".hpp"):
-            h.update(str(path.relative_to(root)).encode())
-            h.update(path.read_bytes())
+    for path in _source_files(root):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
     h.update(torch.__version__.encode())
     h.update(f"cuda={with_cuda} {torch.version.cuda}".encode())
     h.update(f"py={sys.version_info[:2]}".encode())
@@ -232,20 +272,18 @@ def _announce(msg: str) -> None:
 
 def _build_and_load(with_cuda: bool) -> None:
     root = csrc_dir()
-    sources = [str(root / s) for s in _CPU_SOURCES]
-    if with_cuda:
-        sources += [str(root / s) for s in _CUDA_SOURCES]
-    for s in sources:
-        if not Path(s).is_file():
-            raise RuntimeError(f"symphony: op source {s} is missing")
+    names = list(_CPU_SOURCES) + (list(_CUDA_SOURCES) if with_cuda else [])
+    for s in names:
+        if not (root / s).is_file():
+            raise RuntimeError(f"symphony: op source {root / s} is missing")
     build_dir = _build_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)  # cpp_extension's lock file lives in it
     with _build_lock(build_dir):
-        _load_locked(build_dir, sources, with_cuda)
+        staged = _stage_sources(root, build_dir)
+        _load_locked(build_dir, [str(staged / s) for s in names], with_cuda, staged)
 
 
-def _load_locked(build_dir: Path, sources: list, with_cuda: bool) -> None:
-    root = csrc_dir()
+def _load_locked(build_dir: Path, sources: list, with_cuda: bool, root: Path) -> None:
     fresh = not (build_dir / f"{_EXT_NAME}.so").exists()
     if fresh:
         _announce(f"symphony: building C++ ops (first use, about a minute) in {build_dir}"
