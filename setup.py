@@ -1,16 +1,57 @@
 """Symphony: a programmable LLM serving system (serve programs, not prompts).
 
 The C++/CUDA operators in csrc/ are compiled on first use by
-torch.utils.cpp_extension (symphony/engine/ops/__init__.py), so installing needs no
+torch.utils.cpp_extension (symphony/engine/ops/build.py), so installing needs no
 compiler-time torch and no build isolation:  pip install --no-build-isolation -e .
+
+csrc/ and userland/ stay at the top of the repository; a wheel or a non-editable
+install ships them inside the package as symphony/_csrc (the op sources, built on
+first use) and symphony/_userland (the stock programs, run by name:
+``symphony run chat "..."``).  An editable install reads them from the checkout.
+    pip wheel --no-deps --no-build-isolation .      # dist: dist/symphony-*.whl
 """
+import os
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# top-level folder -> (folder inside the installed package, file suffixes shipped)
+SHIPPED = {
+    "csrc": ("_csrc", (".cpp", ".cu", ".h", ".cuh", ".hpp")),
+    "userland": ("_userland", (".py",)),
+}
+
+
+class BuildPyShippingSources(build_py):
+    """build_py that also copies csrc/ and userland/ into the built package
+    (symphony/_csrc, symphony/_userland); an editable install copies nothing."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        for top, (inside, suffixes) in SHIPPED.items():
+            src_root = os.path.join(HERE, top)
+            if not os.path.isdir(src_root):
+                raise SystemExit(f"setup.py: {src_root} is missing (build from a checkout or an sdist)")
+            for dirpath, dirnames, filenames in os.walk(src_root):
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+                for name in sorted(filenames):
+                    if not name.endswith(suffixes):
+                        continue
+                    rel = os.path.relpath(os.path.join(dirpath, name), src_root)
+                    out = os.path.join(self.build_lib, "symphony", inside, rel)
+                    self.mkpath(os.path.dirname(out))
+                    self.copy_file(os.path.join(dirpath, name), out)
+
 
 setup(
     name="symphony",
     version="0.1.0",
     description="LLM serving system that runs LLM Inference Programs (LIPs)",
     packages=find_packages(include=["symphony", "symphony.*"]),
+    cmdclass={"build_py": BuildPyShippingSources},
     python_requires=">=3.10",
     install_requires=[
         # torch is installed by scripts/quickstart.sh (exactly 2.13.0 CPU here;

@@ -1,7 +1,8 @@
 """Command-line entry points: ``symphony`` (here) and ``symphony-kernel`` (symphony/kernel_cli.py).
 
     symphony-kernel [--model PATH] [--gpus 0] [--socket PATH] ...   the kernel daemon
-    symphony run lip.py [args] [--grant http:HOST] [--grant read:DIR]
+    symphony run NAME|lip.py [args] [--grant http:HOST] [--grant read:DIR]   (NAME: a stock program)
+    symphony run --list  (== symphony programs)                              the stock programs
     symphony ps | kill ID | kv ls [DIR] | kv rm PATH | kv stat PATH
     symphony chat "question" / generate "text"    in-process engine, no kernel needed
 """
@@ -104,6 +105,12 @@ def main(argv=None) -> int:
         _engine_args(s)
     _add_client_cmds(sub)
     args = p.parse_args(argv)
+    if args.cmd == "programs" or (args.cmd == "run" and args.list):
+        return _list_programs()
+    if args.cmd == "run":
+        err = _resolve_program(args)
+        if err:
+            return err
     if args.cmd in ("run", "ps", "kill", "kv"):
         return _client_cmd(args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
@@ -133,6 +140,29 @@ def kernel_main(argv=None) -> int:
     """``symphony-kernel``: the kernel daemon (its flags and startup: symphony/kernel_cli.py)."""
     from .kernel_cli import kernel_main as run_kernel
     return run_kernel(argv)
+
+
+def _list_programs() -> int:
+    """``symphony run --list`` / ``symphony programs``: the stock programs and what they do."""
+    from .programs import ProgramError, listing
+    try:
+        print(listing())
+    except ProgramError as e:
+        print(f"symphony: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _resolve_program(args) -> int:
+    """Turn ``symphony run``'s LIP argument (a stock program's name or a path) into a file path
+    in ``args.lip_file``, before connecting; 0, or 2 after printing why it names nothing."""
+    from .programs import ProgramError, resolve
+    try:
+        args.lip_file = str(resolve(args.lip_file or ""))
+    except ProgramError as e:
+        print(f"symphony: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _client_cmd(args) -> int:
@@ -245,8 +275,13 @@ def _add_client_cmds(sub) -> None:
     def common(s):
         s.add_argument("--socket", default=None, help="kernel socket (default $SYMPHONY_SOCKET or the default path)")
         s.add_argument("--as-user", default=None, help="act as this user (root only)")
-    r = sub.add_parser("run", help="run a LIP on the kernel and stream its output")
-    r.add_argument("lip_file")
+    r = sub.add_parser("run", help="run a LIP on the kernel and stream its output",
+                       description="Run a LIP: a stock program by name (symphony run chat \"...\"; "
+                                   "symphony run --list shows them) or a file (a path with a / or "
+                                   "ending in .py, e.g. ./chat or my_lip.py).")
+    r.add_argument("lip_file", nargs="?", metavar="PROGRAM",
+                   help="a stock program's name (chat, rag, ...) or a LIP file's path")
+    r.add_argument("--list", action="store_true", help="list the stock programs and exit")
     r.add_argument("lip_args", nargs=argparse.REMAINDER)
     r.add_argument("--grant", action="append", default=[], help="http:HOST[:PORT] or read:DIR (repeatable)")
     r.add_argument("--timeout", type=float, default=None, help="wall-clock limit, seconds")
@@ -257,6 +292,7 @@ def _add_client_cmds(sub) -> None:
                    help="scheduling class (default normal)")
     r.add_argument("-v", "--verbose", action="store_true")
     common(r)
+    sub.add_parser("programs", help="list the stock programs (symphony run NAME runs one)")
     ps = sub.add_parser("ps", help="list running LIPs")
     common(ps)
     k = sub.add_parser("kill", help="kill a LIP")
