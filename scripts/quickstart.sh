@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set everything up, then run the main job (default) or the test suite.
-#   bash scripts/quickstart.sh          # install, start the kernel, run a stock LIP, stop the kernel
+#   bash scripts/quickstart.sh          # install, start the kernel, run a stock LIP by name, stop the kernel
 #   bash scripts/quickstart.sh test     # install, then run the tests
 #   bash scripts/quickstart.sh setup    # install only
 # Uses the current python3 (activate a virtualenv first if you want one).
@@ -46,8 +46,8 @@ case "$mode" in
             sleep 0.2
         done
         grep -q "ready on" "$log" || { cat "$log" >&2; echo "the kernel did not start in time" >&2; exit 1; }
-        step "kernel ready (log: $log); symphony run userland/generate.py"
-        $PY -m symphony.cli run --socket "$sock" userland/generate.py "${@:-What is the capital of France?}"
+        step "kernel ready (log: $log); symphony run generate   (the stock program userland/generate.py, by name)"
+        $PY -m symphony.cli run --socket "$sock" generate "${@:-What is the capital of France?}"
         step "stopping the kernel"
         kill -TERM $kpid
         wait $kpid
