@@ -81,27 +81,32 @@ def test_csrc_dir_prefers_a_packaged_copy_then_the_checkout(tmp_path, monkeypatc
         build.csrc_dir()
 
 
-def test_sources_are_staged_into_the_build_dir_rewriting_only_what_changed(tmp_path):
-    src, bdir = tmp_path / "src", tmp_path / "build"
+def test_sources_are_staged_once_by_content(tmp_path):
+    src, cache = tmp_path / "src", tmp_path / "cache"
     (src / "cpu").mkdir(parents=True)
     (src / "ops.cpp").write_text("int a;\n")
     (src / "cpu" / "k.cpp").write_text("int k;\n")
     (src / "cpu" / "k.h").write_text("#pragma once\n")
     (src / "notes.txt").write_text("not a source\n")
-    staged = build._stage_sources(src, bdir)
-    assert staged == bdir / "csrc"
+    staged = build._stage_sources(src, cache)
+    assert staged.parent == cache and staged.name == build._read_sources(src)[0][:16]
     assert sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()) == \
         ["cpu/k.cpp", "cpu/k.h", "ops.cpp"]
-    old = (staged / "ops.cpp").stat().st_mtime_ns
-    os.utime(staged / "ops.cpp", ns=(old - 10**9, old - 10**9))       # as if built a second ago
-    before = (staged / "ops.cpp").stat().st_mtime_ns
-    (src / "cpu" / "k.cpp").write_text("int k2;\n")
-    (src / "cpu" / "k.h").unlink()
-    build._stage_sources(src, bdir)
-    assert (staged / "ops.cpp").stat().st_mtime_ns == before          # unchanged: not touched (ninja: up to date)
-    assert (staged / "cpu" / "k.cpp").read_text() == "int k2;\n"      # changed: rewritten
-    assert not (staged / "cpu" / "k.h").exists()                      # gone from the sources: removed
-    assert not list(staged.rglob("*.tmp"))
+    assert (staged / "cpu" / "k.cpp").read_text() == "int k;\n"
+    mtime = (staged / "ops.cpp").stat().st_mtime_ns
+    copy = tmp_path / "elsewhere"
+    import shutil
+    shutil.copytree(src, copy)
+    assert build._stage_sources(copy, cache) == staged                  # same bytes elsewhere: same copy,
+    assert (staged / "ops.cpp").stat().st_mtime_ns == mtime             # untouched (ninja: up to date)
+    (copy / "cpu" / "k.cpp").write_text("int k2;\n")
+    other = build._stage_sources(copy, cache)
+    assert other != staged and (other / "cpu" / "k.cpp").read_text() == "int k2;\n"
+    assert (staged / "cpu" / "k.cpp").read_text() == "int k;\n"        # a staged copy never changes
+    assert sorted(p.name for p in cache.iterdir()) == sorted([staged.name, other.name])   # no temp left
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert build._stage_sources(src, blocked / "cache") == src          # cannot stage: build in place
 
 
 def test_the_build_dir_depends_on_the_sources_bytes_not_their_location(tmp_path, monkeypatch):

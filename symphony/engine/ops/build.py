@@ -4,10 +4,11 @@ The sources are ``csrc/``: the copy shipped inside an installed wheel as ``symph
 the checkout's top-level ``csrc/`` (a source checkout or an editable install). They are compiled
 with ``torch.utils.cpp_extension`` into ``$SYMPHONY_BUILD_DIR`` or ``~/.cache/symphony/ops/<hash>``
 (the hash covers the sources' bytes, torch, the compiler flags and the CPU signature) under a file
-lock, so concurrent first users build once. The build compiles a copy of the sources staged inside
-the build directory (``<build>/csrc``), so the compiled paths do not depend on where the sources
-came from: a checkout, a worktree and an installed wheel with the same sources share one build
-instead of rebuilding it in turn for each path.
+lock, so concurrent first users build once. The build compiles a copy of the sources kept by
+content, ``~/.cache/symphony/src/<hash of their bytes>``, so the compiled paths do not depend on
+where the sources came from: a checkout, its worktrees and an installed wheel with the same sources
+share one build (and a copied build directory stays up to date) instead of rebuilding it in turn
+for each path.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -54,31 +56,46 @@ def _source_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _SOURCE_SUFFIXES)
 
 
-def _stage_sources(root: Path, build_dir: Path) -> Path:
-    """Mirror the sources of ``root`` into ``build_dir/csrc`` and return that directory.
+def _read_sources(root: Path) -> tuple[str, dict[str, bytes]]:
+    """The sources under ``root`` (relative path -> bytes) and the sha256 of them all."""
+    files = {str(p.relative_to(root)): p.read_bytes() for p in _source_files(root)}
+    h = hashlib.sha256()
+    for rel, data in files.items():
+        h.update(f"{rel}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest(), files
 
-    Only a file whose bytes differ is rewritten (atomically), so an unchanged tree keeps its
-    mtimes and ninja finds the build up to date; a file no longer in ``root`` is removed.
-    Called under the build lock."""
-    dst_root = build_dir / "csrc"
-    wanted = set()
-    for path in _source_files(root):
-        rel = path.relative_to(root)
-        wanted.add(rel)
-        dst, data = dst_root / rel, path.read_bytes()
+
+def _stage_sources(root: Path, cache: Optional[Path] = None) -> Path:
+    """A copy of the sources of ``root`` kept by content: ``<cache>/<hash of their bytes>``
+    (default ``~/.cache/symphony/src``), written once (built in a temporary directory, then
+    renamed into place, so a staged copy is complete or absent) and never changed after; the
+    build compiles it, so its paths are the same wherever the sources came from. Where the
+    cache cannot be written, ``root`` itself."""
+    digest, files = _read_sources(root)          # hashed and copied from the same bytes
+    cache = cache or Path.home() / ".cache" / "symphony" / "src"
+    dst = cache / digest[:16]
+    if dst.is_dir():
+        return dst
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
+    except OSError as e:
+        logger.info("cannot stage the op sources in %s (%s); building them where they are", cache, e)
+        return root
+    try:
+        for rel, data in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        tmp.chmod(0o755)
         try:
-            if dst.read_bytes() == data:
-                continue
+            os.rename(tmp, dst)
         except OSError:
-            pass
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dst)
-    for path in _source_files(dst_root):
-        if path.relative_to(dst_root) not in wanted:
-            path.unlink()
-    return dst_root
+            if not dst.is_dir():                 # not another process staging the same bytes first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
 
 
 def _cpu_arch_flags() -> list[str]:
@@ -134,11 +151,8 @@ def _build_dir(with_cuda: bool) -> Path:
     env = os.environ.get("SYMPHONY_BUILD_DIR")
     if env:
         return Path(env).expanduser()
-    h = hashlib.sha256(b"staged sources\n")     # builds from <build>/csrc, not from where they lie
-    root = csrc_dir()
-    for path in _source_files(root):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
+    h = hashlib.sha256(b"staged sources\n")     # compiled from ~/.cache/symphony/src/<hash>
+    h.update(_read_sources(csrc_dir())[0].encode())
     h.update(torch.__version__.encode())
     h.update(f"cuda={with_cuda} {torch.version.cuda}".encode())
     h.update(f"py={sys.version_info[:2]}".encode())
@@ -279,7 +293,7 @@ def _build_and_load(with_cuda: bool) -> None:
     build_dir = _build_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)  # cpp_extension's lock file lives in it
     with _build_lock(build_dir):
-        staged = _stage_sources(root, build_dir)
+        staged = _stage_sources(root)
         _load_locked(build_dir, [str(staged / s) for s in names], with_cuda, staged)
 
 
