@@ -16,6 +16,8 @@ from .ipc.protocol import recv_frame_sync, send_frame_sync
 
 
 class KernelError(Exception):
+    """The kernel refused a request: ``code`` (e.g. "EPERM") and ``type`` come from its reply."""
+
     def __init__(self, reply: dict):
         super().__init__(reply.get("message", "kernel error"))
         self.code, self.type = reply.get("error"), reply.get("type")
@@ -48,9 +50,11 @@ class Client:
         self.close()
 
     def close(self):
+        """Close the connection (the kernel detaches this client from its LIPs)."""
         self.sock.close()
 
     def request(self, msg: dict) -> dict:
+        """Send one request frame and return the kernel's reply; KernelError if it refused."""
         if self.user:
             msg = dict(msg, user=self.user)
         send_frame_sync(self.sock, msg)
@@ -63,6 +67,10 @@ class Client:
 
     def spawn(self, source: str, args=(), *, filename: str = "lip.py", grants: Optional[dict] = None,
               limits: Optional[dict] = None, attach: bool = True, priority="normal") -> int:
+        """Start a LIP from its ``source`` text with ``args``; returns its id. ``grants``:
+        {"http": [...], "read": [...]}; ``limits``: ceilings asked for (memory_bytes,
+        cpu_seconds, timeout, threads); ``attach``: stream its events to this client.
+        (A stock program's source: ``symphony.programs.resolve(name).read_text()``.)"""
         r = self.request({"op": "spawn", "source": source, "filename": filename, "args": list(args),
                           "grants": grants or {}, "limits": limits or {}, "attach": attach,
                           "priority": priority})
@@ -92,30 +100,38 @@ class Client:
                 return
 
     def send_input(self, lip: int, data: Optional[str]) -> None:
+        """Give LIP ``lip`` one line for its recv(); ``None`` ends its input."""
         msg = {"op": "input", "lip": lip, **({"eof": True} if data is None else {"data": data})}
         if self.user:
             msg["user"] = self.user
         send_frame_sync(self.sock, msg)
 
     def kill(self, lip: int) -> dict:
+        """Kill LIP ``lip`` (its owner or root)."""
         return self.request({"op": "kill", "lip": lip})
 
     def ps(self) -> dict:
+        """The running LIPs: {"lips": [{"lip", "user", "state", "pid", "preds", "tokens", ...}]}."""
         return self.request({"op": "ps"})
 
     def stats(self) -> dict:
+        """The kernel's counters (instance, KV pages, LIPs, ...)."""
         return self.request({"op": "stats"})
 
     def kv_ls(self, path: str = "/") -> list:
+        """The entries of KVFS directory ``path``, as this client's user sees them."""
         return self.request({"op": "kv_ls", "path": path})["entries"]
 
     def kv_rm(self, path: str) -> None:
+        """Remove the KV file ``path``."""
         self.request({"op": "kv_rm", "path": path})
 
     def kv_stat(self, path: str) -> dict:
+        """The metadata of KV file ``path`` (owner, mode, length, pages, ...)."""
         return self.request({"op": "kv_stat", "path": path})
 
     def shutdown(self) -> None:
+        """Stop the kernel (root only)."""
         self.request({"op": "shutdown"})
 
 

@@ -48,6 +48,8 @@ def _umask(text: str) -> int:
 
 
 def kernel_main(argv=None) -> int:
+    """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
+    warm up, then serve until stopped; returns the exit status."""
     p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
     _engine_args(p)
     p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
