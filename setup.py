@@ -11,6 +11,7 @@ first use) and symphony/_userland (the stock programs, run by name:
     pip wheel --no-deps --no-build-isolation .      # dist: dist/symphony-*.whl
 """
 import os
+import shutil
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -24,13 +25,17 @@ SHIPPED = {
 
 
 class BuildPyShippingSources(build_py):
-    """build_py that also copies csrc/ and userland/ into the built package
-    (symphony/_csrc, symphony/_userland); an editable install copies nothing."""
+    """build_py that starts from an empty build/lib/symphony and also copies csrc/ and
+    userland/ into the built package (symphony/_csrc, symphony/_userland); an editable
+    install copies nothing."""
 
     def run(self):
-        super().run()
         if getattr(self, "editable_mode", False):
+            super().run()
             return
+        # a clean copy: a module deleted from the tree must not live on in build/lib
+        shutil.rmtree(os.path.join(self.build_lib, "symphony"), ignore_errors=True)
+        super().run()
         for top, (inside, suffixes) in SHIPPED.items():
             src_root = os.path.join(HERE, top)
             if not os.path.isdir(src_root):
