@@ -156,9 +156,15 @@ def _list_programs() -> int:
 def _resolve_program(args) -> int:
     """Turn ``symphony run``'s LIP argument (a stock program's name or a path) into a file path
     in ``args.lip_file``, before connecting; 0, or 2 after printing why it names nothing."""
-    from .programs import ProgramError, resolve
+    import os
+    from .programs import ProgramError, available, resolve
     try:
         args.lip_file = str(resolve(args.lip_file or ""))
+        stem = os.path.basename(args.lip_file)[:-3] if args.lip_file.endswith(".py") else ""
+        if not os.path.isfile(args.lip_file) and stem in available():
+            print(f"symphony: cannot read {args.lip_file}: no such file (the stock program: "
+                  f"symphony run {stem})", file=sys.stderr)
+            return 2
     except ProgramError as e:
         print(f"symphony: {e}", file=sys.stderr)
         return 2

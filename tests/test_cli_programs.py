@@ -66,6 +66,8 @@ def test_a_file_named_like_a_stock_program_runs_by_path_only(tmp_path):
     assert by_name.parent == programs.programs_dir()
     r = _cli("run", "./chat", cwd=tmp_path)
     assert r.returncode == 2 and "no kernel is listening" in r.stderr
+    r = _cli("run", "chat.py", "hi", cwd=tmp_path)                    # a path, and no such file: a hint
+    assert r.returncode == 2 and "cannot read chat.py" in r.stderr and "symphony run chat" in r.stderr
 
 
 def test_csrc_dir_prefers_a_packaged_copy_then_the_checkout(tmp_path, monkeypatch):
