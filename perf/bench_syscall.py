@@ -1,4 +1,4 @@
-"""Null system call round trip over the shared-memory ring (symphony/ipc/shm.py).
+"""Null system call round trip over the shared-memory ring (symphony/ipc/).
 
     python perf/bench_syscall.py [--calls 20000] [--rounds 4] [--spin-us 50] [--idle-s 2]
 
@@ -36,7 +36,10 @@ import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from symphony.ipc.shm import KernelSide, LipSide, RingError, WaitSet  # noqa: E402
+from symphony.ipc.kernel_side import KernelSide  # noqa: E402
+from symphony.ipc.layout import RingError  # noqa: E402
+from symphony.ipc.lip_side import LipSide  # noqa: E402
+from symphony.ipc.wait import WaitSet  # noqa: E402
 
 OP_NULL, OP_EXIT, OP_CPU = 0, 1, 2
 TICK = os.sysconf("SC_CLK_TCK")

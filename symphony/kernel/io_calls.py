@@ -9,7 +9,7 @@ import orjson
 
 from symphony.ipc import abi
 from symphony.ipc.protocol import encode_frame
-from symphony.ipc.shm import RESP_BODY_OFF
+from symphony.ipc.layout import RESP_BODY_OFF
 
 from .failure import fail as _fail
 from .proc import LipProc

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from symphony.ipc import abi
-from symphony.ipc.shm import KernelSide
+from symphony.ipc.kernel_side import KernelSide
 from symphony.kvfs import KVPred
 from symphony.sched import Call, LipView, swap_out_order
 

@@ -27,7 +27,7 @@ import orjson
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import OutOfPages
 from symphony.ipc import abi
-from symphony.ipc.shm import RESP_BODY_OFF, RingError
+from symphony.ipc.layout import RESP_BODY_OFF, RingError
 from symphony.kvfs import KVFS, KVFSError
 from symphony.sched import BatchScheduler
 

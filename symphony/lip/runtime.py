@@ -10,7 +10,7 @@ import orjson
 from symphony.ipc import abi
 from .errors import BY_NAME, NotInLIP, SyscallError
 
-_ring = None          # symphony.ipc.shm.LipSide, set by the worker before user code runs
+_ring = None          # symphony.ipc.lip_side.LipSide, set by the worker before user code runs
 _tok = None           # symphony.tokenizer.Tokenizer
 _eos: tuple = ()
 EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach (-1 outside a LIP)
