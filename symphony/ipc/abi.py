@@ -49,5 +49,5 @@ MAX_TOKENS_PER_CALL = 8192
 MAX_TOP_K = 1024                  # k of a pred(output="topk")
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0   # a sampling temperature: 0 (greedy) or in this range
 MAX_MASK_WORDS = 1 << 20          # a token mask's uint32 words (the kernel wants exactly ceil(vocab/32))
-MAX_HANDLE = (1 << 63) - 1        # KV handles, ids and offsets are ints below this
+MAX_ID = (1 << 63) - 1            # a FETCH's reply id and byte offset are ints up to this
 MAX_LIST_ITEMS = 1 << 16          # ranges of an extract, files of a merge
