@@ -60,7 +60,7 @@ from . import abi
 from .layout import (ARENA_DTYPES, BUSY, CLOSED_OFF, HDR, MAGIC, MAX_ARENA_BYTES, MAX_SLOT_BYTES, MAX_SLOTS,
                      NO_TOKENS, REQ_BODY_OFF, REQ_HDR, REQUEST_WORD, RESP_BODY_OFF, RESP_HDR, RESPONSE,
                      STATES_OFF, U32, U32_MAX, U64_MASK, VERSION, Request, RingError, align, check_prefix,
-                     geometry, map_segment, new_name, new_request, unlink_sem, unlink_shm, unmap)
+                     close_sems, geometry, map_segment, new_name, new_request, unlink_sem, unlink_shm, unmap)
 from .wait import WaitSet, new_bell
 
 __all__ = ["KernelSide"]
@@ -288,11 +288,7 @@ class KernelSide:
         self._u8 = None
         unmap(self._mm)
         self._mm = None
-        for s in self._sems:
-            try:
-                s.close()
-            except posix_ipc.Error:
-                pass
+        close_sems(self._sems)
 
     def unlink(self) -> None:
         """Remove the segment and the slot semaphores' names.  Idempotent; never raises."""

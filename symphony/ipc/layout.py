@@ -179,6 +179,15 @@ def map_segment(shm: posix_ipc.SharedMemory, size: int) -> mmap.mmap:
         shm.close_fd()
 
 
+def close_sems(sems: list) -> None:
+    """Close every semaphore of ``sems`` (this process's handles; names stay)."""
+    for s in sems:
+        try:
+            s.close()
+        except posix_ipc.Error:
+            pass
+
+
 def unmap(mm: mmap.mmap | None) -> None:
     if mm is None:
         return

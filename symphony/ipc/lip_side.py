@@ -27,7 +27,7 @@ import posix_ipc
 from . import abi
 from .layout import (ARENA_DTYPES, CLOSED_OFF, FREE, HDR, HEADER_BYTES, MAGIC, MAX_SLOT_BYTES, MAX_SLOTS,
                      REQ_BODY_OFF, REQ_HDR, REQUEST, RESP_BODY_OFF, RESP_HDR, RESPONSE, STATES_OFF, U32,
-                     U32_MAX, VERSION, Response, RingClosed, RingError, TopK, align, geometry, map_segment,
+                     U32_MAX, VERSION, Response, RingClosed, RingError, TopK, align, close_sems, geometry, map_segment,
                      new_response, unmap)
 from .wait import Spin
 
@@ -311,11 +311,7 @@ class LipSide:
     def _mm_close(self) -> None:
         unmap(self._mm)
         self._mm = None
-        for sem in self._sems:
-            try:
-                sem.close()
-            except posix_ipc.Error:
-                pass
+        close_sems(self._sems)
         if self._bell is not None:
             try:
                 os.close(self._bell)

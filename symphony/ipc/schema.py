@@ -140,8 +140,9 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
-class KvCreate(_Body):
-    """KV_CREATE: a new file, anonymous unless ``path``."""
+class KvCreate(_Body, kw_only=True):
+    """KV_CREATE: a new file, anonymous unless ``path``, with ``mode`` (None: KVFS's
+    default).  The calls that make a new file (fork, extract, merge) take these too."""
     path: OptPath = None
     mode: Mode = None
 
@@ -168,11 +169,9 @@ class KvMkdir(_Body):
     mode: Mode = None
 
 
-class KvFork(_Body):
+class KvFork(KvCreate):
     """KV_FORK: a copy-on-write clone of ``kv``."""
     kv: Handle
-    path: OptPath = None
-    mode: Mode = None
 
 
 class KvTruncate(_Body):
@@ -181,19 +180,15 @@ class KvTruncate(_Body):
     n: Length
 
 
-class KvExtract(_Body):
+class KvExtract(KvCreate):
     """KV_EXTRACT: a new file of token ranges [start, end) of ``kv``."""
     kv: Handle
     ranges: Ranges
-    path: OptPath = None
-    mode: Mode = None
 
 
-class KvMerge(_Body):
+class KvMerge(KvCreate):
     """KV_MERGE: a new file of the files' tokens one after another."""
     kvs: Handles
-    path: OptPath = None
-    mode: Mode = None
 
 
 class KvStat(_Body):
