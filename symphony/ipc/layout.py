@@ -139,6 +139,7 @@ PREFIX_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
 def align(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
     return (n + a - 1) // a * a
 
 
@@ -150,15 +151,18 @@ def geometry(n_slots: int, slot_bytes: int, arena_bytes: int) -> tuple[int, int,
 
 
 def new_name(prefix: str) -> str:
+    """A fresh, unguessable POSIX name ``/{prefix}-{32 hex digits}``."""
     return f"/{prefix}-{secrets.token_hex(16)}"
 
 
 def check_prefix(prefix: str) -> None:
+    """ValueError unless ``prefix`` is 1-64 characters of [A-Za-z0-9_.]."""
     if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
         raise ValueError(f"prefix must match {PREFIX_RE.pattern}, got {prefix!r}")
 
 
 def unlink_shm(name: str) -> None:
+    """Remove a segment's name; one already gone is fine."""
     try:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
@@ -166,6 +170,7 @@ def unlink_shm(name: str) -> None:
 
 
 def unlink_sem(name: str) -> None:
+    """Remove a semaphore's name; one already gone is fine."""
     try:
         posix_ipc.unlink_semaphore(name)
     except posix_ipc.ExistentialError:
@@ -173,6 +178,7 @@ def unlink_sem(name: str) -> None:
 
 
 def map_segment(shm: posix_ipc.SharedMemory, size: int) -> mmap.mmap:
+    """Map ``size`` bytes of ``shm`` and close its descriptor (the mapping keeps it alive)."""
     try:
         return mmap.mmap(shm.fd, size)
     finally:
@@ -189,6 +195,7 @@ def close_sems(sems: list) -> None:
 
 
 def unmap(mm: mmap.mmap | None) -> None:
+    """Close a mapping; while NumPy views still hold it, it lives on until they go."""
     if mm is None:
         return
     try:
@@ -209,6 +216,7 @@ class RingClosed(Exception):
 
 
 class Request(NamedTuple):
+    """A request as the kernel copied it out of a slot."""
     call_id: int
     op: int
     json: bytes
@@ -223,6 +231,7 @@ class TopK(NamedTuple):
 
 
 class Response(NamedTuple):
+    """A reply as the LIP reads it from its slot."""
     status: int
     json: bytes
     arena: "np.ndarray | TopK | None"   # zero-copy read-only view(s) into the segment, or None

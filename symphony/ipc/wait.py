@@ -80,6 +80,7 @@ class Spin:
         self._skipped = 0
 
     def budget(self) -> int:
+        """Nanoseconds the next wait may spin (0: block at once)."""
         if self.cur_ns or not self.adaptive or not self.max_ns:
             return self.cur_ns
         self._skipped += 1
@@ -97,10 +98,12 @@ class Spin:
         self.cur_ns = min(self.max_ns, 2 * max(self.cur_ns, used) + 1000)
 
     def won(self, used: int) -> None:
+        """The condition came true while spinning a budget of ``used`` ns."""
         if self.adaptive:
             self._grow(used)
 
     def blocked(self, used: int, waited_ns: int, woken: bool) -> None:
+        """The spin of ``used`` ns failed; the wait then took ``waited_ns`` in all (``woken``: not a timeout)."""
         if not self.adaptive or not self.max_ns:
             return
         if woken and waited_ns <= self.max_ns:
