@@ -69,6 +69,7 @@ setup(
         "safetensors",          # Hugging Face weight directories
         "jinja2",               # chat templates (sandboxed)
         "orjson",
+        "msgspec>=0.18",        # system-call bodies decoded and validated by type (symphony/ipc/schema.py)
         "posix_ipc",
         "uvloop",
         "tqdm",

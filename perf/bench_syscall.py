@@ -1,4 +1,4 @@
-"""Null system call round trip over the shared-memory ring (symphony/ipc/shm.py).
+"""Null system call round trip over the shared-memory ring (symphony/ipc/).
 
     python perf/bench_syscall.py [--calls 20000] [--rounds 4] [--spin-us 50] [--idle-s 2]
 
@@ -10,6 +10,13 @@ thread, timing each call with perf_counter_ns.  Configurations:
   * spin:    kernel doorbell and LIP slot wait spin up to --spin-us (adaptive,
              sched_yield between polls), then block
   * no spin: spin_us=0 on both sides: every wait blocks (kernel: epoll on the eventfd, LIP: its slot semaphore)
+  * spin + pred body: as spin, but each call carries a typical pred body built by the LIP
+             library's way (symphony.ipc.schema.build + encode) and 8 tokens, and the kernel
+             decodes it with the op's schema, as SyscallServer._handle does
+
+Then the body codec alone (--codec-n calls each, best of 5): the kernel's schema.decode of a pred
+body vs a bare orjson.loads of it (the parse the kernel did before the schema, without its
+checks), and the LIP's schema.build + encode vs orjson.dumps of the same dict.
 
 Both kernels stay up for the whole run, and the --calls calls per configuration
 are made in --rounds interleaved rounds (A B A B ...), so machine noise hits both
@@ -36,9 +43,16 @@ import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from symphony.ipc.shm import KernelSide, LipSide, RingError, WaitSet  # noqa: E402
+from symphony.ipc import abi, schema  # noqa: E402
+from symphony.ipc.kernel_side import KernelSide  # noqa: E402
+from symphony.ipc.layout import RingError  # noqa: E402
+from symphony.ipc.lip_side import LipSide  # noqa: E402
+from symphony.ipc.wait import WaitSet  # noqa: E402
 
-OP_NULL, OP_EXIT, OP_CPU = 0, 1, 2
+OP_NULL, OP_EXIT, OP_CPU, OP_BODY = 0, 1, 2, 3
+PRED_FIELDS = {"kv": 3, "n_tokens": 8, "positions": None, "all_logits": False, "output": "sample",
+               "k": 20, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 1}      # what runtime.pred sends
+TOKENS = np.arange(8, dtype=np.int32)
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -52,6 +66,9 @@ def kernel_loop(k: KernelSide, db: WaitSet) -> None:
                 k.respond(s, 0, -22, b"")
                 continue
             if req.op == OP_NULL:
+                k.respond(s, req.call_id, 0, b"")
+            elif req.op == OP_BODY:
+                schema.decode(abi.PRED, req.json)
                 k.respond(s, req.call_id, 0, b"")
             elif req.op == OP_CPU:
                 k.respond(s, req.call_id, 0, orjson.dumps({"cpu": time.process_time(),
@@ -76,8 +93,8 @@ def system_busy_ticks() -> int:
 
 
 class Config:
-    def __init__(self, label: str, spin_us: float):
-        self.label = label
+    def __init__(self, label: str, spin_us: float, body: bool = False):
+        self.label, self.body = label, body
         prefix = "symbench" + secrets.token_hex(3)
         self.db = WaitSet(spin_us=spin_us)
         self.k = KernelSide.create(prefix, n_slots=8, slot_bytes=4096, arena_bytes=4096, waitset=self.db)
@@ -89,9 +106,13 @@ class Config:
     def run(self, n: int, record: bool = True) -> None:
         call, pc = self.lip.call, time.perf_counter_ns
         lat = np.empty(n, dtype=np.int64)
+        build, encode = schema.build, schema.encode
         for i in range(n):
             t0 = pc()
-            call(OP_NULL, b"", None)
+            if self.body:
+                call(OP_BODY, encode(build(abi.PRED, **PRED_FIELDS)), TOKENS)
+            else:
+                call(OP_NULL, b"", None)
             lat[i] = pc() - t0
         if record:
             self.lat.append(lat / 1000.0)
@@ -119,9 +140,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--spin-us", type=float, default=50.0)
     ap.add_argument("--idle-s", type=float, default=2.0)
+    ap.add_argument("--codec-n", type=int, default=20000)
     a = ap.parse_args()
 
-    cfgs = [Config(f"spin {a.spin_us:g} us", a.spin_us), Config("no spin (blocking)", 0.0)]
+    cfgs = [Config(f"spin {a.spin_us:g} us", a.spin_us), Config("no spin (blocking)", 0.0),
+            Config("spin + pred body", a.spin_us, body=True)]
     try:
         for c in cfgs:
             c.run(2000, record=False)                # warm-up
@@ -145,7 +168,7 @@ def main() -> None:
                   f"{np.percentile(us, 99.9):8.1f}{us.max():10.1f}{us.mean():8.1f}  {rp}")
         print(f"other processes used {other:.2f} CPU-s over the {wall:.2f} s run "
               f"({100 * other / wall:.0f}% of one core; 0 on a quiet box)")
-        budgets = [c.cpu_report()["spin_us"] for c in cfgs]
+        budgets = [c.cpu_report()["spin_us"] for c in cfgs[:2]]
         print(f"spin budgets at the end: kernel {budgets[0]:g} / {budgets[1]:g} us, "
               f"LIP {cfgs[0].lip.spin.cur_ns / 1000:g} / {cfgs[1].lip.spin.cur_ns / 1000:g} us")
         us = np.concatenate(cfgs[0].lat)
@@ -165,6 +188,29 @@ def main() -> None:
     finally:
         for c in cfgs:
             c.stop()
+    if a.codec_n:
+        codec(a.codec_n)
+
+
+def codec(n: int) -> None:
+    """The pred body's encode / decode cost, per call (best of 5 runs of n)."""
+    raw = schema.encode(schema.build(abi.PRED, **PRED_FIELDS))
+    dict_raw = orjson.dumps(PRED_FIELDS)
+    cases = [("kernel: schema.decode(PRED)", lambda: schema.decode(abi.PRED, raw)),
+             ("kernel: orjson.loads (no checks)", lambda: orjson.loads(dict_raw)),
+             ("LIP: schema.build + encode", lambda: schema.encode(schema.build(abi.PRED, **PRED_FIELDS))),
+             ("LIP: orjson.dumps(dict)", lambda: orjson.dumps(PRED_FIELDS))]
+    print(f"pred body codec ({len(raw)} bytes as the schema encodes it, {len(dict_raw)} as a full dict):")
+    for label, fn in cases:
+        best = min(_time(fn, n) for _ in range(5))
+        print(f"  {label:<34}{best * 1e9 / n:8.0f} ns per call")
+
+
+def _time(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

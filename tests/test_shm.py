@@ -1,4 +1,4 @@
-"""The shared-memory system-call ring (symphony/ipc/shm.py)."""
+"""The shared-memory system-call ring (symphony/ipc/: layout, wait, kernel_side, lip_side)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -12,9 +12,12 @@ import numpy as np
 import orjson
 import pytest
 
-from symphony.ipc import shm
-from symphony.ipc.shm import (ARENA_F32, BUSY, FREE, REQUEST, RESPONSE, KernelSide,
-                                 LipSide, RingClosed, RingError, WaitSet)
+from symphony.ipc import layout as shm
+from symphony.ipc.abi import ARENA_F32
+from symphony.ipc.kernel_side import KernelSide
+from symphony.ipc.layout import BUSY, FREE, REQUEST, RESPONSE, RingClosed, RingError
+from symphony.ipc.lip_side import LipSide
+from symphony.ipc.wait import WaitSet
 
 EINVAL = -22
 
@@ -303,19 +306,19 @@ def test_hostile_bad_lengths(ring):
         (1, 0, 4096 - 24, 1, 0),              # json exactly fills, then one token
     ]
     for hdr in cases:
-        shm._REQ_HDR.pack_into(mm, off, *hdr)
+        shm.REQ_HDR.pack_into(mm, off, *hdr)
         _state(k, 0, REQUEST)
         assert k.poll() == [0]
         with pytest.raises(RingError):
             k.read_request(0)
         k.respond(0, 0, EINVAL, b"")
     # exact fits are accepted
-    shm._REQ_HDR.pack_into(mm, off, 1, 0, 4096 - 24, 0, 0)
+    shm.REQ_HDR.pack_into(mm, off, 1, 0, 4096 - 24, 0, 0)
     _state(k, 0, REQUEST)
     assert k.poll() == [0]
     assert len(k.read_request(0).json) == 4096 - 24
     k.respond(0, 1, 0, b"")
-    shm._REQ_HDR.pack_into(mm, off, 1, 0, 0, (4096 - 24) // 4, 0)
+    shm.REQ_HDR.pack_into(mm, off, 1, 0, 0, (4096 - 24) // 4, 0)
     _state(k, 0, REQUEST)
     assert k.poll() == [0]
     assert k.read_request(0).tokens.size == (4096 - 24) // 4
@@ -335,7 +338,7 @@ def test_hostile_states_and_header(ring):
     assert not k.pending() and k.poll() == []
     # a slot re-flipped to REQUEST while the kernel holds it is not taken twice
     _state(k, 1, REQUEST)
-    shm._REQ_HDR.pack_into(k._mm, _slot_off(k, 1), 9, 0, 0, 0, 0)
+    shm.REQ_HDR.pack_into(k._mm, _slot_off(k, 1), 9, 0, 0, 0, 0)
     assert k.poll() == [1]
     _state(k, 1, REQUEST)
     assert not k.pending() and k.poll() == []
@@ -382,13 +385,13 @@ def test_hostile_random_garbage_then_valid_calls(ring):
         _state(k, i, FREE)
     with KernelThread(k, db):
         off = _slot_off(k, 3)
-        shm._REQ_HDR.pack_into(mm, off, 77, 1, 0xFFFFFF, 0, 0)
+        shm.REQ_HDR.pack_into(mm, off, 77, 1, 0xFFFFFF, 0, 0)
         _state(k, 3, REQUEST)
         db.ring()
         t_end = time.monotonic() + 5
         while k._states[3] != RESPONSE and time.monotonic() < t_end:
             time.sleep(0.001)
-        status = shm._RESP_HDR.unpack_from(mm, off)[1]
+        status = shm.RESP_HDR.unpack_from(mm, off)[1]
         assert status == EINVAL
         _state(k, 3, FREE)
         for j in range(50):

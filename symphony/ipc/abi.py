@@ -1,4 +1,4 @@
-"""The system-call ABI shared by the kernel and the LIP library.
+"""The system-call ABI shared by the kernel and the LIP library, declared once.
 
 A call is (op, JSON body, int32 token array); a reply is (status, JSON body,
 optional arena array).  Status 0 is success; 2 (CHUNKED) says the successful
@@ -6,6 +6,11 @@ reply is too large for a slot and must be fetched in chunks (op FETCH);
 otherwise the body is
 ``{"error": CODE, "type": NAME, "message": TEXT}`` and the LIP library raises
 the exception class of that NAME (see `symphony.lip.errors`).
+
+Each op's request body is a declared type in `symphony.ipc.schema` (decoded
+and validated there, on both sides); the ring that carries calls is
+`symphony.ipc.layout` (+ kernel_side, lip_side, wait).  Everything below is the
+one place these numbers live: every other module imports them from here.
 """
 from __future__ import annotations
 
@@ -27,10 +32,22 @@ OK = 0
 ERR = 1
 CHUNKED = 2           # body {"chunked": id, "size": n}: FETCH the n bytes of the real (OK) reply
 
-# ---- arena kinds of a pred reply
-ARENA_NONE, ARENA_LOGITS, ARENA_TOPK = 0, 1, 2
+# ---- arena kinds: what the response header's arena_kind says the slot's arena region holds
+ARENA_NONE = 0        # no arena
+ARENA_F32 = 1         # float32 [rows, cols]
+ARENA_I32 = 2         # int32 [rows, cols]
+ARENA_TOPK = 3        # a top-k reply, [2*r, k] 32-bit words: rows [0, r) int32 token ids,
+                      # rows [r, 2r) float32 log-probs; the LIP side splits it into (ids, logprobs)
+ARENA_LOGITS = ARENA_F32          # a logits reply: float32 [rows, vocab]
+ARENA_DTYPES = {ARENA_F32: "<f4", ARENA_I32: "<i4", ARENA_TOPK: "<i4"}   # element type (4 bytes each)
 
 # ---- pred output modes
 OUTPUTS = ("logits", "topk", "sample", "argmax")
 
+# ---- limits a call's body is checked against (by its schema, symphony.ipc.schema)
 MAX_TOKENS_PER_CALL = 8192
+MAX_TOP_K = 1024                  # k of a pred(output="topk")
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0   # a sampling temperature: 0 (greedy) or in this range
+MAX_MASK_WORDS = 1 << 20          # a token mask's uint32 words (the kernel wants exactly ceil(vocab/32))
+MAX_ID = (1 << 63) - 1            # a FETCH's reply id and byte offset are ints up to this
+MAX_LIST_ITEMS = 1 << 16          # ranges of an extract, files of a merge

@@ -43,7 +43,8 @@ from symphony.kvfs import KVFS, KVFSError, Principal
 from .limits import LimitPolicy
 from symphony.ipc.protocol import ProtocolError, default_socket_path, encode_frame, read_frame  # noqa: F401
 from .identity import UidPool, check_caller
-from symphony.ipc.shm import KernelSide, WaitSet
+from symphony.ipc.kernel_side import KernelSide
+from symphony.ipc.wait import WaitSet
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
 from .proc import LipProc
 from .syscalls import SyscallServer

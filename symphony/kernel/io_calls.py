@@ -1,5 +1,9 @@
 """The non-pred system calls: info, KV files, messages and output, chunked-reply FETCH, recv, and
 capabilities.  `IOCalls` is a part of `SyscallServer`; `handler_table` maps ABI ops to handlers.
+
+Every handler gets its call's body already decoded and validated as the op's type
+(`symphony.ipc.schema`, by `SyscallServer._handle`): it reads typed fields and checks
+only what depends on the kernel's state (handles, paths, permissions, sizes).
 """
 from __future__ import annotations
 
@@ -7,13 +11,14 @@ import time
 
 import orjson
 
+import msgspec
+
 from symphony.ipc import abi
+from symphony.ipc.layout import RESP_BODY_OFF
 from symphony.ipc.protocol import encode_frame
-from symphony.ipc.shm import RESP_BODY_OFF
 
 from .failure import fail as _fail
 from .proc import LipProc
-from .validate import _int, _path
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits
@@ -37,18 +42,13 @@ class IOCalls:
         return h
 
     def _send(self, lip, slot, cid, body, toks):
-        if "data" not in body:
-            _fail("InvalidArgument", "EINVAL", "send needs data")
-        data = body["data"]
+        data = body.data
         if len(orjson.dumps(data)) > MAX_MESSAGE_BYTES:
             _fail("InvalidArgument", "EINVAL", f"message larger than {MAX_MESSAGE_BYTES} bytes")
         return self._emit_output(lip, slot, cid, {"event": "out", "data": data})
 
     def _write_stream(self, lip, slot, cid, body, toks):
-        stream, data = body.get("stream"), body.get("data")
-        if stream not in ("stdout", "stderr") or not isinstance(data, str):
-            _fail("InvalidArgument", "EINVAL", "bad stream write")
-        return self._emit_output(lip, slot, cid, {"event": stream, "data": data[:MAX_MESSAGE_BYTES]})
+        return self._emit_output(lip, slot, cid, {"event": body.stream, "data": body.data[:MAX_MESSAGE_BYTES]})
 
     def _emit_output(self, lip, slot, cid, event: dict):
         """Hand ``event`` to the client and count its bytes as queued; past
@@ -75,10 +75,8 @@ class IOCalls:
 
     def _fetch(self, lip, slot, cid, body, toks):
         """The next chunk of a reply too large for a slot: raw bytes, not JSON."""
-        rid = _int(body.get("id"), "id", 1, 1 << 62)
-        off = _int(body.get("offset"), "offset", 0, 1 << 62)
         try:
-            chunk = lip.replies.take(rid, off, lip.ring.slot_bytes - RESP_BODY_OFF)
+            chunk = lip.replies.take(body.id, body.offset, lip.ring.slot_bytes - RESP_BODY_OFF)
         except (KeyError, IndexError) as e:
             _fail("InvalidArgument", "EINVAL", f"fetch: {e.args[0]}")
         if lip.state in ("running", "killing"):
@@ -114,7 +112,8 @@ class IOCalls:
                 self.submit(reply)
             lip.caps_in_flight += 1
             lip.blocked_since = time.monotonic()
-            self.caps.submit(lip, op, body, done)
+            args = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}   # absent: policy default
+            self.caps.submit(lip, op, args, done)
             return None
         return h
 
@@ -122,57 +121,56 @@ class IOCalls:
 
 
 def _kv_create(s, who, b):
-    h = s.fs.create(who, _path(b, optional=True), b.get("mode"))      # None: KVFS default (0600)
-    return {"handle": h}
+    return {"handle": s.fs.create(who, b.path, b.mode)}        # mode None: KVFS default (0600)
 
 
 def _kv_open(s, who, b):
-    h = s.fs.open(who, _path(b), b.get("mode", "r"))
+    h = s.fs.open(who, b.path, b.mode)
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
 def _kv_close(s, who, b):
-    s.fs.close(who, b.get("kv"))
+    s.fs.close(who, b.kv)
     return {}
 
 
 def _kv_fork(s, who, b):
-    h = s.fs.fork(who, b.get("kv"), _path(b, optional=True), b.get("mode"))
+    h = s.fs.fork(who, b.kv, b.path, b.mode)
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
 def _kv_truncate(s, who, b):
-    s.fs.truncate(who, b.get("kv"), b.get("n"))
-    return {"length": s.fs.handles[b["kv"]].inode.length}
+    s.fs.truncate(who, b.kv, b.n)
+    return {"length": s.fs.handles[b.kv].inode.length}
 
 
 def _kv_extract(s, who, b):
-    h = s.fs.extract(who, b.get("kv"), b.get("ranges"), _path(b, optional=True), b.get("mode"))
+    h = s.fs.extract(who, b.kv, [list(r) for r in b.ranges], b.path, b.mode)
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
 def _kv_merge(s, who, b):
-    kvs = b.get("kvs")
-    h = s.fs.merge(who, kvs, _path(b, optional=True), b.get("mode"))
+    h = s.fs.merge(who, b.kvs, b.path, b.mode)
     return {"handle": h, "length": s.fs.handles[h].inode.length}
 
 
 def _kv_stat(s, who, b):
-    return s.fs.stat(who, b["kv"] if "kv" in b else _path(b))
+    return s.fs.stat(who, b.kv if b.kv is not None else b.path)
 
 
 def _kv_list(s, who, b):
-    return {"entries": s.fs.list(who, _path(b))}
+    return {"entries": s.fs.list(who, b.path)}
 
 
 def _kv_advise(s, who, b):
-    s.fs.advise(who, b.get("kv"), b.get("hint"), b.get("seconds"))
+    s.fs.advise(who, b.kv, b.hint, b.seconds)
     return {}
 
 
-def _kv_simple(method, *keys):
+def _kv_simple(method, *fields):
+    """A KVFS call whose arguments are the body's ``fields``, replying {}."""
     def h(s, who, b):
-        getattr(s.fs, method)(who, *[(_path(b, k) if k in ("path", "old", "new") else b.get(k)) for k in keys])
+        getattr(s.fs, method)(who, *[getattr(b, f) for f in fields])
         return {}
     return h
 
@@ -188,7 +186,7 @@ def handler_table(S) -> dict:
         abi.KV_ADVISE: S._kv(S, _kv_advise), abi.KV_REMOVE: S._kv(S, _kv_simple("remove", "path")),
         abi.KV_RENAME: S._kv(S, _kv_simple("rename", "old", "new")),
         abi.KV_SYNC: S._kv(S, _kv_simple("sync", "kv")),
-        abi.KV_MKDIR: S._kv(S, lambda s, who, b: s.fs.mkdir(who, _path(b), b.get("mode")) or {}),
+        abi.KV_MKDIR: S._kv(S, _kv_simple("mkdir", "path", "mode")),
         abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
         abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream, abi.FETCH: S._fetch,
         abi.CAP_HTTP: S._cap(S, "http"), abi.CAP_READ_FILE: S._cap(S, "read"),

@@ -11,22 +11,21 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import msgspec
 import numpy as np
 import torch
 
 from symphony.ipc import abi
-from symphony.ipc.shm import KernelSide
+from symphony.ipc.abi import MAX_TEMPERATURE, MIN_TEMPERATURE
+from symphony.ipc.kernel_side import KernelSide
+from symphony.ipc.schema import Pred
 from symphony.kvfs import KVPred
 from symphony.sched import Call, LipView, swap_out_order
 
 from .failure import fail as _fail
 from .proc import LipProc
-from .validate import _int
 
 log = logging.getLogger("symphony.syscalls")
-
-# sampling parameters a pred(output="sample") may ask for
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
 
 
 @dataclass
@@ -43,22 +42,16 @@ class _Pending:
 class PredCalls:
     """pred(): submission, steps, delivery (mixed into SyscallServer)."""
 
-    def _pred(self, lip, slot, cid, body, toks):
-        n = _int(body.get("n_tokens"), "n_tokens", 1, abi.MAX_TOKENS_PER_CALL)
-        n_mask = _int(body.get("n_mask_words", 0), "n_mask_words", 0, (self.vocab + 31) // 32)
-        if n_mask and n_mask != (self.vocab + 31) // 32:
-            _fail("InvalidArgument", "EINVAL", f"a mask is {(self.vocab + 31) // 32} uint32 words, got {n_mask}")
+    def _pred(self, lip, slot, cid, req: Pred, toks):
+        n, n_mask, out = req.n_tokens, req.n_mask_words, req.output     # typed and bounded by the schema
+        words = (self.vocab + 31) // 32
+        if n_mask and n_mask != words:
+            _fail("InvalidArgument", "EINVAL", f"a mask is {words} uint32 words, got {n_mask}")
         if toks.size != n + n_mask:
             _fail("InvalidArgument", "EINVAL", f"token array holds {toks.size} ids, body says {n}+{n_mask}")
-        out = body.get("output", "logits")
-        if out not in abi.OUTPUTS:
-            _fail("InvalidArgument", "EINVAL", f"output must be one of {abi.OUTPUTS}")
-        if out == "sample":
-            check_sampling(body)                     # fail before the forward pass, not after
-        rows = n if body.get("all_logits") else 1
+        rows = n if req.all_logits else 1
         if out in ("logits", "topk"):
-            k = _int(body.get("k", 20), "k", 1, 1024) if out == "topk" else self.vocab
-            need = rows * (2 * k if out == "topk" else self.vocab) * 4
+            need = rows * (2 * req.k if out == "topk" else self.vocab) * 4
             if need > lip.ring.arena_bytes:
                 _fail("InvalidArgument", "EINVAL", f"{rows} rows of {out} need {need} bytes; the arena "
                       f"holds {lip.ring.arena_bytes} (ask for fewer rows, or top-k)")
@@ -68,12 +61,10 @@ class PredCalls:
             mask = bits[: self.vocab].astype(bool)
             if not mask.any():
                 _fail("InvalidArgument", "EINVAL", "the mask allows no token")
-        positions = body.get("positions")
-        self.fs.check_pred(lip.principal, body.get("kv"), toks[:n], positions, bool(body.get("all_logits")))
-        if positions is not None and len(positions) != n:
-            _fail("InvalidArgument", "EINVAL", "positions and tokens differ in length")
+        self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
+        body = msgspec.structs.asdict(req)           # what follows reads the call's fields as a dict
         pend = _Pending(lip, slot, cid, body, toks[:n], mask)
-        self.sched.add(Call(key=(lip.id, body.get("kv")), lip=lip.id, user=lip.user, n_tokens=n,
+        self.sched.add(Call(key=(lip.id, req.kv), lip=lip.id, user=lip.user, n_tokens=n,
                             priority=lip.priority, payload=pend, arrival=time.monotonic()))
         lip.last_active = time.monotonic()
         return None

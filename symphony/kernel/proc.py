@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from symphony.ipc.shm import KernelSide
+from symphony.ipc.kernel_side import KernelSide
 from symphony.kvfs import Principal
 
 from .replies import ReplyStore

@@ -26,8 +26,8 @@ import orjson
 
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import OutOfPages
-from symphony.ipc import abi
-from symphony.ipc.shm import RESP_BODY_OFF, RingError
+from symphony.ipc import abi, schema
+from symphony.ipc.layout import RESP_BODY_OFF, RingError
 from symphony.kvfs import KVFS, KVFSError
 from symphony.sched import BatchScheduler
 
@@ -251,19 +251,15 @@ class SyscallServer(PredCalls, IOCalls):
             return
         lip.calls += 1
         try:
-            body = orjson.loads(req.json) if req.json else {}
-            if not isinstance(body, dict):
-                _fail("InvalidArgument", "EINVAL", "a system call body must be a JSON object")
-            handler = self._handlers.get(req.op)
-            if handler is None:
-                _fail("InvalidArgument", "ENOSYS", f"unknown system call {req.op}")
-            result = handler(self, lip, slot, req.call_id, body, req.tokens)
+            body = schema.decode(req.op, req.json)       # the op's typed body: the one shape check
+            result = self._handlers[req.op](self, lip, slot, req.call_id, body, req.tokens)
             if result is not None:
                 self._reply(lip, slot, req.call_id, result)
-        except orjson.JSONDecodeError as e:
-            self._strike(lip, "bad JSON")
-            self._reply_error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", "EINVAL",
-                                                                     f"malformed JSON body: {e}"))
+        except schema.SchemaError as e:
+            if isinstance(e, schema.Undecodable):
+                self._strike(lip, "bad JSON")
+            code = "ENOSYS" if isinstance(e, schema.UnknownOp) else "EINVAL"
+            self._reply_error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", code, str(e)))
         except Exception as e:
             self._reply_error(lip, slot, req.call_id, e)
 

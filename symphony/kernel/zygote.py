@@ -65,7 +65,7 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "copy", "struct", "hashlib", "base64", "datetime", "decimal", "fractions", "operator",
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
            "secrets", "unicodedata", "encodings.idna", "argparse", "gettext", "locale", "shutil", "ast", "numpy",
-           "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.ipc.shm",
+           "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.ipc.lip_side",
            "symphony.kernel.sandbox.lockdown", "symphony.tokenizer",
            # the LIP standard library and the libraries stock programs use
            "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy"]
@@ -126,7 +126,7 @@ def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None
             os.dup2(devnull, fd)
         os.close(devnull)
         from symphony.kernel.sandbox.lockdown import lockdown
-        from symphony.ipc.shm import LipSide
+        from symphony.ipc.lip_side import LipSide
         from symphony.lip import runtime
         prog = _read_program(prog_fd)
         ring = LipSide.attach(msg["names"], bell_fd)

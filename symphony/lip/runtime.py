@@ -1,4 +1,9 @@
-"""The LIP library's implementation: system calls over the shared-memory ring."""
+"""The LIP library's implementation: system calls over the shared-memory ring.
+
+Every call's body is built with its op's type from `symphony.ipc.schema` (`_sys`),
+so a bad argument is refused here, in the LIP, with the message the kernel would
+give (InvalidArgument), before anything crosses the ring.
+"""
 from __future__ import annotations
 
 import threading
@@ -7,10 +12,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import orjson
 
-from symphony.ipc import abi
-from .errors import BY_NAME, NotInLIP, SyscallError
+from symphony.ipc import abi, schema
+from .errors import BY_NAME, InvalidArgument, NotInLIP, SyscallError
 
-_ring = None          # symphony.ipc.shm.LipSide, set by the worker before user code runs
+_ring = None          # symphony.ipc.lip_side.LipSide, set by the worker before user code runs
 _tok = None           # symphony.tokenizer.Tokenizer
 _eos: tuple = ()
 EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach (-1 outside a LIP)
@@ -27,10 +32,22 @@ def _attach(ring, tok) -> None:
     globals()["EOS"] = EOS
 
 
-def _call(op: int, body: Optional[dict] = None, tokens: Optional[np.ndarray] = None):
+def _sys(op: int, tokens: Optional[np.ndarray] = None, **fields):
+    """System call ``op`` with the body ``fields``, checked against the op's schema first."""
+    try:
+        body = schema.build(op, **fields)
+    except schema.SchemaError as e:
+        raise InvalidArgument(str(e), "EINVAL") from None
+    return _call(op, body, tokens)
+
+
+def _call(op: int, body=None, tokens: Optional[np.ndarray] = None):
+    """System call ``op``: ``body`` a schema Struct (see `_sys`), a raw dict (sent
+    unchecked: the kernel checks), or None -> (reply dict, arena or None)."""
     if _ring is None:
         raise NotInLIP("symphony.lip calls work only inside a LIP run by the kernel (symphony run)")
-    r = _ring.call(op, orjson.dumps(body) if body is not None else b"", tokens)
+    raw = b"" if body is None else orjson.dumps(body) if isinstance(body, dict) else schema.encode(body)
+    r = _ring.call(op, raw, tokens)
     raw = r.json
     if r.status == abi.CHUNKED:                    # too large for a slot: fetch it in chunks
         raw = _fetch_chunks(r.json)
@@ -57,7 +74,7 @@ def _fetch_chunks(marker: bytes) -> bytes:
     rid, size = m["chunked"], m["size"]
     parts, got = [], 0
     while got < size:
-        r = _ring.call(abi.FETCH, orjson.dumps({"id": rid, "offset": got}))
+        r = _ring.call(abi.FETCH, schema.encode(schema.build(abi.FETCH, id=rid, offset=got)))
         if r.status != abi.OK:
             _raise(r.json)
         if not r.json:
@@ -112,21 +129,20 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
     if not isinstance(f, KVFile):
         raise BY_NAME["InvalidArgument"]("pred needs a KVFile", "EINVAL")
     toks = _tokens(tokens)
-    body = {"kv": f.handle, "positions": None if positions is None else _tokens(positions).tolist(),
-            "all_logits": bool(all_logits), "output": output, "k": k, "temperature": temperature,
-            "top_p": top_p, "top_k": top_k, "seed": seed, "n_tokens": int(toks.size)}
+    n, n_mask = int(toks.size), 0
     if mask is not None:
         words = mask_words(mask)
-        body["n_mask_words"] = int(words.size)
+        n_mask = int(words.size)
         toks = np.concatenate([toks, words.view(np.int32)])
-    data, arena = _call(abi.PRED, body, toks)
+    data, arena = _sys(abi.PRED, toks, kv=f.handle, n_tokens=n, n_mask_words=n_mask,
+                       positions=None if positions is None else _tokens(positions).tolist(),
+                       all_logits=bool(all_logits), output=output, k=k, temperature=temperature,
+                       top_p=top_p, top_k=top_k, seed=seed)
     f._length = data.get("length", f._length)
     if output in ("sample", "argmax"):
         return data["token"] if not all_logits else data["tokens"]
     if output == "topk":
-        rows = arena.shape[0] // 2                     # the arena arrives as raw 32-bit words
-        ids = arena[:rows].view(np.int32)
-        lp = arena[rows:].view(np.float32)
+        ids, lp = arena                                # a TopK: int32 [rows, k], float32 [rows, k]
         return (ids[0], lp[0]) if not all_logits else (ids, lp)
     return arena if all_logits else arena[0]
 
@@ -180,32 +196,32 @@ class KVFile:
 
     def fork(self, path: Optional[str] = None, mode: Optional[int] = None) -> "KVFile":
         """A copy-on-write clone, anonymous unless ``path``; ``mode`` as in `kv.create`."""
-        d, _ = _call(abi.KV_FORK, {"kv": self.handle, "path": path, "mode": mode})
+        d, _ = _sys(abi.KV_FORK, kv=self.handle, path=path, mode=mode)
         return KVFile(d["handle"], path, True, d["length"])
 
     def close(self) -> None:
         if not self._closed:
-            _call(abi.KV_CLOSE, {"kv": self.handle})
+            _sys(abi.KV_CLOSE, kv=self.handle)
             self._closed = True
 
     def truncate(self, n: int) -> None:
-        d, _ = _call(abi.KV_TRUNCATE, {"kv": self.handle, "n": n})
+        d, _ = _sys(abi.KV_TRUNCATE, kv=self.handle, n=n)
         self._length = d["length"]
 
     def extract(self, ranges, path: Optional[str] = None, mode: Optional[int] = None) -> "KVFile":
-        d, _ = _call(abi.KV_EXTRACT, {"kv": self.handle, "ranges": ranges, "path": path, "mode": mode})
+        d, _ = _sys(abi.KV_EXTRACT, kv=self.handle, ranges=ranges, path=path, mode=mode)
         return KVFile(d["handle"], path, True, d["length"])
 
     def stat(self) -> dict:
-        d, _ = _call(abi.KV_STAT, {"kv": self.handle})
+        d, _ = _sys(abi.KV_STAT, kv=self.handle)
         self._length = d["length"]
         return d
 
     def advise(self, hint: str, seconds: Optional[float] = None) -> None:
-        _call(abi.KV_ADVISE, {"kv": self.handle, "hint": hint, "seconds": seconds})
+        _sys(abi.KV_ADVISE, kv=self.handle, hint=hint, seconds=seconds)
 
     def sync(self) -> None:
-        _call(abi.KV_SYNC, {"kv": self.handle})
+        _sys(abi.KV_SYNC, kv=self.handle)
 
     def remove(self) -> None:
         """Close the handle and, for a named file, unlink it."""
@@ -223,43 +239,43 @@ class _KV:
         """A new file opened read-write; anonymous unless ``path``.  ``mode``
         None: private (0600); the kernel's umask (default 022) is cleared from
         any mode asked for, e.g. 0o644 shares it read-only with every user."""
-        d, _ = _call(abi.KV_CREATE, {"path": path, "mode": mode})
+        d, _ = _sys(abi.KV_CREATE, path=path, mode=mode)
         return KVFile(d["handle"], path, True, 0)
 
     @staticmethod
     def open(path: str, mode: str = "r") -> KVFile:
-        d, _ = _call(abi.KV_OPEN, {"path": path, "mode": mode})
+        d, _ = _sys(abi.KV_OPEN, path=path, mode=mode)
         return KVFile(d["handle"], path, mode == "rw", d["length"])
 
     @staticmethod
     def merge(files: Sequence[KVFile], path: Optional[str] = None, mode: Optional[int] = None) -> KVFile:
-        d, _ = _call(abi.KV_MERGE, {"kvs": [f.handle for f in files], "path": path, "mode": mode})
+        d, _ = _sys(abi.KV_MERGE, kvs=[f.handle for f in files], path=path, mode=mode)
         return KVFile(d["handle"], path, True, d["length"])
 
     @staticmethod
     def remove(path: str) -> None:
-        _call(abi.KV_REMOVE, {"path": path})
+        _sys(abi.KV_REMOVE, path=path)
 
     @staticmethod
     def stat(path: str) -> dict:
-        return _call(abi.KV_STAT, {"path": path})[0]
+        return _sys(abi.KV_STAT, path=path)[0]
 
     @staticmethod
     def list(path: str = "/") -> list:
-        return _call(abi.KV_LIST, {"path": path})[0]["entries"]
+        return _sys(abi.KV_LIST, path=path)[0]["entries"]
 
     @staticmethod
     def mkdir(path: str, mode: Optional[int] = None) -> None:
         """A new directory; ``mode`` None: private (0700), less the kernel's umask."""
-        _call(abi.KV_MKDIR, {"path": path, "mode": mode})
+        _sys(abi.KV_MKDIR, path=path, mode=mode)
 
     @staticmethod
     def rmdir(path: str) -> None:
-        _call(abi.KV_RMDIR, {"path": path})
+        _sys(abi.KV_RMDIR, path=path)
 
     @staticmethod
     def rename(old: str, new: str) -> None:
-        _call(abi.KV_RENAME, {"old": old, "new": new})
+        _sys(abi.KV_RENAME, old=old, new=new)
 
 
 kv = _KV()
@@ -268,12 +284,12 @@ kv = _KV()
 # ---------------------------------------------------------------- messages and capabilities
 def send(msg: Any) -> None:
     """Send a message (str, or anything JSON-serialisable) to the user who ran the LIP."""
-    _call(abi.SEND, {"data": msg})
+    _sys(abi.SEND, data=msg)
 
 
 def recv() -> Optional[str]:
     """The next line of input from the user; None at end of input."""
-    d, _ = _call(abi.RECV, {})
+    d, _ = _sys(abi.RECV)
     return None if d.get("eof") else d["data"]
 
 
@@ -281,23 +297,22 @@ def http(url: str, method: str = "GET", body: Optional[str] = None, headers: Opt
          timeout: float = 10.0) -> dict:
     """HTTP through the kernel, to hosts the LIP was granted (``--grant http:HOST``).
     Returns {"status": int, "headers": {...}, "body": str}."""
-    return _call(abi.CAP_HTTP, {"url": url, "method": method, "body": body, "headers": headers or {},
-                                "timeout": timeout})[0]
+    return _sys(abi.CAP_HTTP, url=url, method=method, body=body, headers=headers or {}, timeout=timeout)[0]
 
 
 def read_file(path: str, max_bytes: int = 1 << 20) -> str:
     """Read a text file under a directory the LIP was granted (``--grant read:DIR``)."""
-    return _call(abi.CAP_READ_FILE, {"path": path, "max_bytes": max_bytes})[0]["data"]
+    return _sys(abi.CAP_READ_FILE, path=path, max_bytes=max_bytes)[0]["data"]
 
 
 def list_dir(path: str) -> list:
     """List a directory under a granted directory."""
-    return _call(abi.CAP_LIST_DIR, {"path": path})[0]["entries"]
+    return _sys(abi.CAP_LIST_DIR, path=path)[0]["entries"]
 
 
 def info() -> dict:
     """This LIP's id, user, grants, limits and the model's vocabulary size and context."""
-    return _call(abi.INFO, {})[0]
+    return _sys(abi.INFO)[0]
 
 
 def capabilities() -> dict:
@@ -305,4 +320,4 @@ def capabilities() -> dict:
 
 
 def _write_stream(stream: str, text: str) -> None:
-    _call(abi.WRITE_STREAM, {"stream": stream, "data": text})
+    _sys(abi.WRITE_STREAM, stream=stream, data=text)
