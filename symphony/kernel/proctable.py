@@ -14,7 +14,7 @@ message (`Kernel._kill_threadsafe`).  What each thread shows of its state to
 the other is an immutable snapshot (snapshot.py).
 
 State machine (one LIP; every transition is a method below, run on the event
-loop, and republishes `rows`)::
+loop, and republishes `snapshot`)::
 
                 add()              started(pid)
       (none) ---------> starting --------------> running
@@ -43,7 +43,7 @@ from __future__ import annotations
 import signal
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from .snapshot import LipCounters, ProcRow
 
@@ -78,6 +78,14 @@ class ProcEntry:
         return self.row.pid
 
 
+class TableSnapshot(NamedTuple):
+    """The table as published after one transition: never changed, replaced whole."""
+
+    rows: tuple                 # ProcRow of every live LIP, by id order of spawn
+    finished: tuple             # (ProcRow, exit event) of the last FINISHED_KEPT exited, oldest first
+    version: int                # transitions so far
+
+
 class TransitionError(RuntimeError):
     """A transition the state machine does not allow (a kernel bug)."""
 
@@ -85,17 +93,15 @@ class TransitionError(RuntimeError):
 class ProcessTable:
     """Every live LIP by id, and the last `FINISHED_KEPT` that exited.
 
-    Readers (any thread) use the published snapshots `rows` (live LIPs) and
-    `finished` ((ProcRow, exit event) pairs): tuples replaced whole on every
-    transition.  Only the owner thread calls the transition methods."""
+    Readers (any thread) take `snapshot` once (a `TableSnapshot`, replaced
+    whole on every transition) and read only that.  Only the owner thread
+    calls the transition methods."""
 
     def __init__(self) -> None:
         self._live: dict[int, ProcEntry] = {}
         self._finished: deque = deque(maxlen=FINISHED_KEPT)
         self._by_user: dict[str, int] = {}
-        self.rows: tuple[ProcRow, ...] = ()
-        self.finished: tuple[tuple[ProcRow, dict], ...] = ()
-        self.transitions = 0            # how many transitions were published
+        self.snapshot = TableSnapshot((), (), 0)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -196,12 +202,13 @@ class ProcessTable:
             del self._by_user[e.row.user]
         e.row = replace(e.row, state="exited", final=counters)
         self._finished.append((e.row, event))
-        self.finished = tuple(self._finished)
         self._publish()
 
     def _publish(self) -> None:
-        self.rows = tuple(e.row for e in self._live.values())
-        self.transitions += 1
+        old = self.snapshot
+        finished = old.finished if not self._finished or (old.finished and old.finished[-1] is
+                                                          self._finished[-1]) else tuple(self._finished)
+        self.snapshot = TableSnapshot(tuple(e.row for e in self._live.values()), finished, old.version + 1)
 
 
 def exit_reason(status: int, sig: int) -> str:

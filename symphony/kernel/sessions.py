@@ -132,7 +132,7 @@ class ClientSessions:
         table's rows (event loop) and the syscall thread's counters.
         ``viewer``: the user asking (others' LIPs come without their
         arguments and limits); None: an administrator, who sees everything."""
-        rows, finished, served = self.procs.rows, self.procs.finished, self.sys.snapshot
+        (rows, finished, _), served = self.procs.snapshot, self.sys.snapshot
         full = lambda r: viewer is None or r.user == viewer  # noqa: E731
         return {"lips": [r.ps(served.counters(r.lip), full(r)) for r in rows],
                 "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
@@ -140,7 +140,7 @@ class ClientSessions:
     def stats(self) -> dict:
         """The `stats` reply, from the published snapshots only."""
         served = self.sys.snapshot
-        d = {"lips": len(self.procs.rows)}
+        d = {"lips": len(self.procs.snapshot.rows)}
         d.update(served.as_stats())
         d["instance"] = self.instance
         d["output_queued_bytes"] = self.queued_output_bytes()
