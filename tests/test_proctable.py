@@ -295,3 +295,51 @@ def test_ps_and_stats_hammered_while_lips_start_exit_and_die(fk):  # noqa: F811
     assert st["pred_calls"] > base["pred_calls"]
     decoded = [f for f in ps["finished"] if f["user"] == "churn" and f["file"] == "fault_decode.py"]
     assert decoded and all(f["preds"] > 0 and f["calls"] >= f["preds"] for f in decoded), decoded
+
+
+# ---------------------------------------------------------------- the syscall thread's snapshot
+@pytest.fixture
+def served_server(tiny_weights):
+    from symphony.engine.config import EngineConfig
+    from symphony.engine.engine import Engine
+    from symphony.ipc.shm import WaitSet
+    from symphony.kernel.syscalls import SyscallServer
+    from symphony.kvfs import KVFS, KVFSConfig
+    eng = Engine(tiny_weights, None, EngineConfig(page_size=4, num_pages=32))
+    served = ServedLips()
+    fs = KVFS(eng, KVFSConfig(host_pages=5), evict_first=served.swap_out_first)
+    door = WaitSet()
+    srv = SyscallServer(eng, fs, door, lambda *a: None, lambda *a: None, lips=served)
+    srv.thread.start()
+    yield eng, fs, served, srv
+    srv.stop.set()
+    door.ring()
+    srv.thread.join(5)
+    door.close()
+
+
+def test_the_syscall_thread_publishes_what_it_serves(served_server):
+    eng, fs, served, srv = served_server
+    alloc = eng.kv.allocator
+    assert fs.evict_first == served.swap_out_first and srv.lips is served      # the callback came in the constructor
+    s0 = srv.snapshot
+    assert (s0.kv_pages_used, s0.kv_pages_total, s0.kv_pages_free) == (0, alloc.capacity, alloc.capacity + 5)
+    pages = srv.call(lambda: alloc.allocate(3))                                  # an awaited command: published at once
+    s1 = srv.snapshot
+    assert s1 is not s0 and (s1.kv_pages_used, s1.kv_pages_free) == (3, alloc.capacity + 2)
+    assert s0.kv_pages_used == 0                                                 # the old one never changes
+    srv.submit(lambda: alloc.decref(pages))                                      # not awaited: published soon after
+    deadline = time.monotonic() + 2
+    while srv.snapshot.kv_pages_used != 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert srv.snapshot.kv_pages_used == 0
+
+
+def test_a_kernel_refuses_an_fs_without_its_lips_callback(tiny_weights):
+    from symphony.engine.config import EngineConfig
+    from symphony.engine.engine import Engine
+    from symphony.kernel.daemon import Kernel
+    from symphony.kvfs import KVFS
+    eng = Engine(tiny_weights, None, EngineConfig(page_size=4, num_pages=16))
+    with pytest.raises(ValueError, match="evict_first"):
+        Kernel(eng, KVFS(eng), "/nonexistent/sock", served=ServedLips())

@@ -65,7 +65,7 @@ class ServingSnapshot:
     """What the syscall thread serves, as of ``at`` (time.monotonic())."""
 
     at: float = 0.0
-    lips: Mapping[int, LipCounters] = field(default_factory=lambda: MappingProxyType({}))
+    lips: Mapping[int, tuple] = field(default_factory=lambda: MappingProxyType({}))   # id -> LipCounters fields
     batches: int = 0            # forward passes the scheduler ran
     batch_calls: int = 0        # pred calls in them
     max_batch: int = 0          # most calls in one
@@ -77,11 +77,12 @@ class ServingSnapshot:
     kv_pages_free: int = 0      # device pages free + host/disk slots free (admission)
 
     def counters(self, lip_id: int) -> LipCounters:
-        return self.lips.get(lip_id, NO_COUNTERS)
+        c = self.lips.get(lip_id)
+        return NO_COUNTERS if c is None else LipCounters(*c)
 
     @property
     def pending_reply_bytes(self) -> int:
-        return sum(c.reply_bytes for c in self.lips.values())
+        return sum(c[3] for c in self.lips.values())
 
     def as_stats(self) -> dict:
         """The `stats` fields this snapshot answers."""

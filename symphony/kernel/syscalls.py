@@ -7,8 +7,10 @@ Loop (never blocks on a LIP):
        capability calls go to a thread pool, recv waits for input
     3. if pred calls are queued, run them as one batch (one forward pass)
     4. publish what it serves (`snapshot`: counters, KV pages) for the event
-       loop's ps/stats/admission: at most every PUBLISH_EVERY_S while busy,
-       always before it waits and after every command the event loop awaits
+       loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
+       after every command the event loop awaits (`call_future`: a reclaim,
+       kv ls/rm), so a snapshot is at most PUBLISH_EVERY_S old, and exact
+       when a LIP's exit event goes out
     5. nothing to do: wait on the LIPs' doorbells (spin briefly, then block)
 
 The LIPs it serves (`lips`, proc.ServedLips) are its own; the event loop
@@ -175,9 +177,10 @@ class SyscallServer(PredCalls, IOCalls):
                 self._dirty = True
                 continue
             if not work:
-                if self._dirty:
-                    self._publish()            # idle from here: what ps/stats show is exact
-                self.door.wait(0.05, self._has_work)      # short: muted LIP bells are polled
+                wait = 0.05                    # short: muted LIP bells are polled
+                if self._dirty:                # wake in time to publish what was done
+                    wait = max(0.0, PUBLISH_EVERY_S - (time.monotonic() - self.snapshot.at))
+                self.door.wait(wait, self._has_work)
         log.info("syscall thread stopped")
 
     def _handle_safely(self, lip: LipProc, slot: int) -> None:
@@ -275,7 +278,8 @@ class SyscallServer(PredCalls, IOCalls):
         """Replace `snapshot` with what this thread serves now (O(LIPs))."""
         e, alloc = self.engine.stats, self.engine.kv.allocator
         self.snapshot = ServingSnapshot(
-            at=time.monotonic(), lips=MappingProxyType({i: l.counters for i, l in self.lips.items()}),
+            at=time.monotonic(), lips=MappingProxyType({i: (l.calls, l.preds, l.tokens, l.replies.total)
+                                                        for i, l in self.lips.items()}),
             batches=self.batches, batch_calls=self.batch_calls, max_batch=self.max_batch,
             forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
