@@ -101,6 +101,9 @@ class Kernel(LipLifecycle, ClientSessions, OutputStreams, Supervision):
 
     # ================================================================== lifecycle
     async def serve(self) -> None:
+        """Start the zygote, the syscall thread and the socket server; serve
+        until SIGTERM/SIGINT, a root `shutdown` request or a fatal failure;
+        then `shutdown`.  RuntimeError if it stopped after a failure."""
         self.loop = asyncio.get_running_loop()
         self.loop.set_exception_handler(self._loop_exception)
         self.stopping = asyncio.Event()
@@ -184,8 +187,8 @@ class Kernel(LipLifecycle, ClientSessions, OutputStreams, Supervision):
             for ring in rings:
                 ring.unlink()
         else:
-            for lip_id in list(self.sys.lips):             # reclaims that never ran
-                self.sys.remove(lip_id)
+            for lip_id in list(self.sys.lips):             # reclaims that never ran (the thread has
+                self.sys.remove(lip_id)                    # stopped: what it owned is ours now)
             self.fs.close_all()
         for t in self.tasks:
             t.cancel()
