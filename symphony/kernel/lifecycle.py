@@ -70,7 +70,7 @@ class LipLifecycle:
         lip = LipProc(lip_id, user, str(filename)[:200], args, ring, grants, limits)
         lip.priority = priority
         lip.owner_uid, lip.owner_gid, lip.owner_groups = owner or (-1, -1, ())   # file capabilities' identity
-        entry = self.procs.add(ProcRow(lip_id, user, lip.filename, "starting", priority, 0, lip.started,
+        entry = self.procs.add(ProcRow(lip_id, user, lip.filename, "starting", priority, 0, time.time(),
                                        tuple(args), limits), ring)
         self.sys.submit(lambda: self.sys.add(lip))     # handed over; queued before the zygote forks (FIFO)
         if watcher is not None:                        # before the fork: no early output is lost

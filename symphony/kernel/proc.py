@@ -39,7 +39,6 @@ class LipProc:
     ring: KernelSide
     grants: dict
     limits: dict
-    pid: int = 0
     priority: int = 0
     owner_uid: int = -1         # the submitting user's Unix identity, for file capabilities
     owner_gid: int = -1         # (-1: unknown -> they read as nobody)
@@ -48,7 +47,6 @@ class LipProc:
     last_active: float = field(default_factory=time.monotonic)
     blocked_since: float = 0.0
     state: str = "starting"
-    started: float = field(default_factory=time.time)
     inbox: deque = field(default_factory=deque)
     eof: bool = False
     parked_recv: Optional[tuple] = None
