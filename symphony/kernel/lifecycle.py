@@ -67,18 +67,20 @@ class LipLifecycle:
         except BaseException:
             self.uids.release(lip_id)
             raise
-        lip = LipProc(lip_id, user, str(filename)[:200], args, ring, grants, limits)
+        filename = str(filename)[:200]
+        lip = LipProc(lip_id, user, filename, args, ring, grants, limits)
         lip.priority = priority
         lip.owner_uid, lip.owner_gid, lip.owner_groups = owner or (-1, -1, ())   # file capabilities' identity
-        entry = self.procs.add(ProcRow(lip_id, user, lip.filename, "starting", priority, 0, time.time(),
+        entry = self.procs.add(ProcRow(lip_id, user, filename, "starting", priority, 0, time.time(),
                                        tuple(args), limits), ring)
-        self.sys.submit(lambda: self.sys.add(lip))     # handed over; queued before the zygote forks (FIFO)
+        self.sys.submit(lambda: self.sys.add(lip))     # handed over (not touched here again); queued
+                                                       # before the zygote forks (FIFO)
         if watcher is not None:                        # before the fork: no early output is lost
             self.watchers.setdefault(lip_id, set()).add(watcher)
         # the program travels in a memfd only the worker reads; the zygote sees ids and fds
         prog = os.memfd_create(f"lip{lip_id}", os.MFD_CLOEXEC)
         try:
-            data = orjson.dumps({"source": source, "filename": lip.filename, "args": args})
+            data = orjson.dumps({"source": source, "filename": filename, "args": args})
             view = memoryview(data)
             while view:
                 view = view[os.write(prog, view):]
@@ -90,7 +92,7 @@ class LipLifecycle:
         if limits.get("timeout"):
             self.loop.call_later(limits["timeout"], self._kill, lip_id,
                                  f"killed: wall-clock limit of {limits['timeout']} s")
-        log.info("LIP %d spawned: %s %s (user %s)", lip_id, lip.filename, " ".join(args)[:80], user)
+        log.info("LIP %d spawned: %s %s (user %s)", lip_id, filename, " ".join(args)[:80], user)
         return entry.row
 
     def _kill(self, lip_id: int, reason: str) -> bool:
