@@ -103,6 +103,7 @@ def kernel_main(argv=None) -> int:
         log.error("%s", e)
         return 1
     from .kernel.daemon import Kernel
+    from .kernel.proc import ServedLips
     from .ipc.protocol import default_socket_path
     from .kvfs import KVFS, KVFSConfig
     user_pages = args.user_quota
@@ -111,11 +112,12 @@ def kernel_main(argv=None) -> int:
     log.info("KV quotas: %d pages per user, %s per LIP, %d named files per user; umask %03o", user_pages,
              args.process_quota if args.process_quota is not None else "no limit", args.user_inodes,
              args.kv_umask)
+    served = ServedLips()                           # the syscall thread's LIPs: KVFS swaps blocked ones first
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
                                  durable_dir=args.durable_dir, user_page_quota=user_pages,
                                  process_page_quota=args.process_quota, user_inode_quota=args.user_inodes,
-                                 umask=args.kv_umask))
-    kernel = Kernel(engine, fs, args.socket or default_socket_path(), max_lips=args.max_lips,
+                                 umask=args.kv_umask), evict_first=served.swap_out_first)
+    kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
                     test_hooks=args.test_hooks)

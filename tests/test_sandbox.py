@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor   # imports the lazy .thread s
 import numpy as np
 import pytest
 
+from symphony.kernel.sandbox import bpf
 from symphony.kernel.sandbox import lockdown as sandbox
 from symphony.kernel.sandbox.lockdown import SandboxError, build_filter, lockdown
 
@@ -139,7 +140,7 @@ def test_filter_is_well_formed():
         for idx, (code, jt, jf, k) in enumerate(insns):
             if code & 0x07 == 0x05:                      # jumps stay inside the program
                 assert idx + 1 + max(jt, jf) < len(insns)
-        assert insns[-1] == (0x06, 0, 0, sandbox.SECCOMP_RET_ERRNO | errno.EPERM)   # default: refuse
+        assert insns[-1] == (0x06, 0, 0, bpf.SECCOMP_RET_ERRNO | errno.EPERM)   # default: refuse
     with pytest.raises(SandboxError):
         build_filter(1, machine="riscv64")
     with pytest.raises(SandboxError):
@@ -149,7 +150,7 @@ def test_filter_is_well_formed():
 def bpf_eval(prog: bytes, nr: int, args=(0,) * 6, arch=None, machine="x86_64") -> int:
     """A tiny classic-BPF interpreter for the opcodes build_filter emits."""
     if arch is None:
-        arch = sandbox._ARCHES[machine][1]
+        arch = bpf._ARCHES[machine][1]
     args = tuple(args) + (0,) * (6 - len(args))
     data = struct.pack("=iIQ6Q", nr, arch, 0, *[a & (2**64 - 1) for a in args])
     insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
@@ -174,8 +175,8 @@ def test_filter_decisions(machine):
     prog = build_filter(own, machine=machine)
     col = 0 if machine == "x86_64" else 1
     nr = lambda name: sandbox.SYSCALLS[name][col]           # noqa: E731
-    ALLOW, KILL = sandbox.SECCOMP_RET_ALLOW, sandbox.SECCOMP_RET_KILL_PROCESS
-    err = lambda e: sandbox.SECCOMP_RET_ERRNO | e           # noqa: E731
+    ALLOW, KILL = bpf.SECCOMP_RET_ALLOW, bpf.SECCOMP_RET_KILL_PROCESS
+    err = lambda e: bpf.SECCOMP_RET_ERRNO | e           # noqa: E731
     ev = lambda name, *args: bpf_eval(prog, nr(name), args, machine=machine)  # noqa: E731
 
     assert ev("read") == ALLOW and ev("futex") == ALLOW

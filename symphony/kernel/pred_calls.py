@@ -20,7 +20,7 @@ from symphony.ipc.abi import MAX_TEMPERATURE, MIN_TEMPERATURE
 from symphony.ipc.kernel_side import KernelSide
 from symphony.ipc.schema import Pred
 from symphony.kvfs import KVPred
-from symphony.sched import Call, LipView, swap_out_order
+from symphony.sched import Call
 
 from .failure import fail as _fail
 from .proc import LipProc
@@ -151,12 +151,6 @@ class PredCalls:
             except Exception:
                 log.exception("LIP %d: rollback of a failed chunked pred failed", p.lip.id)
         self._fail_call(p, err)
-
-    def _blocked_pids(self) -> list[int]:
-        views = [LipView(l.id, l.priority, l.parked_recv is not None or l.caps_in_flight > 0,
-                         l.blocked_since, l.last_active, 1) for l in self.lips.values()]
-        blocked = {v.id for v in views if v.blocked}
-        return [i for i in swap_out_order(views) if i in blocked]
 
     def _deliver(self, p: _Pending, logits: torch.Tensor):
         """Compute what the call asked for where the logits are (the GPU on a

@@ -1,4 +1,18 @@
-"""The kernel's record of one LIP (`LipProc`)."""
+"""The syscall thread's record of one LIP (`LipProc`) and of all of them (`ServedLips`).
+
+These are the syscall thread's own: built on the event loop at spawn and
+handed over once (`SyscallServer.add`, through its command queue); from then
+on only the syscall thread reads or writes them.  The LIP's lifecycle as
+`ps` shows it is another record, the event loop's (proctable.py).
+
+`LipProc.state` is the serving state, written only on the syscall thread::
+
+    starting --add()--> running --condemn (kill asked of the event loop)--> killing
+        running|killing --remove() (the worker is gone: reclaim)--> exited
+
+running: its ring is polled; killing: no new call is read, calls in flight
+may still be answered; exited: nothing is written to its ring again.
+"""
 from __future__ import annotations
 
 import time
@@ -8,13 +22,15 @@ from typing import Optional
 
 from symphony.ipc.kernel_side import KernelSide
 from symphony.kvfs import Principal
+from symphony.sched import LipView, swap_out_order
 
 from .replies import ReplyStore
+from .snapshot import LipCounters
 
 
 @dataclass
 class LipProc:
-    """The kernel's record of one LIP."""
+    """The syscall thread's record of one LIP."""
 
     id: int
     user: str
@@ -23,7 +39,6 @@ class LipProc:
     ring: KernelSide
     grants: dict
     limits: dict
-    pid: int = 0
     priority: int = 0
     owner_uid: int = -1         # the submitting user's Unix identity, for file capabilities
     owner_gid: int = -1         # (-1: unknown -> they read as nobody)
@@ -32,7 +47,6 @@ class LipProc:
     last_active: float = field(default_factory=time.monotonic)
     blocked_since: float = 0.0
     state: str = "starting"
-    started: float = field(default_factory=time.time)
     inbox: deque = field(default_factory=deque)
     eof: bool = False
     parked_recv: Optional[tuple] = None
@@ -47,3 +61,23 @@ class LipProc:
     @property
     def principal(self) -> Principal:
         return Principal(self.user, self.id)
+
+    @property
+    def counters(self) -> LipCounters:
+        return LipCounters(self.calls, self.preds, self.tokens, self.replies.total)
+
+
+class ServedLips(dict):
+    """The LIPs the syscall thread serves, by id (a dict of `LipProc`).
+
+    Made before KVFS and the syscall server, so that KVFS gets its
+    `swap_out_first` in its constructor (``KVFS(..., evict_first=...)``);
+    called only on the syscall thread, like everything KVFS does."""
+
+    def swap_out_first(self) -> list[int]:
+        """Ids of the blocked LIPs (waiting in recv or on a capability call),
+        whose KV pages to move off the device first, in `swap_out_order`."""
+        views = [LipView(l.id, l.priority, l.parked_recv is not None or l.caps_in_flight > 0,
+                         l.blocked_since, l.last_active, 1) for l in self.values()]
+        blocked = {v.id for v in views if v.blocked}
+        return [i for i in swap_out_order(views) if i in blocked]

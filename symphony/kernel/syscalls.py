@@ -6,7 +6,15 @@ Loop (never blocks on a LIP):
        KVFS and message calls are answered at once, pred calls are queued,
        capability calls go to a thread pool, recv waits for input
     3. if pred calls are queued, run them as one batch (one forward pass)
-    4. nothing to do: wait on the LIPs' doorbells (spin briefly, then block)
+    4. publish what it serves (`snapshot`: counters, KV pages) for the event
+       loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
+       after every command the event loop awaits (`call_future`: a reclaim,
+       kv ls/rm), so a snapshot is at most PUBLISH_EVERY_S old, and exact
+       when a LIP's exit event goes out
+    5. nothing to do: wait on the LIPs' doorbells (spin briefly, then block)
+
+The LIPs it serves (`lips`, proc.ServedLips) are its own; the event loop
+hands each over once (`add`) and learns about them only from `snapshot`.
 
 Every request is hostile until checked: a malformed ring entry is answered
 with EINVAL and counted; a LIP with too many strikes is killed.  Errors are
@@ -20,6 +28,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from types import MappingProxyType
 from typing import Callable, Optional
 
 import orjson
@@ -35,8 +44,9 @@ from .capabilities import Capabilities
 from .failure import SyscallFailure, fail as _fail
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, IOCalls, handler_table
 from .pred_calls import PredCalls, _pin
-from .proc import LipProc
+from .proc import LipProc, ServedLips
 from .replies import truncate_message
+from .snapshot import LipCounters, ServingSnapshot
 
 log = logging.getLogger("symphony.syscalls")
 
@@ -44,6 +54,7 @@ MAX_STRIKES = 8
 
 MAX_CRASHES = 20        # unexpected loop errors within CRASH_WINDOW_S before the kernel gives up
 CRASH_WINDOW_S = 10.0
+PUBLISH_EVERY_S = 0.005  # while busy, `snapshot` is at most this old
 
 
 class InjectedFault(Exception):
@@ -55,7 +66,11 @@ class SyscallServer(PredCalls, IOCalls):
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT,
-                 on_fatal: Optional[Callable[[str], None]] = None):
+                 on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None):
+        """``emit``/``kill``/``on_fatal``: how this thread tells the event loop
+        of a LIP's output, a LIP to kill, and that it cannot go on (each safe
+        from any thread).  ``lips``: the LIP set whose `swap_out_first` KVFS
+        was built with (``KVFS(..., evict_first=lips.swap_out_first)``)."""
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.max_queued_output = max_queued_output
@@ -67,16 +82,17 @@ class SyscallServer(PredCalls, IOCalls):
         default = 256 if engine.device.type == "cpu" else 2048
         self.max_batch_tokens = min(max_batch_tokens or default, engine.config.max_batch_tokens)
         chunk_tokens = chunk_tokens or max(8, self.max_batch_tokens // 2)
-        self.lips: dict[int, LipProc] = {}
+        self.lips: ServedLips = lips if lips is not None else ServedLips()
         self.commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self.sched = BatchScheduler(token_budget=self.max_batch_tokens, chunk_tokens=chunk_tokens,
                                     gather_s=0.003)
-        fs.evict_first = self._blocked_pids
         self.caps = caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES)
         self.stop = threading.Event()
         self.batches = 0
         self.batch_calls = 0
         self.max_batch = 0
+        self._dirty = False
+        self._publish()                   # the first snapshot, before the thread starts
         self.thread = threading.Thread(target=self.run, name="symphony-syscalls", daemon=True)
 
     # ------------------------------------------------------------------ control (any thread)
@@ -94,9 +110,13 @@ class SyscallServer(PredCalls, IOCalls):
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:       # handed back to the caller
+                self._publish()
                 fut.set_exception(e)
+                return
+            self._publish()                  # the caller's next ps/stats sees what fn did
+            fut.set_result(result)
         self.submit(run)
         return fut
 
@@ -141,17 +161,26 @@ class SyscallServer(PredCalls, IOCalls):
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            self._run_commands()
+            if self._run_commands():
+                self._dirty = True
             work = self._poll()
             for lip, slot in work:
                 self._handle_safely(lip, slot)
+            if work:
+                self._dirty = True
+            if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
+                self._publish()
             if len(self.sched):
                 if self.sched.should_wait(time.perf_counter()):
                     continue                   # the last step's callers are coming back: poll again
                 self._run_step()
+                self._dirty = True
                 continue
             if not work:
-                self.door.wait(0.05, self._has_work)      # short: muted LIP bells are polled
+                wait = 0.05                    # short: muted LIP bells are polled
+                if self._dirty:                # wake in time to publish what was done
+                    wait = max(0.0, PUBLISH_EVERY_S - (time.monotonic() - self.snapshot.at))
+                self.door.wait(wait, self._has_work)
         log.info("syscall thread stopped")
 
     def _handle_safely(self, lip: LipProc, slot: int) -> None:
@@ -161,21 +190,22 @@ class SyscallServer(PredCalls, IOCalls):
             self._handle(lip, slot)
         except Exception as e:
             log.exception("LIP %d: system call could not be answered", lip.id)
-            if lip.state == "running":
-                lip.state = "killing"
-                self.kill(lip.id, f"killed: the kernel could not answer a system call ({type(e).__name__}: {e})")
+            self._condemn(lip, f"killed: the kernel could not answer a system call ({type(e).__name__}: {e})")
 
     def _has_work(self) -> bool:
         if not self.commands.empty():
             return True
         return any(l.ring.pending() for l in self.lips.values() if l.state == "running")
 
-    def _run_commands(self) -> None:
+    def _run_commands(self) -> bool:
+        """Run the queued commands; whether there were any."""
+        ran = False
         while True:
             try:
                 fn = self.commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran = True
             try:
                 fn()
             except InjectedFault:
@@ -198,16 +228,19 @@ class SyscallServer(PredCalls, IOCalls):
 
     # ------------------------------------------------------------------ LIP lifecycle (syscall thread)
     def add(self, lip: LipProc) -> None:
+        """Take over ``lip`` (built on the event loop) and start serving it."""
+        lip.state = "running"
         self.lips[lip.id] = lip
         if self.engine.device.type == "cuda":
             _pin(lip.ring, True)
+        self._publish()
 
-
-    def remove(self, lip_id: int) -> None:
-        """The LIP is gone: reclaim its handles, anonymous files and ring."""
+    def remove(self, lip_id: int) -> LipCounters:
+        """The LIP is gone: reclaim its handles, anonymous files and ring.
+        Returns its last counters (for `ps`'s finished list)."""
         lip = self.lips.pop(lip_id, None)
         if lip is None:
-            return
+            return LipCounters()
         lip.state = "exited"
         self.sched.drop_lip(lip.id)
         closed = self.fs.exit_process(lip.id)
@@ -216,6 +249,7 @@ class SyscallServer(PredCalls, IOCalls):
         lip.ring.unlink()
         lip.ring.close()
         log.info("LIP %d (%s) reclaimed: %d KV handles closed", lip.id, lip.filename, closed)
+        return lip.counters
 
     def give_input(self, lip_id: int, data: Optional[str]) -> None:
         lip = self.lips.get(lip_id)
@@ -230,9 +264,27 @@ class SyscallServer(PredCalls, IOCalls):
     def _strike(self, lip: LipProc, why: str) -> None:
         lip.strikes += 1
         log.warning("LIP %d: malformed ring entry (%s), strike %d", lip.id, why, lip.strikes)
-        if lip.strikes >= MAX_STRIKES and lip.state == "running":
+        if lip.strikes >= MAX_STRIKES:
+            self._condemn(lip, f"killed: {lip.strikes} malformed system calls ({why})")
+
+    def _condemn(self, lip: LipProc, reason: str) -> None:
+        """running -> killing: stop reading its calls and ask the event loop
+        (the process table's owner) to kill it."""
+        if lip.state == "running":
             lip.state = "killing"
-            self.kill(lip.id, f"killed: {lip.strikes} malformed system calls ({why})")
+            self.kill(lip.id, reason)
+
+    def _publish(self) -> None:
+        """Replace `snapshot` with what this thread serves now (O(LIPs))."""
+        e, alloc = self.engine.stats, self.engine.kv.allocator
+        self.snapshot = ServingSnapshot(
+            at=time.monotonic(), lips=MappingProxyType({i: (l.calls, l.preds, l.tokens, l.replies.total)
+                                                        for i, l in self.lips.items()}),
+            batches=self.batches, batch_calls=self.batch_calls, max_batch=self.max_batch,
+            forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
+            kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
+            kv_pages_free=alloc.num_free + self.fs.pager.free_slots())
+        self._dirty = False
 
     # ------------------------------------------------------------------ dispatch
     def _handle(self, lip: LipProc, slot: int) -> None:

@@ -55,7 +55,8 @@ class KVFSConfig:
 
 
 class KVFS(DataOps):
-    def __init__(self, engine: Engine, config: KVFSConfig = KVFSConfig(), *, restore: bool = True):
+    def __init__(self, engine: Engine, config: KVFSConfig = KVFSConfig(), *, restore: bool = True,
+                 evict_first: Optional[Callable[[], list[int]]] = None):
         self.engine, self.config = engine, config
         self.page_size = engine.page_size
         self.pager = Pager(engine.kv, config.host_pages,
@@ -77,7 +78,7 @@ class KVFS(DataOps):
         self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
         # pids whose files leave the device first (blocked LIPs), set by the kernel
-        self.evict_first: Callable[[], list[int]] = lambda: []
+        self.evict_first: Callable[[], list[int]] = evict_first or (lambda: [])   # pids to swap out first
         if restore and config.durable_dir:
             from .store import restore_all
             self.restore_report = restore_all(self)

@@ -1,0 +1,218 @@
+"""The process table: every LIP's lifecycle, owned by the event loop.
+
+Who owns it, and why the event loop.  Every event that moves a LIP through
+its life arrives on the event loop: a client's spawn and kill, the zygote's
+"spawned" (pid) and "exited" reports, a client disconnecting, the wall-clock
+timer.  And `ps`, `kill` and admission must keep answering while the syscall
+thread is busy in a long forward pass or stalled (tests/test_faults.py holds
+it for 40 s while LIPs spawn, exit and are killed).  A table owned by the
+syscall thread would go stale exactly then.  So the table lives on the event
+loop, and is the only writer of a LIP's lifecycle state; the syscall thread
+never reads it: it serves its own record of each LIP (`proc.LipProc`: the
+ring, inbox, counters), handed to it once at spawn, and asks for a kill by
+message (`Kernel._kill_threadsafe`).  What each thread shows of its state to
+the other is an immutable snapshot (snapshot.py).
+
+State machine (one LIP; every transition is a method below, run on the event
+loop, and republishes `snapshot`)::
+
+                add()              started(pid)
+      (none) ---------> starting --------------> running
+                           |                        |
+                           | kill(why): the reason  | kill(why): SIGKILL now
+                           | is kept; SIGKILL once  |
+                           | the pid is known       v
+                           +-----------------> killing
+                           |                        |
+                           |  exit_reported(): the zygote reaped the worker;
+                           |  its ring, files and pages are reclaimed on the
+                           |  syscall thread                |
+                           +-----------> exiting <----------+
+                                            |
+                                            | reclaimed(status, signal, counters)
+                                            v
+                                         exited: out of the table, into
+                                         `finished` (the last 100), exit event sent
+
+A LIP's first kill reason wins; `exited`'s reason is that, or what its exit
+status / signal says.  `abandon()` ends an `exiting` LIP whose reclaim never
+came back (shutdown with a hung syscall thread).
+"""
+from __future__ import annotations
+
+import signal
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Iterator, NamedTuple, Optional
+
+from .snapshot import LipCounters, ProcRow
+
+FINISHED_KEPT = 100
+
+LIVE = ("starting", "running", "killing", "exiting")
+
+_SIGNAL_REASONS = {signal.SIGXCPU: "killed: CPU time limit exceeded", signal.SIGKILL: "killed",
+                   signal.SIGSEGV: "crashed (segmentation fault)",
+                   signal.SIGSYS: "killed by the sandbox (forbidden system call)"}
+
+
+@dataclass
+class ProcEntry:
+    """The event loop's record of one live LIP (its mutable side; only the
+    table changes it)."""
+
+    row: ProcRow
+    ring: object                        # the LIP's KernelSide: only for its names, and unlink at a hung shutdown
+    reason: Optional[str] = None        # the first kill reason
+
+    @property
+    def id(self) -> int:
+        return self.row.lip
+
+    @property
+    def state(self) -> str:
+        return self.row.state
+
+    @property
+    def pid(self) -> int:
+        return self.row.pid
+
+
+class TableSnapshot(NamedTuple):
+    """The table as published after one transition: never changed, replaced whole."""
+
+    rows: tuple                 # ProcRow of every live LIP, by id order of spawn
+    finished: tuple             # (ProcRow, exit event) of the last FINISHED_KEPT exited, oldest first
+    version: int                # transitions so far
+
+
+class TransitionError(RuntimeError):
+    """A transition the state machine does not allow (a kernel bug)."""
+
+
+class ProcessTable:
+    """Every live LIP by id, and the last `FINISHED_KEPT` that exited.
+
+    Readers (any thread) take `snapshot` once (a `TableSnapshot`, replaced
+    whole on every transition) and read only that.  Only the owner thread
+    calls the transition methods."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, ProcEntry] = {}
+        self._finished: deque = deque(maxlen=FINISHED_KEPT)
+        self._by_user: dict[str, int] = {}
+        self.snapshot = TableSnapshot((), (), 0)
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, lip_id) -> bool:
+        return lip_id in self._live
+
+    def __iter__(self) -> Iterator[ProcEntry]:
+        return iter(list(self._live.values()))
+
+    def get(self, lip_id) -> Optional[ProcEntry]:
+        return self._live.get(lip_id) if isinstance(lip_id, int) else None
+
+    def count_for(self, user: str) -> int:
+        """Live LIPs of ``user`` (for the per-user limit)."""
+        return self._by_user.get(user, 0)
+
+    # ------------------------------------------------------------------ transitions
+    def add(self, row: ProcRow, ring) -> ProcEntry:
+        """(none) -> starting: the LIP is admitted and its worker asked for."""
+        if row.lip in self._live:
+            raise TransitionError(f"LIP {row.lip} is already in the table")
+        e = ProcEntry(replace(row, state="starting", pid=0), ring)
+        self._live[row.lip] = e
+        self._by_user[row.user] = self._by_user.get(row.user, 0) + 1
+        self._publish()
+        return e
+
+    def started(self, lip_id: int, pid: int) -> Optional[str]:
+        """starting -> running (or killing stays killing) once the zygote says
+        the worker's pid.  Returns the kill reason if it was killed meanwhile:
+        the caller signals the pid now."""
+        e = self._live.get(lip_id)
+        if e is None or e.state not in ("starting", "killing") or e.pid:
+            return None
+        self._set(e, state="running" if e.reason is None else "killing", pid=pid)
+        return e.reason
+
+    def kill(self, lip_id: int, reason: str) -> Optional[ProcEntry]:
+        """starting|running -> killing, keeping the first reason.  Returns the
+        entry if it is live (its pid, 0 while starting, is the one to signal),
+        None if there is no such LIP.  An exiting LIP keeps its state: it is
+        dead already and its pid may be reused, so the caller sends nothing."""
+        e = self._live.get(lip_id)
+        if e is None:
+            return None
+        if e.reason is None and e.state != "exiting":
+            e.reason = reason
+        if e.state in ("starting", "running"):
+            self._set(e, state="killing")
+        return e
+
+    def exit_reported(self, lip_id: int) -> Optional[ProcEntry]:
+        """starting|running|killing -> exiting: the worker was reaped.  Returns
+        the entry if its reclaim is to start now, None if there is no such LIP
+        or its reclaim is already under way."""
+        e = self._live.get(lip_id)
+        if e is None or e.state == "exiting":
+            return None
+        self._set(e, state="exiting")
+        return e
+
+    def reclaimed(self, lip_id: int, status: int, sig: int,
+                  counters: LipCounters) -> Optional[tuple[ProcEntry, dict]]:
+        """exiting -> exited: the syscall thread reclaimed it.  Moves it to
+        `finished` and returns (entry, its exit event); None if it already left
+        (`abandon`)."""
+        e = self._live.get(lip_id)
+        if e is None or e.state != "exiting":
+            return None
+        reason = e.reason or exit_reason(status, sig)
+        event = {"event": "exit", "lip": lip_id, "status": status if sig == 0 else 128 + sig, "reason": reason}
+        self._retire(e, event, counters)
+        return e, event
+
+    def abandon(self, lip_id: int, why: str) -> Optional[tuple[ProcEntry, dict]]:
+        """exiting -> exited without a reclaim (the syscall thread does not
+        answer): the exit event says so."""
+        e = self._live.get(lip_id)
+        if e is None or e.state != "exiting":
+            return None
+        event = {"event": "exit", "lip": lip_id, "status": 128 + 9, "reason": (e.reason or "killed") + why}
+        self._retire(e, event, e.row.final)
+        return e, event
+
+    # ------------------------------------------------------------------ helpers
+    def _set(self, e: ProcEntry, **change) -> None:
+        e.row = replace(e.row, **change)
+        self._publish()
+
+    def _retire(self, e: ProcEntry, event: dict, counters: LipCounters) -> None:
+        del self._live[e.id]
+        n = self._by_user[e.row.user] - 1
+        if n:
+            self._by_user[e.row.user] = n
+        else:
+            del self._by_user[e.row.user]
+        e.row = replace(e.row, state="exited", final=counters)
+        self._finished.append((e.row, event))
+        self._publish()
+
+    def _publish(self) -> None:
+        old = self.snapshot
+        finished = old.finished if not self._finished or (old.finished and old.finished[-1] is
+                                                          self._finished[-1]) else tuple(self._finished)
+        self.snapshot = TableSnapshot(tuple(e.row for e in self._live.values()), finished, old.version + 1)
+
+
+def exit_reason(status: int, sig: int) -> str:
+    """Why a LIP that nobody killed ended, from its exit status or signal."""
+    if sig == 0:
+        return {0: "finished", 1: "error"}.get(status, f"exit status {status}")
+    return _SIGNAL_REASONS.get(sig, f"killed by signal {sig}")

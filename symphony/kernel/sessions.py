@@ -1,0 +1,174 @@
+"""Client sessions: the kernel's Unix-socket RPC server.
+
+A mixin of `daemon.Kernel`, on the event loop.  Each connection is one
+session: framed JSON requests (ipc/protocol.py), each answered on the same
+connection; the LIPs a session starts attached are killed when it ends.  The
+caller's user is the peer's Unix user (SO_PEERCRED); root may act as any user
+by naming it.  `ps` and `stats` are answered from published snapshots
+(snapshot.py) only, never from another thread's live state.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pwd
+import re
+import socket
+import struct
+import time
+from typing import Optional
+
+from symphony.ipc.protocol import ProtocolError, encode_frame, read_frame
+from symphony.kvfs import KVFSError, Principal
+
+from .capabilities import identity_for
+from .snapshot import ProcRow
+
+log = logging.getLogger("symphony.kernel")
+
+_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+class ClientSessions:
+    """The client RPC server of `daemon.Kernel`."""
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        uid = _peer_uid(writer)
+        attached: set[int] = set()
+        try:
+            while True:
+                try:
+                    msg = await read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                try:
+                    reply = await self._request(uid, msg, writer, attached)
+                except (ValueError, KVFSError, PermissionError, TimeoutError) as e:
+                    reply = {"error": getattr(e, "code", "EINVAL"), "type": type(e).__name__, "message": str(e)}
+                except Exception as e:                     # a kernel bug: fail this request only
+                    log.exception("client request %r failed", msg.get("op") if isinstance(msg, dict) else None)
+                    reply = {"error": "EIO", "type": "InternalError", "message": f"internal error: {e!r}"}
+                if reply is not None:
+                    writer.write(encode_frame(reply))
+                    await writer.drain()
+        except ProtocolError as e:
+            log.warning("client protocol error: %s", e)
+        finally:
+            for lip_id in attached:                        # a session's LIPs end with it
+                self._kill(lip_id, "killed: the client that ran it disconnected")
+            writer.close()
+
+    async def _request(self, uid: int, msg: dict, writer, attached: set) -> Optional[dict]:
+        op = msg.get("op")
+        user = _user_for(uid, msg.get("user"))
+        if op == "spawn":
+            attach = msg.get("attach", True)
+            row = await self.spawn(user, msg, watcher=writer if attach else None, caller_uid=uid,
+                                   owner=identity_for(uid, user, acting=msg.get("user") is not None))
+            if attach:
+                attached.add(row.lip)
+            return {"event": "started", "lip": row.lip}
+        if op == "input":
+            lip = self._own(uid, user, msg.get("lip"))
+            data = None if msg.get("eof") else msg.get("data")
+            if data is not None and not isinstance(data, str):
+                raise ValueError("input data must be a string")
+            self.sys.submit(lambda: self.sys.give_input(lip.lip, data))
+            return None
+        if op == "kill":
+            lip = self._own(uid, user, msg.get("lip"))
+            self._kill(lip.lip, f"killed by {user}")
+            return {"ok": True, "lip": lip.lip}
+        if op == "ps":                                 # others' LIPs without their arguments
+            admin = uid == 0 and msg.get("user") is None   # root acting as a user sees what that user sees
+            return self.ps(None if admin else user)
+        if op == "stats":
+            return self.stats()
+        who = Principal(user, 0)
+        if op == "kv_ls":
+            return {"entries": await self.sys_call(lambda: self.fs.list(who, msg.get("path") or "/"))}
+        if op == "kv_stat":
+            return await self.sys_call(lambda: self.fs.stat(who, msg.get("path")))
+        if op == "kv_rm":
+            await self.sys_call(lambda: self.fs.remove(who, msg.get("path")))
+            return {"ok": True}
+        if op == "test_hook" and self.test_hooks:
+            return self._test_hook(uid, msg)
+        if op == "shutdown":
+            if uid != 0:
+                raise PermissionError("only root may shut the kernel down")
+            self.stopping.set()
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r}")
+
+    def _test_hook(self, uid: int, msg: dict) -> dict:
+        """Fault injection, only with --test-hooks, root only:
+        {"hook": "stall", "seconds": s}: hold the syscall thread s seconds;
+        {"hook": "syscall_crash"}: an unexpected exception in its loop."""
+        if uid != 0:
+            raise PermissionError("test hooks are root only")
+        hook = msg.get("hook")
+        if hook == "stall":
+            secs = msg.get("seconds")
+            if not isinstance(secs, (int, float)) or isinstance(secs, bool) or not 0 <= secs <= 600:
+                raise ValueError("seconds must be a number in [0, 600]")
+            self.sys.submit(lambda: time.sleep(secs))
+        elif hook == "syscall_crash":
+            self.sys.inject_fault()
+        else:
+            raise ValueError(f"unknown test hook {hook!r}")
+        return {"ok": True}
+
+    def _own(self, uid: int, user: str, lip_id) -> ProcRow:
+        e = self.procs.get(lip_id)
+        if e is None:
+            raise ValueError(f"no running LIP {lip_id!r}")
+        if uid != 0 and e.row.user != user:
+            raise PermissionError(f"LIP {lip_id} belongs to {e.row.user}")
+        return e.row
+
+    def ps(self, viewer: Optional[str] = None) -> dict:
+        """The `ps` reply, from the published snapshots only: the process
+        table's rows (event loop) and the syscall thread's counters.
+        ``viewer``: the user asking (others' LIPs come without their
+        arguments and limits); None: an administrator, who sees everything."""
+        (rows, finished, _), served = self.procs.snapshot, self.sys.snapshot
+        full = lambda r: viewer is None or r.user == viewer  # noqa: E731
+        return {"lips": [r.ps(served.counters(r.lip), full(r)) for r in rows],
+                "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
+
+    def stats(self) -> dict:
+        """The `stats` reply, from the published snapshots only."""
+        served = self.sys.snapshot
+        d = {"lips": len(self.procs.snapshot.rows)}
+        d.update(served.as_stats())
+        d["instance"] = self.instance
+        d["output_queued_bytes"] = self.queued_output_bytes()
+        return d
+
+
+
+# ---------------------------------------------------------------- helpers
+def _peer_uid(writer) -> int:
+    sock = writer.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _user_for(uid: int, asked) -> str:
+    if asked is not None:
+        if uid != 0:
+            try:
+                own = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                own = f"uid{uid}"
+            if asked != own:
+                raise PermissionError("only root may act as another user")
+        if not isinstance(asked, str) or not _USER_RE.fullmatch(asked):
+            raise ValueError(f"bad user name {asked!r}")
+        return asked
+    try:
+        name = pwd.getpwuid(uid).pw_name.lower()
+    except KeyError:
+        name = f"uid{uid}"
+    return name if _USER_RE.fullmatch(name) else f"uid{uid}"

@@ -1,0 +1,92 @@
+"""Immutable snapshots one kernel thread publishes for the other to read.
+
+Each piece of kernel state has one owner thread (DESIGN: one owner per
+state).  What the other thread needs to *see* of it travels as a frozen
+snapshot, replaced whole by its owner (a single reference assignment, atomic
+under the GIL), never as a shared mutable object:
+
+    ProcRow          the process table's view of one LIP (state, pid, ...);
+                     published by the event loop (`ProcessTable.rows`)
+    ServingSnapshot  what the syscall thread serves: per-LIP call counters,
+                     batch and engine counters, KV pages used/free;
+                     published by the syscall thread (`SyscallServer.snapshot`)
+
+A reader takes the reference once and reads only that object, so it never
+sees half of an update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
+
+
+class LipCounters(NamedTuple):
+    """One LIP's work as the syscall thread counts it."""
+
+    calls: int = 0              # system calls served
+    preds: int = 0              # pred calls
+    tokens: int = 0             # tokens fed to the model
+    reply_bytes: int = 0        # chunked replies awaiting FETCH
+
+
+NO_COUNTERS = LipCounters()
+
+
+@dataclass(frozen=True)
+class ProcRow:
+    """One LIP as `ps` shows it; replaced (never changed) on every transition."""
+
+    lip: int
+    user: str
+    file: str
+    state: str                  # ProcessTable's states: starting running killing exiting exited
+    priority: int
+    pid: int
+    started: float              # wall clock (time.time()) at spawn
+    args: tuple
+    limits: Mapping
+    final: LipCounters = NO_COUNTERS    # an exited LIP's last counters
+
+    def ps(self, counters: LipCounters, full: bool) -> dict:
+        """The `ps` entry; ``full`` False (another user's LIP): without its
+        arguments (prompts, paths) and limits; the program's file name stays,
+        like a process's name in ps."""
+        d = {"lip": self.lip, "user": self.user, "file": self.file, "state": self.state,
+             "priority": self.priority, "pid": self.pid, "started": self.started,
+             "calls": counters.calls, "preds": counters.preds, "tokens": counters.tokens}
+        if full:
+            d["args"], d["limits"] = list(self.args), dict(self.limits)
+        return d
+
+
+@dataclass(frozen=True)
+class ServingSnapshot:
+    """What the syscall thread serves, as of ``at`` (time.monotonic())."""
+
+    at: float = 0.0
+    lips: Mapping[int, tuple] = field(default_factory=lambda: MappingProxyType({}))   # id -> LipCounters fields
+    batches: int = 0            # forward passes the scheduler ran
+    batch_calls: int = 0        # pred calls in them
+    max_batch: int = 0          # most calls in one
+    forward_passes: int = 0     # the engine's own counters
+    pred_calls: int = 0
+    engine_max_batch: int = 0
+    kv_pages_used: int = 0      # device KV pages
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0      # device pages free + host/disk slots free (admission)
+
+    def counters(self, lip_id: int) -> LipCounters:
+        c = self.lips.get(lip_id)
+        return NO_COUNTERS if c is None else LipCounters(*c)
+
+    @property
+    def pending_reply_bytes(self) -> int:
+        return sum(c[3] for c in self.lips.values())
+
+    def as_stats(self) -> dict:
+        """The `stats` fields this snapshot answers."""
+        return {"batches": self.batches, "batch_calls": self.batch_calls, "max_batch": self.max_batch,
+                "forward_passes": self.forward_passes, "pred_calls": self.pred_calls,
+                "engine_max_batch": self.engine_max_batch, "kv_pages_used": self.kv_pages_used,
+                "kv_pages_total": self.kv_pages_total, "pending_reply_bytes": self.pending_reply_bytes}
