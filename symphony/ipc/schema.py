@@ -119,15 +119,18 @@ class Pred(_Body):
         if self.positions is not None and len(self.positions) != self.n_tokens:
             raise ValueError("positions and tokens differ in length")
         if self.output == "sample":
-            check_sampling(self.temperature, self.top_p)
-        for name in ("temperature", "top_p"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+            check_sampling(self.temperature, self.top_p)      # finite, and in range
+        elif not (_isfinite(self.temperature) and _isfinite(self.top_p)):
+            name = "temperature" if not _isfinite(self.temperature) else "top_p"
+            raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
 
     @property
     def sampling(self) -> tuple:
         """(temperature, top_p, top_k, seed), top_k 0 for none."""
         return self.temperature, self.top_p, self.top_k or 0, self.seed
+
+
+_isfinite = math.isfinite
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
