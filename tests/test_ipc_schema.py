@@ -257,6 +257,25 @@ def test_a_topk_reply_arrives_as_ids_and_logprobs(ring):
     assert not r.arena.ids.flags.writeable and np.shares_memory(r.arena.ids, np.frombuffer(lip.buffer, np.uint8))
 
 
+def test_topk_arena_writes_what_the_lip_reads(ring):
+    k, lip = ring
+    ids = np.array([[5, 9], [2, 0]], dtype=np.int32)                 # [rows, k]
+    lp = np.array([[-0.5, -1.5], [-0.25, -3.0]], dtype=np.float32)   # [rows, k]
+
+    def write(k, slot, req):
+        view = k.topk_arena(slot, 2, 2)
+        view.ids[:] = ids
+        view.logprobs[:] = lp
+        k.respond(slot, req.call_id, abi.OK, b"", abi.ARENA_TOPK, 4, 2)
+    t = _serve_one(k, write)
+    r = lip.call(abi.PRED, b"", None, timeout=10)
+    t.join()
+    np.testing.assert_array_equal(r.arena.ids, ids)
+    np.testing.assert_array_equal(r.arena.logprobs, lp)
+    with pytest.raises(ValueError, match="needs"):
+        k.topk_arena(0, 300, 2)                                      # 4800 bytes > the 4096-byte arena
+
+
 def test_logits_and_int32_arenas_keep_their_types(ring):
     k, lip = ring
     for kind, dt in ((abi.ARENA_LOGITS, np.float32), (abi.ARENA_I32, np.int32)):
