@@ -154,6 +154,9 @@ def test_not_an_object_and_not_json():
     for raw in (b"{", b"\xff\xfe", b'{"path": "/"} trailing', b"{'path': '/'}"):
         with pytest.raises(schema.Undecodable, match="malformed JSON body"):
             schema.decode(abi.KV_LIST, raw)
+    deep = b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"             # a JSON value nested too deeply
+    with pytest.raises(schema.Undecodable, match="nested too deeply"):
+        schema.decode(abi.SEND, deep)
     with pytest.raises(schema.UnknownOp, match="unknown system call 99"):
         schema.decode(99, b"{}")
     with pytest.raises(schema.Undecodable):                              # not JSON: a strike, whatever the op

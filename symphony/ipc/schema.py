@@ -271,6 +271,8 @@ def decode(op: int, raw: bytes):
         raise _explain(REQUESTS[op], str(e), lambda: msgspec.json.decode(raw)) from None
     except msgspec.DecodeError as e:
         raise Undecodable(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise Undecodable("malformed JSON body: nested too deeply") from None
 
 
 def build(op: int, **fields):
