@@ -63,7 +63,8 @@ BAD = [
      "top_k must be an int >= 0 (0: no top-k) or null, got -3"),
     (abi.PRED, {"kv": 0, "n_tokens": 1, "seed": "abc"}, "seed", "seed must be an int or null, got 'abc'"),
     (abi.PRED, {"kv": 0, "n_tokens": 1, "temperature": None}, "temperature",
-     "temperature must be a finite number, got None"),
+     "temperature must be 0 (greedy) or a number in [0.0001, 100.0], got None"),
+    (abi.PRED, {"kv": 0, "n_tokens": 1, "output": "logits", "top_p": 1.5}, "top_p", "top_p must be a number in (0, 1]"),
     (abi.KV_CREATE, {"path": 7}, "path", "path must be a string path or null, got 7"),
     (abi.KV_CREATE, {"mode": 0o10000}, "mode", "mode must be a permission mode"),
     (abi.KV_OPEN, {}, "path", "path is required: path must be a string path"),
@@ -117,8 +118,9 @@ def test_defaults_and_the_empty_body():
     assert (p.output, p.k, p.all_logits, p.positions, p.n_mask_words, p.sampling) == \
         ("logits", 20, False, None, 0, (1.0, 1.0, 0, None))
     assert schema.encode(schema.build(abi.PRED, kv=0, n_tokens=1)) == b'{"kv":0,"n_tokens":1}'   # defaults omitted
-    # sampling bounds bind only a sampling call (as before the schema); finiteness binds every call
-    assert _decode(abi.PRED, {"kv": 0, "n_tokens": 1, "temperature": 500.0}).temperature == 500.0
+    assert _decode(abi.PRED, {"kv": 0, "n_tokens": 1, "output": "sample", "temperature": 0}).temperature == 0
+    with pytest.raises(schema.SchemaError, match="temperature must be"):   # the bounds bind every pred
+        _decode(abi.PRED, {"kv": 0, "n_tokens": 1, "output": "logits", "temperature": 500.0})
 
 
 @pytest.mark.parametrize("op,body,field,words", BAD, ids=[f"{abi.OP_NAMES[b[0]]}-{b[2] or 'body'}-{i}"
@@ -152,6 +154,9 @@ def test_not_an_object_and_not_json():
     for raw in (b"{", b"\xff\xfe", b'{"path": "/"} trailing', b"{'path': '/'}"):
         with pytest.raises(schema.Undecodable, match="malformed JSON body"):
             schema.decode(abi.KV_LIST, raw)
+    deep = b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"             # a JSON value nested too deeply
+    with pytest.raises(schema.Undecodable, match="nested too deeply"):
+        schema.decode(abi.SEND, deep)
     with pytest.raises(schema.UnknownOp, match="unknown system call 99"):
         schema.decode(99, b"{}")
     with pytest.raises(schema.Undecodable):                              # not JSON: a strike, whatever the op
@@ -159,7 +164,7 @@ def test_not_an_object_and_not_json():
 
 
 def test_lip_side_refuses_python_values_json_cannot_carry():
-    with pytest.raises(schema.SchemaError, match="temperature must be a finite number, got nan"):
+    with pytest.raises(schema.SchemaError, match="temperature must be 0 .greedy. or a number in .*got nan"):
         schema.build(abi.PRED, kv=0, n_tokens=1, temperature=float("nan"))
     with pytest.raises(schema.SchemaError, match="temperature must be 0 .greedy. or a number in .*got inf"):
         schema.build(abi.PRED, kv=0, n_tokens=1, output="sample", temperature=float("inf"))
@@ -255,6 +260,25 @@ def test_a_topk_reply_arrives_as_ids_and_logprobs(ring):
     np.testing.assert_array_equal(r.arena.ids, ids)            # exact: the bits are not reinterpreted
     np.testing.assert_array_equal(r.arena.logprobs, lp)
     assert not r.arena.ids.flags.writeable and np.shares_memory(r.arena.ids, np.frombuffer(lip.buffer, np.uint8))
+
+
+def test_topk_arena_writes_what_the_lip_reads(ring):
+    k, lip = ring
+    ids = np.array([[5, 9], [2, 0]], dtype=np.int32)                 # [rows, k]
+    lp = np.array([[-0.5, -1.5], [-0.25, -3.0]], dtype=np.float32)   # [rows, k]
+
+    def write(k, slot, req):
+        view = k.topk_arena(slot, 2, 2)
+        view.ids[:] = ids
+        view.logprobs[:] = lp
+        k.respond(slot, req.call_id, abi.OK, b"", abi.ARENA_TOPK, 4, 2)
+    t = _serve_one(k, write)
+    r = lip.call(abi.PRED, b"", None, timeout=10)
+    t.join()
+    np.testing.assert_array_equal(r.arena.ids, ids)
+    np.testing.assert_array_equal(r.arena.logprobs, lp)
+    with pytest.raises(ValueError, match="needs"):
+        k.topk_arena(0, 300, 2)                                      # 4800 bytes > the 4096-byte arena
 
 
 def test_logits_and_int32_arenas_keep_their_types(ring):

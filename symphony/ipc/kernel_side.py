@@ -59,7 +59,7 @@ import posix_ipc
 from . import abi
 from .layout import (ARENA_DTYPES, BUSY, CLOSED_OFF, HDR, MAGIC, MAX_ARENA_BYTES, MAX_SLOT_BYTES, MAX_SLOTS,
                      NO_TOKENS, REQ_BODY_OFF, REQ_HDR, REQUEST_WORD, RESP_BODY_OFF, RESP_HDR, RESPONSE,
-                     STATES_OFF, U32, U32_MAX, U64_MASK, VERSION, Request, RingError, align, check_prefix,
+                     STATES_OFF, U32, U32_MAX, U64_MASK, VERSION, Request, RingError, TopK, align, check_prefix,
                      close_sems, geometry, map_segment, new_name, new_request, unlink_sem, unlink_shm, unmap)
 from .wait import WaitSet, new_bell
 
@@ -229,6 +229,12 @@ class KernelSide:
             raise ValueError(f"arena {rows}x{cols} {dt} needs {need} bytes > {self.arena_bytes}")
         return np.ndarray((int(rows), int(cols)), dtype=dt, buffer=self._mm,
                           offset=self._arena_off + slot * self.arena_bytes)
+
+    def topk_arena(self, slot: int, rows: int, k: int) -> TopK:
+        """Writable views for a top-k reply in slot's arena: ids int32 [rows, k] and
+        logprobs float32 [rows, k]; answer with ``respond(..., abi.ARENA_TOPK, 2 * rows, k)``."""
+        words = self.arena(slot, 2 * rows, k, np.int32)     # [2*rows, k]: the ids, then the log-probs
+        return TopK(words[:rows], words[rows:].view(np.float32))
 
     def respond(self, slot: int, call_id: int, status: int, json: bytes = b"",
                 arena_kind: int = abi.ARENA_NONE, rows: int = 0, cols: int = 0) -> None:

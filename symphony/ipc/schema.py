@@ -21,7 +21,6 @@ counts a strike), one that does not fit the type raises `SchemaError`.
 """
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal, Optional
 
 import msgspec
@@ -63,7 +62,10 @@ Path = _must(str, "a string path")
 OptPath = Optional[Path]
 _ModeBits = _must(int, "a permission mode (an int in [0, 0o7777]) or null", ge=0, le=0o7777)
 Mode = Optional[_ModeBits]
-Number = _must(float, "a finite number")
+Number = _must(float, "a number")
+_TEMPERATURE = f"0 (greedy) or a number in [{abi.MIN_TEMPERATURE}, {abi.MAX_TEMPERATURE}]"
+Temperature = _must(float, _TEMPERATURE, ge=0, le=abi.MAX_TEMPERATURE)
+TopP = _must(float, "a number in (0, 1]", gt=0, le=1)
 Str = _must(str, "a string")
 Flag = _must(bool, "true or false")
 NTokens = _must(int, f"an int in [1, {abi.MAX_TOKENS_PER_CALL}]", ge=1, le=abi.MAX_TOKENS_PER_CALL)
@@ -109,8 +111,8 @@ class Pred(_Body):
     all_logits: Flag = False
     output: Output = "logits"
     k: TopKCount = 20
-    temperature: Number = 1.0
-    top_p: Number = 1.0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: SampleTopK = 0
     seed: Seed = None
     n_mask_words: MaskWords = 0
@@ -118,26 +120,13 @@ class Pred(_Body):
     def __post_init__(self):
         if self.positions is not None and len(self.positions) != self.n_tokens:
             raise ValueError("positions and tokens differ in length")
-        if self.output == "sample":
-            check_sampling(self.temperature, self.top_p)
-        for name in ("temperature", "top_p"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        if 0 < self.temperature < abi.MIN_TEMPERATURE:      # the gap the type's bounds leave
+            raise ValueError(f"temperature must be {_TEMPERATURE}, got {self.temperature!r}")
 
     @property
     def sampling(self) -> tuple:
         """(temperature, top_p, top_k, seed), top_k 0 for none."""
         return self.temperature, self.top_p, self.top_k or 0, self.seed
-
-
-def check_sampling(temperature: float, top_p: float) -> None:
-    """The bounds of a sampling call's parameters (only a sampling pred is held to them)."""
-    t = temperature
-    if not math.isfinite(t) or not (t == 0 or abi.MIN_TEMPERATURE <= t <= abi.MAX_TEMPERATURE):
-        raise ValueError(f"temperature must be 0 (greedy) or a number in "
-                         f"[{abi.MIN_TEMPERATURE}, {abi.MAX_TEMPERATURE}], got {t!r}")
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 class KvCreate(_Body, kw_only=True):
@@ -282,6 +271,8 @@ def decode(op: int, raw: bytes):
         raise _explain(REQUESTS[op], str(e), lambda: msgspec.json.decode(raw)) from None
     except msgspec.DecodeError as e:
         raise Undecodable(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise Undecodable("malformed JSON body: nested too deeply") from None
 
 
 def build(op: int, **fields):

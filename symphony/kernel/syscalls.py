@@ -62,6 +62,10 @@ class InjectedFault(Exception):
 
 
 class SyscallServer(PredCalls, IOCalls):
+    """The syscall thread (`thread`) and the state it owns: the engine, KVFS,
+    the scheduler and the LIPs it serves (`lips`).  Other threads reach it
+    only through `submit` / `call_future` / `call` and read `snapshot`."""
+
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
@@ -110,13 +114,17 @@ class SyscallServer(PredCalls, IOCalls):
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                result = fn()
+                result, error = fn(), None
             except BaseException as e:       # handed back to the caller
-                self._publish()
-                fut.set_exception(e)
-                return
-            self._publish()                  # the caller's next ps/stats sees what fn did
-            fut.set_result(result)
+                result, error = None, e
+            try:
+                self._publish()              # the caller's next ps/stats sees what fn did
+            except Exception:                # never at the cost of the caller's answer
+                log.exception("syscall thread: the snapshot could not be published")
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
         self.submit(run)
         return fut
 
