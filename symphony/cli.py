@@ -55,11 +55,9 @@ def _build_engine(args):
 
 
 def _sample(logits, temperature: float, gen):
-    import torch
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    """One token from ``logits`` [vocab]: greedy at temperature <= 0, else drawn from ``gen``."""
+    from .engine.sampler import SamplingParams, sample
+    return int(sample(logits.unsqueeze(0), SamplingParams(max(temperature, 0.0)), generator=gen)[0])
 
 
 def _complete(engine, ids: list[int], max_tokens: int, temperature: float, seed: int) -> None:

@@ -84,20 +84,22 @@ def test_explicit_positions_match_reference():
     torch.testing.assert_close(got, reference_logits(ref, toks, pos), atol=TINY_ATOL, rtol=0)
 
 
-def test_fork_is_copy_on_write_and_each_side_matches_reference():
+def test_fork_copies_pages_and_each_side_matches_reference():
+    """In-process sequences never share pages (sharing, with its copy-on-write,
+    is KVFS's: test_kvfs.py::test_fork_shares_pages_and_both_sides_match)."""
     eng, ref = make(page_size=4)
     base = rand_tokens(10)                                   # 2 full pages + a partial one
     a = eng.new_sequence()
     eng.pred(a, base)
     used = eng.kv.allocator.num_used
     b = eng.fork(a)
-    assert b.pages == a.pages and eng.kv.allocator.num_used == used
-    assert all(eng.kv.allocator.refcount(p) == 2 for p in a.pages)
-    la = eng.pred(a, [1, 2])                                 # a writes: its partial page is copied
-    assert a.pages[:2] == b.pages[:2] and a.pages[2] != b.pages[2]
-    assert eng.kv.allocator.num_used == used + 1
-    lb = eng.pred(b, [3, 4, 5])                              # b now owns the old partial page alone
-    assert eng.kv.allocator.num_used == used + 2
+    assert not set(b.pages) & set(a.pages) and eng.kv.allocator.num_used == 2 * used
+    assert b.positions == a.positions and b.positions is not a.positions
+    assert torch.equal(eng.kv.pool[:, :, b.pages], eng.kv.pool[:, :, a.pages])
+    la = eng.pred(a, [1, 2])                                 # a writes into its own partial page
+    assert eng.kv.allocator.num_used == 2 * used
+    lb = eng.pred(b, [3, 4, 5])                              # b's 13th slot needs a fourth page
+    assert eng.kv.allocator.num_used == 2 * used + 1
     torch.testing.assert_close(la, reference_logits(ref, base + [1, 2])[-1], atol=TINY_ATOL, rtol=0)
     torch.testing.assert_close(lb, reference_logits(ref, base + [3, 4, 5])[-1], atol=TINY_ATOL, rtol=0)
     eng.release(a)
@@ -276,13 +278,13 @@ def test_half_fork_and_truncate(dtype):
     eng.pred(a, base)
     used = eng.kv.allocator.num_used
     b = eng.fork(a)
-    la = eng.pred(a, [1, 2])                                  # copies the shared partial page
+    la = eng.pred(a, [1, 2])                                  # writes its own copy of the partial page
     lb = eng.pred(b, [3, 4, 5])
-    assert a.pages[:2] == b.pages[:2] and a.pages[2] != b.pages[2]
-    assert eng.kv.allocator.num_used == used + 2
+    assert not set(a.pages) & set(b.pages)
+    assert eng.kv.allocator.num_used == 2 * used + 1
     close_half(la, ref32.forward(base + [1, 2])[-1], refd.forward(base + [1, 2])[-1], dtype)
     close_half(lb, ref32.forward(base + [3, 4, 5])[-1], refd.forward(base + [3, 4, 5])[-1], dtype)
-    # the copy-on-write page is a bit-exact copy of the shared one's first two slots
+    # the fork's copy of the partial page is bit-exact in the slots both had
     k_a, k_b = eng.kv.pool[:, :, a.pages[2], :2], eng.kv.pool[:, :, b.pages[2], :2]
     assert torch.equal(k_a.view(torch.int16), k_b.view(torch.int16))
     eng.truncate(b, 6)

@@ -67,7 +67,7 @@ def _decode_rounds(graphed, eager, ref_weights, lengths, rounds, fork_from=None)
         eager.pred(e, h)
         gs.append(g)
         es.append(e)
-    if fork_from is not None:          # forks share the partial last page: copy-on-write in the step
+    if fork_from is not None:          # in-process forks: copies in pages of their own
         for i in fork_from:
             gs.append(graphed.fork(gs[i]))
             es.append(eager.fork(es[i]))
@@ -102,9 +102,39 @@ def test_graph_path_matches_eager_and_reference(lengths):
     _decode_rounds(graphed, eager, w, lengths, rounds=6)   # crosses page boundaries (page_size 4)
 
 
-def test_graph_path_with_copy_on_write_forks():
+def test_graph_path_with_forks():
     graphed, eager, w = engines()
     _decode_rounds(graphed, eager, w, [5, 6, 11], rounds=3, fork_from=[0, 2])
+
+
+def test_graph_path_with_copy_on_write_forks_through_kvfs():
+    """Forks share their partial last page (KVFS owns the sharing): the first
+    decode step copies it before the graph path writes into it."""
+    from symphony.kvfs import KVFS, KVFSConfig, KVPred, Principal
+    graphed, eager, w = engines()
+    ref, who = ReferenceLlama(w), Principal("alice", 1)
+    fss = [KVFS(graphed, KVFSConfig()), KVFS(eager, KVFSConfig())]
+    hist = [toks(n, seed=i) for i, n in enumerate((5, 6, 11))]
+    files = [[fs.create(who, None) for _ in hist] for fs in fss]
+    for fs, hs in zip(fss, files):
+        for h, t in zip(hs, hist):
+            fs.pred(who, h, t)
+        hs.extend(fs.fork(who, hs[i]) for i in (0, 2))
+    hist += [list(hist[0]), list(hist[2])]
+    shared = fss[0].handles[files[0][3]].inode.blocks[-1]
+    assert shared is fss[0].handles[files[0][0]].inode.blocks[-1] and shared.ref == 2
+    steps0 = graphed.stats.graph_steps
+    for r in range(3):
+        nxt = [toks(1, seed=100 * r + i)[0] for i in range(len(hist))]
+        got, want = [fs.pred_batch([KVPred(who, h, [t]) for h, t in zip(hs, nxt)])
+                     for fs, hs in zip(fss, files)]
+        for i, t in enumerate(nxt):
+            hist[i].append(t)
+            torch.testing.assert_close(got[i], want[i], atol=TINY_ATOL, rtol=0)
+            torch.testing.assert_close(got[i], ref.forward(hist[i])[-1], atol=TINY_ATOL, rtol=0)
+    assert graphed.stats.graph_steps - steps0 == 3
+    a, f = (fss[0].handles[files[0][i]].inode.blocks for i in (0, 3))
+    assert a[0] is f[0] and a[-1] is not f[-1] and a[0].ref == 2 and a[-1].ref == 1
 
 
 def test_batch_sizes_change_between_steps_and_stale_rows_do_not_leak():

@@ -227,7 +227,7 @@ class KVFSMachine(RuleBasedStateMachine):
         alloc = fs.engine.kv.allocator
         assert alloc.num_used == tiers["device"], "device page leak"
         devs = [b.device for b in blocks.values() if b.device >= 0]
-        assert len(set(devs)) == len(devs) and all(alloc.refcount(p) == 1 for p in devs)
+        assert len(set(devs)) == len(devs) and all(alloc.is_allocated(p) for p in devs)
         p = fs.pager
         assert p.host_capacity - len(p.host_free) == tiers["host"], "host slot leak"
         assert p.disk_next - len(p.disk_free) == tiers["disk"], "disk slot leak"

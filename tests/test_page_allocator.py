@@ -12,21 +12,23 @@ def test_allocates_in_order_and_never_the_null_page():
     assert NULL_PAGE not in a._free
 
 
-def test_refcounts_share_and_free_exactly():
+def test_free_gives_pages_back_exactly():
     a = PageAllocator(8)
     p = a.allocate(2)                       # [1, 2]
-    a.incref(p)                             # fork
-    assert [a.refcount(i) for i in p] == [2, 2]
-    assert a.decref(p) == []                # one owner left
-    assert [a.refcount(i) for i in p] == [1, 1]
-    assert a.decref(p) == [1, 2]
-    assert a.num_free == 7 and a.refcount(1) == 0
+    assert [a.is_allocated(i) for i in p] == [True, True]
+    a.free(p)
+    assert a.num_free == 7 and not a.is_allocated(1) and not a.is_allocated(2)
+
+
+def test_pages_for_rounds_up():
+    from symphony.engine.page_allocator import pages_for
+    assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_freed_pages_are_reused_first_lifo():
     a = PageAllocator(8)
     a.allocate(3)                           # 1, 2, 3
-    a.decref([2])
+    a.free([2])
     assert a.allocate(2) == [2, 4]
 
 
@@ -42,20 +44,23 @@ def test_out_of_pages_takes_nothing():
 def test_double_free_raises_and_changes_nothing():
     a = PageAllocator(8)
     p = a.allocate(2)
-    with pytest.raises(PageError, match="refcount 1"):
-        a.decref([p[0], p[0]])
-    assert a.refcount(p[0]) == 1 and a.num_free == 5
-    a.decref(p)
+    with pytest.raises(PageError, match="double free"):
+        a.free([p[0], p[0]])
+    assert a.is_allocated(p[0]) and a.num_free == 5
+    a.free(p)
     with pytest.raises(PageError, match="not allocated"):
-        a.decref([p[0]])
+        a.free([p[0]])
+    with pytest.raises(PageError, match="null page"):
+        a.free([NULL_PAGE])
 
 
-@pytest.mark.parametrize("bad", [0, -1, 8, "1", 1.0])
+@pytest.mark.parametrize("bad", [0, -1, 8, "1", 1.0, True])
 def test_bad_page_ids_are_refused(bad):
     a = PageAllocator(8)
     a.allocate(1)
     with pytest.raises(PageError):
-        a.incref([bad])
+        a.free([bad])
+    assert a.num_used == 1
 
 
 def test_no_leak_after_random_workload():
@@ -65,23 +70,16 @@ def test_no_leak_after_random_workload():
     held: list[list[int]] = []
     for _ in range(2000):
         if held and rng.random() < 0.45:
-            a.decref(held.pop(rng.randrange(len(held))))
-        elif rng.random() < 0.2 and held:
-            src = held[rng.randrange(len(held))]
-            a.incref(src)
-            held.append(list(src))
+            a.free(held.pop(rng.randrange(len(held))))
         else:
             n = rng.randint(0, 4)
             if a.can_allocate(n):
                 held.append(a.allocate(n))
-        refs = {}
-        for h in held:
-            for p in h:
-                refs[p] = refs.get(p, 0) + 1
-        assert all(a.refcount(p) == r for p, r in refs.items())
-        assert a.num_used == len(refs)
+        owned = [p for h in held for p in h]
+        assert len(set(owned)) == len(owned) and all(a.is_allocated(p) for p in owned)
+        assert a.num_used == len(owned)
     for h in held:
-        a.decref(h)
+        a.free(h)
     assert a.num_free == a.capacity
     assert sorted(a._free) == list(range(1, 64))
 

@@ -215,13 +215,15 @@ def test_reply_store_chunks_and_bounds():
 
 def test_sample_rejects_a_distribution_it_cannot_draw_from():
     import torch
-    from symphony.kernel.failure import SyscallFailure
-    from symphony.kernel.pred_calls import _sample
+    from symphony.engine.sampler import SamplingError, check_sampling, sample
+
+    def _sample(x, b):
+        return sample(x, check_sampling(b.get("temperature", 1.0), seed=b.get("seed")))
     x = torch.full((1, 8), float("-inf"))                        # [rows, vocab]: nothing allowed
-    with pytest.raises(SyscallFailure, match="no valid distribution"):
+    with pytest.raises(SamplingError, match="no valid distribution"):
         _sample(x, {"temperature": 1.0})
     x = torch.tensor([[0.0, 5.0, 1.0]])
     assert _sample(x, {"temperature": 0}).tolist() == [1]
     assert _sample(x, {"temperature": 1e-4, "seed": 3}).tolist() == [1]
-    with pytest.raises(SyscallFailure, match="temperature must be"):
+    with pytest.raises(SamplingError, match="temperature must be"):
         _sample(x, {"temperature": 1e-300})

@@ -1,9 +1,15 @@
-"""The in-process engine: the semantics of the ``pred`` system call.
+"""The engine: a model, its KV page pool and the runner, plus an in-process API.
 
     engine = Engine.load()                         # embedded SmolLM2 on the CPU
     kv = engine.new_sequence()
     logits = engine.pred(kv, tokenizer.encode("Hello"))   # [vocab] for the last token
     logits = engine.pred(kv, [logits.argmax().item()])    # appended after the end
+
+In the kernel, KVFS owns the pages and hands page tables to `engine.runner`
+(`runner.run(ModelStep) -> StepOutput`); a call's arguments are checked once,
+at submission, by `check_call`.  The in-process API below is for tests,
+benchmarks and the CLI: its sequences own private pages (a fork copies them;
+sharing pages between files is KVFS's, with its one copy-on-write).
 
 ``pred(kv, tokens, positions=None, all_logits=False)`` appends the tokens' K/V
 to ``kv`` (RoPE positions ``positions``, by default continuing after the last
@@ -12,7 +18,7 @@ token (``[vocab]``), or for every token (``[n, vocab]``) with ``all_logits``.
 `pred_batch` runs many such calls, on different sequences, mixed prefill and
 decode, as ONE forward pass.  A call with bad arguments raises `PredError`
 (or `OutOfPages`) before anything changes: no sequence is touched, no page is
-taken.
+taken; a failing forward pass changes nothing either.
 
 The engine is not re-entrant: callers (the kernel's scheduler) serialize
 calls; a lock makes concurrent misuse safe rather than fast.
@@ -21,18 +27,18 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from .config import EngineConfig
-from .graphs import DecodeGraphs, decode_step
+from .graphs import DecodeGraphs
 from .kv_cache import KVPool, KVSequence
-from .model import BatchMeta, PagedLlama
+from .model import PagedLlama
 from .page_allocator import OutOfPages
+from .runner import EngineStats, ModelStep, Runner, StepCall
 from symphony.tokenizer import Tokenizer
 from .quant import prepare_weights
 from .weights import ModelWeights
@@ -52,17 +58,6 @@ class PredRequest:
     tokens: TokenArray
     positions: Optional[TokenArray] = None
     all_logits: bool = False
-
-
-@dataclass
-class EngineStats:
-    forward_passes: int = 0
-    pred_calls: int = 0
-    tokens: int = 0
-    max_batch_calls: int = 0
-    forward_seconds: float = 0.0
-    graph_steps: int = 0                               # decode steps on the static (graph) path
-    batch_sizes: dict = field(default_factory=dict)   # calls per pass -> count
 
 
 class Engine:
@@ -86,6 +81,7 @@ class Engine:
                                        self.kv.pages_for(self.max_seq_len),
                                        capture=self.device.type == "cuda")
             self.graphs.capture()
+        self.runner = Runner(self.model, self.kv, self.graphs, config.max_batch_tokens, self.stats)
         log.info("engine ready: %s on %s/%s, %d KV pages of %d positions (%.1f MiB)",
                  self.model_config.name or self.model_config.arch, self.device, self.dtype,
                  self.kv.num_pages, self.page_size, self.kv.num_pages * self.kv.page_bytes / 2**20)
@@ -97,22 +93,57 @@ class Engine:
         weights, tok = load_model(path, progress=progress, keep_quantized=config.keep_quantized)
         return cls(weights, tok, config)
 
-    # ------------------------------------------------------------------ sequences
+    # ------------------------------------------------------------------ validation (once, at submission)
+    def check_call(self, tokens: TokenArray, positions: Optional[TokenArray], *, length: int,
+                   next_position: int, all_logits: bool = False,
+                   where: str = "pred: ") -> tuple[list[int], Optional[list[int]]]:
+        """Check one pred call on a file of ``length`` slots whose next default
+        position is ``next_position``, without running it: (tokens, positions)
+        as lists (positions None when defaulted), or `PredError`."""
+        toks = _as_int_list(tokens, where + "tokens")
+        if not toks:
+            raise PredError(f"{where}tokens is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in toks if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PredError(f"{where}token id {bad} is out of the vocabulary [0, {vocab})")
+        pos = None
+        if positions is None:
+            check = (next_position, next_position + len(toks) - 1)
+        else:
+            pos = _as_int_list(positions, where + "positions")
+            if len(pos) != len(toks):
+                raise PredError(f"{where}{len(pos)} positions given for {len(toks)} tokens")
+            check = pos
+        ctx = self.model_config.max_context
+        badp = next((p for p in check if not 0 <= p < ctx), None)
+        if badp is not None:
+            raise PredError(f"{where}position {badp} is outside the model's context [0, {ctx})")
+        if length + len(toks) > self.max_seq_len:
+            raise PredError(f"{where}the KV sequence would hold {length + len(toks)} tokens, "
+                            f"more than the limit {self.max_seq_len}")
+        if not isinstance(all_logits, bool):
+            raise PredError(f"{where}all_logits must be a bool")
+        return toks, pos
+
+    # ------------------------------------------------------------------ in-process sequences
     def new_sequence(self) -> KVSequence:
         return KVSequence()
 
     def release(self, seq: KVSequence) -> None:
-        """Drop the sequence's pages (shared pages stay with their other owners)."""
+        """Give the sequence's pages back."""
         with self._lock:
-            self.kv.allocator.decref(seq.pages)
+            self.kv.allocator.free(seq.pages)
             seq.pages, seq.positions = [], []
 
     def fork(self, seq: KVSequence) -> KVSequence:
-        """Copy-on-write clone: every page shared; the partial last page is copied
-        only when one side appends to it."""
+        """A copy of the sequence in pages of its own (in-process sequences never
+        share pages; KVFS's fork is the copy-on-write one)."""
         with self._lock:
-            self.kv.allocator.incref(seq.pages)
-            return KVSequence(list(seq.pages), list(seq.positions))
+            pages = self.kv.allocator.allocate(len(seq.pages))
+            for src, dst in zip(seq.pages, pages):
+                self.kv.copy_page(src, dst)
+            return KVSequence(pages, list(seq.positions))
 
     def truncate(self, seq: KVSequence, n: int) -> None:
         """Keep the first ``n`` slots; pages past them are released."""
@@ -120,171 +151,57 @@ class Engine:
             raise PredError(f"truncate length must be an int in [0, {seq.length}], got {n!r}")
         with self._lock:
             keep = self.kv.pages_for(n)
-            self.kv.allocator.decref(seq.pages[keep:])
+            self.kv.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
             del seq.positions[n:]
 
-    # ------------------------------------------------------------------ pred
     def pred(self, seq: KVSequence, tokens: TokenArray, positions: Optional[TokenArray] = None,
              *, all_logits: bool = False) -> torch.Tensor:
         return self.pred_batch([PredRequest(seq, tokens, positions, all_logits)])[0]
 
-    def pred_batch(self, requests: Sequence[PredRequest],
-                   checked: Optional[Sequence[tuple[list[int], list[int]]]] = None) -> list[torch.Tensor]:
+    def pred_batch(self, requests: Sequence[PredRequest]) -> list[torch.Tensor]:
         """Run many pred() calls as one forward pass; results in request order.
-
-        ``checked``: the (tokens, positions) lists `validate` already returned for
-        these requests, in order, so a caller that validated first (KVFS) does
-        not pay for it twice."""
+        All or nothing: on any error no sequence changes and no page is kept."""
         if not requests:
             return []
         with self._lock:
-            if checked is None:
-                calls = [self.validate(i, r) for i, r in enumerate(requests)]
-            else:
-                if len(checked) != len(requests):
-                    raise PredError("checked must hold one (tokens, positions) pair per request")
-                calls = list(checked)
+            calls = [self.validate(i, r) for i, r in enumerate(requests)]
             if len({id(r.seq) for r in requests}) != len(requests):
                 raise PredError("the same KV sequence appears twice in one batch")
             n_tokens = sum(len(t) for t, _ in calls)
             if n_tokens > self.config.max_batch_tokens:
                 raise PredError(f"batch carries {n_tokens} tokens, more than max_batch_tokens="
                                 f"{self.config.max_batch_tokens}")
-            plans = self._reserve_pages(requests, calls)
-            try:
-                t0 = time.perf_counter()
-                if self._graph_step(requests, calls, plans):
-                    logits = self._decode_step(requests, calls, plans)   # [B, vocab]
-                else:
-                    meta = self._build_meta(requests, calls, plans)
-                    logits = self.model.forward(meta, self.kv)          # [R, vocab]
-                dt = time.perf_counter() - t0
-            except BaseException:
-                for plan in plans:                                  # roll back: sequences untouched
-                    self.kv.allocator.decref(plan.fresh)
-                raise
-            out, row = [], 0
-            for r, (toks, pos), plan in zip(requests, calls, plans):
-                r.seq.pages = plan.pages
-                r.seq.positions.extend(pos)
-                if plan.replaced is not None:                       # copied-on-write
-                    self.kv.allocator.decref([plan.replaced])
-                n = len(toks) if r.all_logits else 1
-                out.append(logits[row:row + n] if r.all_logits else logits[row])
-                row += n
-            s = self.stats
-            s.forward_passes += 1
-            s.pred_calls += len(requests)
-            s.tokens += n_tokens
-            s.forward_seconds += dt
-            s.max_batch_calls = max(s.max_batch_calls, len(requests))
-            s.batch_sizes[len(requests)] = s.batch_sizes.get(len(requests), 0) + 1
-            return out
+            alloc = self.kv.allocator
+            need = [self.kv.pages_for(r.seq.length + len(t)) - len(r.seq.pages)
+                    for r, (t, _) in zip(requests, calls)]
+            if not alloc.can_allocate(sum(need)):
+                raise OutOfPages(f"pred needs {sum(need)} KV pages, only {alloc.num_free} free")
+            fresh = [alloc.allocate(k) for k in need]
+            step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits)
+                              for r, (t, p), f in zip(requests, calls, fresh)])
+            out = self.runner.run(step).results
+            err = next((o.error for o in out if o.error is not None), None)
+            if err is not None:                                 # roll back: sequences untouched
+                alloc.free([p for f in fresh for p in f])
+                raise err
+            for r, (_, p), f in zip(requests, calls, fresh):
+                r.seq.pages.extend(f)
+                r.seq.positions.extend(p)
+            return [o.value if r.all_logits else o.value[0] for r, o in zip(requests, out)]
 
-    # ------------------------------------------------------------------ helpers
     def validate(self, i: int, r: PredRequest) -> tuple[list[int], list[int]]:
-        """Check one call without running it; returns (tokens, positions) as
-        lists, or raises `PredError`.  ``i`` numbers the call in messages."""
+        """Check one in-process call: (tokens, positions) as lists, or `PredError`.
+        ``i`` numbers the call in messages."""
         where = f"pred call {i}: " if i else "pred: "
         if not isinstance(r.seq, KVSequence):
             raise PredError(f"{where}kv must be a KVSequence, got {type(r.seq).__name__}")
-        toks = _as_int_list(r.tokens, where + "tokens")
-        if not toks:
-            raise PredError(f"{where}tokens is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in toks if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise PredError(f"{where}token id {bad} is out of the vocabulary [0, {vocab})")
-        if r.positions is None:
-            start = r.seq.next_position
-            pos = list(range(start, start + len(toks)))
-        else:
-            pos = _as_int_list(r.positions, where + "positions")
-            if len(pos) != len(toks):
-                raise PredError(f"{where}{len(pos)} positions given for {len(toks)} tokens")
-        ctx = self.model_config.max_context
-        badp = next((p for p in pos if not 0 <= p < ctx), None)
-        if badp is not None:
-            raise PredError(f"{where}position {badp} is outside the model's context [0, {ctx})")
-        if r.seq.length + len(toks) > self.max_seq_len:
-            raise PredError(f"{where}the KV sequence would hold {r.seq.length + len(toks)} tokens, "
-                            f"more than the limit {self.max_seq_len}")
-        if not isinstance(r.all_logits, bool):
-            raise PredError(f"{where}all_logits must be a bool")
+        toks, pos = self.check_call(r.tokens, r.positions, length=r.seq.length,
+                                    next_position=r.seq.next_position, all_logits=r.all_logits,
+                                    where=where)
+        if pos is None:
+            pos = list(range(r.seq.next_position, r.seq.next_position + len(toks)))
         return toks, pos
-
-    def _reserve_pages(self, requests, calls) -> list["_PagePlan"]:
-        """New page tables for every request: pages appended, a shared partial
-        last page replaced by a private copy.  All-or-nothing."""
-        S, alloc = self.page_size, self.kv.allocator
-        need = []
-        for r, (toks, _) in zip(requests, calls):
-            n_old, n_new = len(r.seq.pages), self.kv.pages_for(r.seq.length + len(toks))
-            cow = r.seq.length % S != 0 and alloc.refcount(r.seq.pages[-1]) > 1
-            need.append((n_new - n_old, cow))
-        total = sum(k + c for k, c in need)
-        if not alloc.can_allocate(total):
-            raise OutOfPages(f"pred needs {total} KV pages, only {alloc.num_free} free")
-        plans = []
-        for r, (k, cow) in zip(requests, need):
-            pages, fresh, replaced = list(r.seq.pages), [], None
-            if cow:
-                fresh = alloc.allocate(1)
-                self.kv.copy_page(pages[-1], fresh[0], r.seq.length % S)
-                replaced, pages[-1] = pages[-1], fresh[0]
-            added = alloc.allocate(k)
-            pages.extend(added)
-            plans.append(_PagePlan(pages, fresh + added, replaced))
-        return plans
-
-    def _graph_step(self, requests, calls, plans) -> bool:
-        """A decode step (one token per call, last logits only) the graphs can run."""
-        return (self.graphs is not None
-                and all(len(t) == 1 and not r.all_logits for r, (t, _) in zip(requests, calls))
-                and self.graphs.fits(len(requests), max(len(p.pages) for p in plans)))
-
-    def _decode_step(self, requests, calls, plans) -> torch.Tensor:
-        tables = [p.pages for p in plans]
-        slots, kv_lens = decode_step(tables, [r.seq.length for r in requests], self.page_size)
-        self.stats.graph_steps += 1
-        return self.graphs.run([t[0] for t, _ in calls], [p[0] for _, p in calls], slots,
-                               tables, kv_lens)
-
-    def _build_meta(self, requests, calls, plans) -> BatchMeta:
-        S = self.page_size
-        tokens, positions, slots, cu, kv_lens, rows = [], [], [], [0], [], []
-        max_pages = max(len(p.pages) for p in plans)
-        table = []
-        for r, (toks, pos), plan in zip(requests, calls, plans):
-            pages, base = plan.pages, r.seq.length
-            tokens.extend(toks)
-            positions.extend(pos)
-            slots.extend(pages[j // S] * S + j % S for j in range(base, base + len(toks)))
-            start = cu[-1]
-            cu.append(start + len(toks))
-            kv_lens.append(base + len(toks))
-            rows.extend(range(start, cu[-1]) if r.all_logits else (cu[-1] - 1,))
-            table.append(pages + [0] * (max_pages - len(pages)))
-        dev = self.device
-        i64, i32 = torch.int64, torch.int32
-        return BatchMeta(
-            tokens=torch.tensor(tokens, dtype=i64, device=dev),
-            positions=torch.tensor(positions, dtype=i64, device=dev),
-            slots=torch.tensor(slots, dtype=i64, device=dev),
-            page_table=torch.tensor(table, dtype=i32, device=dev),
-            cu_q_lens=torch.tensor(cu, dtype=i32, device=dev),
-            kv_lens=torch.tensor(kv_lens, dtype=i32, device=dev),
-            logit_rows=torch.tensor(rows, dtype=i64, device=dev),
-            # one prompt into an empty file: plain causal attention over the new K/V
-            fresh_prefill=len(requests) == 1 and requests[0].seq.length == 0 and len(tokens) > 1)
-
-
-@dataclass
-class _PagePlan:
-    pages: list[int]            # the sequence's page table after the call
-    fresh: list[int]            # pages allocated for it (released on failure)
-    replaced: Optional[int]     # shared page swapped for a private copy (released on success)
 
 
 def _as_int_list(x, what: str) -> list[int]:

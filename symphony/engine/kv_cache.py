@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 
 from .config import EngineConfig, ModelConfig
-from .page_allocator import PageAllocator
+from .page_allocator import PageAllocator, pages_for
 
 
 class KVPool:
-    """The page pool and its allocator."""
+    """The page pool and its allocator (which pages are free; their sharing is KVFS's)."""
 
     def __init__(self, model: ModelConfig, config: EngineConfig):
         self.page_size = config.page_size
@@ -43,7 +43,8 @@ class KVPool:
         self.pool[:, :, dst, :n].copy_(self.pool[:, :, src, :n])
 
     def pages_for(self, n_slots: int) -> int:
-        return -(-n_slots // self.page_size)
+        """Pages needed to hold ``n_slots`` slots."""
+        return pages_for(n_slots, self.page_size)
 
 
 @dataclass

@@ -1,23 +1,29 @@
-"""Reference-counted page allocator for the paged KV cache.
+"""The page allocator of the paged KV cache: which device pages are free.
 
 Pure Python, no torch: it hands out page *ids*; the tensors live in
 `kv_cache.KVPool`.  Page 0 is the reserved null page: it is never handed out,
 so padding entries of a page table can point at it harmlessly.
 
     alloc = PageAllocator(num_pages=8)
-    a = alloc.allocate(2)        # [1, 2]     refcounts 1
-    alloc.incref(a)              # a fork shares them: refcounts 2
-    alloc.decref(a)              # []         nothing freed yet
-    alloc.decref(a)              # [1, 2]     back on the free list
+    a = alloc.allocate(2)        # [1, 2]
+    alloc.free(a)                # back on the free list
 
-The free list is a stack: allocate and free are O(1), and a page freed most
-recently is reused first (it is the one most likely still in cache).
+A page has ONE owner.  Sharing a page between files (fork, copy-on-write) is
+KVFS's business: its `Block` carries the one reference count, and it frees the
+page when the last reference goes.  The free list is a stack: allocate and free
+are O(1), and a page freed most recently is reused first (it is the one most
+likely still in cache).
 """
 from __future__ import annotations
 
 from typing import Iterable
 
 NULL_PAGE = 0
+
+
+def pages_for(n_slots: int, page_size: int) -> int:
+    """Pages needed to hold ``n_slots`` KV slots (ceil(n_slots / page_size))."""
+    return -(-n_slots // page_size)
 
 
 class OutOfPages(MemoryError):
@@ -33,7 +39,7 @@ class PageAllocator:
         if not isinstance(num_pages, int) or num_pages < 2:
             raise ValueError(f"num_pages must be an int >= 2 (page 0 is reserved), got {num_pages!r}")
         self.num_pages = num_pages
-        self._ref = [0] * num_pages
+        self._used = [False] * num_pages
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() yields 1, 2, 3, ...
 
     # ------------------------------------------------------------------ queries
@@ -53,60 +59,39 @@ class PageAllocator:
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= len(self._free)
 
-    def refcount(self, page: int) -> int:
+    def is_allocated(self, page: int) -> bool:
         self._check_id(page)
-        return self._ref[page]
+        return self._used[page]
 
     # ------------------------------------------------------------------ updates
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh pages with refcount 1, or `OutOfPages` and nothing taken."""
+        """``n`` fresh pages, or `OutOfPages` and nothing taken."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"page count must be a non-negative int, got {n!r}")
         if n > len(self._free):
             raise OutOfPages(f"need {n} KV pages, only {len(self._free)} of {self.capacity} free")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._ref[p] = 1
+            self._used[p] = True
         return pages
 
-    def incref(self, pages: Iterable[int]) -> None:
-        """Share allocated pages (fork): each refcount + 1."""
+    def free(self, pages: Iterable[int]) -> None:
+        """Give pages back.  Validated as a whole first: a page that is not
+        allocated, or named twice, raises `PageError` and changes nothing."""
         pages = list(pages)
+        seen = set()
         for p in pages:
-            self._check_live(p)
+            self._check_id(p)
+            if p == NULL_PAGE:
+                raise PageError("page 0 is the reserved null page")
+            if not self._used[p] or p in seen:
+                raise PageError(f"page {p} is not allocated (double free)")
+            seen.add(p)
         for p in pages:
-            self._ref[p] += 1
-
-    def decref(self, pages: Iterable[int]) -> list[int]:
-        """Drop one reference to each page; return the pages that became free.
-
-        Validated as a whole first: a double free raises `PageError` and changes
-        nothing.
-        """
-        pages = list(pages)
-        need: dict[int, int] = {}
-        for p in pages:
-            self._check_live(p)
-            need[p] = need.get(p, 0) + 1
-        for p, k in need.items():
-            if k > self._ref[p]:
-                raise PageError(f"page {p} released {k} times but has refcount {self._ref[p]}")
-        freed = []
-        for p in pages:
-            self._ref[p] -= 1
-            if self._ref[p] == 0:
-                self._free.append(p)
-                freed.append(p)
-        return freed
+            self._used[p] = False
+            self._free.append(p)
 
     # ------------------------------------------------------------------ helpers
     def _check_id(self, page: int) -> None:
-        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+        if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
             raise PageError(f"page id {page!r} out of range [0, {self.num_pages})")
-
-    def _check_live(self, page: int) -> None:
-        self._check_id(page)
-        if page == NULL_PAGE:
-            raise PageError("page 0 is the reserved null page")
-        if self._ref[page] == 0:
-            raise PageError(f"page {page} is not allocated")

@@ -1,35 +1,59 @@
 """KVFS data operations: pred, fork, truncate, extract, merge.
 
-Mixed into `fs.KVFS`.  Invariants kept by every operation:
+Mixed into `fs.KVFS`.  KVFS owns page sharing: a `Block`'s ``ref`` is the one
+reference count of a page, and the copy-on-write below (`_plan`) the one
+copy-on-write.  Invariants kept by every operation:
   * a block's ``ref`` equals the number of page-table entries pointing at it;
   * a block shared by two files is never written: a write into a shared
     partial last block first copies it (copy-on-write);
   * full blocks are shared, never copied, by fork, and by extract/merge
     wherever source and destination are page-aligned.
+
+pred: `check_pred` validates a whole call once, when it is submitted;
+`run_preds` runs a step of (already checked) calls: it gives each call its
+page table (pages swapped in, a shared partial last page copied, fresh pages
+allocated and charged), runs the engine's runner once, and then keeps its own
+books: a call that succeeded is committed to its inode (blocks, positions), a
+call that failed gives its fresh pages back and, if earlier steps had already
+fed chunks of it (``KVPred.fed``), those are truncated away, so the file is
+as it was before the call.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from symphony.engine.engine import PredRequest
-from symphony.engine.kv_cache import KVSequence
+from symphony.engine.engine import PredError
+from symphony.engine.page_allocator import pages_for
+from symphony.engine.runner import CallResult, ModelStep, StepCall, Want
 from .errors import InvalidArgument, ReadOnlyHandle
 from .namespace import Block, Inode, Principal
 
 
 @dataclass
 class KVPred:
-    """One pred() call through KVFS."""
+    """One pred() call (or one chunk of one) through KVFS."""
 
     who: Principal
     handle: int
     tokens: Sequence[int]
     positions: Optional[Sequence[int]] = None
     all_logits: bool = False
+    want: Want = Want()             # what it gets back (logits by default)
+    fed: int = 0                    # tokens of the same call earlier steps appended (undone on failure)
+
+
+@dataclass
+class _Plan:
+    """A call's page table for one step, not yet committed to its inode."""
+
+    inode: Inode
+    blocks: list[Block]             # the inode's blocks after the call
+    fresh: list[Block]              # blocks made for it (given back on failure)
+    replaced: Optional[Block]       # the shared last block it copied (dropped on success)
+    call: StepCall
 
 
 class DataOps:
@@ -38,58 +62,141 @@ class DataOps:
         return self.pred_batch([KVPred(who, hid, tokens, positions, all_logits)])[0]
 
     def pred_batch(self, calls: Sequence[KVPred]) -> list[torch.Tensor]:
-        """Append tokens to files and run ONE forward pass for all calls."""
+        """Append tokens to files and run ONE forward pass for all calls; each
+        call's logits ([vocab], or [n, vocab] with all_logits).  All or nothing:
+        the first error is raised and no file changes."""
         self._tick()
         if not calls:
             return []
-        inodes = []
-        for c in calls:
-            h = self._handle(c.who, c.handle)
-            if not h.writable:
-                raise ReadOnlyHandle(f"KV handle {c.handle} is read-only (fork it to write)")
-            inodes.append(h.inode)
+        checked = [self.check_pred(c.who, c.handle, c.tokens, c.positions, c.all_logits) for c in calls]
+        inodes = [self._handle(c.who, c.handle).inode for c in calls]
         if len({i.ino for i in inodes}) != len(inodes):
             raise InvalidArgument("the same KV file appears twice in one pred batch")
-        eng, S = self.engine, self.page_size
-        # validate every call before anything moves
-        checked = []
-        for i, (c, inode) in enumerate(zip(calls, inodes)):
-            probe = KVSequence([], inode.positions)
-            checked.append(eng.validate(i, PredRequest(probe, c.tokens, c.positions, c.all_logits)))
-        cow = [i.length % S != 0 and i.blocks[-1].ref > 1 for i in inodes]
-        new_pages = [-(-(i.length + len(t)) // S) - len(i.blocks) for i, (t, _) in zip(inodes, checked)]
-        need = Counter()
-        for c, n, w in zip(calls, new_pages, cow):
-            need[(c.who.user, c.who.pid)] += n + w
-        self.quotas.check(need)
-        self._make_resident(inodes, extra=sum(new_pages) + sum(cow))
-        for inode, w, c in zip(inodes, cow, calls):
-            if w:
-                self._copy_on_write(inode, c.who)
-        seqs = [KVSequence([b.device for b in i.blocks], i.positions) for i in inodes]
-        out = eng.pred_batch([PredRequest(s, t, p, c.all_logits)
-                              for s, (t, p), c in zip(seqs, checked, calls)], checked=checked)
-        for inode, seq, c in zip(inodes, seqs, calls):
-            for page in seq.pages[len(inode.blocks):]:
-                inode.blocks.append(Block(page, c.who.user, c.who.pid))
-                self.quotas.charge(c.who.user, c.who.pid)
-            inode.mtime = inode.atime = _now()
-            self._lru_touch(inode)
-        return out
+        calls = [KVPred(c.who, c.handle, t, p, c.all_logits, c.want, c.fed)
+                 for c, (t, p) in zip(calls, checked)]
+        out = self._step(calls, atomic=True)
+        return [r.value if c.all_logits else r.value[0] for c, r in zip(calls, out)]
 
-    def check_pred(self, who: Principal, hid: int, tokens, positions=None, all_logits: bool = False) -> None:
-        """Raise what pred() would raise for this whole call, changing nothing
-        (the scheduler checks a long prompt once before feeding it in chunks)."""
+    def check_pred(self, who: Principal, hid: int, tokens, positions=None,
+                   all_logits: bool = False) -> tuple[list[int], Optional[list[int]]]:
+        """Validate a whole pred call, changing nothing: the handle (open,
+        writable), tokens against the vocabulary, positions against the
+        context, the file's length limit and the caller's quota.  Returns
+        (tokens, positions) as lists (positions None: continue the file); a
+        long prompt is then fed in chunks by `run_preds` without re-checking."""
         h = self._handle(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only (fork it to write)")
         inode = h.inode
-        toks, _ = self.engine.validate(0, PredRequest(KVSequence([], inode.positions), tokens, positions,
-                                                      all_logits))
+        toks, pos = self.engine.check_call(tokens, positions, length=inode.length,
+                                           next_position=_next_position(inode), all_logits=all_logits)
         S = self.page_size
-        new = -(-(inode.length + len(toks)) // S) - len(inode.blocks)
+        new = pages_for(inode.length + len(toks), S) - len(inode.blocks)
         cow = int(inode.length % S != 0 and inode.blocks[-1].ref > 1)
         self.quotas.check({(who.user, who.pid): new + cow})
+        return toks, pos
+
+    def run_preds(self, calls: Sequence[KVPred]) -> list[CallResult]:
+        """Run checked calls (tokens and positions as `check_pred` returned them,
+        or slices of them) as one step; a result or an error per call.  A call
+        on a file that an earlier call of the same list also writes runs in a
+        following pass (their order matters)."""
+        self._tick()
+        results: list[Optional[CallResult]] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        while todo:
+            seen, now, later = set(), [], []
+            for i in todo:
+                h = self.handles.get(calls[i].handle)
+                ino = h.inode.ino if h is not None else None
+                (later if ino is not None and ino in seen else now).append(i)
+                seen.add(ino)
+            for i, r in zip(now, self._step([calls[i] for i in now], atomic=False)):
+                results[i] = r
+            todo = later
+        return results
+
+    def _step(self, calls: Sequence[KVPred], atomic: bool) -> list[CallResult]:
+        """Plan every call's pages, run the runner once, commit or undo each."""
+        inodes: list[Optional[Inode]] = []
+        for c in calls:
+            try:
+                inodes.append(self._handle(c.who, c.handle).inode)
+            except Exception:
+                inodes.append(None)
+        protect = {b.id for i in inodes if i is not None for b in i.blocks}
+        plans: list = []
+        for c, inode in zip(calls, inodes):
+            try:
+                if inode is None:
+                    self._handle(c.who, c.handle)             # raises the handle's error
+                plans.append(self._plan(c, inode, protect))
+            except Exception as e:
+                if atomic:
+                    self._undo([p for p in plans if isinstance(p, _Plan)])
+                    raise
+                plans.append(e)
+        ok = [p for p in plans if isinstance(p, _Plan)]
+        out = iter(self.engine.runner.run(ModelStep([p.call for p in ok])).results)
+        results = [CallResult(error=p) if isinstance(p, BaseException) else next(out) for p in plans]
+        if atomic:
+            err = next((r.error for r in results if r.error is not None), None)
+            if err is not None:
+                self._undo(ok)
+                raise err
+        for c, inode, p, r in zip(calls, inodes, plans, results):
+            if r.error is None:
+                self._commit(p)
+                continue
+            if isinstance(p, _Plan):
+                self._undo([p])
+            if c.fed > 0 and inode is not None:               # undo the call's earlier chunks
+                self._cut(inode, max(inode.length - c.fed, 0))
+        return results
+
+    def _plan(self, c: KVPred, inode: Inode, protect: set[int]) -> _Plan:
+        """The call's page table: its blocks resident, a shared partial last
+        block copied (copy-on-write), fresh blocks for the new slots, charged to
+        the caller.  Raises (changing nothing) when pages or quota run out."""
+        toks = list(c.tokens)
+        n, length, S = len(toks), inode.length, self.page_size
+        if c.positions is None:
+            start = _next_position(inode)
+            pos = list(range(start, start + n))
+        else:
+            pos = list(c.positions)
+        # the file may have grown since the call was checked (earlier calls on it)
+        if length + n > self.engine.max_seq_len or pos[-1] >= self.engine.model_config.max_context:
+            raise PredError(f"pred: the KV file would hold {length + n} tokens up to position "
+                            f"{pos[-1]}, past the limit {self.engine.max_seq_len}")
+        new = pages_for(length + n, S) - len(inode.blocks)
+        cow = int(length % S != 0 and inode.blocks[-1].ref > 1)
+        who = c.who
+        self.quotas.check({(who.user, who.pid): new + cow})
+        self._make_resident([inode], extra=new + cow, protect=protect)
+        fresh = [Block(page, who.user, who.pid) for page in self.engine.kv.allocator.allocate(new + cow)]
+        self.quotas.charge(who.user, who.pid, len(fresh))
+        blocks, replaced = list(inode.blocks), None
+        if cow:
+            replaced = blocks[-1]
+            self.engine.kv.copy_page(replaced.device, fresh[0].device, length % S)
+            blocks[-1] = fresh[0]
+        blocks.extend(fresh[cow:])
+        call = StepCall([b.device for b in blocks], length, toks, pos, c.all_logits, c.want)
+        return _Plan(inode, blocks, fresh, replaced, call)
+
+    def _commit(self, p: _Plan) -> None:
+        inode = p.inode
+        inode.blocks = p.blocks
+        if p.replaced is not None:
+            self._drop_blocks([p.replaced])
+        inode.positions.extend(p.call.positions)
+        inode.mtime = inode.atime = _now()
+        self._lru_touch(inode)
+
+    def _undo(self, plans: list[_Plan]) -> None:
+        for p in plans:
+            self._drop_blocks(p.fresh)
 
     # ------------------------------------------------------------------ fork / truncate
     def fork(self, who: Principal, hid: int, path: Optional[str] = None, mode: Optional[int] = None) -> int:
@@ -115,11 +222,7 @@ class DataOps:
         inode = h.inode
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= inode.length:
             raise InvalidArgument(f"truncate length must be an int in [0, {inode.length}], got {n!r}")
-        keep = -(-n // self.page_size)
-        self._drop_blocks(inode.blocks[keep:])
-        del inode.blocks[keep:]
-        del inode.positions[n:]
-        inode.mtime = _now()
+        self._cut(inode, n)
 
     # ------------------------------------------------------------------ extract / merge
     def extract(self, who: Principal, hid: int, ranges, path: Optional[str] = None,
@@ -153,21 +256,22 @@ class DataOps:
         return self._assemble(who, [s for s in segs if s[2] > 0], path, mode)
 
     # ------------------------------------------------------------------ helpers
-    def _make_resident(self, inodes: list[Inode], extra: int = 0) -> None:
-        """Swap in every block of ``inodes`` and leave ``extra`` free device pages."""
-        protect = {b.id for i in inodes for b in i.blocks}
+    def _cut(self, inode: Inode, n: int) -> None:
+        """Keep the first ``n`` tokens of the file."""
+        keep = pages_for(n, self.page_size)
+        self._drop_blocks(inode.blocks[keep:])
+        del inode.blocks[keep:]
+        del inode.positions[n:]
+        inode.mtime = _now()
+
+    def _make_resident(self, inodes: list[Inode], extra: int = 0, protect: Optional[set] = None) -> None:
+        """Swap in every block of ``inodes`` and leave ``extra`` free device pages,
+        evicting no block in ``protect`` (by default: the blocks of ``inodes``)."""
+        protect = {b.id for i in inodes for b in i.blocks} if protect is None else protect
         missing = [b for i in inodes for b in i.blocks if b.device < 0]
         missing = list({b.id: b for b in missing}.values())
         self.pager.make_room(len(missing) + extra, self._victims(protect))
         self.pager.swap_in(missing)
-
-    def _copy_on_write(self, inode: Inode, who: Principal) -> None:
-        old = inode.blocks[-1]
-        [page] = self.engine.kv.allocator.allocate(1)
-        self.engine.kv.copy_page(old.device, page, inode.length % self.page_size)
-        inode.blocks[-1] = Block(page, who.user, who.pid)
-        self.quotas.charge(who.user, who.pid)
-        self._drop_blocks([old])
 
     def _assemble(self, who: Principal, segs, path: Optional[str], mode: Optional[int]) -> int:
         S = self.page_size
@@ -231,6 +335,11 @@ class DataOps:
         inode = self.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions
         return hid
+
+
+def _next_position(inode: Inode) -> int:
+    """Default position of the next token appended to the file."""
+    return inode.positions[-1] + 1 if inode.positions else 0
 
 
 def _now() -> float:

@@ -80,8 +80,10 @@ class Block:
 
     It lives in exactly one tier: a device page (``device``), a host slot
     (``host``) or a disk slot (``disk``); the others are -1.  Files share
-    blocks; ``ref`` counts page-table references.  ``charge`` is the
-    (user, pid) whose quota the block counts against.
+    blocks; ``ref`` counts page-table references and is THE reference count
+    of the page (the engine's allocator only knows free from owned: a device
+    page is owned by one block, and given back when its ``ref`` drops to 0).
+    ``user``/``pid`` are whose quota the block counts against.
     """
 
     __slots__ = ("id", "ref", "device", "host", "disk", "user", "pid")

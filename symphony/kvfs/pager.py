@@ -118,7 +118,7 @@ class Pager:
             for b, h in zip(to_host, slots):
                 b.host = h
                 self.host_lru[b] = None
-        self.alloc.decref([b.device for b in blocks])
+        self.alloc.free([b.device for b in blocks])
         for b in blocks:
             b.device = -1
         self.stats.swap_outs += len(blocks)
@@ -150,7 +150,7 @@ class Pager:
     def release(self, b: Block) -> None:
         """Free whatever the block occupies (its last reference is gone)."""
         if b.device >= 0:
-            self.alloc.decref([b.device])
+            self.alloc.free([b.device])
             b.device = -1
         elif b.host >= 0:
             self.host_free.append(b.host)

@@ -1,0 +1,111 @@
+"""What a pred call gets back, computed where the logits are: masks, top-k,
+greedy and sampled tokens.  Written once, used by the runner (every kernel pred)
+and the CLI.
+
+    params = check_sampling(temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    x = apply_mask(logits, allowed)            # [rows, vocab], -inf where not allowed
+    toks = sample(x, params)                   # [rows] int64, on x's device
+    logprobs, ids = top_k(x, 20)               # [rows, 20] float32, [rows, 20] int32
+
+Nothing here synchronizes with the device on its own, except `sample` on the
+CPU, which checks that every row is a distribution it can draw from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+# sampling parameters a pred(output="sample") may ask for
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+
+
+class SamplingError(ValueError):
+    """Bad sampling parameters, or logits no token can be drawn from."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling parameters (build them with `check_sampling`)."""
+
+    temperature: float = 1.0       # 0: greedy
+    top_p: float = 1.0             # nucleus: the smallest set of tokens holding top_p
+    top_k: int = 0                 # 0: no top-k
+    seed: Optional[int] = None     # None: a fresh random seed per call
+
+
+def check_sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None) -> SamplingParams:
+    """Validate sampling parameters; `SamplingError` names the bad one."""
+    t = temperature
+    if not _number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        raise SamplingError(f"temperature must be 0 (greedy) or a number in "
+                            f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t!r}")
+    if not _number(top_p) or not 0 < top_p <= 1:
+        raise SamplingError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if top_k is None:
+        top_k = 0
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= 1 << 31:
+        raise SamplingError(f"top_k must be an int >= 0 (0: no top-k), got {top_k!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise SamplingError(f"seed must be an int or null, got {seed!r}")
+    return SamplingParams(t, top_p, top_k, seed)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def apply_mask(x: torch.Tensor, allowed: Optional[np.ndarray]) -> torch.Tensor:
+    """``x`` [rows, vocab] as float32, -inf where ``allowed`` [vocab] (bool) is False."""
+    x = x.float()
+    if allowed is None:
+        return x
+    return x.masked_fill(~torch.from_numpy(allowed).to(x.device), float("-inf"))
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row of ``x`` [rows, vocab]:
+    (log-probabilities [rows, k] float32, token ids [rows, k] int32), best first."""
+    lp, ids = torch.log_softmax(x.float(), dim=-1).topk(k, dim=-1)
+    return lp, ids.to(torch.int32)
+
+
+def sample(x: torch.Tensor, p: SamplingParams,
+           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of ``x`` [rows, vocab] (masked logits, -inf where
+    disallowed): [rows] int64.  ``generator``: draw from it (a stream the
+    caller keeps, as the CLI does) instead of one seeded from ``p.seed``."""
+    if p.temperature == 0:
+        return x.argmax(-1)
+    x = x.float() / p.temperature                       # [rows, vocab]
+    if 0 < p.top_k < x.shape[-1]:
+        kth = x.topk(p.top_k, dim=-1).values[..., -1:]  # [rows, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)                    # [rows, vocab]
+    if p.top_p < 1:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = sp.cumsum(-1) - sp >= p.top_p            # the smallest set holding top_p
+        sp = sp.masked_fill(drop, 0)
+        probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    bad = ~torch.isfinite(probs).all(-1) | ~(probs.sum(-1) > 0)     # [rows]
+    if x.device.type == "cpu":
+        if bool(bad.any()):
+            raise SamplingError("the logits give no valid distribution to sample from (non-finite "
+                                "after temperature and masking): use another temperature, or argmax")
+    else:                                               # no device sync per call: such rows go greedy
+        greedy = torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(probs.dtype)
+        probs = torch.where(bad.unsqueeze(-1), greedy, torch.nan_to_num(probs, nan=0.0))
+    if generator is None:
+        generator = torch.Generator(device=x.device)
+        if p.seed is not None:
+            generator.manual_seed(p.seed & 0xFFFFFFFFFFFF)
+        else:
+            generator.seed()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+__all__ = ["MAX_TEMPERATURE", "MIN_TEMPERATURE", "SamplingError", "SamplingParams", "apply_mask",
+           "check_sampling", "sample", "top_k"]
