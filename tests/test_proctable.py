@@ -328,7 +328,7 @@ def test_the_syscall_thread_publishes_what_it_serves(served_server):
     s1 = srv.snapshot
     assert s1 is not s0 and (s1.kv_pages_used, s1.kv_pages_free) == (3, alloc.capacity + 2)
     assert s0.kv_pages_used == 0                                                 # the old one never changes
-    srv.submit(lambda: alloc.decref(pages))                                      # not awaited: published soon after
+    srv.submit(lambda: alloc.free(pages))                                        # not awaited: published soon after
     deadline = time.monotonic() + 2
     while srv.snapshot.kv_pages_used != 0 and time.monotonic() < deadline:
         time.sleep(0.001)
