@@ -26,6 +26,8 @@ from .snapshot import ProcRow
 
 log = logging.getLogger("symphony.kernel")
 
+FRESH_SNAPSHOT_WAIT_S = 0.25   # stats: how long to wait for the syscall thread to publish (a stall is not waited out)
+
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
@@ -83,6 +85,7 @@ class ClientSessions:
             admin = uid == 0 and msg.get("user") is None   # root acting as a user sees what that user sees
             return self.ps(None if admin else user)
         if op == "stats":
+            await self._fresh_serving_snapshot()
             return self.stats()
         who = Principal(user, 0)
         if op == "kv_ls":
@@ -136,6 +139,16 @@ class ClientSessions:
         full = lambda r: viewer is None or r.user == viewer  # noqa: E731
         return {"lips": [r.ps(served.counters(r.lip), full(r)) for r in rows],
                 "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
+
+    async def _fresh_serving_snapshot(self, wait_s: float = FRESH_SNAPSHOT_WAIT_S) -> None:
+        """Have the syscall thread publish what it serves now (an awaited command
+        publishes), so that `stats` reflects every call whose reply or output the
+        client already saw.  A stalled thread is not waited for beyond ``wait_s``:
+        the last published snapshot is served then."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.sys.call_future(lambda: None)), wait_s)
+        except (asyncio.TimeoutError, RuntimeError):
+            pass
 
     def stats(self) -> dict:
         """The `stats` reply, from the published snapshots only."""
