@@ -3,10 +3,14 @@
 //   qlinear(x [M, K] float32, W) -> x @ W^T  [M, N] float32
 //   qdequant(W) -> W as float32 [N, K]
 //
-// qlinear has two strategies:
-//   * register kernels (M below kDenseM: decode, batched decode): each group of W is
-//     dequantized into registers and multiplied with the float32 activations; only the quantized
-//     bytes are read from memory. AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
+// qlinear has three strategies:
+//   * float register kernels (paths 0-2): each group of W is dequantized into registers and
+//     multiplied with the float32 activations; only the quantized bytes are read from memory.
+//     AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
+//   * int8-activation kernels (paths 4-7): x is quantized to int8 per block of 32 values
+//     (qlinear_q8.cpp) and each weight group is an integer dot product (AVX-512 VNNI vpdpbusd,
+//     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp). The result differs from the
+//     float product by the rounding of x (at most half a step of its block per value).
 //   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 8 MiB
 //     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
 //     runs at the float32 path's speed while the model stays quantized in memory.
@@ -83,9 +87,13 @@ namespace {
 using namespace qcpu;
 
 // Paths of qlinear: -1 picks; the others force one (tests run every path the CPU has).
-enum Path : int64_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3 };
+enum Path : int64_t {
+  kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
+  kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7,
+};
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
+constexpr int64_t kQ8MinM = 2;   // from this many rows (below kDenseM), the int8-activation kernels
 
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -101,6 +109,24 @@ bool cpu_has_avx512() {
   static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                         cpu_has_avx2();
+  return v;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avxvnni() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool v = __builtin_cpu_supports("avxvnni") && cpu_has_avx2();
+  return v;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512vnni() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool v = __builtin_cpu_supports("avx512vnni") && cpu_has_avx512();
   return v;
 #else
   return false;
@@ -125,6 +151,58 @@ RowsFn rows_fn(int64_t path) {
               " needs an x86-64 CPU");
 #endif
   return rows_scalar;
+}
+
+// The int8-activation kernel of a path (kAuto: the best this CPU has).
+RowsQ8Fn rows_q8_fn(int64_t path) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (path == kAuto)
+    path = cpu_has_avx512vnni() ? kQ8Avx512Vnni : cpu_has_avxvnni() ? kQ8AvxVnni
+           : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
+  if (path == kQ8Avx512Vnni) {
+    TORCH_CHECK(cpu_has_avx512vnni(), "symphony::qlinear: path 7 (int8, AVX-512 VNNI) asked for, "
+                "but this CPU lacks avx512f/bw/vl/dq/vnni");
+    return rows_q8_avx512vnni;
+  }
+  if (path == kQ8AvxVnni) {
+    TORCH_CHECK(cpu_has_avxvnni(), "symphony::qlinear: path 6 (int8, AVX-VNNI) asked for, but "
+                "this CPU lacks avx_vnni");
+    return rows_q8_avxvnni;
+  }
+  if (path == kQ8Avx2) {
+    TORCH_CHECK(cpu_has_avx2(), "symphony::qlinear: path 5 (int8, AVX2) asked for, but this CPU "
+                "lacks avx2/fma");
+    return rows_q8_avx2;
+  }
+#else
+  TORCH_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
+              " needs an x86-64 CPU");
+#endif
+  return rows_q8_scalar;
+}
+
+// x @ W^T by the int8-activation kernels: quantize x once (this thread), then split W's rows.
+void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
+  const RowsQ8Fn fn = rows_q8_fn(path);
+  const int64_t M = x.size(0), ldq = (w.K + 63) / 64 * 64;
+  static thread_local std::vector<int8_t> qbuf;
+  static thread_local std::vector<float> dbuf, sbuf;
+  qbuf.resize(M * ldq);
+  dbuf.resize(M * ldq / 32);
+  if (w.mins) sbuf.resize(M * w.n_groups);
+#if defined(__x86_64__) || defined(_M_X64)
+  const bool wide = fn == rows_q8_avx512vnni;  // its x layout: see qkernels_q8_x86.cpp
+#else
+  const bool wide = false;
+#endif
+  quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(),
+               w.mins ? sbuf.data() : nullptr, ldq, wide && w.kind == kQU4, wide && w.kind == kQI8);
+  const QAct a{qbuf.data(), dbuf.data(), w.mins ? sbuf.data() : nullptr, ldq};
+  const int64_t nblocks = (w.N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * w.K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    fn(w, a, M, out, w.N, b0 * 4, std::min(w.N, b1 * 4));
+  });
 }
 
 DequantFn dequant_fn() {
@@ -160,8 +238,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAuto && path <= kDense, op, ": path must be -1 (auto), 0 (scalar), 1 (AVX2), "
-              "2 (AVX-512) or 3 (dense), got ", path);
+  TORCH_CHECK(path >= kAuto && path <= kQ8Avx512Vnni, op, ": path must be -1 (auto), 0 (scalar), "
+              "1 (AVX2), 2 (AVX-512), 3 (dense), 4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI) "
+              "or 7 (int8 AVX-512 VNNI), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
@@ -190,6 +269,10 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     }
     return out;
   }
+  if (path >= kQ8Scalar || (path == kAuto && M >= kQ8MinM)) {
+    qlinear_q8(x, w, path, out.data_ptr<float>());
+    return out;
+  }
   const RowsFn fn = rows_fn(path);
   const float* xp = x.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
@@ -203,7 +286,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }
 
 int64_t qcpu_features() {
-  return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0);
+  return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0) | (cpu_has_avxvnni() ? 4 : 0) |
+         (cpu_has_avx512vnni() ? 8 : 0);
 }
 
 }  // namespace
@@ -213,7 +297,7 @@ TORCH_LIBRARY_IMPL(symphony, CPU, m) {
   m.impl("qdequant", &qdequant_cpu);
 }
 
-// Bit 0: the AVX2 path runs here, bit 1: the AVX-512 path. No tensor arguments, so a catch-all
+// Bit 0: the AVX2 paths run here, bit 1: the AVX-512 path, bit 2: AVX-VNNI, bit 3: AVX-512 VNNI. No tensor arguments, so a catch-all
 // kernel defined here rather than a schema in ops.cpp with per-backend implementations.
 TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qcpu_features() -> int", &qcpu_features);

@@ -38,6 +38,30 @@ _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
+# The qlinear path QWeight.linear asks for: -1 lets the op pick by M and the CPU (csrc/cpu/
+# qlinear.cpp); tests and benchmarks force one with `force_qlinear_path`.
+_qlinear_path = -1
+
+
+class force_qlinear_path:
+    """Context manager: every `QWeight.linear` inside runs qlinear path ``path`` (see
+    ``ops.qlinear``; -1 restores the automatic choice). Not thread-local: for tests/benchmarks."""
+
+    def __init__(self, path: int):
+        if not isinstance(path, int) or not -1 <= path <= 7:
+            raise ValueError(f"qlinear path must be an int in -1..7, got {path!r}")
+        self.path, self.saved = path, -1
+
+    def __enter__(self) -> "force_qlinear_path":
+        global _qlinear_path
+        self.saved, _qlinear_path = _qlinear_path, self.path
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _qlinear_path
+        _qlinear_path = self.saved
+
+
 class QuantError(ValueError):
     """A quantized tensor has a shape or type the kernels cannot take."""
 
@@ -95,7 +119,8 @@ class QWeight:
             x2 = x2.float()
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = ops.qlinear(x2, self.qs, self.scales, self.mins, self.kind, self.group)  # [M, N]
+        y = ops.qlinear(x2, self.qs, self.scales, self.mins, self.kind, self.group,
+                        _qlinear_path)                                       # [M, N]
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
     def dequantize(self) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 
 from .build import _build_and_load, _build_dir, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401 (_build_dir: tests)
 from .reference import (paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
-                        write_kv_reference)
+                        quantize_act_reference, write_kv_reference)
 
 __all__ = [
     "load",
@@ -54,6 +54,7 @@ __all__ = [
     "qdequant",
     "qcpu_features",
     "qlinear_reference",
+    "quantize_act_reference",
     "qdequant_reference",
     "write_kv_reference",
     "paged_attention_reference",
@@ -133,8 +134,11 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
             kind: int, group: int, path: int = -1) -> torch.Tensor:
     """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
 
-    ``path`` (CPU only): -1 picks by M and the CPU's features; 0 scalar, 1 AVX2, 2 AVX-512
-    (register kernels), 3 dequantize + torch GEMM force one (an unsupported one raises).
+    ``path`` (CPU only): -1 picks by M and the CPU's features; the others force one (one this
+    CPU lacks raises): float32 register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize +
+    torch GEMM; int8-activation kernels (x rounded to int8 per block of 32 values, integer dot
+    products; see ``qlinear_reference`` for the exact arithmetic) 4 scalar, 5 AVX2
+    (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI.
     """
     if not _loaded:
         load()
@@ -150,11 +154,13 @@ def qdequant(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: i
 
 
 def qcpu_features() -> dict[str, bool]:
-    """Which SIMD paths of qlinear this CPU runs: ``{"avx2": ..., "avx512": ...}``."""
+    """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
+    ``avx_vnni`` (6) and ``avx512_vnni`` (7)."""
     if not _loaded:
         load()
     bits = int(torch.ops.symphony.qcpu_features())
-    return {"avx2": bool(bits & 1), "avx512": bool(bits & 2)}
+    return {"avx2": bool(bits & 1), "avx512": bool(bits & 2), "avx_vnni": bool(bits & 4),
+            "avx512_vnni": bool(bits & 8)}
 
 
 # Fake (meta) implementations, for torch.compile / FakeTensor tracing. They can only be
