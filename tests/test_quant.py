@@ -6,12 +6,12 @@ Tolerance of qlinear, float paths (0-3): they compute the float32 product with t
 weight (no activation quantization), so they differ from the float64 reference only by float32
 rounding of the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
 
-int8-activation paths (4-7): x is rounded to int8 per block of 32 (d = max|x_block| / 127), the
-dot products are exact integers. Against ``qlinear_reference`` on the same path (the same
-rounding simulated in PyTorch, float64 after it) they differ only by float32 rounding of the
-scaled sums: |y - ref| <= 1e-5 * (sum of |terms|) + 1e-6. Against the float product they differ
-by the rounding of x, at most half a step a value: |y - x @ W^T| <= (d/2 @ |W|^T) (1 + 1e-5)
-+ 1e-5 * (|x| @ |W|^T) + 1e-6, with d/2 spread over its block.
+int8-activation paths (4-7): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
+the kernels multiply W by that rounded x (integer dot products scaled per block). Against
+``qlinear_reference`` on the same path (the same rounding simulated in PyTorch, float64 after it)
+they differ only by float32 rounding of the sums: |y - ref| <= 1e-5 * (|x^| @ |W|^T) + 1e-6.
+Against the float product they differ by the rounding of x, at most half a step a value:
+|y - x @ W^T| <= (d/2 @ |W|^T) (1 + 1e-5) + 1e-5 * (|x| @ |W|^T) + 1e-6.
 """
 import re
 
@@ -79,12 +79,12 @@ def assert_q8_close(y: torch.Tensor, x: torch.Tensor, qw: QWeight, w: torch.Tens
     """An int8-activation path's y vs the simulated reference and vs x @ w^T (module docstring)."""
     ref = ops.qlinear_reference(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path).double()
     qx, d = ops.quantize_act_reference(x)
-    xr = qx.double() * d.double().repeat_interleave(32, dim=1)                # x as rounded
+    xr = qx.double() * d.double().repeat_interleave(16, dim=1)                # x as rounded
     terms = xr.abs() @ w.double().abs().t() + x.double().abs() @ w.double().abs().t()
     err = (y.double() - ref).abs()
     bound = 1e-5 * terms + 1e-6
     assert bool((err <= bound).all()), f"vs reference: max err {err.max():.3g}"
-    half = d.double().repeat_interleave(32, dim=1) / 2                         # [M, K]
+    half = d.double().repeat_interleave(16, dim=1) / 2                         # [M, K]
     err = (y.double() - x.double() @ w.double().t()).abs()
     bound = (half @ w.double().abs().t()) * (1 + 1e-5) + 1e-5 * terms + 1e-6
     assert bool((err <= bound).all()), f"vs float product: max err {err.max():.3g}"
@@ -151,7 +151,7 @@ def test_qlinear_int8_activations(qtype, path):
             w = torch.from_numpy(want)
             for m in (1, 2, 3, 4, 5, 9, 33):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
-                x[0, :32] = 0                                # an all-zero block: d = 0
+                x[0, :16] = 0                                # an all-zero block: d = 0
                 y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
                 assert y.shape == (m, n) and y.dtype == torch.float32
                 assert_q8_close(y, x, qw, w, path)
@@ -173,7 +173,7 @@ def test_int8_paths_agree_and_round_like_the_reference():
     qs[torch.arange(k), torch.arange(k)] = 1
     xs = torch.randn(3, k) * 5
     qx, d = ops.quantize_act_reference(xs)
-    want_x = qx.float() * d.repeat_interleave(32, dim=1)
+    want_x = qx.float() * d.repeat_interleave(16, dim=1)
     for p in ys:
         y = ops.qlinear(xs, qs, torch.ones(k, 2), torch.empty(0), I8, 32, p)
         assert torch.equal(y, want_x), p

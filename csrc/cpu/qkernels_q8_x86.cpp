@@ -40,7 +40,7 @@ constexpr int64_t kPrefetchRows = 16;  // as in qkernels_x86.cpp
 #pragma GCC pop_options
 
 // ============================================================================================
-// AVX-512 VNNI: a step is 64 values (two x blocks), one vpdpbusd a weight row and x row.
+// AVX-512 VNNI: a step is 64 values (four x blocks), one vpdpbusd a weight row and x row.
 //   u4: the 32 bytes of two groups unpack to [low nibbles | high nibbles]; x is stored in that
 //       order (permute64), so lanes 0-3 and 8-11 belong to the first group, 4-7 and 12-15 to
 //       the second.
@@ -54,12 +54,14 @@ template <int NB, int MB, bool TAIL, int KIND>  // KIND 0: u4, 1: i8 groups of 3
 inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_t st,
                      __m512 (&acc)[NB][MB]) {
   const __m512i zero = _mm512_setzero_si512();
-  // which x block (and, for u4 and g32, which weight group of the step) lane i belongs to
+  // which weight group of the step lane i belongs to (u4: lanes 0-3 and 8-11 the first group),
+  // and which x block of 16: in value order for i8, blocks 0, 2, 1, 3 for u4 (permute64)
   const __m512i idx_u4 = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i idx_g32 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i idx_g16 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i idx_x = KIND == 0 ? idx_u4 : idx_g32;
-  const int64_t G = w.n_groups, nb = a.ldq / 32;
+  const __m512i idx_xu4 = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i idx_x = KIND == 0 ? idx_xu4 : idx_g16;
+  const int64_t G = w.n_groups, nb = a.ldq / 16;
   __m512i wv[NB], nwc[NB];
   __m512 ws[NB];
   for (int b = 0; b < NB; ++b) {
@@ -86,7 +88,7 @@ inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_
   }
   for (int j = 0; j < MB; ++j) {
     const __m512i xq = _mm512_loadu_si512(a.q + (m + j) * a.ldq + st * 64);
-    const __m512 xd = _mm512_permutexvar_ps(idx_x, _mm512_maskz_loadu_ps(3, a.d + (m + j) * nb + 2 * st));
+    const __m512 xd = _mm512_permutexvar_ps(idx_x, _mm512_castps128_ps512(_mm_loadu_ps(a.d + (m + j) * nb + 4 * st)));
     for (int b = 0; b < NB; ++b) {
       const __m512i isum = KIND == 0 ? _mm512_dpbusd_epi32(zero, wv[b], xq)
                                      : _mm512_dpbusd_epi32(nwc[b], xq, wv[b]);

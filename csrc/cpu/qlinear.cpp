@@ -7,10 +7,11 @@
 //   * float register kernels (paths 0-2): each group of W is dequantized into registers and
 //     multiplied with the float32 activations; only the quantized bytes are read from memory.
 //     AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
-//   * int8-activation kernels (paths 4-7): x is quantized to int8 per block of 32 values
+//   * int8-activation kernels (paths 4-7): x is quantized to int8 per block of 16 values
 //     (qlinear_q8.cpp) and each weight group is an integer dot product (AVX-512 VNNI vpdpbusd,
 //     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp). The result differs from the
-//     float product by the rounding of x (at most half a step of its block per value).
+//     float product by the rounding of x (at most half a step of its block per value): the
+//     result is W times the rounded x.
 //   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 8 MiB
 //     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
 //     runs at the float32 path's speed while the model stays quantized in memory.
@@ -188,7 +189,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   static thread_local std::vector<int8_t> qbuf;
   static thread_local std::vector<float> dbuf, sbuf;
   qbuf.resize(M * ldq);
-  dbuf.resize(M * ldq / 32);
+  dbuf.resize(M * ldq / 16);
   if (w.mins) sbuf.resize(M * w.n_groups);
 #if defined(__x86_64__) || defined(_M_X64)
   const bool wide = fn == rows_q8_avx512vnni;  // its x layout: see qkernels_q8_x86.cpp

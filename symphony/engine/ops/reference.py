@@ -30,36 +30,28 @@ def qdequant_reference(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
 
 
 def quantize_act_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x float32 ``[M, K]`` rounded as the int8-activation paths do, per block of 32 values:
+    """x float32 ``[M, K]`` rounded as the int8-activation paths do, per block of 16 values:
     ``d = max|x_block| / 127`` and ``q = round_half_even(x * (1 / d))`` (0 where d = 0), all in
-    float32. Returns q (int8 ``[M, K]``) and d (float32 ``[M, K / 32]``)."""
+    float32. Returns q (int8 ``[M, K]``) and d (float32 ``[M, K / 16]``)."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // 32, 32)                                  # [M, K/32, 32]
-    d = xb.abs().amax(dim=2) / 127.0                                        # [M, K/32]
+    xb = x.float().reshape(m, k // 16, 16)                                  # [M, K/16, 16]
+    d = xb.abs().amax(dim=2) / 127.0                                        # [M, K/16]
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-    q = torch.round(xb * inv.unsqueeze(2)).clamp(-127, 127).to(torch.int8)  # [M, K/32, 32]
+    q = torch.round(xb * inv.unsqueeze(2)).clamp(-127, 127).to(torch.int8)  # [M, K/16, 16]
     return q.reshape(m, k), d
 
 
 def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                       kind: int, group: int, path: int = -1) -> torch.Tensor:
-    """Reference qlinear. Paths below 4 (and -1): the float64 product with the dequantized
-    weight, rounded to float32. Paths 4-7 (int8 activations), in float64 on the same rounded x:
-    ``sum_g scales[n, g] * d[m, g'] * sum_{k in g} q[n, k] * qx[m, k]
-    + sum_g mins[n, g] * sum_{k in g} x[m, k]`` (g' the block of 32 holding group g)."""
-    if path < 4:
-        w = qdequant_reference(qs, scales, mins, kind, group)
-        return (x.double() @ w.double().t()).float()
-    n, m, k = qs.shape[0], x.shape[0], x.shape[1]
-    qx, d = quantize_act_reference(x)
-    qw = qdequant_reference(qs, torch.ones_like(scales), torch.empty(0), kind, group)  # the integers
-    ints = torch.einsum("mgk,ngk->mng", qx.double().reshape(m, -1, group),
-                        qw.double().reshape(n, -1, group))                  # [M, N, K/group]
-    dg = d.double().repeat_interleave(32 // group, dim=1)                   # [M, K/group]
-    y = (ints * scales.double().unsqueeze(0) * dg.unsqueeze(1)).sum(2)
-    if mins.numel():
-        y = y + x.double().reshape(m, -1, group).sum(2) @ mins.double().t()
-    return y.float()
+    """Reference qlinear: the float64 product with the dequantized weight, rounded to float32.
+    Paths 4-7 (int8 activations) multiply x as those paths round it (``quantize_act_reference``:
+    ``d * q`` per block of 16) instead of x itself; their kernels compute the same with integer
+    dot products per block (mins included: they take the rounded x's sums)."""
+    w = qdequant_reference(qs, scales, mins, kind, group)
+    if path >= 4:
+        q, d = quantize_act_reference(x)
+        x = q.double() * d.double().repeat_interleave(16, dim=1)            # [M, K] as rounded
+    return (x.double() @ w.double().t()).float()
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
