@@ -204,9 +204,27 @@ def test_force_qlinear_path_validates_and_restores():
     with quant.force_qlinear_path(4):
         assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 4))
     assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
-    for bad in (8, -2, "7", 1.0):
+    for bad in (8, -3, "7", 1.0, True):
         with pytest.raises(ValueError, match="qlinear path"):
             quant.force_qlinear_path(bad)
+
+
+def test_set_int8_activations():
+    qw, _ = gguf_weight("Q4_1", 5, 64)
+    x = torch.randn(3, 64)
+    assert not quant.int8_activations()                     # the default: float32 activations
+    try:
+        quant.set_int8_activations(True)
+        assert quant.int8_activations()
+        assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, Q8_BEST))
+        with quant.force_qlinear_path(0):
+            assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 0))
+        assert quant.int8_activations()
+    finally:
+        quant.set_int8_activations(False)
+    assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
+    with pytest.raises(TypeError):
+        quant.set_int8_activations(1)
 
 
 def test_qlinear_auto_path_and_empty_batch():
@@ -216,14 +234,13 @@ def test_qlinear_auto_path_and_empty_batch():
     best_float = 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
     for m in (1, 2, 4, 31, 32, 100):
         x = torch.randn(m, 256)
-        y = qw.linear(x)
-        took = [p for p in (best_float, 3, Q8_BEST)
-                if torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, p))]
-        assert took, m
-        if took[0] == Q8_BEST:
-            assert_q8_close(y, x, qw, torch.from_numpy(want), Q8_BEST)
-        else:
-            assert_linear_close(y, x, torch.from_numpy(want))
+        y = qw.linear(x)                    # float activations: register kernels, dense from 32
+        assert torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
+                                          best_float if m < 32 else 3)), m
+        assert_linear_close(y, x, torch.from_numpy(want))
+        y8 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -2)   # int8 below 32
+        assert torch.equal(y8, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
+                                           Q8_BEST if m < 32 else 3)), m
     assert qw.linear(torch.randn(0, 256)).shape == (0, 13)
     y = qw.linear(torch.randn(2, 3, 256, dtype=torch.bfloat16))       # any leading shape / dtype
     assert y.shape == (2, 3, 13) and y.dtype == torch.bfloat16
@@ -275,7 +292,7 @@ def _args(**over):
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
     (dict(path=8), "path must be"),
-    (dict(path=-2), "path must be"),
+    (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
      "multiple of 32"),
 ])
@@ -328,8 +345,7 @@ def test_load_time_quantizers(scheme, step):
     err = (qw.dequantize() - w).abs()
     assert bool((err <= 0.5 * step * span + 1e-6).all())     # half a quantization step
     x = torch.randn(3, 96)
-    with quant.force_qlinear_path(2 if HAS_AVX512 else 1 if HAS_AVX2 else 0):
-        assert_linear_close(qw.linear(x), x, qw.dequantize())
+    assert_linear_close(qw.linear(x), x, qw.dequantize())
     with quant.force_qlinear_path(Q8_BEST):
         assert_q8_close(qw.linear(x), x, qw, qw.dequantize(), Q8_BEST)
     with pytest.raises(QuantError, match="K % 32"):

@@ -89,12 +89,11 @@ using namespace qcpu;
 
 // Paths of qlinear: -1 picks; the others force one (tests run every path the CPU has).
 enum Path : int64_t {
-  kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
+  kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
   kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7,
 };
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
-constexpr int64_t kQ8MinM = 2;   // from this many rows (below kDenseM), the int8-activation kernels
 
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -239,9 +238,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAuto && path <= kQ8Avx512Vnni, op, ": path must be -1 (auto), 0 (scalar), "
-              "1 (AVX2), 2 (AVX-512), 3 (dense), 4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI) "
-              "or 7 (int8 AVX-512 VNNI), got ", path);
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ8Avx512Vnni, op, ": path must be -2 (auto, int8 "
+              "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
+              "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI) or 7 (int8 AVX-512 VNNI), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
@@ -251,7 +250,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   at::Tensor out = at::empty({M, d.N}, x.options());
   if (M == 0 || d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
-  if (path == kDense || (path == kAuto && M >= kDenseM)) {
+  if (path == kDense || (path <= kAuto && M >= kDenseM)) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
     // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
     // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
@@ -270,8 +269,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     }
     return out;
   }
-  if (path >= kQ8Scalar || (path == kAuto && M >= kQ8MinM)) {
-    qlinear_q8(x, w, path, out.data_ptr<float>());
+  if (path >= kQ8Scalar || path == kAutoQ8) {
+    qlinear_q8(x, w, path == kAutoQ8 ? kAuto : path, out.data_ptr<float>());
     return out;
   }
   const RowsFn fn = rows_fn(path);

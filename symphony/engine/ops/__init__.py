@@ -134,11 +134,13 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
             kind: int, group: int, path: int = -1) -> torch.Tensor:
     """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
 
-    ``path`` (CPU only): -1 picks by M and the CPU's features; the others force one (one this
-    CPU lacks raises): float32 register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize +
-    torch GEMM; int8-activation kernels (x rounded to int8 per block of 32 values, integer dot
-    products; see ``qlinear_reference`` for the exact arithmetic) 4 scalar, 5 AVX2
-    (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI.
+    ``path`` (CPU only): -1 picks a float32-activation kernel by M and the CPU's features (the
+    float32 product with the dequantized weight); -2 the best int8-activation kernel below 32
+    rows (dense tiles from 32); the others force one (one this CPU lacks raises): float32
+    register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM; int8-activation
+    kernels (x rounded to int8 per block of 16 values, integer dot products: the product of W
+    with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2 (``vpmaddubsw``),
+    6 AVX-VNNI, 7 AVX-512 VNNI.
     """
     if not _loaded:
         load()
