@@ -39,4 +39,10 @@ TORCH_LIBRARY(symphony, m) {
   // qdequant: W as float32 [N, K].
   m.def("qdequant(Tensor qs, Tensor scales, Tensor mins, int kind, int group) -> Tensor");
   // qcpu_features() -> int is defined in csrc/cpu/qlinear.cpp (no tensor arguments).
+
+  // RMSNorm of the rows of x [T, H] float32 with weight w [H] (CPU; csrc/cpu/norm.cpp):
+  // x * rsqrt(mean(x^2) + eps) * w. add_rms_norm also adds the residual first:
+  // returns (x + r, rms_norm(x + r)).
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
 }

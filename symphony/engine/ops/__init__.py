@@ -53,6 +53,8 @@ __all__ = [
     "qlinear",
     "qdequant",
     "qcpu_features",
+    "rms_norm",
+    "add_rms_norm",
     "qlinear_reference",
     "quantize_act_reference",
     "qdequant_reference",
@@ -155,6 +157,23 @@ def qdequant(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: i
     return torch.ops.symphony.qdequant(qs, scales, mins, int(kind), int(group))
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x ``[T, H]`` (float32, CPU) with weight w ``[H]``:
+    ``x * rsqrt(mean(x^2) + eps) * w``, one op instead of F.rms_norm's ~10 small ones."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.rms_norm(x, w, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm at once (float32, CPU): ``(s, rms_norm(s, w))``
+    with ``s = x + r``, both ``[T, H]``."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.add_rms_norm(x, r, w, float(eps))
+
+
 def qcpu_features() -> dict[str, bool]:
     """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
     ``avx_vnni`` (6) and ``avx512_vnni`` (7)."""
@@ -193,6 +212,17 @@ def _qdequant_fake(qs, scales, mins, kind, group):
     return torch.empty((qs.shape[0], k), dtype=torch.float32, device=qs.device)
 
 
+def _rms_norm_fake(x, w, eps):
+    torch._check(x.dim() == 2 and w.dim() == 1)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _add_rms_norm_fake(x, r, w, eps):
+    torch._check(x.dim() == 2 and r.shape == x.shape and w.dim() == 1)
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
 _fakes_registered = False
 
 
@@ -213,6 +243,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("symphony::paged_attention", _paged_attention_fake)
     torch.library.register_fake("symphony::qlinear", _qlinear_fake)
     torch.library.register_fake("symphony::qdequant", _qdequant_fake)
+    torch.library.register_fake("symphony::rms_norm", _rms_norm_fake)
+    torch.library.register_fake("symphony::add_rms_norm", _add_rms_norm_fake)
     _fakes_registered = True
 
 

@@ -26,7 +26,7 @@ logger = logging.getLogger("symphony.ops")
 
 _EXT_NAME = "symphony_ops"
 _CSRC = Path(__file__).resolve().parents[3] / "csrc"
-_CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp", "cpu/qlinear_q8.cpp", "cpu/qkernels_q8_x86.cpp")
+_CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp", "cpu/qlinear_q8.cpp", "cpu/qkernels_q8_x86.cpp", "cpu/norm.cpp")
 _CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu")
 _LOCK_TIMEOUT_S = 30 * 60        # default wait for another live builder ($SYMPHONY_BUILD_LOCK_TIMEOUT)
 _LOCK_PROGRESS_S = 10.0
