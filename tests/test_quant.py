@@ -241,6 +241,12 @@ def test_qlinear_auto_path_and_empty_batch():
         y8 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -2)   # int8 below 32
         assert torch.equal(y8, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
                                            Q8_BEST if m < 32 else 3)), m
+    # from 32 to 63 rows, -2 keeps the int8 kernels for matrices of 3 * 2^18 weights and more
+    x = torch.randn(40, 512)
+    for n, want_path in ((1536, Q8_BEST), (1024, 3)):
+        big, _ = gguf_weight("Q8_0", n, 512)
+        y8 = ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, -2)
+        assert torch.equal(y8, ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, want_path)), n
     assert qw.linear(torch.randn(0, 256)).shape == (0, 13)
     y = qw.linear(torch.randn(2, 3, 256, dtype=torch.bfloat16))       # any leading shape / dtype
     assert y.shape == (2, 3, 13) and y.dtype == torch.bfloat16

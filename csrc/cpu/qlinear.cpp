@@ -250,7 +250,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   at::Tensor out = at::empty({M, d.N}, x.options());
   if (M == 0 || d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
-  if (path == kDense || (path <= kAuto && M >= kDenseM)) {
+  // int8 activations (-2): below 32 rows, and below 64 for large matrices, where the int8
+  // kernels beat the dense GEMM (SmolLM2's gate_up, down, head; not qkv / o: micro-benchmark on
+  // the AVX-512 VNNI Xeon, perf/RESULTS.md)
+  const bool q8_auto = path == kAutoQ8 && (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)));
+  if (path == kDense || (path <= kAuto && M >= kDenseM && !q8_auto)) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
     // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
     // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
