@@ -95,56 +95,43 @@ enum Path : int64_t {
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
 
-bool cpu_has_avx2() {
+// The SIMD paths this CPU runs (cpuid, once).
+struct CpuFeatures {
+  bool avx2 = false, avx512 = false, avxvnni = false, avx512vnni = false;
+};
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    CpuFeatures c;
 #if defined(__x86_64__) || defined(_M_X64)
-  static const bool v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return v;
-#else
-  return false;
+    c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    c.avx512 = c.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    c.avxvnni = c.avx2 && __builtin_cpu_supports("avxvnni");
+    c.avx512vnni = c.avx512 && __builtin_cpu_supports("avx512vnni");
 #endif
+    return c;
+  }();
+  return f;
 }
 
-bool cpu_has_avx512() {
-#if defined(__x86_64__) || defined(_M_X64)
-  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                        cpu_has_avx2();
-  return v;
-#else
-  return false;
-#endif
-}
+bool cpu_has_avx2() { return cpu_features().avx2; }
+bool cpu_has_avx512() { return cpu_features().avx512; }
+bool cpu_has_avxvnni() { return cpu_features().avxvnni; }
+bool cpu_has_avx512vnni() { return cpu_features().avx512vnni; }
 
-bool cpu_has_avxvnni() {
-#if defined(__x86_64__) || defined(_M_X64)
-  static const bool v = __builtin_cpu_supports("avxvnni") && cpu_has_avx2();
-  return v;
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_avx512vnni() {
-#if defined(__x86_64__) || defined(_M_X64)
-  static const bool v = __builtin_cpu_supports("avx512vnni") && cpu_has_avx512();
-  return v;
-#else
-  return false;
-#endif
+// fn, if this CPU has what path `path` needs; a clear error otherwise
+template <class Fn>
+Fn require(bool has, Fn fn, int64_t path, const char* name, const char* needs) {
+  TORCH_CHECK(has, "symphony::qlinear: path ", path, " (", name, ") asked for, but this CPU lacks ",
+              needs);
+  return fn;
 }
 
 RowsFn rows_fn(int64_t path) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (path == kAvx512) {
-    TORCH_CHECK(cpu_has_avx512(), "symphony::qlinear: path 2 (AVX-512) asked for, but this CPU "
-                "lacks avx512f/bw/vl/dq");
-    return rows_avx512;
-  }
-  if (path == kAvx2) {
-    TORCH_CHECK(cpu_has_avx2(), "symphony::qlinear: path 1 (AVX2) asked for, but this CPU lacks "
-                "avx2/fma");
-    return rows_avx2;
-  }
+  if (path == kAvx512) return require(cpu_has_avx512(), rows_avx512, path, "AVX-512", "avx512f/bw/vl/dq");
+  if (path == kAvx2) return require(cpu_has_avx2(), rows_avx2, path, "AVX2", "avx2/fma");
   if (path == kAuto) return cpu_has_avx512() ? rows_avx512 : cpu_has_avx2() ? rows_avx2 : rows_scalar;
 #else
   TORCH_CHECK(path == kAuto || path == kScalar, "symphony::qlinear: path ", path,
@@ -159,21 +146,12 @@ RowsQ8Fn rows_q8_fn(int64_t path) {
   if (path == kAuto)
     path = cpu_has_avx512vnni() ? kQ8Avx512Vnni : cpu_has_avxvnni() ? kQ8AvxVnni
            : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
-  if (path == kQ8Avx512Vnni) {
-    TORCH_CHECK(cpu_has_avx512vnni(), "symphony::qlinear: path 7 (int8, AVX-512 VNNI) asked for, "
-                "but this CPU lacks avx512f/bw/vl/dq/vnni");
-    return rows_q8_avx512vnni;
-  }
-  if (path == kQ8AvxVnni) {
-    TORCH_CHECK(cpu_has_avxvnni(), "symphony::qlinear: path 6 (int8, AVX-VNNI) asked for, but "
-                "this CPU lacks avx_vnni");
-    return rows_q8_avxvnni;
-  }
-  if (path == kQ8Avx2) {
-    TORCH_CHECK(cpu_has_avx2(), "symphony::qlinear: path 5 (int8, AVX2) asked for, but this CPU "
-                "lacks avx2/fma");
-    return rows_q8_avx2;
-  }
+  if (path == kQ8Avx512Vnni)
+    return require(cpu_has_avx512vnni(), rows_q8_avx512vnni, path, "int8, AVX-512 VNNI",
+                   "avx512f/bw/vl/dq/vnni");
+  if (path == kQ8AvxVnni)
+    return require(cpu_has_avxvnni(), rows_q8_avxvnni, path, "int8, AVX-VNNI", "avx_vnni");
+  if (path == kQ8Avx2) return require(cpu_has_avx2(), rows_q8_avx2, path, "int8, AVX2", "avx2/fma");
 #else
   TORCH_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
