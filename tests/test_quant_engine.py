@@ -199,9 +199,11 @@ def test_embedded_model_quantized_paris_and_perplexity(smollm):
     # the int8-activation kernels: Paris, perplexity within 1%, logits within 5%. Not on the
     # prompt above: its first token is a knife edge ("The" 25.33 vs "L" 25.24 in float32), which
     # the rounding of x flips to "L'Étoile..." (llama.cpp, whose kernels also round x to int8,
-    # answers "L" there too: 24.91 vs 24.56).
+    # answers "L" there too: 24.91 vs 24.56); so is "Which city is the capital of France?"
+    # ("Le" 26.56 vs "The" 26.45 on int8). These two have margins of 1.4 and 1.1.
     with force_qlinear_path(Q8_BEST):
-        for q in ("Which city is the capital of France?", "Name the capital of France."):
+        for q in ("Name the capital of France.",
+                  "What is the capital of France? Answer with the city name."):
             ids = tok.encode_chat([{"role": "user", "content": q}])
             assert "Paris" in greedy(smollm, ids, max_tokens=12), q
         p8 = perplexity(smollm, text)
