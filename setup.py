@@ -19,7 +19,7 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 # top-level folder -> (folder inside the installed package, file suffixes shipped)
 SHIPPED = {
-    "csrc": ("_csrc", (".cpp", ".cu", ".h", ".cuh", ".hpp")),
+    "csrc": ("_csrc", (".cpp", ".cu", ".h", ".cuh", ".hpp", ".inc")),
     "userland": ("_userland", (".py",)),
 }
 

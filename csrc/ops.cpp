@@ -29,12 +29,20 @@ TORCH_LIBRARY(symphony, m) {
   // Quantized weights (layout in csrc/quant.h): W [N, K] is qs (uint8 [N, K/2] for kind 0 "u4",
   // int8 [N, K] for kind 1 "i8"), scales float32 [N, K/group] and mins (same shape, or empty);
   // W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group].
-  // qlinear: x float32 [M, K] -> x @ W^T, float32 [M, N]. path: -1 picks; 0 scalar, 1 AVX2,
-  // 2 AVX-512 (register kernels), 3 dequantize + torch GEMM force one (CPU; CUDA ignores it).
+  // qlinear: x float32 [M, K] -> x @ W^T, float32 [M, N]. path: -1 picks a float32 kernel by M,
+  // -2 an int8-activation one (x rounded per block of 16; dense GEMM from 32 rows); 0 scalar,
+  // 1 AVX2, 2 AVX-512 (float register kernels), 3 dequantize + torch GEMM, 4 int8 scalar,
+  // 5 int8 AVX2, 6 int8 AVX-VNNI, 7 int8 AVX-512 VNNI force one (CPU; CUDA ignores it).
   m.def(
       "qlinear(Tensor x, Tensor qs, Tensor scales, Tensor mins, int kind, int group, "
       "int path=-1) -> Tensor");
   // qdequant: W as float32 [N, K].
   m.def("qdequant(Tensor qs, Tensor scales, Tensor mins, int kind, int group) -> Tensor");
   // qcpu_features() -> int is defined in csrc/cpu/qlinear.cpp (no tensor arguments).
+
+  // RMSNorm of the rows of x [T, H] float32 with weight w [H] (CPU; csrc/cpu/norm.cpp):
+  // x * rsqrt(mean(x^2) + eps) * w. add_rms_norm also adds the residual first:
+  // returns (x + r, rms_norm(x + r)).
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
 }

@@ -10,6 +10,8 @@ and reports medians with the per-round spread:
   * single-stream decode tokens/s, batch-N decode tokens/s (N sequences, one forward pass per
     step) and prefill tokens/s of one --prefill-token prompt, for
       - the engine on the GGUF's quantized bits (--weights quantized, the CPU default),
+      - the same with int8-rounded activations (quant.set_int8_activations, opt-in; not with
+        --no-int8),
       - the engine on the same weights dequantized to each --dtypes dtype (--weights float),
       - llama.cpp (llama-cpp-python) on the same file, when installed (perf-only dependency);
   * a plain PyTorch loop over the float32 weights (contiguous KV), single stream;
@@ -23,6 +25,7 @@ and reports medians with the per-round spread:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from symphony.engine.config import DTYPES, EngineConfig          # noqa: E402
 from symphony.engine.engine import Engine, PredRequest           # noqa: E402
 from symphony.engine.loader import default_model_path, load_model  # noqa: E402
-from symphony.engine.quant import QWeight                          # noqa: E402
+from symphony.engine.quant import QWeight, force_qlinear_path      # noqa: E402
 from symphony.engine.reference import ReferenceLlama             # noqa: E402
 
 PREFILL_TEXT = ("The history of the violin begins in sixteenth-century Italy, where makers in Cremona "
@@ -262,6 +265,7 @@ def main():
     ap.add_argument("--prefill", type=int, default=1500, help="prompt tokens of the prefill test (0: skip)")
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation contender")
     ap.add_argument("--no-rss", action="store_true", help="skip starting real kernels for their RSS")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV pool of the engines and kernels, MiB")
     ap.add_argument("--dtypes", default="float32",
@@ -287,6 +291,8 @@ def main():
     def cfg(**kw):
         return EngineConfig(page_size=16, kv_memory_bytes=kv_bytes, **kw)
     engines = {"quantized": Engine(weights, tok, cfg(weights="quantized"))}
+    if not args.no_int8:                          # the same weights (shared), its own KV pool
+        engines["int8"] = Engine(weights, tok, cfg(weights="quantized"))
     dense = weights.dequantized()
     for d in dnames:
         engines[d] = Engine(dense, tok, cfg(weights="float", dtype=DTYPES[d]))
@@ -309,20 +315,24 @@ def main():
     res.update({"torch_one": [], "bw": []})
     if lcpp:
         res.update({"lcpp_one": [], "lcpp_batch": [], "lcpp_prefill": []})
+    def acts(n):                                  # the int8 contender: int8-activation kernels
+        return force_qlinear_path(-2) if n == "int8" else contextlib.nullcontext()
     for n in names:                                                   # warm-up
-        bench_engine_single(engines[n], ids, 4)
-        bench_engine_batch(engines[n], ids, 2, args.batch)
-        if pre:
-            bench_engine_prefill(engines[n], pre[:64])
+        with acts(n):
+            bench_engine_single(engines[n], ids, 4)
+            bench_engine_batch(engines[n], ids, 2, args.batch)
+            if pre:
+                bench_engine_prefill(engines[n], pre[:64])
     bench_reference_single(ref, ids, 2)
     for r in range(args.rounds):
         res["bw"].append(read_bandwidth(bw_buf))
         for n in names:
             e = engines[n]
-            res[f"one_{n}"].append(bench_engine_single(e, ids, args.steps))
-            res[f"batch_{n}"].append(bench_engine_batch(e, ids, args.steps // 2, args.batch))
-            if pre:
-                res[f"prefill_{n}"].append(bench_engine_prefill(e, pre))
+            with acts(n):
+                res[f"one_{n}"].append(bench_engine_single(e, ids, args.steps))
+                res[f"batch_{n}"].append(bench_engine_batch(e, ids, args.steps // 2, args.batch))
+                if pre:
+                    res[f"prefill_{n}"].append(bench_engine_prefill(e, pre))
         res["torch_one"].append(bench_reference_single(ref, ids, args.steps))
         if lcpp:
             res["lcpp_one"].append(lcpp.single(ids, args.steps))
@@ -336,7 +346,8 @@ def main():
     has_pre = bool(pre)
     print(f"\n| contender | single-stream tok/s | batch-{b} tok/s | prefill {len(pre)} tok/s |")
     print("|---|---|---|---|")
-    label = {"quantized": "symphony, quantized weights (GGUF bits)"}
+    label = {"quantized": "symphony, quantized weights (GGUF bits)",
+             "int8": "symphony, quantized weights + int8 activations"}
     for n in names:
         print(f"| {label.get(n, f'symphony, dequantized {n}')} | {spread(res[f'one_{n}'])} | "
               f"{spread(res[f'batch_{n}'])} | {spread(res[f'prefill_{n}']) if has_pre else '-'} |")
@@ -356,6 +367,7 @@ def main():
         ratio(f"{k}_quantized", f"{k}_{d0}", f"quantized / dequantized {d0}, {what}")
         if lcpp:
             ratio(f"{k}_quantized", f"lcpp_{k}", f"quantized / llama.cpp, {what}")
+            ratio(f"{k}_int8", f"lcpp_{k}", f"quantized + int8 activations / llama.cpp, {what}")
     # the physical limit: bytes a decode step must read over the bandwidth just measured
     bw = statistics.median(res["bw"]) * 1e9
     c = engines["quantized"].model_config

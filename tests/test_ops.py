@@ -434,3 +434,37 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
 def test_cuda_qlinear_source_compiles_with_nvcc(tmp_path):
     obj = ops.compile_cuda_object(tmp_path, arch="sm_90", source="qlinear.cu")
     assert obj.exists() and obj.stat().st_size > 0
+
+
+# ------------------------------------------------------------------ RMSNorm (CPU, float32)
+def test_rms_norm_ops_match_torch():
+    """symphony::rms_norm / add_rms_norm vs F.rms_norm: float32 sums in another order only
+    (rtol 1e-6 of the row scale); odd H (the 16-wide loop's tail), row-strided x, several rows."""
+    torch.manual_seed(0)
+    for T, H in ((1, 576), (7, 100), (33, 16), (2, 5)):
+        big = torch.randn(T, H + 3) * 4
+        x = big[:, 2:2 + H]                                         # rows of stride H + 3
+        r = torch.randn(T, H)
+        w = torch.rand(H) + 0.5
+        want = torch.nn.functional.rms_norm(x, (H,), w, 1e-5)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-6, atol=1e-6)
+        s, n = ops.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(s, x + r)
+        torch.testing.assert_close(n, torch.nn.functional.rms_norm(x + r, (H,), w, 1e-5),
+                                   rtol=1e-6, atol=1e-6)
+    torch.library.opcheck(torch.ops.symphony.rms_norm.default, (torch.randn(3, 64), torch.rand(64), 1e-6))
+    torch.library.opcheck(torch.ops.symphony.add_rms_norm.default,
+                          (torch.randn(3, 64), torch.randn(3, 64), torch.rand(64), 1e-6))
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.randn(64), torch.rand(64)), "x must be 2-D"),
+    ((torch.randn(2, 64, dtype=torch.float64), torch.rand(64)), "must be float32"),
+    ((torch.randn(2, 64), torch.rand(63)), r"w must be \[H\]"),
+    ((torch.randn(64, 2).t(), torch.rand(64)), "must be contiguous"),
+])
+def test_rms_norm_bad_args_raise(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.rms_norm(*args, 1e-6)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.rand(8), 1e-6)

@@ -2,9 +2,16 @@
 qlinear / qdequant against the plain PyTorch reference on every path this CPU runs, opcheck,
 argument errors, the load-time quantizers.
 
-Tolerance of qlinear: the kernels compute the float32 product with the dequantized weight (no
-activation quantization), so they differ from the float64 reference only by float32 rounding of
-the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
+Tolerance of qlinear, float paths (0-3): they compute the float32 product with the dequantized
+weight (no activation quantization), so they differ from the float64 reference only by float32
+rounding of the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
+
+int8-activation paths (4-7): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
+the kernels multiply W by that rounded x (integer dot products scaled per block). Against
+``qlinear_reference`` on the same path (the same rounding simulated in PyTorch, float64 after it)
+they differ only by float32 rounding of the sums: |y - ref| <= 1e-5 * (|x^| @ |W|^T) + 1e-6.
+Against the float product they differ by the rounding of x, at most half a step a value:
+|y - x @ W^T| <= (d/2 @ |W|^T) (1 + 1e-5) + 1e-5 * (|x| @ |W|^T) + 1e-6.
 """
 import re
 
@@ -35,12 +42,22 @@ def _cpu_flags() -> set[str]:
 FLAGS = _cpu_flags()
 HAS_AVX2 = {"avx2", "fma"} <= FLAGS
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
+HAS_AVX_VNNI = "avx_vnni" in FLAGS and HAS_AVX2
+HAS_AVX512_VNNI = "avx512_vnni" in FLAGS and HAS_AVX512
 PATHS = [
     pytest.param(0, id="scalar"),
     pytest.param(1, id="avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the AVX2 path cannot run here")),
     pytest.param(2, id="avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512 (f/bw/vl/dq): the AVX-512 path cannot run here")),
     pytest.param(3, id="dense"),
 ]
+Q8_PATHS = [
+    pytest.param(4, id="int8-scalar"),
+    pytest.param(5, id="int8-avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the int8 AVX2 path cannot run here")),
+    pytest.param(6, id="int8-avxvnni", marks=pytest.mark.skipif(not HAS_AVX_VNNI, reason="this CPU has no AVX-VNNI: the int8 AVX-VNNI path cannot run here")),
+    pytest.param(7, id="int8-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI path cannot run here")),
+]
+# the best int8-activation path this CPU runs (the one the automatic choice takes)
+Q8_BEST = 7 if HAS_AVX512_VNNI else 6 if HAS_AVX_VNNI else 5 if HAS_AVX2 else 4
 
 
 def gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
@@ -56,6 +73,21 @@ def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
     bound = 1e-5 * (x.double().abs() @ w.double().abs().t()) + 1e-6
     err = (y.double() - ref).abs()
     assert bool((err <= bound).all()), f"max err {err.max():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+
+
+def assert_q8_close(y: torch.Tensor, x: torch.Tensor, qw: QWeight, w: torch.Tensor, path: int) -> None:
+    """An int8-activation path's y vs the simulated reference and vs x @ w^T (module docstring)."""
+    ref = ops.qlinear_reference(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path).double()
+    qx, d = ops.quantize_act_reference(x)
+    xr = qx.double() * d.double().repeat_interleave(16, dim=1)                # x as rounded
+    terms = xr.abs() @ w.double().abs().t() + x.double().abs() @ w.double().abs().t()
+    err = (y.double() - ref).abs()
+    bound = 1e-5 * terms + 1e-6
+    assert bool((err <= bound).all()), f"vs reference: max err {err.max():.3g}"
+    half = d.double().repeat_interleave(16, dim=1) / 2                         # [M, K]
+    err = (y.double() - x.double() @ w.double().t()).abs()
+    bound = (half @ w.double().abs().t()) * (1 + 1e-5) + 1e-5 * terms + 1e-6
+    assert bool((err <= bound).all()), f"vs float product: max err {err.max():.3g}"
 
 
 # ---------------------------------------------------------------------------------- repacking
@@ -107,7 +139,47 @@ def test_qlinear_matches_dequantized_reference(qtype, path):
             assert_linear_close(y, x, w)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", Q8_PATHS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_qlinear_int8_activations(qtype, path):
+    """Every int8 path vs the reference that rounds x the same way, and vs the float product;
+    K = 96 and 160 end in half a 64-value step (the AVX-512 kernels' masked tail)."""
+    ks = (256, 512) if qtype.endswith("_K") else (32, 96, 160)
+    for k in ks:
+        for n in (1, 7, 37):
+            qw, want = gguf_weight(qtype, n, k, seed=n + k)
+            w = torch.from_numpy(want)
+            for m in (1, 2, 3, 4, 5, 9, 33):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+                x[0, :16] = 0                                # an all-zero block: d = 0
+                y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
+                assert y.shape == (m, n) and y.dtype == torch.float32
+                assert_q8_close(y, x, qw, w, path)
+
+
+def test_int8_paths_agree_and_round_like_the_reference():
+    """All int8 paths this CPU runs give the same rounding of x: each equals the scalar path to
+    float32 summation error; and the rounding itself is what quantize_act_reference says (a
+    weight that picks single columns reads back d * qx exactly)."""
+    qw, want = gguf_weight("Q5_K", 11, 256, seed=4)
+    x = torch.randn(6, 256) * torch.logspace(-3, 3, 256)     # blocks of very different scales
+    ys = {p: ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, p)
+          for p in (4, 5, 6, 7) if p <= Q8_BEST and (p != 6 or HAS_AVX_VNNI)}
+    for p, y in ys.items():
+        torch.testing.assert_close(y, ys[4], rtol=1e-5, atol=1e-5 * float(ys[4].abs().max()))
+    # identity-like i8 weight: row n has q = 1 at column n, scale 1: y[m, n] = d * qx[m, n]
+    k = 64
+    qs = torch.zeros(k, k, dtype=torch.int8)
+    qs[torch.arange(k), torch.arange(k)] = 1
+    xs = torch.randn(3, k) * 5
+    qx, d = ops.quantize_act_reference(xs)
+    want_x = qx.float() * d.repeat_interleave(16, dim=1)
+    for p in ys:
+        y = ops.qlinear(xs, qs, torch.ones(k, 2), torch.empty(0), I8, 32, p)
+        assert torch.equal(y, want_x), p
+
+
+@pytest.mark.parametrize("path", PATHS + Q8_PATHS)
 def test_qlinear_strided_rows_and_threads(path):
     """x a row-strided view (a slice of a fused projection), several threads, a wide N."""
     qw, want = gguf_weight("Q4_1", 301, 128, seed=5)
@@ -118,16 +190,63 @@ def test_qlinear_strided_rows_and_threads(path):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
-            assert_linear_close(y, x, torch.from_numpy(want))
+            if path >= 4:
+                assert_q8_close(y, x, qw, torch.from_numpy(want), path)
+            else:
+                assert_linear_close(y, x, torch.from_numpy(want))
     finally:
         torch.set_num_threads(before)
 
 
+def test_force_qlinear_path_validates_and_restores():
+    qw, _ = gguf_weight("Q4_1", 5, 64)
+    x = torch.randn(1, 64)
+    with quant.force_qlinear_path(4):
+        assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 4))
+    assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
+    for bad in (8, -3, "7", 1.0, True):
+        with pytest.raises(ValueError, match="qlinear path"):
+            quant.force_qlinear_path(bad)
+
+
+def test_set_int8_activations():
+    qw, _ = gguf_weight("Q4_1", 5, 64)
+    x = torch.randn(3, 64)
+    assert not quant.int8_activations()                     # the default: float32 activations
+    try:
+        quant.set_int8_activations(True)
+        assert quant.int8_activations()
+        assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, Q8_BEST))
+        with quant.force_qlinear_path(0):
+            assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 0))
+        assert quant.int8_activations()
+    finally:
+        quant.set_int8_activations(False)
+    assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
+    with pytest.raises(TypeError):
+        quant.set_int8_activations(1)
+
+
 def test_qlinear_auto_path_and_empty_batch():
+    """The automatic choice is one of the forced paths (bit for bit) and stays within the int8
+    bound whichever it is."""
     qw, want = gguf_weight("Q6_K", 13, 256)
-    for m in (1, 4, 31, 32, 100):           # register kernels below 32 rows, dense tiles from 32
+    best_float = 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
+    for m in (1, 2, 4, 31, 32, 100):
         x = torch.randn(m, 256)
-        assert_linear_close(qw.linear(x), x, torch.from_numpy(want))
+        y = qw.linear(x)                    # float activations: register kernels, dense from 32
+        assert torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
+                                          best_float if m < 32 else 3)), m
+        assert_linear_close(y, x, torch.from_numpy(want))
+        y8 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -2)   # int8 below 32
+        assert torch.equal(y8, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
+                                           Q8_BEST if m < 32 else 3)), m
+    # from 32 to 63 rows, -2 keeps the int8 kernels for matrices of 3 * 2^18 weights and more
+    x = torch.randn(40, 512)
+    for n, want_path in ((1536, Q8_BEST), (1024, 3)):
+        big, _ = gguf_weight("Q8_0", n, 512)
+        y8 = ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, -2)
+        assert torch.equal(y8, ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, want_path)), n
     assert qw.linear(torch.randn(0, 256)).shape == (0, 13)
     y = qw.linear(torch.randn(2, 3, 256, dtype=torch.bfloat16))       # any leading shape / dtype
     assert y.shape == (2, 3, 13) and y.dtype == torch.bfloat16
@@ -135,7 +254,8 @@ def test_qlinear_auto_path_and_empty_batch():
 
 def test_cpu_features_match_cpuinfo():
     feats = ops.qcpu_features()
-    assert feats == {"avx2": HAS_AVX2, "avx512": HAS_AVX512}
+    assert feats == {"avx2": HAS_AVX2, "avx512": HAS_AVX512, "avx_vnni": HAS_AVX_VNNI,
+                     "avx512_vnni": HAS_AVX512_VNNI}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -152,8 +272,9 @@ def test_opcheck_qlinear_and_qdequant():
     for qtype in ("Q4_1", "Q6_K", "Q5_K"):
         qw, _ = gguf_weight(qtype, 5, 256)
         for m in (1, 3, 40):
-            torch.library.opcheck(torch.ops.symphony.qlinear.default,
-                                  (torch.randn(m, 256), qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -1))
+            for path in (-1, 4, Q8_BEST):
+                torch.library.opcheck(torch.ops.symphony.qlinear.default,
+                                      (torch.randn(m, 256), qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path))
         torch.library.opcheck(torch.ops.symphony.qdequant.default,
                               (qw.qs, qw.scales, qw.mins, qw.kind, qw.group))
 
@@ -176,7 +297,8 @@ def _args(**over):
     (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
-    (dict(path=7), "path must be"),
+    (dict(path=8), "path must be"),
+    (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
      "multiple of 32"),
 ])
@@ -184,6 +306,16 @@ def test_bad_qlinear_input_raises(over, match):
     a = _args(**over)
     with pytest.raises(RuntimeError, match=match):
         ops.qlinear(a["x"], a["qs"], a["scales"], a["mins"], a["kind"], a["group"], a["path"])
+
+
+@pytest.mark.skipif(HAS_AVX512_VNNI and HAS_AVX_VNNI,
+                    reason="this CPU has AVX-512 VNNI and AVX-VNNI: the unsupported-path error cannot show")
+def test_unsupported_int8_path_raises():
+    a = _args()
+    p, what = (6, "path 6 (int8, AVX-VNNI) asked for") if not HAS_AVX_VNNI else \
+        (7, "path 7 (int8, AVX-512 VNNI) asked for")
+    with pytest.raises(RuntimeError, match=re.escape(what)):
+        ops.qlinear(a["x"], a["qs"], a["scales"], a["mins"], 0, 32, p)
 
 
 @pytest.mark.skipif(HAS_AVX512, reason="this CPU has AVX-512: the unsupported-path error cannot show")
@@ -220,6 +352,8 @@ def test_load_time_quantizers(scheme, step):
     assert bool((err <= 0.5 * step * span + 1e-6).all())     # half a quantization step
     x = torch.randn(3, 96)
     assert_linear_close(qw.linear(x), x, qw.dequantize())
+    with quant.force_qlinear_path(Q8_BEST):
+        assert_q8_close(qw.linear(x), x, qw, qw.dequantize(), Q8_BEST)
     with pytest.raises(QuantError, match="K % 32"):
         quant.quantize(torch.randn(4, 40), scheme)
     with pytest.raises(QuantError, match="unknown quantization"):

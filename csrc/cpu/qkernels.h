@@ -43,5 +43,45 @@ void dequant_rows_avx2(const QView& w, float* dst, int64_t n0, int64_t n1);
 void dequant_rows_avx512(const QView& w, float* dst, int64_t n0, int64_t n1);
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// The int8-activation kernels (qlinear paths 4..7): x is quantized per block of 16 values,
+//   d[m, b] = max |x[m, 16b : 16b + 16]| / 127,  qx = round_half_even(x * (1 / d))  (-127..127)
+// (0 where d = 0), and each weight group's dot product is an integer dot product of q and qx:
+//   out[m, n] = sum_g scales[n, g] * sum_{blocks b of g} d[m, b] * sum_{k in b} q[n, k] * qx[m, k]
+//             + sum_g mins[n, g] * s[m, g],     s[m, g] = sum_{blocks b of g} d[m, b] * sum qx
+// i.e. exactly W times the rounded x (d * qx), up to float32 summation order. The mins term
+// takes the rounded x too (as llama.cpp's q8_1 does): with the exact sums, the rounding error
+// would be weighted by scale * q (up to 15 scale for u4) instead of by W itself.
+
+// x quantized for the int8 kernels. Rows are padded to a multiple of 64 values (pad: qx = 0,
+// d = 0). The AVX-512 kernels want two variations of the byte layout (flags of quantize_act):
+//   permute64: in each 64-value step, values 32s+0..15, 32(s+1)+0..15, 32s+16..31,
+//              32(s+1)+16..31 (the order in which a u4 weight's nibbles unpack), and
+//   bias128:   stored as qx + 128 (unsigned) so that vpdpbusd can take signed weights.
+struct QAct {
+  const int8_t* q;   // [M, ldq]
+  const float* d;    // [M, ldq / 16] block scales (in value order, whatever the byte layout)
+  const float* s;    // [M, n_groups] float sums of x per weight group, or nullptr (no mins)
+  int64_t ldq;
+};
+
+// Quantize x [M, K] (row stride ldx) into q [M, ldq], d [M, ldq / 16] and, if s is not null,
+// s [M, K / group]. The rounding is fixed (see above), so every path sees the same qx.
+void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int8_t* q,
+                  float* d, float* s, int64_t ldq, bool permute64, bool bias128);
+
+using RowsQ8Fn = void (*)(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
+                          int64_t n0, int64_t n1);
+void rows_q8_scalar(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                    int64_t n1);
+#if defined(__x86_64__) || defined(_M_X64)
+void rows_q8_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                  int64_t n1);
+void rows_q8_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                     int64_t n1);
+void rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
+                        int64_t n0, int64_t n1);
+#endif
+
 }  // namespace qcpu
 }  // namespace symphony

@@ -3,10 +3,15 @@
 //   qlinear(x [M, K] float32, W) -> x @ W^T  [M, N] float32
 //   qdequant(W) -> W as float32 [N, K]
 //
-// qlinear has two strategies:
-//   * register kernels (M below kDenseM: decode, batched decode): each group of W is
-//     dequantized into registers and multiplied with the float32 activations; only the quantized
-//     bytes are read from memory. AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
+// qlinear has three strategies:
+//   * float register kernels (paths 0-2): each group of W is dequantized into registers and
+//     multiplied with the float32 activations; only the quantized bytes are read from memory.
+//     AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
+//   * int8-activation kernels (paths 4-7): x is quantized to int8 per block of 16 values
+//     (qlinear_q8.cpp) and each weight group is an integer dot product (AVX-512 VNNI vpdpbusd,
+//     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp). The result differs from the
+//     float product by the rounding of x (at most half a step of its block per value): the
+//     result is W times the rounded x.
 //   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 8 MiB
 //     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
 //     runs at the float32 path's speed while the model stays quantized in memory.
@@ -83,48 +88,99 @@ namespace {
 using namespace qcpu;
 
 // Paths of qlinear: -1 picks; the others force one (tests run every path the CPU has).
-enum Path : int64_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3 };
+enum Path : int64_t {
+  kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
+  kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7,
+};
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
 
-bool cpu_has_avx2() {
+// The SIMD paths this CPU runs (cpuid, once).
+struct CpuFeatures {
+  bool avx2 = false, avx512 = false, avxvnni = false, avx512vnni = false;
+};
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    CpuFeatures c;
 #if defined(__x86_64__) || defined(_M_X64)
-  static const bool v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return v;
-#else
-  return false;
+    c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    c.avx512 = c.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    c.avxvnni = c.avx2 && __builtin_cpu_supports("avxvnni");
+    c.avx512vnni = c.avx512 && __builtin_cpu_supports("avx512vnni");
 #endif
+    return c;
+  }();
+  return f;
 }
 
-bool cpu_has_avx512() {
-#if defined(__x86_64__) || defined(_M_X64)
-  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                        cpu_has_avx2();
-  return v;
-#else
-  return false;
-#endif
+bool cpu_has_avx2() { return cpu_features().avx2; }
+bool cpu_has_avx512() { return cpu_features().avx512; }
+bool cpu_has_avxvnni() { return cpu_features().avxvnni; }
+bool cpu_has_avx512vnni() { return cpu_features().avx512vnni; }
+
+// fn, if this CPU has what path `path` needs; a clear error otherwise
+template <class Fn>
+Fn require(bool has, Fn fn, int64_t path, const char* name, const char* needs) {
+  TORCH_CHECK(has, "symphony::qlinear: path ", path, " (", name, ") asked for, but this CPU lacks ",
+              needs);
+  return fn;
 }
 
 RowsFn rows_fn(int64_t path) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (path == kAvx512) {
-    TORCH_CHECK(cpu_has_avx512(), "symphony::qlinear: path 2 (AVX-512) asked for, but this CPU "
-                "lacks avx512f/bw/vl/dq");
-    return rows_avx512;
-  }
-  if (path == kAvx2) {
-    TORCH_CHECK(cpu_has_avx2(), "symphony::qlinear: path 1 (AVX2) asked for, but this CPU lacks "
-                "avx2/fma");
-    return rows_avx2;
-  }
+  if (path == kAvx512) return require(cpu_has_avx512(), rows_avx512, path, "AVX-512", "avx512f/bw/vl/dq");
+  if (path == kAvx2) return require(cpu_has_avx2(), rows_avx2, path, "AVX2", "avx2/fma");
   if (path == kAuto) return cpu_has_avx512() ? rows_avx512 : cpu_has_avx2() ? rows_avx2 : rows_scalar;
 #else
   TORCH_CHECK(path == kAuto || path == kScalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
 #endif
   return rows_scalar;
+}
+
+// The int8-activation kernel of a path (kAuto: the best this CPU has).
+RowsQ8Fn rows_q8_fn(int64_t path) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (path == kAuto)
+    path = cpu_has_avx512vnni() ? kQ8Avx512Vnni : cpu_has_avxvnni() ? kQ8AvxVnni
+           : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
+  if (path == kQ8Avx512Vnni)
+    return require(cpu_has_avx512vnni(), rows_q8_avx512vnni, path, "int8, AVX-512 VNNI",
+                   "avx512f/bw/vl/dq/vnni");
+  if (path == kQ8AvxVnni)
+    return require(cpu_has_avxvnni(), rows_q8_avxvnni, path, "int8, AVX-VNNI", "avx_vnni");
+  if (path == kQ8Avx2) return require(cpu_has_avx2(), rows_q8_avx2, path, "int8, AVX2", "avx2/fma");
+#else
+  TORCH_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
+              " needs an x86-64 CPU");
+#endif
+  return rows_q8_scalar;
+}
+
+// x @ W^T by the int8-activation kernels: quantize x once (this thread), then split W's rows.
+void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
+  const RowsQ8Fn fn = rows_q8_fn(path);
+  const int64_t M = x.size(0), ldq = (w.K + 63) / 64 * 64;
+  static thread_local std::vector<int8_t> qbuf;
+  static thread_local std::vector<float> dbuf, sbuf;
+  qbuf.resize(M * ldq);
+  dbuf.resize(M * ldq / 16);
+  if (w.mins) sbuf.resize(M * w.n_groups);
+#if defined(__x86_64__) || defined(_M_X64)
+  const bool wide = fn == rows_q8_avx512vnni;  // its x layout: see qkernels_q8_x86.cpp
+#else
+  const bool wide = false;
+#endif
+  quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(),
+               w.mins ? sbuf.data() : nullptr, ldq, wide && w.kind == kQU4, wide && w.kind == kQI8);
+  const QAct a{qbuf.data(), dbuf.data(), w.mins ? sbuf.data() : nullptr, ldq};
+  const int64_t nblocks = (w.N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * w.K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    fn(w, a, M, out, w.N, b0 * 4, std::min(w.N, b1 * 4));
+  });
 }
 
 DequantFn dequant_fn() {
@@ -160,8 +216,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAuto && path <= kDense, op, ": path must be -1 (auto), 0 (scalar), 1 (AVX2), "
-              "2 (AVX-512) or 3 (dense), got ", path);
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ8Avx512Vnni, op, ": path must be -2 (auto, int8 "
+              "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
+              "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI) or 7 (int8 AVX-512 VNNI), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
@@ -171,7 +228,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   at::Tensor out = at::empty({M, d.N}, x.options());
   if (M == 0 || d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
-  if (path == kDense || (path == kAuto && M >= kDenseM)) {
+  // int8 activations (-2): below 32 rows, and below 64 for large matrices, where the int8
+  // kernels beat the dense GEMM (SmolLM2's gate_up, down, head; not qkv / o: micro-benchmark on
+  // the AVX-512 VNNI Xeon, perf/RESULTS.md)
+  const bool q8_auto = path == kAutoQ8 && (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)));
+  if (path == kDense || (path <= kAuto && M >= kDenseM && !q8_auto)) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
     // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
     // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
@@ -190,6 +251,10 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     }
     return out;
   }
+  if (path >= kQ8Scalar || path == kAutoQ8) {
+    qlinear_q8(x, w, path == kAutoQ8 ? kAuto : path, out.data_ptr<float>());
+    return out;
+  }
   const RowsFn fn = rows_fn(path);
   const float* xp = x.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
@@ -203,7 +268,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }
 
 int64_t qcpu_features() {
-  return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0);
+  return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0) | (cpu_has_avxvnni() ? 4 : 0) |
+         (cpu_has_avx512vnni() ? 8 : 0);
 }
 
 }  // namespace
@@ -213,7 +279,7 @@ TORCH_LIBRARY_IMPL(symphony, CPU, m) {
   m.impl("qdequant", &qdequant_cpu);
 }
 
-// Bit 0: the AVX2 path runs here, bit 1: the AVX-512 path. No tensor arguments, so a catch-all
+// Bit 0: the AVX2 paths run here, bit 1: the AVX-512 path, bit 2: AVX-VNNI, bit 3: AVX-512 VNNI. No tensor arguments, so a catch-all
 // kernel defined here rather than a schema in ops.cpp with per-backend implementations.
 TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qcpu_features() -> int", &qcpu_features);

@@ -88,8 +88,8 @@ class PagedLlama:
         qk_heads = c.n_heads + c.n_kv_heads
         rot = self.rope[meta.positions].unsqueeze(1)               # [T, 1, head_dim/2]
         x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
+        h = self._norm(x, w.layers[0].attn_norm) if w.layers else x
         for i, lw in enumerate(w.layers):
-            h = F.rms_norm(x, (c.hidden_size,), lw.attn_norm.to(x.dtype), c.rms_eps)
             qkv = linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
             # [T, n_heads + n_kv_heads, head_dim/2] as complex: rotate q and k at once
             qk = torch.view_as_complex(
@@ -105,13 +105,34 @@ class PagedLlama:
             else:
                 o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
                                         meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
-            x = x + linear(o.reshape(T, c.q_size), lw.wo)
-            h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps)
+            x, h = self._add_norm(x, linear(o.reshape(T, c.q_size), lw.wo), lw.mlp_norm)
             gu = linear(h, lw.w_gate_up)                            # [T, 2 * intermediate]
-            x = x + linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
+            down = linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
+            if i + 1 < len(w.layers):                               # the residual and the next norm
+                x, h = self._add_norm(x, down, w.layers[i + 1].attn_norm)
+            else:
+                x = x + down                                        # [T, hidden]
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
-        x = F.rms_norm(x.to(self.head_dtype), (c.hidden_size,), w.norm.to(self.head_dtype), c.rms_eps)
+        x = self._norm(x.to(self.head_dtype), w.norm)
         return linear(x, self.lm_head).float()                      # [R, vocab]
+
+    def _fused_norm(self, x: torch.Tensor) -> bool:
+        """Whether the C++ RMSNorm ops take x (float32 on the CPU; torch's otherwise)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the rows of x ``[T, hidden]`` (the model's eps)."""
+        if self._fused_norm(x):
+            return ops.rms_norm(x, weight.float(), self.config.rms_eps)
+        return F.rms_norm(x, (self.config.hidden_size,), weight.to(x.dtype), self.config.rms_eps)
+
+    def _add_norm(self, x: torch.Tensor, r: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the following RMSNorm: ``(x + r, norm(x + r))``, ``[T, hidden]``."""
+        if self._fused_norm(x) and r.dtype == torch.float32:
+            return ops.add_rms_norm(x, r, weight.float(), self.config.rms_eps)
+        s = x + r
+        return s, F.rms_norm(s, (self.config.hidden_size,), weight.to(s.dtype), self.config.rms_eps)
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a whole prompt over its own K/V ([T, heads, head_dim]

@@ -23,6 +23,7 @@ Other quantized GGUF types (Q5_0, Q2_K, IQ*, ...) are dequantized to float at lo
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -36,6 +37,47 @@ GGUF_QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 QUANTIZE_CHOICES = ("int8", "int4")
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+# The qlinear path QWeight.linear asks for (ops.qlinear): -1 lets the op pick a float32-activation
+# kernel by M and the CPU (csrc/cpu/qlinear.cpp), -2 an int8-activation one. -2 is opt-in
+# (`set_int8_activations`, or SYMPHONY_INT8_ACTIVATIONS=1 in the environment): it is faster but
+# rounds every linear layer's input to int8 (logits move by a few % of their scale; perf/RESULTS.md).
+# Tests and benchmarks force a path with `force_qlinear_path`.
+_qlinear_path = -2 if os.environ.get("SYMPHONY_INT8_ACTIVATIONS", "") == "1" else -1
+
+
+def set_int8_activations(on: bool) -> None:
+    """Process-wide: quantized matrices compute on int8-rounded activations (True) or on the
+    float32 activations (False, the default unless SYMPHONY_INT8_ACTIVATIONS=1)."""
+    global _qlinear_path
+    if not isinstance(on, bool):
+        raise TypeError(f"set_int8_activations takes a bool, got {on!r}")
+    _qlinear_path = -2 if on else -1
+
+
+def int8_activations() -> bool:
+    """Whether `QWeight.linear` picks int8-activation kernels (see `set_int8_activations`)."""
+    return _qlinear_path == -2
+
+
+class force_qlinear_path:
+    """Context manager: every `QWeight.linear` inside runs qlinear path ``path`` (see
+    ``ops.qlinear``: -2 / -1 the automatic choices). Not thread-local: for tests/benchmarks."""
+
+    def __init__(self, path: int):
+        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 7:
+            raise ValueError(f"qlinear path must be an int in -2..7, got {path!r}")
+        self.path, self.saved = path, -1
+
+    def __enter__(self) -> "force_qlinear_path":
+        global _qlinear_path
+        self.saved, _qlinear_path = _qlinear_path, self.path
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _qlinear_path
+        _qlinear_path = self.saved
 
 
 class QuantError(ValueError):
@@ -95,7 +137,8 @@ class QWeight:
             x2 = x2.float()
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = ops.qlinear(x2, self.qs, self.scales, self.mins, self.kind, self.group)  # [M, N]
+        y = ops.qlinear(x2, self.qs, self.scales, self.mins, self.kind, self.group,
+                        _qlinear_path)                                       # [M, N]
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
     def dequantize(self) -> torch.Tensor:

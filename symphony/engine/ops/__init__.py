@@ -44,7 +44,7 @@ import torch
 
 from .build import _build_and_load, _build_dir, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401 (_build_dir: tests)
 from .reference import (paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
-                        write_kv_reference)
+                        quantize_act_reference, write_kv_reference)
 
 __all__ = [
     "load",
@@ -53,7 +53,10 @@ __all__ = [
     "qlinear",
     "qdequant",
     "qcpu_features",
+    "rms_norm",
+    "add_rms_norm",
     "qlinear_reference",
+    "quantize_act_reference",
     "qdequant_reference",
     "write_kv_reference",
     "paged_attention_reference",
@@ -133,8 +136,13 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
             kind: int, group: int, path: int = -1) -> torch.Tensor:
     """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
 
-    ``path`` (CPU only): -1 picks by M and the CPU's features; 0 scalar, 1 AVX2, 2 AVX-512
-    (register kernels), 3 dequantize + torch GEMM force one (an unsupported one raises).
+    ``path`` (CPU only): -1 picks a float32-activation kernel by M and the CPU's features (the
+    float32 product with the dequantized weight); -2 the best int8-activation kernel below 32
+    rows (dense tiles from 32); the others force one (one this CPU lacks raises): float32
+    register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM; int8-activation
+    kernels (x rounded to int8 per block of 16 values, integer dot products: the product of W
+    with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2 (``vpmaddubsw``),
+    6 AVX-VNNI, 7 AVX-512 VNNI.
     """
     if not _loaded:
         load()
@@ -149,12 +157,31 @@ def qdequant(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: i
     return torch.ops.symphony.qdequant(qs, scales, mins, int(kind), int(group))
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x ``[T, H]`` (float32, CPU) with weight w ``[H]``:
+    ``x * rsqrt(mean(x^2) + eps) * w``, one op instead of F.rms_norm's ~10 small ones."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.rms_norm(x, w, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm at once (float32, CPU): ``(s, rms_norm(s, w))``
+    with ``s = x + r``, both ``[T, H]``."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.add_rms_norm(x, r, w, float(eps))
+
+
 def qcpu_features() -> dict[str, bool]:
-    """Which SIMD paths of qlinear this CPU runs: ``{"avx2": ..., "avx512": ...}``."""
+    """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
+    ``avx_vnni`` (6) and ``avx512_vnni`` (7)."""
     if not _loaded:
         load()
     bits = int(torch.ops.symphony.qcpu_features())
-    return {"avx2": bool(bits & 1), "avx512": bool(bits & 2)}
+    return {"avx2": bool(bits & 1), "avx512": bool(bits & 2), "avx_vnni": bool(bits & 4),
+            "avx512_vnni": bool(bits & 8)}
 
 
 # Fake (meta) implementations, for torch.compile / FakeTensor tracing. They can only be
@@ -185,6 +212,17 @@ def _qdequant_fake(qs, scales, mins, kind, group):
     return torch.empty((qs.shape[0], k), dtype=torch.float32, device=qs.device)
 
 
+def _rms_norm_fake(x, w, eps):
+    torch._check(x.dim() == 2 and w.dim() == 1)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _add_rms_norm_fake(x, r, w, eps):
+    torch._check(x.dim() == 2 and r.shape == x.shape and w.dim() == 1)
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
 _fakes_registered = False
 
 
@@ -205,6 +243,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("symphony::paged_attention", _paged_attention_fake)
     torch.library.register_fake("symphony::qlinear", _qlinear_fake)
     torch.library.register_fake("symphony::qdequant", _qdequant_fake)
+    torch.library.register_fake("symphony::rms_norm", _rms_norm_fake)
+    torch.library.register_fake("symphony::add_rms_norm", _add_rms_norm_fake)
     _fakes_registered = True
 
 

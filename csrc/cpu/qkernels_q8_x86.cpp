@@ -1,0 +1,168 @@
+// The int8-activation kernels of qlinear (qkernels.h: paths 5 AVX2, 6 AVX-VNNI, 7 AVX-512 VNNI).
+// x arrives quantized to int8 per block of 32 (quantize_act); each weight group's product is an
+// integer dot product, scaled once by scale * d and accumulated in float32. Every set is
+// compiled for its own instruction set (target pragmas) and only called after a cpuid check, as
+// in qkernels_x86.cpp.
+#if defined(__x86_64__) || defined(_M_X64)
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "qkernels.h"
+
+namespace symphony {
+namespace qcpu {
+namespace {
+
+constexpr int64_t kPrefetchRows = 16;  // as in qkernels_x86.cpp
+
+
+// ============================================================================================
+// AVX2 (vpmaddubsw) and AVX-VNNI: one source, two instruction sets
+// ============================================================================================
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define Q8_VNNI 0
+#define Q8_NAME(x) x##_q8avx2
+#include "qkernels_q8_avx2.inc"
+#undef Q8_NAME
+#undef Q8_VNNI
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define Q8_VNNI 1
+#define Q8_NAME(x) x##_q8avxvnni
+#include "qkernels_q8_avx2.inc"
+#undef Q8_NAME
+#undef Q8_VNNI
+#pragma GCC pop_options
+
+// ============================================================================================
+// AVX-512 VNNI: a step is 64 values (four x blocks), one vpdpbusd a weight row and x row.
+//   u4: the 32 bytes of two groups unpack to [low nibbles | high nibbles]; x is stored in that
+//       order (permute64), so lanes 0-3 and 8-11 belong to the first group, 4-7 and 12-15 to
+//       the second.
+//   i8: weights are signed, so x is stored unsigned as qx + 128 (bias128) and each dot product
+//       starts from -128 * sum(w) of its lane (one more vpdpbusd a weight row, not a product).
+// ============================================================================================
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
+
+template <int NB, int MB, bool TAIL, int KIND>  // KIND 0: u4, 1: i8 groups of 32, 2: i8 groups of 16
+inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_t st,
+                     __m512 (&acc)[NB][MB]) {
+  const __m512i zero = _mm512_setzero_si512();
+  // which weight group of the step lane i belongs to (u4: lanes 0-3 and 8-11 the first group),
+  // and which x block of 16: in value order for i8, blocks 0, 2, 1, 3 for u4 (permute64)
+  const __m512i idx_u4 = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i idx_g32 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i idx_g16 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i idx_xu4 = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i idx_x = KIND == 0 ? idx_xu4 : idx_g16;
+  const int64_t G = w.n_groups, nb = a.ldq / 16;
+  __m512i wv[NB], nwc[NB];
+  __m512 ws[NB];
+  for (int b = 0; b < NB; ++b) {
+    const float* sc = w.scales + (n + b) * G;
+    if constexpr (KIND == 0) {
+      const uint8_t* p = w.qs + (n + b) * w.row_bytes + st * 32;
+      if ((st & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
+      const __m256i v = TAIL ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      wv[b] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
+                                 _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
+      ws[b] = _mm512_permutexvar_ps(idx_u4, _mm512_maskz_loadu_ps(TAIL ? 1 : 3, sc + 2 * st));
+    } else {
+      const uint8_t* p = w.qs + (n + b) * w.row_bytes + st * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
+      wv[b] = TAIL ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p) : _mm512_loadu_si512(p);
+      nwc[b] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(char(0x80)), wv[b]));
+      if constexpr (KIND == 1)
+        ws[b] = _mm512_permutexvar_ps(idx_g32, _mm512_maskz_loadu_ps(TAIL ? 1 : 3, sc + 2 * st));
+      else
+        ws[b] = _mm512_permutexvar_ps(idx_g16, _mm512_maskz_loadu_ps(TAIL ? 3 : 15, sc + 4 * st));
+    }
+  }
+  for (int j = 0; j < MB; ++j) {
+    const __m512i xq = _mm512_loadu_si512(a.q + (m + j) * a.ldq + st * 64);
+    const __m512 xd = _mm512_permutexvar_ps(idx_x, _mm512_castps128_ps512(_mm_loadu_ps(a.d + (m + j) * nb + 4 * st)));
+    for (int b = 0; b < NB; ++b) {
+      const __m512i isum = KIND == 0 ? _mm512_dpbusd_epi32(zero, wv[b], xq)
+                                     : _mm512_dpbusd_epi32(nwc[b], xq, wv[b]);
+      acc[b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[b], xd), acc[b][j]);
+    }
+  }
+}
+
+template <int NB, int MB, int KIND>
+inline void tile_kind_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n,
+                          int64_t m) {
+  __m512 acc[NB][MB];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < MB; ++j) acc[b][j] = _mm512_setzero_ps();
+  const int64_t full = w.K / 64;
+  for (int64_t st = 0; st < full; ++st) step_512<NB, MB, false, KIND>(w, a, n, m, st, acc);
+  if (w.K % 64) step_512<NB, MB, true, KIND>(w, a, n, m, full, acc);
+  const int64_t G = w.n_groups;
+  if (w.mins)  // + sum_g mins[n, g] * s[m, g], into the same accumulators
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+      __m512 mv[NB];
+      for (int b = 0; b < NB; ++b) mv[b] = _mm512_maskz_loadu_ps(k, w.mins + (n + b) * G + g);
+      for (int j = 0; j < MB; ++j) {
+        const __m512 sv = _mm512_maskz_loadu_ps(k, a.s + (m + j) * G + g);
+        for (int b = 0; b < NB; ++b) acc[b][j] = _mm512_fmadd_ps(mv[b], sv, acc[b][j]);
+      }
+    }
+  for (int j = 0; j < MB; ++j)
+    for (int b = 0; b < NB; ++b) out[(m + j) * ldo + n + b] = _mm512_reduce_add_ps(acc[b][j]);
+}
+
+template <int NB, int MB>
+inline void tile_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n, int64_t m) {
+  if (w.kind == kQU4)
+    tile_kind_512<NB, MB, 0>(w, a, out, ldo, n, m);
+  else if (w.group == 32)
+    tile_kind_512<NB, MB, 1>(w, a, out, ldo, n, m);
+  else
+    tile_kind_512<NB, MB, 2>(w, a, out, ldo, n, m);
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+__attribute__((target("avx2,fma"))) void rows_q8_avx2(const QView& w, const QAct& a, int64_t M,
+                                                      float* out, int64_t ldo, int64_t n0,
+                                                      int64_t n1) {
+  rows_q8avx2(w, a, M, out, ldo, n0, n1);
+}
+
+__attribute__((target("avx2,fma,avxvnni"))) void rows_q8_avxvnni(const QView& w, const QAct& a,
+                                                                 int64_t M, float* out,
+                                                                 int64_t ldo, int64_t n0,
+                                                                 int64_t n1) {
+  rows_q8avxvnni(w, a, M, out, ldo, n0, n1);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))) void
+rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                   int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile_512<4, 4>(w, a, out, ldo, n, m);
+    for (; m + 2 <= M; m += 2) tile_512<4, 2>(w, a, out, ldo, n, m);
+    for (; m < M; ++m) tile_512<4, 1>(w, a, out, ldo, n, m);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) tile_512<1, 1>(w, a, out, ldo, n, m);
+}
+
+}  // namespace qcpu
+}  // namespace symphony
+
+#endif  // x86-64
