@@ -143,8 +143,6 @@ def test_the_rules_see_what_they_check():
     assert sys.version_info >= (3, 9)                       # Path.is_relative_to
 
 
-@pytest.mark.xfail(strict=False, reason="issue 12: the splits of syscalls/shm/daemon/sandbox land from the "
-                                        "other helpers' branches; the integrator removes this mark after the merge")
 def test_no_file_under_symphony_is_over_500_lines():
     long = {str(f.relative_to(REPO)): n for f in _files()
             if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES}

@@ -28,6 +28,8 @@ from pathlib import Path
 import orjson
 import torch
 
+from symphony.engine.page_allocator import pages_for
+
 from .errors import CorruptFile, InvalidArgument
 from .namespace import ROOT_USER, Block, Directory, Inode, split_path
 
@@ -142,7 +144,7 @@ def load_durable(fs, file: Path) -> Inode:
     parts = split_path(path)
     S = fs.page_size
     n = header["length"]
-    n_pages = -(-n // S)
+    n_pages = pages_for(n, S)
     fs.pager.make_room(n_pages, fs._victims(set()))
     pages = fs.engine.kv.allocator.allocate(n_pages)
     pool = fs.engine.kv.pool

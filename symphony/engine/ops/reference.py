@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..page_allocator import pages_for
+
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Reference write_kv: scatter rows into the flattened [num_pages * page_size] slot axis."""
@@ -70,7 +72,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q_len = q1 - q0
         if q_len == 0:
             continue
-        n_pages = -(-kv_len // page_size)
+        n_pages = pages_for(kv_len, page_size)
         pages = page_table[b, :n_pages].long()
         # [kv_len, n_kv_heads, head_dim] -> one K/V head per query head
         k = k_cache[pages].reshape(-1, n_kv_heads, head_dim)[:kv_len].to(acc)
