@@ -20,7 +20,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "symphony"
