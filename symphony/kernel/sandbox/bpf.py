@@ -27,11 +27,6 @@ __all__ = ["build_filter", "SYSCALLS", "ALLOW", "RULES"]
 # --------------------------------------------------------------------------------------
 # Constants (linux/seccomp.h, linux/filter.h, linux/audit.h, linux/sched.h, ...)
 
-SECCOMP_MODE_FILTER = 2
-SECCOMP_SET_MODE_FILTER = 1
-SECCOMP_GET_ACTION_AVAIL = 2
-SECCOMP_FILTER_FLAG_TSYNC = 1
-
 SECCOMP_RET_KILL_PROCESS = 0x80000000
 SECCOMP_RET_KILL_THREAD = 0x00000000
 SECCOMP_RET_ERRNO = 0x00050000
