@@ -284,8 +284,8 @@ def test_kernel_crash_and_restart(tmp_path, tiny_gguf):
 # ---------------------------------------------------------------- stale build lock (regression 2)
 def _build_copy(tmp_path) -> Path:
     """A private copy of this checkout's ops build directory, loaded once."""
-    from symphony.engine import ops
-    src = ops._build_dir(False)
+    from symphony.engine.ops import build
+    src = build._build_dir(False)
     dst = tmp_path / "ops"
     if src.is_dir():
         shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("lock", "build.flock"))

@@ -42,7 +42,7 @@ import threading
 
 import torch
 
-from .build import _build_and_load, _build_dir, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401 (_build_dir: tests)
+from .build import _build_and_load, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401
 from .reference import (paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
                         quantize_act_reference, write_kv_reference)
 
