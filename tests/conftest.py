@@ -48,10 +48,13 @@ def smollm_reference(smollm):
 
 
 # ---------------------------------------------------------------- a real kernel
+import contextlib
+import http.server
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -62,6 +65,38 @@ IS_ROOT = os.geteuid() == 0
 requires_root = pytest.mark.skipif(
     not IS_ROOT, reason="needs root: the kernel must run as root to give each LIP its own uid and "
                         "to let tests connect as other Unix users")
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """Base of the tests' local HTTP handlers: no access log; `redirect` and `reply`."""
+
+    def redirect(self, location: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.end_headers()
+
+    def reply(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@contextlib.contextmanager
+def http_servers(handler, n: int = 2):
+    """``n`` local threading HTTP servers running ``handler``; yields their ports."""
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) for _ in range(n)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        yield [s.server_address[1] for s in servers]
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
 
 # Two ordinary Unix users for multi-user tests (no passwd entries needed: the kernel
 # names a uid without one "uid<N>").

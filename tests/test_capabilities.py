@@ -1,14 +1,13 @@
 """Capabilities under policy, without a kernel: the policy and grant checks, file
 reads as the submitting user, the http hop checks, and the pool's per-LIP share
 and deadlines."""
-import http.server
 import os
 import threading
 import time
 
 import pytest
 
-from conftest import ALICE_UID, BOB_UID, requires_root
+from conftest import ALICE_UID, BOB_UID, QuietHandler, http_servers, requires_root
 from symphony.kernel.capabilities import CapError, CapPolicy, CapPool, Identity, files, http as caphttp
 from symphony.kernel.capabilities.http import _names_internal
 from symphony.kernel.capabilities.policy import parse_host
@@ -320,34 +319,17 @@ class _Ctx:
 def server():
     """A local server: /ok, /slow (3 s), /big (2 MiB), /to/<port> (302 to that port),
     /loop (redirects to itself)."""
-    class H(http.server.BaseHTTPRequestHandler):
+    class H(QuietHandler):
         def do_GET(self):
             if self.path.startswith("/to/"):
-                self.send_response(302)
-                self.send_header("Location", f"http://127.0.0.1:{self.path[4:]}/ok")
-                self.end_headers()
-                return
+                return self.redirect(f"http://127.0.0.1:{self.path[4:]}/ok")
             if self.path == "/loop":
-                self.send_response(302)
-                self.send_header("Location", "/loop")
-                self.end_headers()
-                return
+                return self.redirect("/loop")
             if self.path == "/slow":
                 time.sleep(3)
-            body = b"x" * (2 * MB) if self.path == "/big" else f"hi from {self.server.server_port}".encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), H) for _ in range(2)]
-    for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    yield [s.server_address[1] for s in servers]
-    for s in servers:
-        s.shutdown()
+            self.reply(b"x" * (2 * MB) if self.path == "/big" else f"hi from {self.server.server_port}".encode())
+    with http_servers(H) as ports:
+        yield ports
 
 
 def get(grants, url, seconds=5.0):

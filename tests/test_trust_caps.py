@@ -3,7 +3,6 @@ read what that user may not, to reach special or kernel files, to escape a grant
 to follow a redirect to an ungranted host, and to block or hog the capability
 pool; a well-behaved neighbour of another user (alice) keeps getting its reads
 answered, quickly; the kernel keeps running and nothing is left behind."""
-import http.server
 import os
 import shutil
 import tempfile
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ALICE_UID, BOB_UID, REPO, requires_root
+from conftest import ALICE_UID, BOB_UID, REPO, QuietHandler, http_servers, requires_root
 from symphony.client import KernelError
 
 pytestmark = requires_root
@@ -194,30 +193,16 @@ def servers():
     other one, /slow answers after 4 s."""
     hits = {}
 
-    class H(http.server.BaseHTTPRequestHandler):
+    class H(QuietHandler):
         def do_GET(self):
             hits.setdefault(self.server.server_port, []).append(self.path)
             if self.path.startswith("/to/"):
-                self.send_response(302)
-                self.send_header("Location", f"http://127.0.0.1:{self.path[4:]}/private")
-                self.end_headers()
-                return
+                return self.redirect(f"http://127.0.0.1:{self.path[4:]}/private")
             if self.path == "/slow":
                 time.sleep(4)
-            body = f"served {self.path}".encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-    ss = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), H) for _ in range(2)]
-    for s in ss:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    yield [s.server_address[1] for s in ss], hits
-    for s in ss:
-        s.shutdown()
+            self.reply(f"served {self.path}".encode())
+    with http_servers(H) as ports:
+        yield ports, hits
 
 
 def test_http_redirect_to_an_ungranted_host_refused(kernel, area, servers):
