@@ -1,6 +1,7 @@
 """The shared-memory system-call ring (symphony/ipc/: layout, wait, kernel_side, lip_side)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import secrets
@@ -570,16 +571,25 @@ def test_waitset_spin_and_block():
         db.close()
 
 
-def _two_rings(db, prefix):
-    return [KernelSide.create(f"{prefix}{i}", n_slots=2, slot_bytes=1024, arena_bytes=0, waitset=db)
-            for i in range(2)]
+@contextlib.contextmanager
+def _two_rings(prefix):
+    """A WaitSet (no spin) and two rings on it; all closed and unlinked after, none left in /dev/shm."""
+    db = WaitSet(spin_us=0)
+    rings = [KernelSide.create(f"{prefix}{i}", n_slots=2, slot_bytes=1024, arena_bytes=0, waitset=db)
+             for i in range(2)]
+    try:
+        yield db, rings
+    finally:
+        for k in rings:
+            k.close()
+            k.unlink()
+        db.close()
+    assert _dev_shm(prefix) == []
 
 
 def test_each_lip_has_its_own_bell_and_cannot_block_the_kernel():
     prefix = _prefix()
-    db = WaitSet(spin_us=0)
-    rings = _two_rings(db, prefix)
-    try:
+    with _two_rings(prefix) as (db, rings):
         evil_fd, good_fd = os.dup(rings[0].bell_fd), os.dup(rings[1].bell_fd)
         # the hostile LIP saturates its bell, makes it blocking and reads it itself
         os.eventfd_write(evil_fd, (1 << 64) - 2)
@@ -597,19 +607,11 @@ def test_each_lip_has_its_own_bell_and_cannot_block_the_kernel():
             assert time.monotonic() - t0 < 2.0
         good.close()
         os.close(evil_fd)
-    finally:
-        for k in rings:
-            k.close()
-            k.unlink()
-        db.close()
-    assert _dev_shm(prefix) == []
 
 
 def test_a_bell_rung_without_requests_is_muted():
     prefix = _prefix()
-    db = WaitSet(spin_us=0)
-    rings = _two_rings(db, prefix)
-    try:
+    with _two_rings(prefix) as (db, rings):
         evil = os.dup(rings[0].bell_fd)
         db.MUTE_S = db.MUTE_MAX_S = 5.0            # long mutes: the checks below are exact
         wakes = 0
@@ -633,9 +635,3 @@ def test_a_bell_rung_without_requests_is_muted():
         rings[0]._mm[shm.STATES_OFF:shm.STATES_OFF + 4] = struct.pack("<I", REQUEST)
         assert db.wait(1.0, rings[0].pending) is True
         os.close(evil)
-    finally:
-        for k in rings:
-            k.close()
-            k.unlink()
-        db.close()
-    assert _dev_shm(prefix) == []
