@@ -170,6 +170,44 @@ def _check(snap) -> None:
     assert len(snap.finished) <= FINISHED_KEPT
 
 
+def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
+    """`stats` asks the syscall thread to publish first; while the thread does not
+    answer (a stall), every caller gives up after its wait and they all share
+    ONE queued request; once it is answered, the next `stats` makes a new one."""
+    import asyncio
+    from concurrent.futures import Future
+    from symphony.kernel.sessions import ClientSessions
+
+    class FakeSys:
+        def __init__(self):
+            self.requests = []
+
+        def call_future(self, fn):
+            f = Future()
+            self.requests.append((f, fn))
+            return f
+
+    class Sessions(ClientSessions):
+        pass
+
+    s = Sessions()
+    s.sys = FakeSys()
+
+    async def flood():
+        t0 = time.monotonic()
+        await asyncio.gather(*[s._fresh_serving_snapshot(0.05) for _ in range(200)])
+        dt = time.monotonic() - t0
+        assert len(s.sys.requests) == 1 and dt < 1.0, (len(s.sys.requests), dt)   # stalled: one request
+        await s._fresh_serving_snapshot(0.05)
+        assert len(s.sys.requests) == 1                                            # still pending: shared
+        f, fn = s.sys.requests[0]
+        f.set_result(fn())                                                         # the thread answers
+        await asyncio.sleep(0)
+        await asyncio.gather(*[s._fresh_serving_snapshot(0.05) for _ in range(3)])
+        assert len(s.sys.requests) == 2                                            # a fresh one, shared by 3
+    asyncio.run(flood())
+
+
 def test_readers_in_other_threads_never_see_a_torn_table():
     t, stop, seen, errors = ProcessTable(), threading.Event(), [0], []
 

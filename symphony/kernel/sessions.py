@@ -144,9 +144,13 @@ class ClientSessions:
         """Have the syscall thread publish what it serves now (an awaited command
         publishes), so that `stats` reflects every call whose reply or output the
         client already saw.  A stalled thread is not waited for beyond ``wait_s``:
-        the last published snapshot is served then."""
+        the last published snapshot is served then.  Concurrent callers share one
+        request, so a flood of `stats` during a stall queues one command, not many."""
+        pending = getattr(self, "_publish_request", None)
+        if pending is None or pending.done():
+            pending = self._publish_request = asyncio.wrap_future(self.sys.call_future(lambda: None))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self.sys.call_future(lambda: None)), wait_s)
+            await asyncio.wait_for(asyncio.shield(pending), wait_s)   # a timeout leaves it for the others
         except (asyncio.TimeoutError, RuntimeError):
             pass
 
