@@ -74,7 +74,13 @@ class ServingSnapshot:
     engine_max_batch: int = 0
     kv_pages_used: int = 0      # device KV pages
     kv_pages_total: int = 0
-    kv_pages_free: int = 0      # device pages free + host/disk slots free (admission)
+    kv_pages_free: int = 0      # device pages free + host/disk slots free
+    kv_device_free: int = 0     # device KV pages free now
+    kv_reclaimable: int = 0     # device pages freeable without suspending a running LIP
+                                # (unopened cache/idle files, blocked LIPs' files)
+    lip_pages: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> KV pages charged (all tiers)
+    suspended: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> pages it needs back to resume
+    overload: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))    # preemptions, resumes, drops, swap bytes, ...
 
     def counters(self, lip_id: int) -> LipCounters:
         c = self.lips.get(lip_id)

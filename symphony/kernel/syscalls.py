@@ -291,7 +291,8 @@ class SyscallServer(PredCalls, IOCalls):
             batches=self.batches, batch_calls=self.batch_calls, max_batch=self.max_batch,
             forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
-            kv_pages_free=alloc.num_free + self.fs.pager.free_slots())
+            kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
+            lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}))
         self._dirty = False
 
     # ------------------------------------------------------------------ dispatch
