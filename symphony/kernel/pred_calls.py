@@ -80,16 +80,21 @@ class PredCalls:
         lip.last_active = time.monotonic()
         return None
 
-    def _run_step(self) -> None:
-        """Run the scheduler's next step as one forward pass; reply to the calls
-        it completes.  A call that fails is answered with its error (KVFS undid
-        its earlier chunks); the others in the step are unaffected."""
+    def _run_step(self) -> bool:
+        """Find the queued calls device pages (residency.py), run the
+        scheduler's next step of them as one forward pass and reply to the
+        calls it completes; False if no call could be scheduled (all wait for
+        pages).  A call that fails is answered with its error (KVFS undid its
+        earlier chunks); the others in the step are unaffected."""
+        self._plan_memory()
         step = self.sched.schedule(time.monotonic())
         if step is None:
-            return
+            self._memory_stalled()
+            return False
+        self._memory_moved()
         items = [(c, start, n) for c, start, n in step.items if c.payload.lip.state == "running"]
         if not items:
-            return
+            return True
         calls = []
         for c, start, n in items:
             p: _Pending = c.payload
@@ -127,6 +132,7 @@ class PredCalls:
                 reply()
             except Exception as e:
                 self._fail_call(p, e)
+        return True
 
     def _fail_call(self, p: _Pending, e: BaseException) -> None:
         """Answer one call with its error; if even that fails (a reply that

@@ -57,6 +57,9 @@ class LipProc:
     replies: ReplyStore = field(default_factory=ReplyStore)   # chunked replies awaiting FETCH
     out_bytes: int = 0              # output emitted to the client, not yet taken (back-pressure)
     parked_out: deque = field(default_factory=deque)          # (slot, call_id) of sends waiting for room
+    admitted: int = 0               # order in which the syscall thread took it over (memory importance)
+    suspended: bool = False         # swapped out whole for a more important LIP; its calls are held
+    suspensions: int = 0
 
     @property
     def principal(self) -> Principal:
@@ -81,3 +84,10 @@ class ServedLips(dict):
                          l.blocked_since, l.last_active, 1) for l in self.values()]
         blocked = {v.id for v in views if v.blocked}
         return [i for i in swap_out_order(views) if i in blocked]
+
+    def running_ids(self) -> set[int]:
+        """Ids of the LIPs whose KV files KVFS must never evict page by page
+        (``KVFS(..., pinned=...)``): served, neither blocked nor suspended.
+        Their pages leave the device only with the whole LIP (kernel/residency.py)."""
+        return {l.id for l in self.values() if l.state in ("running", "killing") and not l.suspended
+                and l.parked_recv is None and l.caps_in_flight == 0}

@@ -5,7 +5,9 @@ Loop (never blocks on a LIP):
     2. poll every LIP's slots for requests; validate and dispatch each:
        KVFS and message calls are answered at once, pred calls are queued,
        capability calls go to a thread pool, recv waits for input
-    3. if pred calls are queued, run them as one batch (one forward pass)
+    3. if pred calls are queued, find them device pages (residency.py: the
+       LIPs that must wait or are suspended are held) and run the others as
+       one batch (one forward pass)
     4. publish what it serves (`snapshot`: counters, KV pages) for the event
        loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
        after every command the event loop awaits (`call_future`: a reclaim,
@@ -46,6 +48,7 @@ from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, IOCalls, handler_tab
 from .pred_calls import PredCalls, _pin
 from .proc import LipProc, ServedLips
 from .replies import truncate_message
+from .residency import KV_WAIT_S, Residency
 from .snapshot import LipCounters, ServingSnapshot
 
 log = logging.getLogger("symphony.syscalls")
@@ -61,7 +64,7 @@ class InjectedFault(Exception):
     """Raised in the syscall loop by the --test-hooks ``syscall_crash`` hook."""
 
 
-class SyscallServer(PredCalls, IOCalls):
+class SyscallServer(PredCalls, IOCalls, Residency):
     """The syscall thread (`thread`) and the state it owns: the engine, KVFS,
     the scheduler and the LIPs it serves (`lips`).  Other threads reach it
     only through `submit` / `call_future` / `call` and read `snapshot`."""
@@ -70,11 +73,15 @@ class SyscallServer(PredCalls, IOCalls):
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT,
-                 on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None):
+                 on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None,
+                 kv_wait_s: float = KV_WAIT_S):
         """``emit``/``kill``/``on_fatal``: how this thread tells the event loop
         of a LIP's output, a LIP to kill, and that it cannot go on (each safe
-        from any thread).  ``lips``: the LIP set whose `swap_out_first` KVFS
-        was built with (``KVFS(..., evict_first=lips.swap_out_first)``)."""
+        from any thread).  ``lips``: the LIP set whose `swap_out_first` and
+        `running_ids` KVFS was built with (``KVFS(..., evict_first=
+        lips.swap_out_first, pinned=lips.running_ids)``).  ``kv_wait_s``: how
+        long calls may all wait for device pages that cannot move before the
+        most important one fails with NoSpace (residency.py)."""
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.max_queued_output = max_queued_output
@@ -96,6 +103,8 @@ class SyscallServer(PredCalls, IOCalls):
         self.batch_calls = 0
         self.max_batch = 0
         self._dirty = False
+        self._admitted = 0
+        self._init_residency(kv_wait_s)
         self._publish()                   # the first snapshot, before the thread starts
         self.thread = threading.Thread(target=self.run, name="symphony-syscalls", daemon=True)
 
@@ -181,9 +190,10 @@ class SyscallServer(PredCalls, IOCalls):
             if len(self.sched):
                 if self.sched.should_wait(time.perf_counter()):
                     continue                   # the last step's callers are coming back: poll again
-                self._run_step()
-                self._dirty = True
-                continue
+                if self._run_step():
+                    self._dirty = True
+                    continue
+                # every queued call waits for device pages: idle until something changes
             if not work:
                 wait = 0.05                    # short: muted LIP bells are polled
                 if self._dirty:                # wake in time to publish what was done
@@ -238,6 +248,8 @@ class SyscallServer(PredCalls, IOCalls):
     def add(self, lip: LipProc) -> None:
         """Take over ``lip`` (built on the event loop) and start serving it."""
         lip.state = "running"
+        lip.admitted = self._admitted
+        self._admitted += 1
         self.lips[lip.id] = lip
         if self.engine.device.type == "cuda":
             _pin(lip.ring, True)

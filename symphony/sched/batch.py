@@ -13,7 +13,9 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
       user and then the LIP that has been served the fewest tokens (fair
       share between users first, then between one user's LIPs), then arrival.
     A call appears at most once per step; calls on the same KV file wait for
-    the earlier one (their order matters).
+    the earlier one (their order matters).  Calls of a `held` LIP (suspended,
+    or waiting for device pages: sched/memory.py decides) stay queued and are
+    not scheduled until it is released.
 
 Launch-or-gather: the caller runs a step at once when the device is idle and
 the queue already holds as many calls as the previous step had, otherwise it
@@ -73,6 +75,7 @@ class BatchScheduler:
         self.served_lip: dict[int, int] = defaultdict(int)
         self.last_step_keys: dict = {}                    # callers of the last step: key -> lip
         self._gather_deadline: Optional[float] = None
+        self.held: set[int] = set()                       # LIPs whose calls wait (memory)
 
     # ------------------------------------------------------------------ queue
     def add(self, call: Call) -> None:
@@ -85,11 +88,30 @@ class BatchScheduler:
         gone = [c for c in self.queue if c.lip == lip]
         self.queue = [c for c in self.queue if c.lip != lip]
         self.served_lip.pop(lip, None)
+        self.held.discard(lip)
         self.last_step_keys = {k: l for k, l in self.last_step_keys.items() if l != lip}
         return gone
 
     def __len__(self) -> int:
         return len(self.queue)
+
+    def runnable(self) -> int:
+        """Queued calls that are not held."""
+        return sum(1 for c in self.queue if c.lip not in self.held)
+
+    def next_chunks(self) -> dict:
+        """For each LIP with runnable-or-held calls: [(call, tokens of its next
+        chunk)], the first call of each KV file only (the others wait for it):
+        what the memory planner must find pages for before a step."""
+        out: dict = {}
+        seen = set()
+        for c in self.queue:
+            if c.key in seen:
+                continue
+            seen.add(c.key)
+            n = c.remaining if c.remaining == 1 else min(c.remaining, self.chunk_tokens, self.token_budget)
+            out.setdefault(c.lip, []).append((c, n))
+        return out
 
     # ------------------------------------------------------------------ decisions
     def should_wait(self, now: float) -> bool:
@@ -103,7 +125,8 @@ class BatchScheduler:
             self._gather_deadline = None
             return False
         queued = {c.key for c in self.queue}
-        if self.last_step_keys.keys() <= queued:
+        back = {k for k, lip in self.last_step_keys.items() if lip not in self.held}
+        if back <= queued:
             self._gather_deadline = None
             return False
         if self._gather_deadline is None:
@@ -111,15 +134,17 @@ class BatchScheduler:
         return now < self._gather_deadline
 
     def schedule(self, now: float = 0.0) -> Optional[Step]:
-        """The next step, or None if nothing is queued.  Calls fully fed by the
-        step leave the queue; partly fed ones stay with ``done`` advanced."""
+        """The next step, or None if no call is ready (none queued, or every
+        queued one held).  Calls fully fed by the step leave the queue;
+        partly fed ones stay with ``done`` advanced."""
         if not self.queue:
             return None
         budget, items, busy = self.token_budget, [], set()
         user_acc = dict(self.served_user)                 # provisional, as the step fills
         lip_acc = dict(self.served_lip)
-        decodes = [c for c in self.queue if c.remaining == 1]
-        prefills = [c for c in self.queue if c.remaining > 1]
+        ready = [c for c in self.queue if c.lip not in self.held]
+        decodes = [c for c in ready if c.remaining == 1]
+        prefills = [c for c in ready if c.remaining > 1]
         for group, chunked in ((decodes, False), (prefills, True)):
             for c in self._fair_order(group, user_acc, lip_acc, chunked, busy):
                 if budget <= 0:
@@ -130,6 +155,8 @@ class BatchScheduler:
                 budget -= n
                 user_acc[c.user] = user_acc.get(c.user, 0) + n
                 lip_acc[c.lip] = lip_acc.get(c.lip, 0) + n
+        if not items:
+            return None
         for c, _, n in items:
             c.done += n
             self.served_user[c.user] += n

@@ -1,0 +1,153 @@
+"""Device KV memory on the syscall thread: before each step, whose calls may
+run, who is suspended and who resumes (the policy: sched/memory.py).
+
+`Residency` is a part of `SyscallServer` (mixed in; the syscall thread owns
+everything it touches).  Each step (`_plan_memory`):
+
+  1. the scheduler says each LIP's next chunks (`BatchScheduler.next_chunks`)
+     and KVFS how many device pages each needs (`KVFS.device_need`);
+  2. if they all fit in the free pages and nobody is suspended, nothing else
+     happens (the common case costs one pass over the queued calls);
+  3. otherwise `MemoryPlanner.plan` visits the LIPs most important first,
+     reclaiming pages no running LIP holds (`KVFS.reclaim`: cache files, idle
+     files, blocked LIPs' files), suspending less important LIPs whole
+     (`KVFS.suspend`) and resuming suspended ones (`KVFS.swap_in_pid`);
+  4. the LIPs that must wait, and the suspended ones, are `held` in the
+     scheduler: their calls stay queued, not failed.
+
+Everything waiting and nothing running for ``kv_wait_s`` seconds (the device
+is full of pages that cannot move: host and disk tiers full, LIPs blocked
+holding them) is the one case a waiting call fails with NoSpace, its message
+saying what holds the pages.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from symphony.kvfs import KVFSError, KVPred, NoSpace
+from symphony.sched.memory import LipMem, MemoryPlanner
+
+log = logging.getLogger("symphony.syscalls")
+
+KV_WAIT_S = 30.0
+
+
+def _blocked(lip) -> bool:
+    return lip.parked_recv is not None or lip.caps_in_flight > 0
+
+
+class Residency:
+    """Suspension and resumption of whole LIPs by device memory (mixed into SyscallServer)."""
+
+    def _init_residency(self, kv_wait_s: float = KV_WAIT_S) -> None:
+        self.kv_wait_s = kv_wait_s
+        self.planner = MemoryPlanner(free=lambda: self.engine.kv.allocator.num_free,
+                                     reclaim=self._reclaim_pages, suspend=self._suspend_lip,
+                                     resume=self._resume_lip)
+        self.overload: Counter = Counter()      # suspensions, resumes, memory_waits, kv_wait_failures
+        self._stalled_since = None
+
+    # ------------------------------------------------------------------ the plan
+    def _plan_memory(self) -> None:
+        """Decide which LIPs' calls this step may schedule (`sched.held`)."""
+        chunks = self.sched.next_chunks()
+        needs, any_suspended = {}, False
+        for lip in self.lips.values():
+            if lip.state != "running":
+                continue
+            any_suspended |= lip.suspended
+            if lip.id in chunks:
+                needs[lip.id] = sum(self._need(c, n, lip.suspended) for c, n in chunks[lip.id])
+        if not any_suspended and sum(needs.values()) <= self.engine.kv.allocator.num_free:
+            self.sched.held = set()                        # all fit: the common case
+            return
+        mem = []
+        for lip in self.lips.values():
+            if lip.state != "running":
+                continue
+            queued = lip.id in chunks
+            mem.append(LipMem(lip.id, lip.priority, lip.admitted,
+                              0 if lip.suspended else self.fs.pid_device_pages(lip.id), needs.get(lip.id, 0),
+                              lip.suspended, self.fs.resume_need(lip.id) if lip.suspended else 0,
+                              blocked=_blocked(lip) and not queued))
+        headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
+        plan = self.planner.plan(mem, headroom, self.engine.kv.allocator.capacity)
+        if plan.wait:
+            self.overload["memory_waits"] += len(plan.wait)
+        self.sched.held = {l.id for l in self.lips.values() if l.suspended} | set(plan.wait)
+
+    def _need(self, call, n: int, suspended: bool = False) -> int:
+        """Device pages a call's next ``n`` tokens need; for a suspended LIP,
+        only the new pages (its files count in `KVFS.resume_need`)."""
+        if suspended:
+            return -(-n // self.fs.page_size) + 1
+        p = call.payload
+        s = call.done
+        kp = KVPred(p.lip.principal, p.kv, p.tokens[s:s + n],
+                    None if p.positions is None else p.positions[s:s + n], fed=s)
+        try:
+            return self.fs.device_need(kp)
+        except KVFSError:
+            return 0                                       # the step answers it with its error
+
+    # ------------------------------------------------------------------ the planner's moves
+    def _reclaim_pages(self, n: int) -> int:
+        return self.fs.reclaim(n, set())
+
+    def _suspend_lip(self, lip_id: int):
+        """Swap LIP ``lip_id`` out whole; the device pages freed, None if the
+        host and disk tiers cannot take them."""
+        lip = self.lips[lip_id]
+        keep = self.fs.pid_blocks(self.lips.running_ids() - {lip_id})   # pages shared with running LIPs stay
+        try:
+            freed = self.fs.suspend(lip_id, keep)
+        except NoSpace as e:
+            log.debug("LIP %d cannot be suspended: %s", lip_id, e)
+            return None
+        lip.suspended = True
+        lip.suspensions += 1
+        self.overload["suspensions"] += 1
+        log.info("LIP %d suspended: %d device KV pages swapped out for a more important LIP", lip_id, freed)
+        return freed
+
+    def _resume_lip(self, lip_id: int) -> None:
+        lip = self.lips[lip_id]
+        self.fs.swap_in_pid(lip_id)
+        lip.suspended = False
+        self.overload["resumes"] += 1
+        log.info("LIP %d resumed after %d suspension(s)", lip_id, lip.suspensions)
+
+    # ------------------------------------------------------------------ stalls
+    def _memory_stalled(self) -> None:
+        """No call could be scheduled: everything queued waits for pages.  Past
+        ``kv_wait_s`` of that, the most important waiting LIP's calls fail
+        with NoSpace (the pages cannot move: say what holds them)."""
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            return
+        if now - self._stalled_since < self.kv_wait_s:
+            return
+        self._stalled_since = None
+        queued = {c.lip for c in self.sched.queue}
+        waiting = [self.lips[i] for i in self.sched.held if i in self.lips and i in queued]
+        if not waiting:
+            return
+        lip = min(waiting, key=lambda l: (-l.priority, l.admitted, l.id))
+        alloc = self.engine.kv.allocator
+        holders = sorted(((self.fs.pid_device_pages(l.id), l.id) for l in self.lips.values()
+                          if l.id != lip.id), reverse=True)[:3]
+        held_by = ", ".join(f"LIP {i}: {n}" for n, i in holders if n) or "KV files no LIP has open"
+        err = NoSpace(f"no device KV pages for {self.kv_wait_s:.0f} s: {alloc.num_free} of {alloc.capacity} "
+                      f"free, the rest cannot move (host/disk tiers full: {self.fs.pager.free_slots()} "
+                      f"slots free; held by {held_by})")
+        for c in [c for c in self.sched.queue if c.lip == lip.id]:
+            self.sched.queue.remove(c)
+            self._fail_call(c.payload, err)
+        self.overload["kv_wait_failures"] += 1
+        log.warning("LIP %d: its pred calls failed: %s", lip.id, err)
+
+    def _memory_moved(self) -> None:
+        self._stalled_since = None

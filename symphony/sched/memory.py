@@ -1,0 +1,140 @@
+"""Level 1, device memory: which LIPs may hold device KV pages this step.
+
+The batch scheduler (level 2, batch.py) forms a step out of token budgets;
+this module decides, before each step, whose calls may run given the device
+pages, and whom to suspend when there are not enough.  Pure Python: the
+kernel hands it `LipMem` views and acts on its `Plan`.
+
+The order of importance is total and stable: higher priority class first,
+then the LIP admitted first (`rank`).  Every decision follows it:
+
+  * Each step, LIPs with queued calls are visited most important first; each
+    is promised the device pages its next chunk needs (its file swapped back
+    in, new pages, a copy-on-write copy).  When the free pages run short the
+    kernel first reclaims pages that belong to no running LIP (cache files,
+    idle files, blocked LIPs' files), then suspends running LIPs *less
+    important* than the one asking, least important first: a suspended LIP's
+    pages go to host memory or disk whole, and its calls are held.
+  * A call that cannot get its pages even so waits (it is not failed); the
+    LIPs after it in the order may still run with what is left.  Since a LIP
+    only ever suspends less important ones, there is no cycle: the most
+    important LIP with work always runs, so some LIP always progresses.
+  * A suspended LIP resumes, in the same order, when its pages fit in what is
+    free with `headroom` to spare (one page per running LIP, so that their
+    next decode steps do not push it straight back out).  Only a strictly
+    higher priority class may suspend running LIPs to resume; within a class
+    it waits for free pages, as a waiting request does in vLLM.
+
+That is the no-thrash rule: pages leave the device a whole LIP at a time, and
+a LIP goes out only for a more important one, never page by page on every
+step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LipMem:
+    """One LIP as the memory planner sees it."""
+
+    id: int
+    priority: int               # higher runs first
+    admitted: int               # admission order (lower = earlier)
+    device_pages: int = 0       # device pages its open files hold now
+    need: int = 0               # device pages its queued calls' next chunks need (0: nothing queued);
+                                # for a suspended LIP: the new pages only (its files count in resume_need)
+    suspended: bool = False
+    resume_need: int = 0        # device pages to bring its files back (suspended LIPs)
+    blocked: bool = False       # waiting for input or a capability: reclaimed, not suspended
+
+
+def rank(l: LipMem) -> tuple:
+    """Sort key, most important first."""
+    return (-l.priority, l.admitted, l.id)
+
+
+@dataclass
+class Plan:
+    """What the kernel does before a step."""
+
+    run: list[int] = field(default_factory=list)       # LIPs whose calls may be scheduled
+    wait: list[int] = field(default_factory=list)      # LIPs with calls that must wait for pages
+    suspend: list[int] = field(default_factory=list)   # LIPs to swap out whole, in this order
+    resume: list[int] = field(default_factory=list)    # suspended LIPs to bring back
+
+
+class MemoryPlanner:
+    """Plans one step's device pages (`plan`) through callbacks into KVFS.
+
+    ``free()``            device pages free now
+    ``reclaim(n)``        try to make n pages free without touching a running
+                          LIP; returns the pages free afterwards
+    ``suspend(id)``       swap LIP ``id`` out whole; the device pages freed,
+                          or None when the host and disk tiers cannot take them
+    ``resume(id)``        bring a suspended LIP's files back to the device
+
+    The callbacks do the moves at once, in plan order, so each decision sees
+    the effect of the ones before it."""
+
+    def __init__(self, free, reclaim, suspend, resume):
+        self.free, self.reclaim, self.suspend, self.resume = free, reclaim, suspend, resume
+
+    def plan(self, lips: list[LipMem], headroom: int = 0, capacity: int = 1 << 62) -> Plan:
+        """Visit LIPs most important first; see the module docstring.
+        ``capacity``: the device pool's pages (the headroom a resuming LIP
+        asks for never makes it larger than the pool)."""
+        order = sorted(lips, key=rank)
+        out = Plan()
+        promised = 0
+        gone: set[int] = set()                          # suspended during this plan
+        running = [l for l in order if not l.suspended and not l.blocked]
+        for i, l in enumerate(order):
+            if l.id in gone:
+                continue
+            if l.suspended:
+                base = l.resume_need + l.need
+                want = base + min(headroom, max(0, capacity - base))
+                # only a higher class may push running LIPs out to come back
+                lower = [v for v in running[::-1] if v.id not in gone and v.priority < l.priority
+                         and rank(v) > rank(l)]
+                if self._room(promised, want, lower, gone, out):
+                    self.resume(l.id)
+                    out.resume.append(l.id)
+                    promised += l.need                  # free() already counts the pages it brought back
+                    if l.need:
+                        out.run.append(l.id)
+                elif l.need:
+                    out.wait.append(l.id)
+                continue
+            if not l.need:
+                continue
+            # everything less important and running may be pushed out for it
+            lower = [v for v in running[::-1] if v.id not in gone and rank(v) > rank(l)]
+            if self._room(promised, l.need, lower, gone, out):
+                promised += l.need
+                out.run.append(l.id)
+            else:
+                out.wait.append(l.id)
+        return out
+
+    def _room(self, promised: int, need: int, victims: list[LipMem], gone: set, out: Plan) -> bool:
+        """Make ``need`` pages free beyond ``promised``: reclaim, then suspend
+        ``victims`` in order (least important first) while it helps.  Suspends
+        nobody unless that is enough."""
+        if self.free() - promised >= need:
+            return True
+        if self.reclaim(promised + need) - promised >= need:
+            return True
+        if self.free() - promised + sum(v.device_pages for v in victims) < need:
+            return False                                # even all of them would not do
+        for v in victims:
+            if v.device_pages <= 0:
+                continue
+            if self.suspend(v.id) is None:               # host and disk are full for it
+                continue
+            gone.add(v.id)
+            out.suspend.append(v.id)
+            if self.free() - promised >= need:
+                return True
+        return self.free() - promised >= need
