@@ -15,10 +15,10 @@ everything it touches).  Each step (`_plan_memory`):
   4. the LIPs that must wait, and the suspended ones, are `held` in the
      scheduler: their calls stay queued, not failed.
 
-Everything waiting and nothing running for ``kv_wait_s`` seconds (the device
-is full of pages that cannot move: host and disk tiers full, LIPs blocked
-holding them) is the one case a waiting call fails with NoSpace, its message
-saying what holds the pages.
+A waiting call fails with NoSpace in one case only: no page can move (the
+device is full, and so are the host and disk tiers that would take a
+suspended LIP's pages) and nothing else will free any -- see
+`_memory_stalled`.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from symphony.sched.memory import LipMem, MemoryPlanner
 log = logging.getLogger("symphony.syscalls")
 
 KV_WAIT_S = 30.0
+STUCK_GRACE_S = 1.0
 
 
 def _blocked(lip) -> bool:
@@ -121,28 +122,35 @@ class Residency:
 
     # ------------------------------------------------------------------ stalls
     def _memory_stalled(self) -> None:
-        """No call could be scheduled: everything queued waits for pages.  Past
-        ``kv_wait_s`` of that, the most important waiting LIP's calls fail
-        with NoSpace (the pages cannot move: say what holds them)."""
+        """No call could be scheduled: everything queued waits for pages.
+
+        When every LIP that is not suspended is itself waiting for pages, no
+        page can ever move again (the host and disk tiers are full): after a
+        second's grace, the least important waiting LIP holding KV pages gets
+        NoSpace for its calls, as an out-of-memory killer picks its victim, so
+        that the others go on.  Otherwise (some LIP is computing, or blocked
+        holding pages) the same happens only after ``kv_wait_s``."""
         now = time.monotonic()
         if self._stalled_since is None:
             self._stalled_since = now
             return
-        if now - self._stalled_since < self.kv_wait_s:
+        queued = {c.lip for c in self.sched.queue}
+        live = [l for l in self.lips.values() if l.state == "running"]
+        stuck = all(l.suspended or l.id in self.sched.held for l in live)
+        if now - self._stalled_since < (STUCK_GRACE_S if stuck else self.kv_wait_s):
             return
         self._stalled_since = None
-        queued = {c.lip for c in self.sched.queue}
-        waiting = [self.lips[i] for i in self.sched.held if i in self.lips and i in queued]
+        waiting = [l for l in live if l.id in self.sched.held and l.id in queued]
         if not waiting:
             return
-        lip = min(waiting, key=lambda l: (-l.priority, l.admitted, l.id))
+        pages = {l.id: self.fs.pid_pages(l.id) for l in waiting}
+        lip = max(waiting, key=lambda l: (pages[l.id] > 0, -l.priority, l.admitted, l.id))
         alloc = self.engine.kv.allocator
-        holders = sorted(((self.fs.pid_device_pages(l.id), l.id) for l in self.lips.values()
-                          if l.id != lip.id), reverse=True)[:3]
-        held_by = ", ".join(f"LIP {i}: {n}" for n, i in holders if n) or "KV files no LIP has open"
-        err = NoSpace(f"no device KV pages for {self.kv_wait_s:.0f} s: {alloc.num_free} of {alloc.capacity} "
-                      f"free, the rest cannot move (host/disk tiers full: {self.fs.pager.free_slots()} "
-                      f"slots free; held by {held_by})")
+        err = NoSpace(f"KV memory is full: {alloc.capacity - alloc.num_free} of {alloc.capacity} device pages "
+                      f"in use and {self.fs.pager.free_slots()} host/disk slots free, and no page can move "
+                      f"(every LIP waits for pages{'' if stuck else f' or holds them, for {self.kv_wait_s:.0f} s'})"
+                      f"; this LIP is the least important one waiting and holds {pages[lip.id]} pages "
+                      f"(a larger --host-pages or a --swap-dir gives the kernel room to suspend LIPs)")
         for c in [c for c in self.sched.queue if c.lip == lip.id]:
             self.sched.queue.remove(c)
             self._fail_call(c.payload, err)

@@ -32,6 +32,10 @@ class LipCounters(NamedTuple):
 
 NO_COUNTERS = LipCounters()
 
+# counters `stats` always shows (0 until they move): the residency manager's
+# (kernel/residency.py) and KVFS's own (`KVFS.stats`: drops, swap traffic)
+OVERLOAD_COUNTERS = ("suspensions", "resumes", "memory_waits", "kv_wait_failures")
+
 
 @dataclass(frozen=True)
 class ProcRow:
@@ -95,4 +99,7 @@ class ServingSnapshot:
         return {"batches": self.batches, "batch_calls": self.batch_calls, "max_batch": self.max_batch,
                 "forward_passes": self.forward_passes, "pred_calls": self.pred_calls,
                 "engine_max_batch": self.engine_max_batch, "kv_pages_used": self.kv_pages_used,
-                "kv_pages_total": self.kv_pages_total, "pending_reply_bytes": self.pending_reply_bytes}
+                "kv_pages_total": self.kv_pages_total, "pending_reply_bytes": self.pending_reply_bytes,
+                "kv_device_free": self.kv_device_free, "kv_reclaimable": self.kv_reclaimable,
+                "suspended_lips": len(self.suspended), "suspended_pages": sum(self.suspended.values()),
+                **{k: self.overload.get(k, 0) for k in OVERLOAD_COUNTERS}, **dict(self.overload)}

@@ -304,7 +304,10 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
             kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
-            lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}))
+            kv_reclaimable=self.fs.reclaimable(),
+            lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
+            suspended=MappingProxyType({i: self.fs.resume_need(i) for i, l in self.lips.items() if l.suspended}),
+            overload=MappingProxyType({**self.fs.stats(), **self.overload}))
         self._dirty = False
 
     # ------------------------------------------------------------------ dispatch

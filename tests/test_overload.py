@@ -1,0 +1,203 @@
+"""Overload is queued, never refused (issue 19), on a real kernel.
+
+A tiny random model whose device KV pool holds 32 pages (512 tokens) and a
+host tier of 64 pages: far more work than fits.  Every LIP must finish with
+the output it has alone (greedy, compared with an in-process engine on the
+same weights), the kernel must suspend whole LIPs rather than fail calls,
+and the pages must be back to the baseline afterwards.  On the kernel before
+issue 19 these LIPs failed with NoSpace (the pager moved pages until the host
+tier was full).
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from conftest import KernelProc
+
+POOL_PAGES = 32             # --kv-memory-mb 1 at 32 KiB a page (the config below)
+HOST_PAGES = 64
+
+# each LIP: a prompt of N_PROMPT random tokens, then N_GEN greedy tokens, one pred each
+GREEDY = '''
+import random
+from symphony.lip import kv, pred, send
+
+def main(seed, n_prompt, n_gen, chunk="0"):
+    rnd = random.Random(int(seed))
+    toks = [rnd.randrange(3, 262) for _ in range(int(n_prompt))]
+    out = []
+    with kv.create() as f:
+        step = int(chunk) or len(toks)
+        for i in range(0, len(toks), step):              # chunk > 0: the file grows call by call
+            t = pred(f, toks[i:i + step], output="argmax")
+        out.append(t)
+        for _ in range(int(n_gen) - 1):
+            t = pred(f, [t], output="argmax")
+            out.append(t)
+    send({"seed": int(seed), "tokens": out})
+'''
+
+
+def _config():
+    from modelfiles import tiny_hf_config
+    # 4 layers x 4 KV heads x 16 dims, float32: 2 KiB a token, 32 KiB a 16-token page
+    return tiny_hf_config(num_hidden_layers=4, num_key_value_heads=4, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from modelfiles import hf_state_dict, write_gguf
+    cfg = _config()
+    return write_gguf(tmp_path_factory.mktemp("ovmodel") / "tiny.gguf", cfg, hf_state_dict(cfg, seed=3))
+
+
+@pytest.fixture(scope="module")
+def ok(tmp_path_factory, tiny_gguf):
+    """A kernel whose pool holds 32 pages, with a 64-page host tier and no disk."""
+    k = KernelProc(tmp_path_factory.mktemp("overload"), "--model", str(tiny_gguf), "--kv-memory-mb", "1",
+                   "--host-pages", str(HOST_PAGES), "--max-lips", "80", "--max-lips-per-user", "80",
+                   "--token-budget", "64", "--max-priority", "interactive")
+    yield k
+    k.stop()
+    assert k.proc.returncode == 0, k.read_log()[-3000:]
+    assert k.shm_names() == [], "shared memory left behind after shutdown"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gguf):
+    """greedy(seed, n_prompt, n_gen, chunk) on an in-process engine with the same weights."""
+    from symphony.engine.config import EngineConfig
+    from symphony.engine.engine import Engine
+    eng = Engine.load(str(tiny_gguf), EngineConfig(kv_memory_bytes=8 << 20), progress=False)
+
+    def greedy(seed, n_prompt, n_gen, chunk=0):
+        rnd = random.Random(seed)
+        toks = [rnd.randrange(3, 262) for _ in range(n_prompt)]
+        seq = eng.new_sequence()
+        try:
+            step = chunk or len(toks)
+            for i in range(0, len(toks), step):
+                logits = eng.pred(seq, toks[i:i + step])
+            out = [int(logits.argmax())]
+            for _ in range(n_gen - 1):
+                out.append(int(eng.pred(seq, [out[-1]]).argmax()))
+            return out
+        finally:
+            eng.release(seq)
+    return greedy
+
+
+def _run_all(k, jobs, *, priority="normal", results=None, timeout=240):
+    """Spawn every job (args of GREEDY) at once, each on its own connection;
+    returns {seed: (exit event, output, finish time)}."""
+    results = {} if results is None else results
+    clients = []
+    for args, prio in jobs:
+        c = k.client(timeout=timeout)
+        c.spawn(GREEDY, [str(a) for a in args], filename="greedy.py", priority=prio)
+        clients.append((args[0], c))
+
+    def wait(seed, c):
+        out, exit_ev = None, None
+        for ev in c.events(timeout=timeout):
+            if ev["event"] == "out":
+                out = ev["data"]
+            elif ev["event"] == "exit":
+                exit_ev = ev
+        results[seed] = (exit_ev, out, time.monotonic())
+        c.close()
+    threads = [threading.Thread(target=wait, args=sc) for sc in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return results
+
+
+def _settled(k, baseline: int, timeout: float = 30) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        s = k.client().stats()
+        if (s["kv_pages_used"] == baseline and s["lips"] == 0) or time.time() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def _check(results, reference, jobs):
+    bad = {seed: (ev, out) for seed, (ev, out, _) in results.items()
+           if ev is None or ev["status"] != 0 or out is None}
+    assert not bad, f"{len(bad)} of {len(jobs)} LIPs did not finish: {list(bad.items())[:3]}"
+    for (seed, n_prompt, n_gen, *chunk), _ in jobs:
+        assert results[seed][1]["tokens"] == reference(seed, n_prompt, n_gen, *map(int, chunk)), seed
+
+
+def test_64_lips_on_a_pool_for_8_all_finish_as_alone(ok, reference):
+    """64 LIPs of 60 tokens (4 pages each) on a 32-page pool: all finish, each
+    with its own greedy output, and the pages come back."""
+    base = ok.client().stats()
+    jobs = [((1000 + i, 48, 12), "normal") for i in range(64)]
+    results = _run_all(ok, jobs)
+    _check(results, reference, jobs)
+    after = _settled(ok, base["kv_pages_used"])
+    assert after["kv_pages_used"] == base["kv_pages_used"], after
+    assert after["suspended_lips"] == 0 and after["suspended_pages"] == 0, after
+    assert after["suspensions"] > base["suspensions"], "the pool was never short: the test proves nothing"
+
+
+def test_every_lip_keeps_asking_for_pages_no_deadlock(ok, reference):
+    """8 LIPs each grow one file page by page to 12 pages (96 pages in all, 3x
+    the pool and more than pool + host): no deadlock, no failure."""
+    base = ok.client().stats()
+    jobs = [((2000 + i, 192, 4, 16), "normal") for i in range(8)]
+    results = _run_all(ok, jobs)
+    _check(results, reference, jobs)
+    after = _settled(ok, base["kv_pages_used"])
+    assert after["kv_pages_used"] == base["kv_pages_used"], after
+    assert after["suspensions"] > base["suspensions"]
+    assert after["kv_wait_failures"] == base["kv_wait_failures"]
+
+
+def test_interactive_lips_finish_first(ok, reference):
+    """24 batch LIPs, then 4 interactive ones: the interactive ones take the
+    device (batch LIPs are suspended for them) and finish before most."""
+    jobs = [((3000 + i, 96, 160), "batch") for i in range(24)]
+    results: dict = {}
+    t = threading.Thread(target=_run_all, args=(ok, jobs), kwargs={"results": results})
+    t.start()
+    time.sleep(1.0)                                   # the batch LIPs hold the device
+    inter = [((4000 + i, 96, 24), "interactive") for i in range(4)]
+    _run_all(ok, inter, results=results)
+    t.join(300)
+    _check(results, reference, jobs + inter)
+    batch_done = sorted(results[s][2] for (s, *_), _ in jobs)
+    for (s, *_), _ in inter:
+        later = sum(1 for b in batch_done if b > results[s][2])
+        assert later >= len(jobs) // 2, f"interactive LIP {s} finished after {len(jobs) - later} batch LIPs"
+
+
+def test_pred_larger_than_the_pool_is_refused_with_numbers(ok):
+    """A single pred of 600 tokens (38 pages) on a 32-page pool: NoSpace now,
+    saying so with the numbers; a neighbour is unaffected."""
+    src = '''
+from symphony.lip import kv, pred, send
+from symphony.lip.errors import SyscallError
+
+def main():
+    with kv.create() as f:
+        try:
+            pred(f, [5] * 600)
+        except SyscallError as e:
+            send({"type": type(e).__name__, "message": str(e)})
+            return
+    send({"type": None})
+'''
+    c = ok.client(timeout=60)
+    c.spawn(src, [], filename="big.py")
+    out = [e["data"] for e in c.events(timeout=60) if e["event"] == "out"]
+    assert out and out[0]["type"] == "NoSpace", out
+    msg = out[0]["message"]
+    assert "pool" in msg and str(POOL_PAGES) in msg, msg
