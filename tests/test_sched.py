@@ -179,3 +179,37 @@ def test_admission_and_priority_classes():
     assert priority_of("interactive") == 1 and priority_of("batch") == -1 and priority_of(3) == 3
     with pytest.raises(ValueError):
         priority_of("urgent")
+
+
+def test_held_lips_stay_queued_and_are_not_scheduled():
+    s = BatchScheduler(token_budget=64, chunk_tokens=32)
+    s.add(Call("a", lip=1, user="u", n_tokens=1))
+    s.add(Call("b", lip=2, user="u", n_tokens=40))
+    s.held = {2}
+    assert comp(s.schedule()) == [("a", 0, 1)]
+    assert s.schedule() is None and len(s) == 1 and s.runnable() == 0      # b waits, not dropped
+    s.held = set()
+    assert comp(s.schedule()) == [("b", 0, 32)]
+
+
+def test_gathering_does_not_wait_for_a_held_lip():
+    s = BatchScheduler(token_budget=64, chunk_tokens=32, gather_s=10.0)
+    s.add(Call("a", lip=1, user="u", n_tokens=1))
+    s.add(Call("b", lip=2, user="u", n_tokens=1))
+    s.schedule()
+    s.add(Call("a", lip=1, user="u", n_tokens=1))
+    assert s.should_wait(0.0)                          # b's LIP may come back
+    s.held = {2}
+    assert not s.should_wait(0.0)                      # held: it cannot come back this step
+
+
+def test_next_chunks_names_each_files_first_call_and_its_chunk():
+    s = BatchScheduler(token_budget=64, chunk_tokens=32)
+    s.add(Call("a", lip=1, user="u", n_tokens=100))
+    s.add(Call("a", lip=1, user="u", n_tokens=5))      # same file: waits for the first
+    s.add(Call("b", lip=1, user="u", n_tokens=1))
+    s.add(Call("c", lip=2, user="u", n_tokens=10))
+    got = {lip: [(c.key, n) for c, n in v] for lip, v in s.next_chunks().items()}
+    assert got == {1: [("a", 32), ("b", 1)], 2: [("c", 10)]}
+    s.drop_lip(2)
+    assert 2 not in s.next_chunks()

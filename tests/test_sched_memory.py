@@ -1,0 +1,135 @@
+"""The device-memory planner (sched/memory.py): pure policy, on a model of a
+pool -- who runs, who waits, who is suspended and resumed, in what order."""
+from __future__ import annotations
+
+from symphony.sched.memory import LipMem, MemoryPlanner, rank
+
+
+class Pool:
+    """A device pool of ``capacity`` pages; LIPs hold pages; a host tier of
+    ``host`` slots takes suspended LIPs' pages (all or what fits)."""
+
+    def __init__(self, capacity, held, host=1000, reclaimable=0):
+        self.capacity, self.held, self.host, self.idle = capacity, dict(held), host, reclaimable
+        self.swapped: dict = {}
+        self.log: list = []
+
+    def free(self):
+        return self.capacity - sum(self.held.values()) - self.idle
+
+    def reclaim(self, n):
+        take = min(self.idle, max(0, n - self.free()))
+        self.idle -= take
+        self.log.append(("reclaim", take))
+        return self.free()
+
+    def suspend(self, i):
+        n = min(self.held.get(i, 0), self.host)
+        if n == 0:
+            return None
+        self.held[i] -= n
+        self.host -= n
+        self.swapped[i] = self.swapped.get(i, 0) + n
+        self.log.append(("suspend", i))
+        return n
+
+    def resume(self, i):
+        n = self.swapped.pop(i)
+        self.host += n
+        self.held[i] = self.held.get(i, 0) + n
+        self.log.append(("resume", i))
+
+    def planner(self):
+        return MemoryPlanner(self.free, self.reclaim, self.suspend, self.resume)
+
+
+def lips(*specs):
+    """(id, priority, admitted, device_pages, need) tuples."""
+    return [LipMem(i, p, a, d, n) for i, p, a, d, n in specs]
+
+
+def test_all_fit_nobody_moves():
+    pool = Pool(10, {1: 3, 2: 3})
+    plan = pool.planner().plan(lips((1, 0, 0, 3, 2), (2, 0, 1, 3, 2)))
+    assert plan.run == [1, 2] and not plan.wait and not plan.suspend
+    assert pool.log == []
+
+
+def test_reclaim_comes_before_any_suspension():
+    pool = Pool(10, {1: 4, 2: 4}, reclaimable=2)
+    plan = pool.planner().plan(lips((1, 0, 0, 4, 2), (2, 0, 1, 4, 0)))
+    assert plan.run == [1] and not plan.suspend
+    assert pool.log == [("reclaim", 2)]
+
+
+def test_the_least_important_is_suspended_for_a_more_important_one():
+    pool = Pool(10, {1: 4, 2: 3, 3: 3})
+    plan = pool.planner().plan(lips((1, 0, 0, 4, 3), (2, 0, 1, 3, 0), (3, 0, 2, 3, 1)))
+    assert plan.suspend == [3]                   # latest admitted first; 2 keeps its pages
+    assert plan.run == [1] and 3 not in plan.run
+
+
+def test_a_lip_never_suspends_a_more_important_one_it_waits():
+    pool = Pool(10, {1: 6, 2: 4})
+    plan = pool.planner().plan(lips((1, 0, 0, 6, 0), (2, 0, 1, 4, 3)))
+    assert plan.wait == [2] and not plan.suspend
+
+
+def test_priority_class_beats_admission_order():
+    pool = Pool(10, {1: 5, 2: 5})
+    plan = pool.planner().plan(lips((1, -1, 0, 5, 1), (2, 1, 1, 5, 2)))
+    assert plan.suspend == [1] and plan.run == [2]
+
+
+def test_nobody_is_suspended_when_even_all_would_not_be_enough():
+    pool = Pool(10, {1: 2, 2: 2, 3: 2})
+    plan = pool.planner().plan(lips((1, 0, 0, 2, 9), (2, 0, 1, 2, 0), (3, 0, 2, 2, 0)))
+    assert plan.wait == [1] and not plan.suspend
+
+
+def test_a_waiting_lip_leaves_what_is_left_to_the_next():
+    pool = Pool(10, {1: 6})
+    plan = pool.planner().plan(lips((1, 0, 0, 6, 8), (2, 0, 1, 0, 3)))
+    assert plan.wait == [1] and plan.run == [2]
+
+
+def test_resume_needs_room_plus_headroom_and_keeps_order():
+    pool = Pool(10, {1: 4})
+    pool.swapped = {2: 3, 3: 2}
+    ls = lips((1, 0, 0, 4, 0)) + [LipMem(2, 0, 1, 0, 1, True, 3), LipMem(3, 0, 2, 0, 1, True, 2)]
+    plan = pool.planner().plan(ls, headroom=1)
+    assert plan.resume == [2] and plan.run == [2] and plan.wait == [3]     # 3+1+1 fit; then 2+1+1 do not
+
+
+def test_resume_within_a_class_does_not_push_running_lips_out():
+    pool = Pool(10, {1: 4, 3: 6})
+    pool.swapped = {2: 3}
+    ls = [LipMem(1, 0, 0, 4, 0), LipMem(2, 0, 1, 0, 1, True, 3), LipMem(3, 0, 2, 6, 0)]
+    plan = pool.planner().plan(ls)
+    assert not plan.resume and not plan.suspend and plan.wait == [2]
+
+
+def test_a_higher_class_resumes_by_suspending_a_lower_one():
+    pool = Pool(10, {1: 4, 3: 6})
+    pool.swapped = {2: 3}
+    ls = [LipMem(1, 0, 0, 4, 0), LipMem(2, 1, 1, 0, 1, True, 3), LipMem(3, -1, 2, 6, 0)]
+    plan = pool.planner().plan(ls)
+    assert plan.suspend == [3] and plan.resume == [2]
+
+
+def test_headroom_never_asks_for_more_than_the_pool():
+    pool = Pool(8, {})
+    pool.swapped = {1: 7}
+    plan = pool.planner().plan([LipMem(1, 0, 0, 0, 1, True, 7)], headroom=5, capacity=8)
+    assert plan.resume == [1]
+
+
+def test_a_full_host_tier_means_waiting_not_a_crash():
+    pool = Pool(10, {1: 5, 2: 5}, host=0)
+    plan = pool.planner().plan(lips((1, 0, 0, 5, 2), (2, 0, 1, 5, 0)))
+    assert plan.wait == [1] and not plan.suspend
+
+
+def test_rank_is_priority_then_admission():
+    ls = lips((1, 0, 5, 0, 0), (2, 1, 9, 0, 0), (3, 0, 2, 0, 0))
+    assert [l.id for l in sorted(ls, key=rank)] == [2, 3, 1]
