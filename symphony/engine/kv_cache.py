@@ -27,10 +27,9 @@ class KVPool:
         self.page_size = config.page_size
         self.num_pages = config.resolve_num_pages(model)
         self.allocator = PageAllocator(self.num_pages)
+        shape = (model.n_layers, 2, self.num_pages, self.page_size, model.n_kv_heads, model.head_dim)
         # [n_layers, 2, num_pages, page_size, n_kv_heads, head_dim]
-        self.pool = torch.zeros(model.n_layers, 2, self.num_pages, self.page_size,
-                                model.n_kv_heads, model.head_dim,
-                                dtype=config.torch_dtype, device=config.torch_device)
+        self.pool = zeros_lazy(shape, config.torch_dtype, config.torch_device)
         self.page_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +44,21 @@ class KVPool:
     def pages_for(self, n_slots: int) -> int:
         """Pages needed to hold ``n_slots`` slots."""
         return pages_for(n_slots, self.page_size)
+
+
+def zeros_lazy(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor.  On the CPU its memory is committed only as pages
+    are first written: numpy's zeros is calloc, which maps fresh zero pages for
+    a large block instead of writing zeros (torch.zeros writes them all, so a
+    256 MiB KV pool cost 256 MiB of RSS at start).  Elsewhere: torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.from_numpy(np.zeros(n * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 @dataclass
