@@ -145,7 +145,7 @@ def load_durable(fs, file: Path) -> Inode:
     S = fs.page_size
     n = header["length"]
     n_pages = pages_for(n, S)
-    fs.pager.make_room(n_pages, fs._victims(set()))
+    fs._make_room(n_pages, set())
     pages = fs.engine.kv.allocator.allocate(n_pages)
     pool = fs.engine.kv.pool
     for i, p in enumerate(pages):
