@@ -256,3 +256,18 @@ def test_quota_message_says_by_how_much(weights):
     h = fs.create(ALICE)
     with pytest.raises(QuotaExceeded, match=r"would hold 6 KV pages, quota 4 \(2 over\)"):
         fs.pred(ALICE, h, toks(6 * S))
+
+
+def test_a_dropped_durable_cache_file_is_gone_after_a_restart_too(weights, tmp_path):
+    fs = make_fs(weights, pages=9, durable_dir=str(tmp_path))   # 8 device pages
+    h = fs.create(ALICE, "/tmp/c")
+    fs.pred(ALICE, h, toks(3 * S))
+    fs.advise(ALICE, h, "cache")
+    fs.sync(ALICE, h)
+    fs.close(ALICE, h)
+    assert len(list(tmp_path.glob("*.kvf"))) == 1
+    again = make_fs(weights, pages=9, durable_dir=str(tmp_path))   # restored: still a cache file
+    assert again.stat(ALICE, "/tmp/c")["advice"] == "cache" and again.stats()["cache_files"] == 1
+    fs.pred(BOB, fs.create(BOB), toks(8 * S))                  # the whole pool: the file is deleted
+    assert not exists(fs, "/tmp/c") and list(tmp_path.glob("*.kvf")) == []
+    assert not exists(make_fs(weights, pages=9, durable_dir=str(tmp_path)), "/tmp/c")

@@ -31,7 +31,7 @@ import torch
 from symphony.engine.page_allocator import pages_for
 
 from .errors import CorruptFile, InvalidArgument
-from .namespace import ROOT_USER, Block, Directory, Inode, split_path
+from .namespace import ADVICE, ROOT_USER, Block, Directory, Inode, split_path
 
 log = logging.getLogger("symphony.kvfs.store")
 
@@ -157,7 +157,8 @@ def load_durable(fs, file: Path) -> Inode:
     fs.quotas.charge(owner, 0, n_pages)
     inode.positions = list(header["positions"])
     inode.ctime, inode.mtime = header["ctime"], header["mtime"]
-    inode.advice = header.get("advice", "normal")
+    advice = header.get("advice", "normal")
+    inode.advice = advice if advice in ADVICE else "normal"
     d = fs.root
     for i, name in enumerate(parts[:-1]):
         nxt = d.children.get(name)
