@@ -138,7 +138,7 @@ def test_failed_chunked_prefill_leaves_the_file_as_before(weights, monkeypatch, 
     fs.pred(BOB, hb, b0)
     before = file_state(fs, ha)
     used, charged = eng.kv.allocator.num_used, dict(fs.quotas.by_user)
-    prompt = toks(30, 7)
+    prompt = toks(25, 7)                                   # 3 + 25 tokens: the whole pool, 7 pages
     if fault == "model error":
         prompt[20] = 100                                   # in chunk 3 (tokens 16..23)
         real = eng.model.forward

@@ -136,7 +136,7 @@ def test_one_user_holding_pages_cannot_lock_out_another(kern):
     total = kern.client().stats()["kv_pages_total"] + HOST_PAGES
     quota = total // 2
     m = re.fullmatch(r"holding (\d+) tokens; stopped by QuotaExceeded: user 'alice' would hold (\d+) KV "
-                     r"pages, quota (\d+)\n", msg)
+                     r"pages, quota (\d+) \(1 over\)\n", msg)
     assert m and int(m[1]) == 16 * quota and int(m[2]) == quota + 1 and int(m[3]) == quota, msg
     alice.send_input(lip, None)
     assert rest(events)[1]["reason"] == "finished"

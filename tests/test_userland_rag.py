@@ -3,7 +3,7 @@ import json
 import os
 import pwd
 
-from conftest import REPO
+from conftest import REPO, KernelProc
 
 DOCS = {
     "lighthouse.txt": "The Zorblat Lighthouse stands on Kessel Island. It was built in 1847 by the engineer "
@@ -97,16 +97,58 @@ def test_rag_reuses_document_kv_files_and_applies_policy(kernel, tmp_path):
     cache_dir = first[QUESTIONS[0][0]][1]["files"][0].rsplit("/", 1)[0]
     assert cache_dir == f"/home/{_me()}/rag"                  # the runner's own, private cache
     names = {e["name"] for e in c.kv_ls(cache_dir)}
-    for q, _, _ in QUESTIONS:                                 # popular: pinned, no expiry
+    for q, _, _ in QUESTIONS:                                 # popular: no expiry (a cache file)
         path = first[q][1]["files"][0]
         assert path.split("/")[-1] in names
         s = c.kv_stat(path)
-        assert s["advice"] == "keep" and s["expire_at"] is None
+        assert s["advice"] == "cache" and s["expire_at"] is None
     for path in st["files"]:                                  # used once: expiring
         assert path.split("/")[-1] in names
         s = c.kv_stat(path)
-        assert s["advice"] != "keep" and s["expire_at"] is not None
+        assert s["advice"] == "cache" and s["expire_at"] is not None
     c.close()
+
+
+PRESSURE = """from symphony.lip import kv, pred, send
+
+
+def main(n):
+    with kv.create() as f:
+        pred(f, [1] * int(n), output="argmax")
+    send("done")
+"""
+
+
+def test_rag_modules_are_cache_files_dropped_under_pressure_and_recomputed(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    # a small pool, no host or disk tier: only deleting cache files can make room
+    k = KernelProc(tmp_path, "--kv-memory-mb", "24", "--host-pages", "0", "--user-quota", "100%")
+    try:
+        c = k.client()
+        q, doc, fact = QUESTIONS[1]
+        answer, st = rag(k, docs, q)
+        assert fact in answer and st["kv_created"] == 2          # the instruction and the document
+        cache_dir = st["files"][0].rsplit("/", 1)[0]
+        modules = {e["name"] for e in c.kv_ls(cache_dir) if e["type"] == "file"}
+        assert len(modules) == 2 and all(c.kv_stat(f"{cache_dir}/{m}")["advice"] == "cache" for m in modules)
+        stats = c.stats()
+        total, used = stats["kv_pages_total"], stats["kv_pages_used"]
+        assert used > 0                                           # the modules hold pages
+        # another LIP fills the whole pool: the unused modules are deleted to make room
+        lip = c.spawn(PRESSURE, [str(total * 16)], filename="pressure.py")
+        evs = list(c.events(timeout=300))
+        assert evs[-1]["event"] == "exit" and evs[-1]["status"] == 0, (evs, k.read_log()[-3000:])
+        assert [e["data"] for e in evs if e["event"] == "out"] == ["done"] and lip
+        assert {e["name"] for e in c.kv_ls(cache_dir) if e["type"] == "file"} == set()
+        again, st2 = rag(k, docs, q)                              # a cache miss: computed again
+        assert again == answer and st2["kv_created"] == 2 and st2["prefill_reused"] == 0
+        assert st2["prefill_computed"] == st["prefill_computed"]
+        c.close()
+    finally:
+        k.stop()
 
 
 SOURCE = """import math

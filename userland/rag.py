@@ -23,12 +23,16 @@ With one document this is exactly the prompt computed in one pass; with more,
 it is parallel context encoding (an approximation).  A document's hash covers
 the instruction's, so a new instruction never reuses stale modules.
 
+Every module is a cache file (advise("cache")): when KV memory is short the
+kernel may delete it while no LIP has it open, least recently used first; the
+next question that needs it finds it gone (NotFound) and computes it again,
+as a cache miss ("kv_created" counts it).
 Policy: each use of a document counts a hit (the counter file is renamed
 n -> n+1, an atomic step even with concurrent LIPs).  A document with at least
---keep-after hits is pinned with advise("keep"); the others get
-advise("expire", --ttl) again on every use (a sliding lifetime).  A pending
-expiry cannot be cancelled, so promoting an expiring file replaces it by a
-fork (forks do not inherit expiry).
+--keep-after hits keeps its module with no expiry (policy "keep": still a
+cache file, dropped only under memory pressure); the others get
+advise("expire", --ttl) again on every use (a sliding lifetime).  A new advice
+replaces a pending expiry, so promoting a document is one advise("cache").
 
 --no-cache computes the same modules as anonymous files every time: the same
 tokens at the same positions, so the same answer, with nothing reused.
@@ -132,6 +136,7 @@ class Modules:
             try:                                   # name it: fork shares the pages, copies nothing
                 g = f.fork(path)
                 f.close()
+                g.advise("cache")                  # the kernel may drop it under memory pressure
                 self.stats["kv_created"] += 1
                 return g, True
             except (AlreadyExists, PermissionDenied):   # a concurrent LIP won / not our cache
@@ -163,21 +168,13 @@ def count_hit(hits, h, counts):
     return counts.get(h, 0)
 
 
-def apply_policy(f, path, hits, keep_after, ttl):
-    """Pin a popular document, let the others expire; returns the advice given."""
+def apply_policy(f, hits, keep_after, ttl):
+    """Keep a popular document's module (a cache file with no expiry), let the
+    others expire; returns the policy applied."""
+    f.advise("cache")                              # a cache file; this also ends a pending expiry
     if hits < keep_after:
         f.advise("expire", ttl)                    # unpopular: gone ttl seconds after its last use
         return "expire"
-    if f.stat()["expire_at"] is not None:          # newly popular: drop the expiry by forking
-        try:
-            with f.fork(path + ".new") as g:
-                kv.remove(path)
-                kv.rename(path + ".new", path)
-                g.advise("keep")
-            return "keep"
-        except (AlreadyExists, NotFound):          # a concurrent LIP is promoting it
-            return "expire"
-    f.advise("keep")
     return "keep"
 
 
@@ -234,7 +231,7 @@ def main(*args):
             if f.stat()["path"] != path:           # recomputed beside a foreign file: no policy
                 continue
             try:
-                policy[dh] = apply_policy(f, path, count_hit(mods.hits, dh, counts),
+                policy[dh] = apply_policy(f, count_hit(mods.hits, dh, counts),
                                           int(opts["keep-after"]), float(opts["ttl"]))
             except (PermissionDenied, NotFound):   # someone else's cache: use it, leave its policy
                 pass

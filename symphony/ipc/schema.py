@@ -191,7 +191,9 @@ class KvStat(_Body):
 
 
 class KvAdvise(_Body):
-    """KV_ADVISE: a pager hint (KVFS checks the hint and its seconds)."""
+    """KV_ADVISE: a pager hint, one of normal, keep, drop_first, cache (the
+    pager may delete the file when memory is short and nobody has it open) or
+    expire (with seconds); KVFS checks the hint and its seconds."""
     kv: Handle
     hint: Str
     seconds: Seconds = None

@@ -28,7 +28,7 @@ import torch
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import pages_for
 from symphony.engine.runner import CallResult, ModelStep, StepCall, Want
-from .errors import InvalidArgument, ReadOnlyHandle
+from .errors import InvalidArgument, NoSpace, ReadOnlyHandle
 from .namespace import Block, Inode, Principal
 
 
@@ -93,6 +93,11 @@ class DataOps:
         S = self.page_size
         new = pages_for(inode.length + len(toks), S) - len(inode.blocks)
         cow = int(inode.length % S != 0 and inode.blocks[-1].ref > 1)
+        need, cap = len(inode.blocks) + new + cow, self.engine.kv.allocator.capacity
+        if need > cap:
+            raise NoSpace(f"pred needs {need} device KV pages (the file's {inode.length} tokens + "
+                          f"{len(toks)} new at {S} tokens a page); the device pool holds {cap} pages: "
+                          f"{need - cap} too many")
         self.quotas.check({(who.user, who.pid): new + cow})
         return toks, pos
 
@@ -210,7 +215,7 @@ class DataOps:
             b.ref += 1
         inode.blocks = list(src.blocks)
         inode.positions = list(src.positions)
-        inode.advice = src.advice if src.advice != "keep" else "normal"
+        inode.advice = src.advice if src.advice not in ("keep", "cache") else "normal"
         self._lru_touch(inode)
         return new
 
@@ -270,7 +275,7 @@ class DataOps:
         protect = {b.id for i in inodes for b in i.blocks} if protect is None else protect
         missing = [b for i in inodes for b in i.blocks if b.device < 0]
         missing = list({b.id: b for b in missing}.values())
-        self.pager.make_room(len(missing) + extra, self._victims(protect))
+        self._make_room(len(missing) + extra, protect)
         self.pager.swap_in(missing)
 
     def _assemble(self, who: Principal, segs, path: Optional[str], mode: Optional[int]) -> int:
@@ -306,7 +311,7 @@ class DataOps:
         sources = list({b.id: b for p in plan if isinstance(p, list) for b, _ in p}.values())
         protect = {b.id for p in plan for b in ([p] if isinstance(p, Block) else [x for x, _ in p])}
         missing = [b for b in sources if b.device < 0]
-        self.pager.make_room(len(missing) + fresh, self._victims(protect))
+        self._make_room(len(missing) + fresh, protect)
         self.pager.swap_in(missing)
         pages = self.engine.kv.allocator.allocate(fresh)
         src_p, src_o, dst_p, dst_o = [], [], [], []

@@ -22,10 +22,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 from symphony.engine.engine import Engine
 from .data import DataOps
+from .memory import MemoryOps
 from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, InvalidPath,
                      IsADirectory, NotADirectory, NotFound, PermissionDenied)
 from .namespace import (ADVICE, ROOT_USER, STICKY, Block, Directory, Handle, Inode, Node, Principal,
@@ -54,9 +55,14 @@ class KVFSConfig:
     max_handles_per_process: int = 4096
 
 
-class KVFS(DataOps):
+class KVFS(DataOps, MemoryOps):
     def __init__(self, engine: Engine, config: KVFSConfig = KVFSConfig(), *, restore: bool = True,
-                 evict_first: Optional[Callable[[], list[int]]] = None):
+                 evict_first: Optional[Callable[[], list[int]]] = None,
+                 pinned: Optional[Callable[[], set[int]]] = None):
+        """``evict_first() -> [pid]``: processes whose files leave the device
+        first (blocked LIPs); ``pinned() -> {pid}``: processes whose open files
+        are never page-evicted (running LIPs).  Both are the kernel's; see
+        `memory.MemoryOps` for who loses what under pressure."""
         self.engine, self.config = engine, config
         self.page_size = engine.page_size
         self.pager = Pager(engine.kv, config.host_pages,
@@ -76,9 +82,11 @@ class KVFS(DataOps):
         # eviction order: least recently used first; "keep" files are in neither
         self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()
         self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
+        self.lru_cache: "OrderedDict[int, Inode]" = OrderedDict()   # advice "cache": may be deleted
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
         # pids whose files leave the device first (blocked LIPs), set by the kernel
         self.evict_first: Callable[[], list[int]] = evict_first or (lambda: [])   # pids to swap out first
+        self.pinned: Callable[[], set[int]] = pinned or (lambda: set())          # pids never page-evicted
         if restore and config.durable_dir:
             from .store import restore_all
             self.restore_report = restore_all(self)
@@ -111,6 +119,8 @@ class KVFS(DataOps):
         if not may(who, node, "r") or (mode == "rw" and not may(who, node, "w")):
             raise PermissionDenied(f"{who.user} may not open {path} for {'writing' if mode == 'rw' else 'reading'}")
         node.atime = time.time()
+        if node.advice == "cache":
+            self._lru_touch(node)                         # a cache file is used when it is opened
         return self._new_handle(who, node, writable=(mode == "rw"))
 
     def close(self, who: Principal, hid: int) -> None:
@@ -233,9 +243,12 @@ class KVFS(DataOps):
         return out
 
     def advise(self, who: Principal, hid: int, hint: str, seconds: Optional[float] = None) -> None:
-        """Pager hints: 'keep' (never evicted), 'drop_first' (evicted before
-        others), 'normal'; 'expire' with ``seconds``: the file is removed from
-        the namespace that many seconds from now."""
+        """Pager hints: 'keep' (never evicted), 'drop_first' (swapped out before
+        others), 'normal'; 'cache': the pager may *delete* the file (unlink it
+        and free its pages; a later open gives NotFound) when memory is needed
+        and no handle has it open, least recently used first, before any other
+        eviction; 'expire' with ``seconds``: the file is removed from the
+        namespace that many seconds from now."""
         h = self._handle(who, hid)
         inode = h.inode
         if not (may(who, inode, "w") or who.user == inode.owner):
@@ -252,7 +265,7 @@ class KVFS(DataOps):
             inode.expire_at = None                        # a new hint replaces a pending expiry
             self._lru_touch(inode)
         else:
-            raise InvalidArgument(f"unknown advice {hint!r} (keep, drop_first, normal, expire)")
+            raise InvalidArgument(f"unknown advice {hint!r} (keep, drop_first, normal, cache, expire)")
         self._tick()
 
     def sync(self, who: Principal, hid: int) -> None:
@@ -400,6 +413,7 @@ class KVFS(DataOps):
         self.inodes.pop(inode.ino, None)
         self.lru_drop.pop(inode.ino, None)
         self.lru_normal.pop(inode.ino, None)
+        self.lru_cache.pop(inode.ino, None)
 
     def _drop_blocks(self, blocks: list[Block]) -> None:
         for b in blocks:
@@ -411,31 +425,10 @@ class KVFS(DataOps):
     def _lru_touch(self, inode: Inode) -> None:
         self.lru_drop.pop(inode.ino, None)
         self.lru_normal.pop(inode.ino, None)
-        if inode.advice == "drop_first":
-            self.lru_drop[inode.ino] = inode
-        elif inode.advice == "normal":
-            self.lru_normal[inode.ino] = inode
-
-    def _victims(self, protect: set[int]) -> Iterator[Block]:
-        """Device blocks to evict: drop-first files, then the files of blocked
-        LIPs (`evict_first`), then least recently used; never "keep" files."""
-        def of(inode):
-            if inode.advice != "keep":
-                for b in inode.blocks:
-                    if b.device >= 0 and b.id not in protect:
-                        yield b
-        for inode in list(self.lru_drop.values()):
-            yield from of(inode)
-        pids = self.evict_first()
-        if pids:
-            held = {}
-            for h in list(self.handles.values()):
-                held.setdefault(h.pid, []).append(h.inode)
-            for pid in pids:
-                for inode in held.get(pid, []):
-                    yield from of(inode)
-        for inode in list(self.lru_normal.values()):
-            yield from of(inode)
+        self.lru_cache.pop(inode.ino, None)
+        lru = {"drop_first": self.lru_drop, "normal": self.lru_normal, "cache": self.lru_cache}
+        if inode.advice in lru:
+            lru[inode.advice][inode.ino] = inode
 
 
 def _is_home_dir(path: str) -> bool:

@@ -32,7 +32,7 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 STICKY = 0o1000
 
-ADVICE = ("normal", "keep", "drop_first")
+ADVICE = ("normal", "keep", "drop_first", "cache")    # and "expire" (with seconds)
 
 
 @dataclass(frozen=True)

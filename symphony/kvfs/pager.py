@@ -18,7 +18,7 @@ import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -31,10 +31,17 @@ log = logging.getLogger("symphony.kvfs.pager")
 
 @dataclass
 class PagerStats:
-    swap_outs: int = 0       # device -> host
+    """Counters since start (pages unless named bytes); KVFS adds its own."""
+
+    swap_outs: int = 0       # device -> host/disk
     swap_ins: int = 0        # host/disk -> device
     demotions: int = 0       # host -> disk
     disk_reads: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    cache_drops: int = 0     # cache files deleted to free memory (KVFS)
+    cache_drop_pages: int = 0
+    suspensions: int = 0     # whole processes moved off the device (KVFS.suspend)
 
 
 class Pager:
@@ -77,21 +84,39 @@ class Pager:
         return len(self.host_free) + len(self.disk_free) + (self.disk_pages - self.disk_next)
 
     # ------------------------------------------------------------------ moves
-    def make_room(self, n: int, victims: Iterator[Block]) -> None:
-        """Evict blocks from ``victims`` until ``n`` device pages are free."""
-        short = n - self.alloc.num_free
+    def make_room(self, n: int, victims: Iterator[Block],
+                  make_slots: Optional[Callable[[int], None]] = None) -> None:
+        """Evict blocks from ``victims`` until ``n`` device pages are free.
+        ``make_slots(k)`` is asked to free ``k`` host/disk slots when those
+        tiers cannot take the victims.  Raises `NoSpace`, changing nothing
+        (but what ``make_slots`` deleted), saying which resource ran out."""
+        free = self.alloc.num_free
+        short = n - free
         if short <= 0:
             return
-        batch = []
+        batch, seen = [], set()
         for b in victims:
-            if b.device >= 0 and b not in batch:          # a block two files share comes twice
+            if b.device >= 0 and b.id not in seen:        # a block two files share comes twice
+                seen.add(b.id)
                 batch.append(b)
                 if len(batch) == short:
                     break
         if len(batch) < short:
-            raise NoSpace(f"need {n} free device KV pages; {self.alloc.num_free} free and only "
-                          f"{len(batch)} evictable")
+            raise NoSpace(f"need {n} free device KV pages: {free} free and only {len(batch)} more "
+                          f"evictable (the others belong to running LIPs, 'keep' files or this call)")
+        if self.free_slots() < len(batch) and make_slots is not None:
+            make_slots(len(batch) - self.free_slots())
+        if self.free_slots() < len(batch):
+            raise NoSpace(f"need {n} free device KV pages: {free} free and {len(batch)} evictable, "
+                          f"but the host and disk tiers ran out of slots for them: "
+                          f"{self.slots_report()}")
         self.swap_out(batch)
+
+    def slots_report(self) -> str:
+        """Free host/disk slots, in words (for error messages)."""
+        disk = (f"disk {self.free_slots() - len(self.host_free)} of {self.disk_pages}"
+                if self.disk_pages else "no disk tier (no swap directory)")
+        return f"{self.free_slots()} free (host {len(self.host_free)} of {self.host_capacity}, {disk})"
 
     def swap_out(self, blocks: list[Block]) -> None:
         """Move device blocks off the device: to host slots, demoting the oldest
@@ -101,8 +126,8 @@ class Pager:
         if not blocks:
             return
         if self.free_slots() < len(blocks):
-            raise NoSpace(f"cannot swap out {len(blocks)} KV pages: host and disk tiers have "
-                          f"{self.free_slots()} free slots")
+            raise NoSpace(f"cannot swap out {len(blocks)} KV pages: host and disk slots: "
+                          f"{self.slots_report()}")
         short = len(blocks) - len(self.host_free)
         if short > 0:
             self._demote(min(short, len(self.host_lru)))
@@ -122,6 +147,7 @@ class Pager:
         for b in blocks:
             b.device = -1
         self.stats.swap_outs += len(blocks)
+        self.stats.swap_out_bytes += len(blocks) * self.page_bytes
         log.debug("swapped out %d blocks (%d to disk)", len(blocks), len(to_disk))
 
     def swap_in(self, blocks: Iterable[Block]) -> None:
@@ -146,6 +172,7 @@ class Pager:
                 self.stats.disk_reads += 1
             b.device = p
         self.stats.swap_ins += len(todo)
+        self.stats.swap_in_bytes += len(todo) * self.page_bytes
 
     def release(self, b: Block) -> None:
         """Free whatever the block occupies (its last reference is gone)."""

@@ -48,12 +48,13 @@ class Quotas:
             lim = self.limit_for(user)
             if user != ROOT_USER and lim is not None and self.by_user[user] + n > lim:
                 raise QuotaExceeded(f"user {user!r} would hold {self.by_user[user] + n} KV pages, "
-                                    f"quota {lim}")
+                                    f"quota {lim} ({self.by_user[user] + n - lim} over)")
         if self.process_pages is not None:
             for (user, pid), n in need.items():
                 if user != ROOT_USER and pid and self.by_pid[pid] + pids[pid] > self.process_pages:
-                    raise QuotaExceeded(f"process {pid} would hold {self.by_pid[pid] + pids[pid]} KV "
-                                        f"pages, quota {self.process_pages}")
+                    held = self.by_pid[pid] + pids[pid]
+                    raise QuotaExceeded(f"process {pid} would hold {held} KV pages, quota "
+                                        f"{self.process_pages} ({held - self.process_pages} over)")
 
     def charge(self, user: str, pid: int, n: int = 1) -> None:
         self.by_user[user] += n

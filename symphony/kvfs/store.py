@@ -31,7 +31,7 @@ import torch
 from symphony.engine.page_allocator import pages_for
 
 from .errors import CorruptFile, InvalidArgument
-from .namespace import ROOT_USER, Block, Directory, Inode, split_path
+from .namespace import ADVICE, ROOT_USER, Block, Directory, Inode, split_path
 
 log = logging.getLogger("symphony.kvfs.store")
 
@@ -145,7 +145,7 @@ def load_durable(fs, file: Path) -> Inode:
     S = fs.page_size
     n = header["length"]
     n_pages = pages_for(n, S)
-    fs.pager.make_room(n_pages, fs._victims(set()))
+    fs._make_room(n_pages, set())
     pages = fs.engine.kv.allocator.allocate(n_pages)
     pool = fs.engine.kv.pool
     for i, p in enumerate(pages):
@@ -157,7 +157,8 @@ def load_durable(fs, file: Path) -> Inode:
     fs.quotas.charge(owner, 0, n_pages)
     inode.positions = list(header["positions"])
     inode.ctime, inode.mtime = header["ctime"], header["mtime"]
-    inode.advice = header.get("advice", "normal")
+    advice = header.get("advice", "normal")
+    inode.advice = advice if advice in ADVICE else "normal"
     d = fs.root
     for i, name in enumerate(parts[:-1]):
         nxt = d.children.get(name)

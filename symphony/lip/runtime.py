@@ -218,6 +218,11 @@ class KVFile:
         return d
 
     def advise(self, hint: str, seconds: Optional[float] = None) -> None:
+        """A pager hint for this file: "normal"; "keep" (never evicted);
+        "drop_first" (swapped out before others); "cache" (when memory is
+        short the kernel may *delete* the file if no handle has it open, least
+        recently used first: a later open raises NotFound and you recompute
+        it); "expire" with ``seconds`` (removed from the namespace then)."""
         _sys(abi.KV_ADVISE, kv=self.handle, hint=hint, seconds=seconds)
 
     def sync(self) -> None:

@@ -1,0 +1,256 @@
+"""KVFS under memory pressure: cache files, pinned processes, reclaim,
+whole-process suspension, and the counters.
+
+Mixed into `fs.KVFS`.  The kernel's level-2 memory manager (on the syscall
+thread, between steps) uses this API to guarantee each step its device pages
+*before* the step runs:
+
+    need = sum(fs.device_need(c) for c in calls)     # pages the step will take
+    fs.reclaim(need, protect=fs.pid_blocks(running)) # cache, drop_first, idle, blocked
+    fs.suspend(pid, keep=shared_blocks)              # or suspend a whole LIP
+
+Who may lose what, in order:
+  * a **cache file** (advice "cache") that no handle has open is *deleted*
+    (unlinked, its durable copy removed, its pages freed in every tier), least
+    recently used first, before any other eviction; opening it later gives
+    NotFound and its owner recomputes it;
+  * drop_first (and expired) files are swapped out, then idle files (no
+    handle open), least recently used first, then the files of blocked LIPs
+    (``evict_first``);
+  * files that a **pinned** pid (``KVFS(pinned=...)``: the running LIPs) has
+    open are never page-evicted: a running LIP loses its pages only whole,
+    by `suspend`;
+  * "keep" files are never evicted.
+A block counts as freed by deleting a cache file only when that file holds its
+last reference (``ref == 1``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator
+
+from symphony.engine.page_allocator import pages_for
+from .errors import InvalidArgument, NoSpace
+from .namespace import Block, Inode
+
+log = logging.getLogger("symphony.kvfs")
+
+
+class MemoryOps:
+    # ================================================================== queries
+    def stats(self) -> dict:
+        """Counters since start: cache files dropped and their pages, pages and
+        bytes swapped out / in, host->disk demotions, disk reads, whole-process
+        suspensions; and the free pages / slots of each tier now."""
+        s, p = self.pager.stats, self.pager
+        return {"cache_drops": s.cache_drops, "cache_drop_pages": s.cache_drop_pages,
+                "swap_out_pages": s.swap_outs, "swap_in_pages": s.swap_ins,
+                "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
+                "demotions": s.demotions, "disk_reads": s.disk_reads, "suspensions": s.suspensions,
+                "cache_files": len(self.lru_cache),
+                "device_pages_free": p.alloc.num_free, "device_pages": p.alloc.capacity,
+                "host_slots_free": len(p.host_free), "host_slots": p.host_capacity,
+                "disk_slots_free": p.free_slots() - len(p.host_free), "disk_slots": p.disk_pages}
+
+    def device_need(self, call) -> int:
+        """Device pages a checked `KVPred` takes when it runs now: its file's
+        blocks not on the device, the new pages, and one more if it copies a
+        shared partial last page.  Exactly what `_plan` then allocates or
+        swaps in; changes nothing."""
+        inode = self._handle(call.who, call.handle).inode
+        n, length, S = len(call.tokens), inode.length, self.page_size
+        new = pages_for(length + n, S) - len(inode.blocks)
+        cow = int(length % S != 0 and inode.blocks[-1].ref > 1)
+        missing = len({b.id for b in inode.blocks if b.device < 0})
+        return missing + new + cow
+
+    def pid_blocks(self, pids: Iterable[int]) -> set[int]:
+        """Block ids of every file the processes ``pids`` have open."""
+        return {b.id for inode in self._open_inodes(pids) for b in inode.blocks}
+
+    def pid_device_pages(self, pid: int) -> int:
+        """Device pages of the files ``pid`` has open (shared pages counted once)."""
+        return len({b.id for i in self._open_inodes([pid]) for b in i.blocks if b.device >= 0})
+
+    def pid_pages(self, pid: int) -> int:
+        """Pages in every tier of the files ``pid`` has open (shared pages once)."""
+        return len({b.id for i in self._open_inodes([pid]) for b in i.blocks})
+
+    def resume_need(self, pid: int) -> int:
+        """Device pages needed to bring back every file ``pid`` has open."""
+        return len(self._pid_swapped(pid))
+
+    def reclaimable(self, protect: Iterable[int] = frozenset()) -> int:
+        """How many device pages `reclaim` could free now (not counting those
+        already free), touching no pinned process's file and no block in
+        ``protect``."""
+        protect = self._guarded(protect)
+        cache = [i for i in self._droppable() if not _touches(i, protect)]
+        dropped = {b.id for i in cache for b in i.blocks if b.device >= 0 and b.ref == 1}
+        slots = sum(1 for i in cache for b in i.blocks if b.device < 0 and b.ref == 1)
+        swappable = {b.id for b in self._reclaim_victims(protect)} - dropped
+        return len(dropped) + min(len(swappable), self.pager.free_slots() + slots)
+
+    # ================================================================== actions
+    def reclaim(self, n: int, protect: Iterable[int] = frozenset()) -> int:
+        """Try to make ``n`` device pages free without touching the files of
+        pinned processes or blocks in ``protect`` (block ids): delete unopened
+        cache files (LRU), then swap out drop_first/expired files, idle files
+        (LRU), the files of blocked LIPs (``evict_first``).  When host and disk
+        are full, cache files there are deleted for slots; if still short,
+        swaps are skipped (never raises for lack of room).  Returns the device
+        pages free afterwards."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidArgument(f"reclaim needs a page count >= 0, got {n!r}")
+        protect = self._guarded(protect)
+        alloc = self.pager.alloc
+        if alloc.num_free < n:
+            self._drop_cache(n, protect)
+        want = n - alloc.num_free
+        if want > 0:
+            batch, seen = [], set()
+            for b in self._reclaim_victims(protect):
+                if b.id not in seen:
+                    seen.add(b.id)
+                    batch.append(b)
+                    if len(batch) == want:
+                        break
+            if self.pager.free_slots() < len(batch):
+                self._slot_room(len(batch) - self.pager.free_slots(), protect)
+            self.pager.swap_out(batch[:self.pager.free_slots()])
+        return alloc.num_free
+
+    def suspend(self, pid: int, keep: Iterable[int] = frozenset()) -> int:
+        """Move every device block of every file ``pid`` has open to host/disk
+        (demoting to disk as usual), except blocks in ``keep`` (those shared
+        with running LIPs) and "keep" files.  Returns the device pages freed.
+        If host and disk cannot take them all, even after deleting cache files
+        there, raises `NoSpace` and changes nothing."""
+        keep = set(keep)
+        blocks = list({b.id: b for i in self._open_inodes([_pid(pid)]) if i.advice != "keep"
+                       for b in i.blocks if b.device >= 0 and b.id not in keep}.values())
+        if not blocks:
+            return 0
+        short = len(blocks) - self.pager.free_slots()
+        if short > 0:
+            more = sum(1 for i in self._droppable() if not _touches(i, keep)
+                       for b in i.blocks if b.device < 0 and b.ref == 1)
+            if more < short:
+                raise NoSpace(f"cannot suspend process {pid}: its {len(blocks)} device KV pages need "
+                              f"host/disk slots; {self.pager.slots_report()}, and only {more} more "
+                              f"from cache files")
+            self._slot_room(short, keep)
+        self.pager.swap_out(blocks)
+        self.pager.stats.suspensions += 1
+        log.debug("suspended process %d: %d KV pages off the device", pid, len(blocks))
+        return len(blocks)
+
+    def swap_in_pid(self, pid: int) -> int:
+        """Bring every block of every file ``pid`` has open back to the device,
+        reclaiming (never from pinned processes) for room; returns the pages
+        brought in.  Raises `NoSpace`, changing nothing, if there is no room."""
+        blocks = self._pid_swapped(pid)
+        if not blocks:
+            return 0
+        free = self.reclaim(len(blocks), self.pid_blocks([pid]))
+        if free < len(blocks):
+            raise NoSpace(f"cannot bring back process {pid}: needs {len(blocks)} device KV pages, "
+                          f"{free} free after reclaiming")
+        self.pager.swap_in(blocks)
+        return len(blocks)
+
+    # ================================================================== helpers
+    def _make_room(self, n: int, protect: set[int]) -> None:
+        """Leave ``n`` device pages free for a pred, extract, merge or load:
+        delete unopened cache files first, then evict `_victims`; raises
+        `NoSpace` saying what ran out."""
+        if self.pager.alloc.num_free >= n:
+            return
+        guarded = self._guarded(protect)
+        self._drop_cache(n, guarded)
+        self.pager.make_room(n, self._victims(protect), lambda k: self._slot_room(k, guarded))
+
+    def _victims(self, protect: set[int]) -> Iterator[Block]:
+        """Device blocks to evict: drop-first files, then the files of blocked
+        LIPs (`evict_first`), then open cache files and the rest, least recently
+        used first; never "keep" files, never a file a pinned pid has open."""
+        protect = self._guarded(protect)
+        yield from _blocks(self.lru_drop.values(), protect)
+        pids = self.evict_first()
+        if pids:
+            yield from _blocks(self._open_inodes(pids), protect)
+        yield from _blocks(self.lru_cache.values(), protect)
+        yield from _blocks(self.lru_normal.values(), protect)
+
+    def _reclaim_victims(self, protect: set[int]) -> Iterator[Block]:
+        """`reclaim`'s swap order: drop-first files, idle files (LRU), blocked LIPs' files."""
+        yield from _blocks(self.lru_drop.values(), protect)
+        idle = [i for d in (self.lru_cache, self.lru_normal) for i in d.values() if i.handles == 0]
+        yield from _blocks(idle, protect)
+        pids = self.evict_first()
+        if pids:
+            yield from _blocks(self._open_inodes(pids), protect)
+
+    def _guarded(self, protect: Iterable[int]) -> set[int]:
+        """``protect`` plus every block a pinned process has open."""
+        pinned = self.pinned()
+        return set(protect) | self.pid_blocks(pinned) if pinned else set(protect)
+
+    def _open_inodes(self, pids: Iterable[int]) -> list[Inode]:
+        """The files ``pids`` have open, each once, in handle order."""
+        pids = set(pids)
+        return list({h.inode.ino: h.inode for h in self.handles.values() if h.pid in pids}.values())
+
+    def _pid_swapped(self, pid: int) -> list[Block]:
+        return list({b.id: b for i in self._open_inodes([_pid(pid)])
+                     for b in i.blocks if b.device < 0}.values())
+
+    def _droppable(self) -> list[Inode]:
+        """Cache files that may be deleted now (named, no handle open), LRU first."""
+        return [i for i in self.lru_cache.values() if i.linked and i.handles == 0]
+
+    def _drop_cache(self, n: int, protect: set[int]) -> None:
+        """Delete unopened cache files holding device pages, LRU first, until
+        ``n`` device pages are free."""
+        for inode in self._droppable():
+            if self.pager.alloc.num_free >= n:
+                return
+            if not _touches(inode, protect) and any(b.device >= 0 and b.ref == 1 for b in inode.blocks):
+                self._drop_cache_file(inode)
+
+    def _slot_room(self, k: int, protect: set[int]) -> None:
+        """Delete unopened cache files holding host/disk slots, LRU first,
+        until ``k`` more slots are free (or none is left to delete)."""
+        goal = self.pager.free_slots() + k
+        for inode in self._droppable():
+            if self.pager.free_slots() >= goal:
+                return
+            if not _touches(inode, protect) and any(b.device < 0 and b.ref == 1 for b in inode.blocks):
+                self._drop_cache_file(inode)
+
+    def _drop_cache_file(self, inode: Inode) -> None:
+        path = inode.path
+        pages = sum(1 for b in inode.blocks if b.ref == 1)
+        self._unlink(inode.parent, inode.name)
+        self.pager.stats.cache_drops += 1
+        self.pager.stats.cache_drop_pages += pages
+        log.info("KV cache file %s dropped to free memory (%d pages)", path, pages)
+
+
+def _blocks(inodes: Iterable[Inode], protect: set[int]) -> Iterator[Block]:
+    """Device blocks of ``inodes`` (a snapshot) outside ``protect``; none of a "keep" file."""
+    for inode in list(inodes):
+        if inode.advice != "keep":
+            for b in inode.blocks:
+                if b.device >= 0 and b.id not in protect:
+                    yield b
+
+
+def _touches(inode: Inode, protect: set[int]) -> bool:
+    return any(b.id in protect for b in inode.blocks)
+
+
+def _pid(pid) -> int:
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise InvalidArgument(f"a process id is an int > 0, got {pid!r}")
+    return pid

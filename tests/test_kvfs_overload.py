@@ -1,0 +1,273 @@
+"""KVFS under memory pressure (issue 19), on a tiny random model with a small
+pool: cache files the pager deletes before anything else, running (pinned)
+LIPs never page-evicted, reclaim / suspend / swap_in_pid for the kernel's
+memory manager, device_need that agrees with what a pred takes, and NoSpace
+only when it is true, with the numbers."""
+import logging
+import re
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine
+from symphony.engine.weights import random_weights
+from symphony.kvfs import (KVFS, InvalidArgument, KVFSConfig, KVPred, NoSpace, NotFound, Principal,
+                           QuotaExceeded)
+
+S = 4                                                    # tokens a page
+ALICE, BOB = Principal("alice", 1), Principal("bob", 2)
+BLOCKED, RUNNING = Principal("carol", 5), Principal("dave", 6)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(tiny_config(), seed=0)
+
+
+def toks(n, seed=0):
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_fs(weights, pages, running=(), blocked=(), **kw):
+    """A KVFS of ``pages - 1`` device pages; ``running`` pids pinned, ``blocked`` evicted first."""
+    eng = Engine(weights, None, EngineConfig(page_size=S, num_pages=pages))
+    hooks = {"pinned": lambda: set(running)} if running else {}
+    return KVFS(eng, KVFSConfig(**kw), evict_first=lambda: list(blocked), **hooks)
+
+
+def file_of(fs, who, n_pages, path=None, advice=None, seed=0, keep_open=False):
+    """A file of ``n_pages`` full pages; closed unless ``keep_open`` (then its handle)."""
+    h = fs.create(who, path)
+    fs.pred(who, h, toks(n_pages * S, seed))
+    if advice:
+        fs.advise(who, h, advice)
+    if keep_open:
+        return h
+    fs.close(who, h)
+
+
+def where(fs, path):
+    return fs.stat(Principal("root"), path)["residency"]
+
+
+def free(fs):
+    return fs.engine.kv.allocator.num_free
+
+
+def exists(fs, path):
+    try:
+        fs.stat(Principal("root"), path)
+        return True
+    except NotFound:
+        return False
+
+
+# ------------------------------------------------------------------ cache files
+
+def test_reclaim_order_cache_then_drop_first_then_idle_then_blocked_never_running(weights, caplog):
+    fs = make_fs(weights, pages=16, running=[6], blocked=[5], host_pages=32)   # 15 device pages
+    file_of(fs, ALICE, 2, "/tmp/c1", "cache", seed=1)
+    file_of(fs, ALICE, 2, "/tmp/c2", "cache", seed=2)
+    file_of(fs, ALICE, 2, "/tmp/d", "drop_first", seed=3)
+    file_of(fs, ALICE, 2, "/tmp/idle", seed=4)
+    b = file_of(fs, BLOCKED, 2, "/tmp/blocked", seed=5, keep_open=True)
+    r = file_of(fs, RUNNING, 2, "/tmp/run", seed=6, keep_open=True)
+    oc = file_of(fs, ALICE, 2, "/tmp/open_cache", "cache", seed=7, keep_open=True)
+    assert free(fs) == 1
+    with caplog.at_level(logging.INFO, logger="symphony.kvfs"):
+        assert fs.reclaim(2) == 3                            # the oldest cache file is deleted
+    assert not exists(fs, "/tmp/c1") and exists(fs, "/tmp/c2")
+    assert "KV cache file /tmp/c1 dropped" in caplog.text
+    with pytest.raises(NotFound):
+        fs.open(ALICE, "/tmp/c1")
+    assert fs.reclaim(5) == 5 and not exists(fs, "/tmp/c2")  # then the next cache file
+    assert where(fs, "/tmp/d")["device"] == 2                # nothing swapped yet
+    assert fs.reclaim(7) == 7 and where(fs, "/tmp/d")["host"] == 2 and where(fs, "/tmp/idle")["device"] == 2
+    assert fs.reclaim(9) == 9 and where(fs, "/tmp/idle")["host"] == 2
+    assert fs.stat(BLOCKED, b)["residency"]["device"] == 2
+    assert fs.reclaim(100) == 11 and fs.stat(BLOCKED, b)["residency"]["host"] == 2
+    assert fs.stat(RUNNING, r)["residency"]["device"] == 2   # never the running LIP's file,
+    assert fs.stat(ALICE, oc)["residency"]["device"] == 2    # nor a cache file someone has open
+    st = fs.stats()
+    assert (st["cache_drops"], st["cache_drop_pages"], st["swap_out_pages"]) == (2, 4, 6)
+    assert st["swap_out_bytes"] == 6 * fs.pager.page_bytes and st["device_pages_free"] == 11
+
+
+def test_a_pred_deletes_cache_files_before_swapping_and_an_open_one_is_only_swapped(weights):
+    fs = make_fs(weights, pages=9, host_pages=16)             # 8 device pages
+    file_of(fs, ALICE, 2, "/tmp/d", "drop_first", seed=1)
+    file_of(fs, ALICE, 2, "/tmp/c", "cache", seed=2)
+    oc = file_of(fs, ALICE, 2, "/tmp/oc", "cache", seed=3, keep_open=True)
+    x = fs.create(BOB)
+    fs.pred(BOB, x, toks(3 * S, 4))                           # 3 pages, 2 free: c goes, not d
+    assert not exists(fs, "/tmp/c") and where(fs, "/tmp/d")["device"] == 2
+    assert fs.stats()["swap_out_pages"] == 0 and fs.stats()["cache_drops"] == 1
+    fs.pred(BOB, x, toks(5 * S, 5))                           # 5 more, 1 free: d, then the open cache file
+    assert where(fs, "/tmp/d")["host"] == 2 and fs.stat(ALICE, oc)["residency"]["host"] == 2
+    assert exists(fs, "/tmp/oc") and fs.stats()["cache_drops"] == 1
+    assert fs.stat(ALICE, oc)["advice"] == "cache"
+    with pytest.raises(InvalidArgument, match="cache, expire"):
+        fs.advise(ALICE, fs.create(ALICE), "discard")
+
+
+def test_reclaim_skips_what_host_and_disk_cannot_take_and_make_room_says_so(weights):
+    fs = make_fs(weights, pages=9, host_pages=2)              # 8 device pages, 2 host slots, no disk
+    p = file_of(fs, BOB, 2, "/tmp/p", seed=2, keep_open=True)
+    assert fs.suspend(2) == 2                                 # p to the host: the slots are full
+    fs.close(BOB, p)
+    c = file_of(fs, ALICE, 2, "/tmp/c", "cache", seed=1, keep_open=True)
+    file_of(fs, ALICE, 2, "/tmp/idle", seed=3)
+    assert fs.reclaim(8) == 4                                 # idle has no slot to go to: skipped
+    fs.close(ALICE, c)
+    assert fs.reclaim(8) == 6 and not exists(fs, "/tmp/c")    # the closed cache file is deleted
+    assert where(fs, "/tmp/idle")["device"] == 2
+    with pytest.raises(NoSpace, match=r"need 7 free device KV pages: 6 free and 1 evictable, but the "
+                                      r"host and disk tiers ran out of slots.*no disk tier"):
+        fs.pred(ALICE, fs.create(ALICE), toks(7 * S))
+
+
+# ------------------------------------------------------------------ pinned pids
+
+def test_files_of_running_lips_are_never_page_evicted(weights):
+    fs = make_fs(weights, pages=9, running=[6], host_pages=16)   # 8 device pages
+    r = file_of(fs, RUNNING, 5, "/tmp/run", seed=1, keep_open=True)
+    file_of(fs, ALICE, 2, "/tmp/idle", seed=2)
+    x = fs.create(ALICE)
+    with pytest.raises(NoSpace, match=r"need 4 free device KV pages: 1 free and only 2 more evictable"):
+        fs.pred(ALICE, x, toks(4 * S, 3))
+    assert fs.stat(RUNNING, r)["residency"]["device"] == 5 and fs.stats()["swap_out_pages"] == 0
+    fs.pred(ALICE, x, toks(3 * S, 3))                         # 3 fit: the idle file goes
+    assert where(fs, "/tmp/idle")["host"] == 2 and fs.stat(RUNNING, r)["residency"]["device"] == 5
+    assert fs.reclaimable() == 0 and fs.pid_device_pages(6) == 5 and fs.pid_pages(1) == 3
+
+
+# ------------------------------------------------------------------ device_need
+
+def _need_then_run(fs, call):
+    """device_need, reclaim exactly that, run: the run evicts nothing and takes it all."""
+    need = fs.device_need(call)
+    assert fs.reclaim(need) == need                            # the pool was full: exactly need now
+    outs, drops = fs.stats()["swap_out_pages"], fs.stats()["cache_drops"]
+    [res] = fs.run_preds([call])
+    assert res.error is None, res.error
+    assert fs.stats()["swap_out_pages"] == outs and fs.stats()["cache_drops"] == drops
+    assert free(fs) == 0
+    return need
+
+
+def test_device_need_is_what_the_pred_takes(weights):
+    fs = make_fs(weights, pages=17, host_pages=64)            # 16 device pages
+    file_of(fs, ALICE, 16, "/tmp/filler", seed=9)             # the pool is full of an idle file
+    a = fs.create(ALICE)                                      # fresh file, 2 pages and a bit
+    assert _need_then_run(fs, KVPred(ALICE, a, toks(9, 1))) == 3
+    b = fs.fork(ALICE, a)                                     # shared partial last page: copied
+    assert _need_then_run(fs, KVPred(ALICE, b, toks(2, 2))) == 1
+    assert _need_then_run(fs, KVPred(ALICE, b, toks(6, 3))) == 2   # own partial page now: no copy
+    assert fs.suspend(1) == 6                                 # a and b swapped out, shared pages once
+    assert fs.resume_need(1) == 6
+    file_of(fs, BOB, 6, "/tmp/filler2", seed=8)               # the pool full again
+    assert _need_then_run(fs, KVPred(ALICE, a, toks(5, 4))) == 3 + 1   # a's 3 back + 1 new (9+5=14)
+
+
+# ------------------------------------------------------------------ reclaim / reclaimable
+
+def test_reclaim_never_touches_protected_blocks_and_reclaimable_is_exact(weights):
+    fs = make_fs(weights, pages=17, running=[6], blocked=[5], host_pages=5)   # 16 device pages
+    file_of(fs, ALICE, 2, "/tmp/c", "cache", seed=1)
+    file_of(fs, ALICE, 3, "/tmp/idle", seed=2)
+    file_of(fs, ALICE, 3, "/tmp/idle2", seed=3)
+    b = file_of(fs, BLOCKED, 3, "/tmp/blocked", seed=4, keep_open=True)
+    r = file_of(fs, RUNNING, 2, "/tmp/run", seed=5, keep_open=True)
+    protect = {blk.id for blk in fs.handles[b].inode.blocks}     # e.g. shared with a running LIP
+    assert free(fs) == 3
+    assert fs.reclaimable(protect) == 2 + 5                   # the cache file + host room for 5 of 6
+    assert fs.reclaim(100, protect) == 3 + 7
+    assert fs.stat(BLOCKED, b)["residency"]["device"] == 3 and fs.stat(RUNNING, r)["residency"]["device"] == 2
+    assert fs.reclaimable(protect) == 0 and fs.reclaim(100, protect) == 10
+    with pytest.raises(InvalidArgument):
+        fs.reclaim(-1)
+
+
+# ------------------------------------------------------------------ suspend / resume
+
+def _two_files(fs):
+    h = fs.create(ALICE)
+    fs.pred(ALICE, h, toks(4 * S + 2, 1))                     # 5 pages, a partial last one
+    g = fs.create(ALICE, "/tmp/other")
+    fs.pred(ALICE, g, toks(2 * S, 2))
+    return h, g
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_suspend_and_resume_is_bit_exact_and_frees_the_pages(weights, tmp_path, eager):
+    plain = make_fs(weights, pages=17, host_pages=4)
+    want = [plain.pred(ALICE, h, [3]) for h in _two_files(plain)]
+    fs = make_fs(weights, pages=17, host_pages=4, swap_dir=str(tmp_path))   # 6 pages: 4 host + 2 disk
+    h, g = _two_files(fs)
+    before = free(fs)
+    keep = {fs.handles[g].inode.blocks[0].id}                  # say a running LIP shares g's first page
+    assert fs.suspend(1, keep) == 6 and free(fs) == before + 6
+    assert fs.resume_need(1) == 6 and fs.stats()["suspensions"] == 1
+    assert fs.stat(ALICE, h)["residency"]["disk"] > 0 and fs.stat(ALICE, g)["residency"]["device"] == 1
+    assert fs.suspend(2) == 0                                 # bob has nothing open
+    if eager:
+        assert fs.swap_in_pid(1) == 6 and fs.resume_need(1) == 0 and free(fs) == before
+    got = [fs.pred(ALICE, h, [3]), fs.pred(ALICE, g, [3])]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(InvalidArgument):
+        fs.suspend(0)
+
+
+def test_suspend_with_full_host_and_disk_raises_and_changes_nothing(weights):
+    fs = make_fs(weights, pages=17, host_pages=4)             # 4 host slots, no disk
+    p = file_of(fs, BOB, 1, "/tmp/p", seed=2, keep_open=True)
+    assert fs.suspend(2) == 1                                 # p takes a host slot: 3 left
+    h = file_of(fs, ALICE, 4, seed=1, keep_open=True)
+    state = lambda: ([(b.device, b.host) for b in fs.handles[h].inode.blocks], free(fs), fs.stats())
+    before = state()
+    with pytest.raises(NoSpace, match=r"cannot suspend process 1: its 4 device KV pages need host/disk "
+                                      r"slots; 3 free .*no disk tier.*only 0 more from cache files"):
+        fs.suspend(1)
+    assert state() == before
+    fs.advise(BOB, p, "cache")
+    fs.close(BOB, p)                                          # a closed cache file on the host ...
+    assert fs.suspend(1) == 4 and not exists(fs, "/tmp/p")    # ... is deleted to make room
+    assert fs.stats()["cache_drops"] == 1 and fs.stats()["suspensions"] == 2
+
+
+# ------------------------------------------------------------------ NoSpace only when true
+
+def test_a_pred_larger_than_the_pool_is_refused_with_the_numbers(weights):
+    fs = make_fs(weights, pages=16)                           # 15 device pages
+    h = fs.create(ALICE)
+    fs.pred(ALICE, h, toks(10))
+    msg = ("pred needs 18 device KV pages (the file's 10 tokens + 60 new at 4 tokens a page); "
+           "the device pool holds 15 pages: 3 too many")
+    with pytest.raises(NoSpace, match=re.escape(msg)):
+        fs.pred(ALICE, h, toks(60, 1))
+    assert fs.stat(ALICE, h)["length"] == 10
+    fs.pred(ALICE, h, toks(50, 1))                            # 15 pages: fits
+
+
+def test_quota_message_says_by_how_much(weights):
+    fs = make_fs(weights, pages=32, user_page_quota=4)
+    h = fs.create(ALICE)
+    with pytest.raises(QuotaExceeded, match=r"would hold 6 KV pages, quota 4 \(2 over\)"):
+        fs.pred(ALICE, h, toks(6 * S))
+
+
+def test_a_dropped_durable_cache_file_is_gone_after_a_restart_too(weights, tmp_path):
+    fs = make_fs(weights, pages=9, durable_dir=str(tmp_path))   # 8 device pages
+    h = fs.create(ALICE, "/tmp/c")
+    fs.pred(ALICE, h, toks(3 * S))
+    fs.advise(ALICE, h, "cache")
+    fs.sync(ALICE, h)
+    fs.close(ALICE, h)
+    assert len(list(tmp_path.glob("*.kvf"))) == 1
+    again = make_fs(weights, pages=9, durable_dir=str(tmp_path))   # restored: still a cache file
+    assert again.stat(ALICE, "/tmp/c")["advice"] == "cache" and again.stats()["cache_files"] == 1
+    fs.pred(BOB, fs.create(BOB), toks(8 * S))                  # the whole pool: the file is deleted
+    assert not exists(fs, "/tmp/c") and list(tmp_path.glob("*.kvf")) == []
+    assert not exists(make_fs(weights, pages=9, durable_dir=str(tmp_path)), "/tmp/c")
