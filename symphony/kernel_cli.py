@@ -66,7 +66,16 @@ def kernel_main(argv=None) -> int:
                    help="octal bits cleared from every KV file/directory mode a LIP asks for (default 022: "
                         "no file is writable by other users; 077: nothing can be shared)")
     p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
-    p.add_argument("--max-lips", type=int, default=256)
+    p.add_argument("--max-lips", type=int, default=256,
+                   help="LIPs running at once (default 256); more wait in the admission queue")
+    g = p.add_argument_group("admission queue (a LIP that cannot start now waits, in order)")
+    g.add_argument("--max-queued", type=int, default=1024, help="LIPs waiting, all users (default 1024)")
+    g.add_argument("--max-queued-per-user", type=int, default=256, help="LIPs waiting, one user (default 256)")
+    g.add_argument("--max-queued-mb", type=int, default=256,
+                   help="MiB of program source the waiting LIPs may hold, all users (default 256)")
+    g.add_argument("--lip-kv-tokens", type=int, default=512,
+                   help="KV tokens a LIP is expected to need when its client gives no hint (spawn "
+                        "kv_tokens) and no LIP of its program ran lately (default 512)")
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
@@ -79,6 +88,12 @@ def kernel_main(argv=None) -> int:
                    help="enable root-only fault-injection requests (tests only; never in production)")
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
+    from .sched.admission import AdmissionLimits
+    try:
+        admission = AdmissionLimits(args.max_queued, args.max_queued_per_user, args.max_queued_mb << 20,
+                                    args.lip_kv_tokens)
+    except ValueError as e:
+        p.error(f"admission queue: {e}")
     try:
         policy = _policy(args)
     except ValueError as e:
@@ -120,7 +135,7 @@ def kernel_main(argv=None) -> int:
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
-                    test_hooks=args.test_hooks)
+                    test_hooks=args.test_hooks, admission=admission)
     try:
         import uvloop
         uvloop.run(kernel.serve())
