@@ -357,3 +357,82 @@ def test_a_lip_waits_for_the_kv_it_is_expected_to_need(ak):
     with pytest.raises(KernelError, match="kv_tokens must be an int"):
         launch(ak, kv_tokens=0)
     idle(ak)
+
+
+def test_symphony_run_says_queued_and_ps_shows_it(ak, tmp_path):
+    import threading
+    prog = tmp_path / "waiter.py"
+    prog.write_text(WAITER)
+    hold = [launch(ak) for _ in range(2)]
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=ak.run(prog, stdin="hi\n", user="gus")))
+    t.start()
+    row = until(lambda: next((l for l in ak.client().ps()["lips"] if l["user"] == "gus"), None), "gus's LIP")
+    assert row["state"] == "queued" and row["position"] == 1
+    import subprocess
+    import sys
+    ps = subprocess.run([sys.executable, "-m", "symphony.cli", "ps"], capture_output=True, text=True,
+                        env=ak.env, timeout=60)
+    line = next(line for line in ps.stdout.splitlines() if " gus " in line)
+    assert line.split()[2:4] == ["queued", "#1"], ps.stdout
+    finish(hold[0][0], hold[0][1]["lip"])
+    t.join(60)
+    r = done["r"]
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "readygot hi", r.stdout
+    assert r.stderr == (f"symphony: LIP {row['lip']} queued (position 1; too many LIPs running (2 of 2))\n")
+    finish(hold[1][0], hold[1][1]["lip"])
+    idle(ak)
+
+
+def test_the_table_queues_admits_and_drops():
+    from symphony.kernel.proctable import ProcessTable
+    from symphony.kernel.snapshot import ProcRow
+    t = ProcessTable()
+    e = t.queue(ProcRow(1, "ann", "a.py", "queued", 0, 0, 0.0, (), {}))
+    t.queue(ProcRow(2, "ann", "a.py", "queued", 0, 0, 0.0, (), {}))
+    assert e.state == "queued" and e.ring is None and (t.queued, t.admitted, t.count_for("ann")) == (2, 0, 0)
+    assert t.kill(1, "killed by ann") is e and e.state == "queued"      # the caller drops it
+    assert t.exit_reported(1) is None                                  # no worker to report
+    assert t.admit(1, ring="ring") is e and e.state == "starting" and e.ring == "ring"
+    assert (t.queued, t.admitted, t.count_for("ann"), t.admitted_by_user()) == (1, 1, 1, {"ann": 1})
+    ended, ev = t.drop(2, "timed out waiting for admission (1 s)")
+    assert ev == {"event": "exit", "lip": 2, "status": 137, "reason": "timed out waiting for admission (1 s)"}
+    assert ended.state == "exited" and t.get(2) is None and t.count_for("ann") == 1 and t.queued == 0
+    assert t.drop(1, "x") is None                                       # not queued any more
+    with pytest.raises(Exception, match="not queued"):
+        t.admit(1, ring=None)
+
+
+FILLER = ("from symphony.lip import kv, pred, recv, send, tokenize\n\n"
+          "def main(n):\n"
+          "    f = kv.create()\n"
+          "    t = tokenize('ab ' * int(n))\n"
+          "    pred(f, t)\n"
+          "    send(len(t))\n"
+          "    while recv() is not None:\n"
+          "        pass\n")
+
+
+def test_a_program_is_expected_to_need_what_it_held_last_time(ak):
+    c = ak.client(user="hal", timeout=60)
+    first = c.launch(FILLER, ["100"], filename="filler.py")
+    lip = first["lip"]
+    ev = next(c.events(timeout=60))
+    assert first["event"] == "started" and ev["event"] == "out", ev
+    n_tokens = ev["data"]
+    time.sleep(0.5)                                     # sampled while it holds its pages
+    assert finish(c, lip)[-1]["reason"] == "finished"
+    hold = [launch(ak) for _ in range(2)]
+    again = ak.client(user="hal", timeout=60)
+    r = again.launch(FILLER, ["3"], filename="filler.py")          # same program, same user
+    other = ak.client(user="ian", timeout=60)
+    r2 = other.launch(FILLER, ["3"], filename="filler.py")         # another user's: no history
+    rows = {l["lip"]: l for l in ak.client().ps()["lips"]}
+    assert rows[r["lip"]]["kv_pages_expected"] == -(-n_tokens // 16) != 32, (n_tokens, rows[r["lip"]])
+    assert rows[r2["lip"]]["kv_pages_expected"] == 512 // 16        # --lip-kv-tokens default
+    for x, rr in ((again, r), (other, r2)):
+        x.kill(rr["lip"])
+    for hc, hr in hold:
+        finish(hc, hr["lip"])
+    idle(ak)

@@ -115,7 +115,7 @@ class AdmissionControl:
             self.admission.timeouts += 1
             self._end_queued(lip_id, f"timed out waiting for admission ({secs:g} s)")
         else:
-            self._kill(lip_id, f"killed: wall-clock limit of {secs:g} s")
+            self._kill(lip_id, f"killed: wall-clock limit of {secs} s")
 
     def _end_queued(self, lip_id: int, reason: str, tell: bool = True, pump: bool = True) -> None:
         """A queued LIP leaves without starting: exit event to its clients at
@@ -162,14 +162,13 @@ class AdmissionControl:
         """The queue's `stats` fields."""
         return self.admission.stats()
 
-    def queued_view(self, row) -> dict:
-        """`ps` fields of a queued LIP: its place in the queue and how long it waited."""
-        p = self.pending.get(row.lip)
-        per_user = self.procs.admitted_by_user()
-        return {"position": self.admission.position(row.lip, per_user),
-                "waited_s": round(time.monotonic() - p.queued_at, 3) if p else 0.0,
-                "kv_pages_expected": p.pages if p else 0}
-
+    def queued_views(self) -> dict:
+        """{lip: its `ps` fields} of the queued LIPs: place in the queue, how
+        long it has waited, the KV pages it is expected to need."""
+        now = time.monotonic()
+        order = self.admission.order(self.procs.admitted_by_user())
+        return {w.lip: {"position": i, "waited_s": round(now - w.arrived, 3), "kv_pages_expected": w.pages}
+                for i, w in enumerate(order, 1)}
 
 def new_admission_state(limits) -> tuple[AdmissionQueue, PeakTable]:
     """The queue and the peak table a Kernel starts with."""

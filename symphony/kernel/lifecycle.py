@@ -210,6 +210,7 @@ class LipLifecycle:
     def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
         """The LIP's process is gone: mark it exiting, have the syscall thread
         reclaim its files and ring, then send the exit event (`_reclaimed`)."""
+        self._sample_peaks()                           # its pages as last published: its program's peak
         if self.procs.exit_reported(lip_id) is None:
             return
         fut = self.sys.call_future(lambda: self.sys.remove(lip_id))

@@ -141,8 +141,8 @@ class ClientSessions:
         arguments and limits); None: an administrator, who sees everything."""
         (rows, finished, _), served = self.procs.snapshot, self.sys.snapshot
         full = lambda r: viewer is None or r.user == viewer  # noqa: E731
-        return {"lips": [dict(r.ps(served.counters(r.lip), full(r)),
-                              **(self.queued_view(r) if r.state == "queued" else {})) for r in rows],
+        queued = self.queued_views()                   # position, waited_s of each queued LIP
+        return {"lips": [dict(r.ps(served.counters(r.lip), full(r)), **queued.get(r.lip, {})) for r in rows],
                 "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
 
     async def _fresh_serving_snapshot(self, wait_s: float = FRESH_SNAPSHOT_WAIT_S) -> None:
