@@ -436,3 +436,12 @@ def test_a_program_is_expected_to_need_what_it_held_last_time(ak):
     for hc, hr in hold:
         finish(hc, hr["lip"])
     idle(ak)
+
+
+def test_kernel_flags_refuse_a_bad_bound(capsys):
+    from symphony.kernel_cli import kernel_main
+    for flag in ("--max-queued", "--max-queued-per-user", "--max-queued-mb", "--lip-kv-tokens"):
+        with pytest.raises(SystemExit):
+            kernel_main([flag, "0"])
+        err = capsys.readouterr().err
+        assert "admission queue:" in err and "must be an int >= 1, got 0" in err, err
