@@ -185,8 +185,12 @@ def _client_cmd(args) -> int:
                 print(f"{'LIP':>5} {'USER':<10} {'STATE':<9} {'PID':>7} {'PREDS':>7} {'TOKENS':>8}  PROGRAM")
                 for l in r["lips"]:                # another user's LIP comes without its arguments
                     args_ = " ".join(l["args"]) if "args" in l else "[args hidden]"
-                    print(f"{l['lip']:>5} {l['user']:<10} {l['state']:<9} {l['pid']:>7} {l['preds']:>7} "
-                          f"{l['tokens']:>8}  {l['file']} {args_}"[:160])
+                    if l["state"] == "queued":     # its place in the queue instead of a pid and counters
+                        pid, preds, tokens = f"#{l.get('position')}", "-", f"{l.get('waited_s', 0):.1f}s"
+                    else:
+                        pid, preds, tokens = l["pid"], l["preds"], l["tokens"]
+                    print(f"{l['lip']:>5} {l['user']:<10} {l['state']:<9} {pid:>7} {preds:>7} "
+                          f"{tokens:>8}  {l['file']} {args_}"[:160])
                 return 0
             if args.cmd == "kill":
                 c.kill(args.lip)
@@ -235,9 +239,13 @@ def _run(c, args) -> int:
         limits["cpu_seconds"] = args.cpu
     if args.memory_mb:
         limits["memory_bytes"] = args.memory_mb << 20
-    lip = c.spawn(source, args.lip_args, filename=os.path.basename(path), grants=grants, limits=limits,
-                  priority=args.priority)
-    if args.verbose:
+    reply = c.launch(source, args.lip_args, filename=os.path.basename(path), grants=grants, limits=limits,
+                     priority=args.priority, kv_tokens=args.kv_tokens)
+    lip = reply["lip"]
+    if reply.get("event") == "queued":                 # always said: the wait is not a hang
+        why = reply.get("waiting_for") or "waiting for its turn"
+        print(f"symphony: LIP {lip} queued (position {reply.get('position')}; {why})", file=sys.stderr)
+    elif args.verbose:
         print(f"symphony: LIP {lip} started", file=sys.stderr)
 
     def pump_stdin():
@@ -255,7 +263,10 @@ def _run(c, args) -> int:
     try:
         for ev in c.events():
             kind = ev.get("event")
-            if kind == "out":
+            if kind == "started":
+                if args.verbose:
+                    print(f"symphony: LIP {lip} started after waiting {ev.get('waited_s')} s", file=sys.stderr)
+            elif kind == "out":
                 d = ev["data"]
                 sys.stdout.write(d if isinstance(d, str) else json.dumps(d) + "\n")
                 sys.stdout.flush()
@@ -288,7 +299,10 @@ def _add_client_cmds(sub) -> None:
     r.add_argument("--list", action="store_true", help="list the stock programs and exit")
     r.add_argument("lip_args", nargs=argparse.REMAINDER)
     r.add_argument("--grant", action="append", default=[], help="http:HOST[:PORT] or read:DIR (repeatable)")
-    r.add_argument("--timeout", type=float, default=None, help="wall-clock limit, seconds")
+    r.add_argument("--timeout", type=float, default=None,
+                   help="wall-clock limit, seconds (a wait in the admission queue counts)")
+    r.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV tokens the LIP is expected to need: it starts when that much KV memory is free")
     r.add_argument("--cpu", type=int, default=None, help="CPU-time limit, seconds")
     r.add_argument("--memory-mb", type=int, default=None, help="address-space limit, MiB")
     r.add_argument("-i", "--interactive", action="store_true", help="forward terminal input to recv()")

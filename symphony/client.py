@@ -65,16 +65,28 @@ class Client:
             raise KernelError(reply)
         return reply
 
-    def spawn(self, source: str, args=(), *, filename: str = "lip.py", grants: Optional[dict] = None,
-              limits: Optional[dict] = None, attach: bool = True, priority="normal") -> int:
-        """Start a LIP from its ``source`` text with ``args``; returns its id. ``grants``:
-        {"http": [...], "read": [...]}; ``limits``: ceilings asked for (memory_bytes,
-        cpu_seconds, timeout, threads); ``attach``: stream its events to this client.
-        (A stock program's source: ``symphony.programs.resolve(name).read_text()``.)"""
-        r = self.request({"op": "spawn", "source": source, "filename": filename, "args": list(args),
-                          "grants": grants or {}, "limits": limits or {}, "attach": attach,
-                          "priority": priority})
-        return r["lip"]
+    def spawn(self, source: str, args=(), **kw) -> int:
+        """Start a LIP from its ``source`` text with ``args``; returns its id, whether
+        it started or waits in the admission queue (`launch` says which)."""
+        return self.launch(source, args, **kw)["lip"]
+
+    def launch(self, source: str, args=(), *, filename: str = "lip.py", grants: Optional[dict] = None,
+               limits: Optional[dict] = None, attach: bool = True, priority="normal",
+               kv_tokens: Optional[int] = None) -> dict:
+        """Start a LIP; returns the kernel's reply: {"event": "started", "lip"}, or
+        {"event": "queued", "lip", "position", "waiting_for"} when it waits for a LIP
+        slot or KV memory (an attached client then gets {"event": "started", "lip",
+        "waited_s"} among its events once it starts).  ``grants``: {"http": [...],
+        "read": [...]}; ``limits``: ceilings asked for (memory_bytes, cpu_seconds,
+        timeout (which counts the wait), threads); ``attach``: stream its events to
+        this client; ``kv_tokens``: the KV tokens it is expected to need (admission
+        waits for that much free KV memory).  (A stock program's source:
+        ``symphony.programs.resolve(name).read_text()``.)"""
+        msg = {"op": "spawn", "source": source, "filename": filename, "args": list(args),
+               "grants": grants or {}, "limits": limits or {}, "attach": attach, "priority": priority}
+        if kv_tokens is not None:
+            msg["kv_tokens"] = kv_tokens
+        return self.request(msg)
 
     def events(self, timeout: Optional[float] = None) -> Iterator[dict]:
         """The attached LIPs' events until the (first) exit event.  If the kernel
@@ -111,7 +123,8 @@ class Client:
         return self.request({"op": "kill", "lip": lip})
 
     def ps(self) -> dict:
-        """The running LIPs: {"lips": [{"lip", "user", "state", "pid", "preds", "tokens", ...}]}."""
+        """The live LIPs: {"lips": [{"lip", "user", "state", "pid", "preds", "tokens", ...}]};
+        a queued one (state "queued") also has "position" and "waited_s"."""
         return self.request({"op": "ps"})
 
     def stats(self) -> dict:

@@ -47,6 +47,31 @@ def _umask(text: str) -> int:
     return m
 
 
+_ADMISSION_FLAGS = (   # flag, default, what it bounds (all ints >= 1)
+    ("--max-queued", 1024, "LIPs waiting in the admission queue, all users"),
+    ("--max-queued-per-user", 256, "LIPs waiting in the admission queue, one user"),
+    ("--max-queued-mb", 256, "MiB of program source the waiting LIPs may hold, all users"),
+    ("--lip-kv-tokens", 512, "KV tokens a LIP is expected to need when its client gives no hint "
+                             "(spawn kv_tokens) and no LIP of its program ran lately"))
+
+
+def _admission_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admission queue (a LIP that cannot start now waits its turn)")
+    for flag, default, what in _ADMISSION_FLAGS:
+        g.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+
+
+def _admission(p: argparse.ArgumentParser, args):
+    """The admission queue's bounds from the flags (argparse error if one is bad)."""
+    from .sched.admission import AdmissionLimits
+    try:
+        return AdmissionLimits(args.max_queued, args.max_queued_per_user, args.max_queued_mb << 20,
+                               args.lip_kv_tokens)
+    except ValueError as e:
+        p.error(f"admission queue: {e} (from --max-queued, --max-queued-per-user, --max-queued-mb, "
+                f"--lip-kv-tokens)")
+
+
 def kernel_main(argv=None) -> int:
     """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
     warm up, then serve until stopped; returns the exit status."""
@@ -66,7 +91,9 @@ def kernel_main(argv=None) -> int:
                    help="octal bits cleared from every KV file/directory mode a LIP asks for (default 022: "
                         "no file is writable by other users; 077: nothing can be shared)")
     p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
-    p.add_argument("--max-lips", type=int, default=256)
+    p.add_argument("--max-lips", type=int, default=256,
+                   help="LIPs running at once (default 256); more wait in the admission queue")
+    _admission_args(p)
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
@@ -79,6 +106,7 @@ def kernel_main(argv=None) -> int:
                    help="enable root-only fault-injection requests (tests only; never in production)")
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
+    admission = _admission(p, args)
     try:
         policy = _policy(args)
     except ValueError as e:
@@ -120,7 +148,7 @@ def kernel_main(argv=None) -> int:
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
-                    test_hooks=args.test_hooks)
+                    test_hooks=args.test_hooks, admission=admission)
     try:
         import uvloop
         uvloop.run(kernel.serve())

@@ -127,14 +127,20 @@ def test_priority_as_unix_users(lk):
 
 
 def test_one_user_cannot_take_every_lip_slot(lk):
-    from symphony.client import KernelError
     c = lk.client(user="mallory")
     lips = [c.spawn(SLEEPER, attach=False, limits={"timeout": 30}) for _ in range(3)]
-    with pytest.raises(KernelError, match="already runs 3 LIPs.*--max-lips-per-user 3"):
-        c.spawn(SLEEPER, attach=False, limits={"timeout": 30})
+    r4 = c.launch(SLEEPER, attach=False, limits={"timeout": 30})        # over her share: it waits (issue 19)
+    assert r4["event"] == "queued" and "running" not in [l["state"] for l in c.ps()["lips"]
+                                                         if l["lip"] == r4["lip"]]
     r = lk.run(HOSTILE / "well_behaved.py", user="bob", extra=GOOD_FLAGS)     # another user still can
     assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
-    for lip in lips:
+    assert [l["state"] for l in c.ps()["lips"] if l["lip"] == r4["lip"]] == ["queued"]
+    c.kill(lips[0])                                                     # one of hers ends: the 4th starts
+    deadline = time.time() + 30
+    while [l["state"] for l in c.ps()["lips"] if l["lip"] == r4["lip"]] == ["queued"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert [l["state"] for l in c.ps()["lips"] if l["lip"] == r4["lip"]] in (["starting"], ["running"])
+    for lip in lips[1:] + [r4["lip"]]:
         c.kill(lip)
     c.close()
 

@@ -8,18 +8,21 @@
 
 Client requests (framed JSON, see `protocol.py`), each answered on the same
 connection:
-    {"op": "spawn", "source", "filename", "args", "grants", "limits", "attach"}
-        -> {"event": "started", "lip": id} then, if attached, the LIP's events:
-           {"event": "out"|"stdout"|"stderr", "data"}, {"event": "exit", "status", "reason"}
+    {"op": "spawn", "source", "filename", "args", "grants", "limits", "attach", "priority", "kv_tokens"}
+        -> {"event": "started", "lip": id}, or {"event": "queued", "lip": id, "position": k,
+           "waiting_for"} and later {"event": "started", "lip": id, "waited_s"}; then, if
+           attached, the LIP's events: {"event": "out"|"stdout"|"stderr", "data"},
+           {"event": "exit", "status", "reason"}
     {"op": "input", "lip", "data"} / {"op": "input", "lip", "eof": true}
     {"op": "kill", "lip"}, {"op": "ps"}, {"op": "kv_ls", "path"}, {"op": "kv_rm", "path"},
     {"op": "kv_stat", "path"}, {"op": "stats"}, {"op": "shutdown"} (root only)
 The caller's user is the peer's Unix user (SO_PEERCRED); root may act as any
 user by naming it in the request.
 
-The Kernel is four mixins over the state it owns, one file each:
+The Kernel is five mixins over the state it owns, one file each:
     lifecycle.py   LipLifecycle: spawn, the zygote's channel, kill, reclaim
                    (drives the process table, proctable.py)
+    admission.py   AdmissionControl: the admission queue (policy: sched/admission.py)
     sessions.py    ClientSessions: the client RPC server, ps, stats
     output.py      OutputStreams: LIP output to clients, with back-pressure
     supervisor.py  Supervision: supervised tasks, watchdogs, loud failure
@@ -44,7 +47,9 @@ from typing import Optional
 
 from symphony.ipc.wait import WaitSet
 from symphony.kvfs import KVFS
+from symphony.sched.admission import AdmissionLimits
 
+from .admission import AdmissionControl, new_admission_state
 from .capabilities import Capabilities, CapPolicy
 from .identity import UidPool
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
@@ -60,20 +65,22 @@ from .syscalls import SyscallServer
 log = logging.getLogger("symphony.kernel")
 
 
-class Kernel(LipLifecycle, ClientSessions, OutputStreams, Supervision):
+class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supervision):
     """The kernel daemon (see the module docstring)."""
 
     def __init__(self, engine, fs: KVFS, socket_path: str, *, served: ServedLips, max_lips: int = 256,
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
                  token_budget: Optional[int] = None, policy: Optional[LimitPolicy] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
-                 lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False):
+                 lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
+                 admission: Optional[AdmissionLimits] = None):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
         default the stock ones, with ``default_limits`` as defaults).
         ``max_queued_output``: bytes of one LIP's output the kernel holds for
-        its client (or keeps for a detached LIP) before its send() waits."""
+        its client (or keeps for a detached LIP) before its send() waits.
+        ``admission``: the admission queue's bounds and default KV estimate."""
         if fs.evict_first != served.swap_out_first:
             raise ValueError("fs must be built with evict_first=served.swap_out_first")
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
@@ -94,6 +101,13 @@ class Kernel(LipLifecycle, ClientSessions, OutputStreams, Supervision):
         self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
         self.fatal: Optional[str] = None      # why the kernel is going down after a failure
         self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle
+        self.admission, self.peaks = new_admission_state(admission or AdmissionLimits())   # the event loop's
+        self.pending: dict = {}                        # lip -> admission.PendingStart, request to exit
+        self._spawning: dict = {}                      # lip -> its start's error, while its spawn pumps
+        self._waiting_for = ""                         # why the queue's head waits
+        self._forks: set = set()
+        self._fork_lock = asyncio.Lock()
+        self._admission_wake = asyncio.Event()
         self._init_output()
         self.next_id = 1
         self.zygote = None
@@ -134,6 +148,7 @@ class Kernel(LipLifecycle, ClientSessions, OutputStreams, Supervision):
             raise RuntimeError(f"the zygote did not start: {first!r}")
         self._zy_task = self._supervise("zygote reader", self._read_zygote)
         self._supervise("process table", self._process_reports)
+        self._supervise("admission queue", self._watch_admission)
         self.sys.thread.start()
         self._supervise("syscall thread watchdog", self._watch_syscall_thread)
         if os.path.exists(self.socket_path):

@@ -1,13 +1,15 @@
-"""LIP lifecycles: admission and spawn, the zygote's channel, kill, exit and reclaim.
+"""LIP lifecycles: spawn and admission, the zygote's channel, kill, exit and reclaim.
 
 A mixin of `daemon.Kernel`; runs on the event loop, the owner of the process
 table (`self.procs`, proctable.py), whose state machine this drives:
 
-    spawn()             admission, the LIP's ring, a `LipProc` handed to the
-                        syscall thread, the zygote asked to fork  -> starting
+    spawn()             checks, then the admission queue (admission.py)  -> queued
+    _start()            admitted: the LIP's uid and ring, a `LipProc` handed
+                        to the syscall thread, the zygote asked to fork  -> starting
     _process_reports()  the zygote's reports, in order: "spawned" (pid)
                         -> running; "exited" -> exiting, reclaim requested
-    _kill()             -> killing, SIGKILL to the pid (once it is known)
+    _kill()             -> killing, SIGKILL to the pid (once it is known);
+                        a queued LIP -> exited at once
     _reclaimed()        the syscall thread reclaimed it -> exited, the exit
                         event goes out
 """
@@ -24,8 +26,9 @@ from typing import Optional
 import orjson
 
 from symphony.ipc.kernel_side import KernelSide
-from symphony.sched import admit
+from symphony.sched.admission import Waiting, check_kv_tokens, program_key
 
+from .admission import PendingStart
 from .capabilities import Identity
 from .identity import check_caller
 from .proc import LipProc
@@ -40,10 +43,11 @@ class LipLifecycle:
     """Spawn, kill and reclaim of `daemon.Kernel`."""
 
     async def spawn(self, user: str, msg: dict, watcher=None, owner: Optional[Identity] = None,
-                    caller_uid: Optional[int] = None) -> ProcRow:
-        """Admit and start a LIP for ``user`` from a client's spawn request;
-        its row as the table has it (state "starting").  ValueError /
-        PermissionError / LimitExceeded when it may not start."""
+                    caller_uid: Optional[int] = None) -> dict:
+        """Queue a LIP for ``user`` from a client's spawn request and start it
+        if it may start now.  Returns the reply: {"event": "started", "lip"}
+        or {"event": "queued", "lip", "position", "waiting_for"}.  ValueError /
+        PermissionError / LimitExceeded / QueueFull when it may not even wait."""
         source, filename, args = msg.get("source"), msg.get("filename", "lip.py"), msg.get("args", [])
         if not isinstance(source, str) or len(source) > MAX_SOURCE:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
@@ -51,53 +55,93 @@ class LipLifecycle:
             raise ValueError("args must be a list of strings")
         if caller_uid is not None:
             check_caller(self.uids.kernel_uid, caller_uid, self.uids.can_switch)
-        ok, why = admit(len(self.procs), self.max_lips, self.sys.snapshot.kv_pages_free, pages_reserve=1)
-        if not ok:
-            raise ValueError(f"LIP not admitted: {why}")
         priority = self.policy.priority_for(user, msg.get("priority", "normal"))
         grants = self.caps.policy.check_grants(msg.get("grants") or {}, owner)
         limits = self.policy.limits_for(msg.get("limits"))
-        self.policy.check_count(user, self.procs.count_for(user))
+        kv_tokens = check_kv_tokens(msg.get("kv_tokens"))
+        key = program_key(user, source)
+        pages = self.peaks.expected_pages(key, kv_tokens, self.engine.page_size,
+                                          self.admission.limits.default_kv_tokens)
         lip_id = self.next_id
-        uid = self.uids.allocate(lip_id)               # IdentityError when the range is full
+        self.admission.push(Waiting(lip_id, user, priority, pages, time.monotonic(), len(source)))  # QueueFull
         self.next_id += 1
+        filename = str(filename)[:200]
+        self.pending[lip_id] = PendingStart(source, filename, args, grants, limits, owner, key, pages,
+                                            time.monotonic())
+        self.procs.queue(ProcRow(lip_id, user, filename, "queued", priority, 0, time.time(), tuple(args), limits))
+        if watcher is not None:                        # before the fork: no early output is lost
+            self.watchers.setdefault(lip_id, set()).add(watcher)
+        if limits.get("timeout"):                      # the wait in the queue counts
+            self.loop.call_later(limits["timeout"], self._timed_out, lip_id, limits["timeout"])
+        self._admission_wake.set()
+        self._spawning[lip_id] = None
+        try:
+            self._pump_admission()
+            failed = self._spawning[lip_id]
+        finally:
+            del self._spawning[lip_id]
+        if failed is not None:
+            raise failed
+        if lip_id in self.admission:
+            position = self.admission.position(lip_id, self.procs.admitted_by_user())
+            log.info("LIP %d queued at position %d (%s): %s (user %s)", lip_id, position,
+                     self._waiting_for, filename, user)
+            return {"event": "queued", "lip": lip_id, "position": position, "waiting_for": self._waiting_for}
+        return {"event": "started", "lip": lip_id}
+
+    def _start(self, lip_id: int, p: PendingStart) -> None:
+        """Admission: the LIP's uid and ring, a `LipProc` handed to the syscall
+        thread with the input it was sent while it waited, the table's
+        queued -> starting, and the zygote asked to fork (a task)."""
+        row = self.procs.get(lip_id).row
+        uid = self.uids.allocate(lip_id)               # IdentityError when the range is full
         try:
             ring = KernelSide.create(f"{self.prefix}_{lip_id}", n_slots=self.n_slots,
                                      arena_bytes=self.arena_bytes, waitset=self.waitset)
         except BaseException:
             self.uids.release(lip_id)
             raise
-        filename = str(filename)[:200]
-        lip = LipProc(lip_id, user, filename, args, ring, grants, limits)
-        lip.priority = priority
-        lip.owner_uid, lip.owner_gid, lip.owner_groups = owner or (-1, -1, ())   # file capabilities' identity
-        entry = self.procs.add(ProcRow(lip_id, user, filename, "starting", priority, 0, time.time(),
-                                       tuple(args), limits), ring)
+        lip = LipProc(lip_id, row.user, p.filename, p.args, ring, p.grants, p.limits)
+        lip.priority = row.priority
+        lip.owner_uid, lip.owner_gid, lip.owner_groups = p.owner or (-1, -1, ())   # file capabilities' identity
+        self.procs.admit(lip_id, ring)
         self.sys.submit(lambda: self.sys.add(lip))     # handed over (not touched here again); queued
                                                        # before the zygote forks (FIFO)
-        if watcher is not None:                        # before the fork: no early output is lost
-            self.watchers.setdefault(lip_id, set()).add(watcher)
-        # the program travels in a memfd only the worker reads; the zygote sees ids and fds
+        for data in p.inputs:                          # what it was sent while it waited, in order
+            self.sys.submit(lambda d=data: self.sys.give_input(lip_id, d))
+        source, p.source, p.inputs = p.source, None, []
+        task = self.loop.create_task(self._fork(lip_id, source, p, ring, uid))
+        self._forks.add(task)
+        task.add_done_callback(self._forked)
+        log.info("LIP %d spawned: %s %s (user %s)", lip_id, p.filename, " ".join(p.args)[:80], row.user)
+
+    async def _fork(self, lip_id: int, source: str, p: PendingStart, ring, uid) -> None:
+        """Ask the zygote to fork LIP ``lip_id``'s worker; the program travels
+        in a memfd only the worker reads, the zygote sees ids and fds."""
         prog = os.memfd_create(f"lip{lip_id}", os.MFD_CLOEXEC)
         try:
-            data = orjson.dumps({"source": source, "filename": filename, "args": args})
+            data = orjson.dumps({"source": source, "filename": p.filename, "args": p.args})
             view = memoryview(data)
             while view:
                 view = view[os.write(prog, view):]
             cmd = {"cmd": "spawn", "lip": lip_id, "names": ring.names, "uid": uid, "gid": uid,
-                   "limits": limits, "threads": limits.get("threads") if uid is not None else None}
-            await self._zy_send(orjson.dumps(cmd), [prog, ring.bell_fd])
+                   "limits": p.limits, "threads": p.limits.get("threads") if uid is not None else None}
+            async with self._fork_lock:                # one sender at a time on the channel
+                await self._zy_send(orjson.dumps(cmd), [prog, ring.bell_fd])
         finally:
             os.close(prog)
-        if limits.get("timeout"):
-            self.loop.call_later(limits["timeout"], self._kill, lip_id,
-                                 f"killed: wall-clock limit of {limits['timeout']} s")
-        log.info("LIP %d spawned: %s %s (user %s)", lip_id, filename, " ".join(args)[:80], user)
-        return entry.row
+
+    def _forked(self, task: asyncio.Task) -> None:
+        self._forks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("asking the zygote to fork failed: %r", task.exception())
 
     def _kill(self, lip_id: int, reason: str) -> bool:
-        """Kill a live LIP (the first reason is the one its exit event gives);
-        False if there is no such LIP."""
+        """Kill a live LIP (the first reason is the one its exit event gives;
+        a queued one leaves the queue at once); False if there is no such LIP."""
+        if lip_id in self.admission:
+            self._end_queued(lip_id, reason)
+            return True
         entry = self.procs.kill(lip_id, reason)
         if entry is None:
             return False
@@ -166,6 +210,7 @@ class LipLifecycle:
     def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
         """The LIP's process is gone: mark it exiting, have the syscall thread
         reclaim its files and ring, then send the exit event (`_reclaimed`)."""
+        self._sample_peaks()                           # its pages as last published: its program's peak
         if self.procs.exit_reported(lip_id) is None:
             return
         fut = self.sys.call_future(lambda: self.sys.remove(lip_id))
@@ -185,6 +230,7 @@ class LipLifecycle:
                  counters.calls, counters.preds)
         self._deliver(lip_id, event)
         self._forget_output(lip_id)
+        self._exited(lip_id)                           # its slot and KV are free: admit the next
 
     async def _drain_reaping(self, timeout: float) -> bool:
         """Wait until every pending reclaim is done; False if the syscall

@@ -16,24 +16,33 @@ the other is an immutable snapshot (snapshot.py).
 State machine (one LIP; every transition is a method below, run on the event
 loop, and republishes `snapshot`)::
 
-                add()              started(pid)
-      (none) ---------> starting --------------> running
-                           |                        |
-                           | kill(why): the reason  | kill(why): SIGKILL now
-                           | is kept; SIGKILL once  |
-                           | the pid is known       v
-                           +-----------------> killing
-                           |                        |
-                           |  exit_reported(): the zygote reaped the worker;
-                           |  its ring, files and pages are reclaimed on the
-                           |  syscall thread                |
-                           +-----------> exiting <----------+
-                                            |
+                queue()             kill(why) / its timeout / its client left:
+      (none) ---------> queued ---------------------------------------------+
+        |                  |      drop(why): exited at once, never spawned  |
+        |                  | admit(ring): a slot and its KV are free        |
+        |   add()          v                                                |
+        +-----------> starting --------------> running                      |
+                           |    started(pid)        |                       |
+                           | kill(why): the reason  | kill(why): SIGKILL now|
+                           | is kept; SIGKILL once  |                       |
+                           | the pid is known       v                       |
+                           +-----------------> killing                      |
+                           |                        |                       |
+                           |  exit_reported(): the zygote reaped the worker;|
+                           |  its ring, files and pages are reclaimed on the|
+                           |  syscall thread                |               |
+                           +-----------> exiting <----------+               |
+                                            |                               |
                                             | reclaimed(status, signal, counters)
-                                            v
-                                         exited: out of the table, into
+                                            v                               |
+                                         exited: out of the table, into  <--+
                                          `finished` (the last 100), exit event sent
 
+A queued LIP has no ring, uid or worker yet: those are made at admission (the
+admission queue, sched/admission.py, says when), so dropping it undoes nothing.
+`count_for` counts only admitted LIPs (starting to exiting): the per-user limit
+is what a queued LIP waits for, so counting the waiting ones would make a user
+wait for their own queue; the queue bounds those (--max-queued-per-user).
 A LIP's first kill reason wins; `exited`'s reason is that, or what its exit
 status / signal says.  `abandon()` ends an `exiting` LIP whose reclaim never
 came back (shutdown with a hung syscall thread).
@@ -49,7 +58,7 @@ from .snapshot import LipCounters, ProcRow
 
 FINISHED_KEPT = 100
 
-LIVE = ("starting", "running", "killing", "exiting")
+LIVE = ("queued", "starting", "running", "killing", "exiting")
 
 _SIGNAL_REASONS = {signal.SIGXCPU: "killed: CPU time limit exceeded", signal.SIGKILL: "killed",
                    signal.SIGSEGV: "crashed (segmentation fault)",
@@ -62,7 +71,8 @@ class ProcEntry:
     table changes it)."""
 
     row: ProcRow
-    ring: object                        # the LIP's KernelSide: only for its names, and unlink at a hung shutdown
+    ring: object                        # the LIP's KernelSide: only for its names, and unlink at a hung
+                                        # shutdown (None while queued)
     reason: Optional[str] = None        # the first kill reason
 
     @property
@@ -101,6 +111,7 @@ class ProcessTable:
         self._live: dict[int, ProcEntry] = {}
         self._finished: deque = deque(maxlen=FINISHED_KEPT)
         self._by_user: dict[str, int] = {}
+        self._queued = 0
         self.snapshot = TableSnapshot((), (), 0)
 
     # ------------------------------------------------------------------ queries
@@ -117,8 +128,22 @@ class ProcessTable:
         return self._live.get(lip_id) if isinstance(lip_id, int) else None
 
     def count_for(self, user: str) -> int:
-        """Live LIPs of ``user`` (for the per-user limit)."""
+        """Admitted live LIPs of ``user`` (for the per-user limit; not the queued)."""
         return self._by_user.get(user, 0)
+
+    def admitted_by_user(self) -> dict:
+        """{user: admitted live LIPs} (a copy)."""
+        return dict(self._by_user)
+
+    @property
+    def admitted(self) -> int:
+        """Live LIPs that are not queued (each holds a LIP slot)."""
+        return len(self._live) - self._queued
+
+    @property
+    def queued(self) -> int:
+        """LIPs waiting in the admission queue."""
+        return self._queued
 
     # ------------------------------------------------------------------ transitions
     def add(self, row: ProcRow, ring) -> ProcEntry:
@@ -130,6 +155,40 @@ class ProcessTable:
         self._by_user[row.user] = self._by_user.get(row.user, 0) + 1
         self._publish()
         return e
+
+    def queue(self, row: ProcRow) -> ProcEntry:
+        """(none) -> queued: the LIP waits in the admission queue."""
+        if row.lip in self._live:
+            raise TransitionError(f"LIP {row.lip} is already in the table")
+        e = ProcEntry(replace(row, state="queued", pid=0), None)
+        self._live[row.lip] = e
+        self._queued += 1
+        self._publish()
+        return e
+
+    def admit(self, lip_id: int, ring) -> ProcEntry:
+        """queued -> starting: the LIP is admitted, its ring made, its worker asked for."""
+        e = self._live.get(lip_id)
+        if e is None or e.state != "queued":
+            raise TransitionError(f"LIP {lip_id} is not queued")
+        self._queued -= 1
+        self._by_user[e.row.user] = self._by_user.get(e.row.user, 0) + 1
+        e.ring = ring
+        self._set(e, state="starting")
+        return e
+
+    def drop(self, lip_id: int, reason: str) -> Optional[tuple[ProcEntry, dict]]:
+        """queued -> exited at once (killed, timed out or its client left while
+        waiting; never spawned).  Returns (entry, its exit event), None if it
+        is not queued."""
+        e = self._live.get(lip_id)
+        if e is None or e.state != "queued":
+            return None
+        self._queued -= 1
+        e.reason = reason
+        event = {"event": "exit", "lip": lip_id, "status": 128 + signal.SIGKILL, "reason": reason}
+        self._retire(e, event, e.row.final, counted=False)
+        return e, event
 
     def started(self, lip_id: int, pid: int) -> Optional[str]:
         """starting -> running (or killing stays killing) once the zygote says
@@ -145,10 +204,11 @@ class ProcessTable:
         """starting|running -> killing, keeping the first reason.  Returns the
         entry if it is live (its pid, 0 while starting, is the one to signal),
         None if there is no such LIP.  An exiting LIP keeps its state: it is
-        dead already and its pid may be reused, so the caller sends nothing."""
+        dead already and its pid may be reused, so the caller sends nothing.
+        A queued LIP is left as it is: the caller `drop`s it."""
         e = self._live.get(lip_id)
-        if e is None:
-            return None
+        if e is None or e.state == "queued":
+            return e
         if e.reason is None and e.state != "exiting":
             e.reason = reason
         if e.state in ("starting", "running"):
@@ -158,9 +218,9 @@ class ProcessTable:
     def exit_reported(self, lip_id: int) -> Optional[ProcEntry]:
         """starting|running|killing -> exiting: the worker was reaped.  Returns
         the entry if its reclaim is to start now, None if there is no such LIP
-        or its reclaim is already under way."""
+        or its reclaim is already under way (or it is queued: no worker yet)."""
         e = self._live.get(lip_id)
-        if e is None or e.state == "exiting":
+        if e is None or e.state in ("exiting", "queued"):
             return None
         self._set(e, state="exiting")
         return e
@@ -193,12 +253,12 @@ class ProcessTable:
         e.row = replace(e.row, **change)
         self._publish()
 
-    def _retire(self, e: ProcEntry, event: dict, counters: LipCounters) -> None:
+    def _retire(self, e: ProcEntry, event: dict, counters: LipCounters, counted: bool = True) -> None:
         del self._live[e.id]
-        n = self._by_user[e.row.user] - 1
-        if n:
+        n = self._by_user[e.row.user] - 1 if counted else -1
+        if n > 0:
             self._by_user[e.row.user] = n
-        else:
+        elif n == 0:
             del self._by_user[e.row.user]
         e.row = replace(e.row, state="exited", final=counters)
         self._finished.append((e.row, event))

@@ -2,7 +2,8 @@
 
 A mixin of `daemon.Kernel`, on the event loop.  Each connection is one
 session: framed JSON requests (ipc/protocol.py), each answered on the same
-connection; the LIPs a session starts attached are killed when it ends.  The
+connection; the LIPs a session starts attached are killed when it ends (a
+queued one leaves the queue).  The
 caller's user is the peer's Unix user (SO_PEERCRED); root may act as any user
 by naming it.  `ps` and `stats` are answered from published snapshots
 (snapshot.py) only, never from another thread's live state.
@@ -65,16 +66,19 @@ class ClientSessions:
         user = _user_for(uid, msg.get("user"))
         if op == "spawn":
             attach = msg.get("attach", True)
-            row = await self.spawn(user, msg, watcher=writer if attach else None, caller_uid=uid,
-                                   owner=identity_for(uid, user, acting=msg.get("user") is not None))
+            reply = await self.spawn(user, msg, watcher=writer if attach else None, caller_uid=uid,
+                                     owner=identity_for(uid, user, acting=msg.get("user") is not None))
             if attach:
-                attached.add(row.lip)
-            return {"event": "started", "lip": row.lip}
+                attached.add(reply["lip"])
+            return reply
         if op == "input":
             lip = self._own(uid, user, msg.get("lip"))
             data = None if msg.get("eof") else msg.get("data")
             if data is not None and not isinstance(data, str):
                 raise ValueError("input data must be a string")
+            if lip.lip in self.admission:              # kept until it starts
+                self._queue_input(lip.lip, data)
+                return None
             self.sys.submit(lambda: self.sys.give_input(lip.lip, data))
             return None
         if op == "kill":
@@ -137,7 +141,8 @@ class ClientSessions:
         arguments and limits); None: an administrator, who sees everything."""
         (rows, finished, _), served = self.procs.snapshot, self.sys.snapshot
         full = lambda r: viewer is None or r.user == viewer  # noqa: E731
-        return {"lips": [r.ps(served.counters(r.lip), full(r)) for r in rows],
+        queued = self.queued_views()                   # position, waited_s of each queued LIP
+        return {"lips": [dict(r.ps(served.counters(r.lip), full(r)), **queued.get(r.lip, {})) for r in rows],
                 "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
 
     async def _fresh_serving_snapshot(self, wait_s: float = FRESH_SNAPSHOT_WAIT_S) -> None:
@@ -157,8 +162,9 @@ class ClientSessions:
     def stats(self) -> dict:
         """The `stats` reply, from the published snapshots only."""
         served = self.sys.snapshot
-        d = {"lips": len(self.procs.snapshot.rows)}
+        d = {"lips": sum(r.state != "queued" for r in self.procs.snapshot.rows)}
         d.update(served.as_stats())
+        d.update(self.admission_stats())
         d["instance"] = self.instance
         d["output_queued_bytes"] = self.queued_output_bytes()
         return d

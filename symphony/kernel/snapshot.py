@@ -44,10 +44,10 @@ class ProcRow:
     lip: int
     user: str
     file: str
-    state: str                  # ProcessTable's states: starting running killing exiting exited
+    state: str                  # ProcessTable's states: queued starting running killing exiting exited
     priority: int
     pid: int
-    started: float              # wall clock (time.time()) at spawn
+    started: float              # wall clock (time.time()) of the spawn request
     args: tuple
     limits: Mapping
     final: LipCounters = NO_COUNTERS    # an exited LIP's last counters

@@ -1,4 +1,5 @@
-"""Level 1: LIPs.  Admission control against the KV budget, priority classes,
+"""Level 1: LIPs.  Admission control against the KV budget (the queue that
+waits for it: admission.py), priority classes,
 and which LIPs to swap out first when device pages run short.
 
     admit(pages_free, pages_wanted, running) -> (ok, reason)
@@ -35,12 +36,13 @@ def swap_out_order(lips: list[LipView]) -> list[int]:
 
 
 def admit(running: int, max_lips: int, pages_free: int, pages_reserve: int) -> tuple[bool, str]:
-    """Whether a new LIP may start: a LIP slot must be free and the device must
-    keep ``pages_reserve`` pages free for the LIPs already running."""
+    """Whether a new LIP may start now: a LIP slot must be free and the device
+    must have the ``pages_reserve`` pages it is expected to need (the admission
+    queue, admission.py, asks this of the LIP at its head)."""
     if running >= max_lips:
         return False, f"too many LIPs running ({running} of {max_lips})"
     if pages_free < pages_reserve:
-        return False, f"KV memory is short ({pages_free} pages free, {pages_reserve} reserved)"
+        return False, f"KV memory is short ({pages_free} pages free, {pages_reserve} needed)"
     return True, ""
 
 

@@ -1,0 +1,175 @@
+"""The admission queue, driven on the event loop.
+
+A mixin of `daemon.Kernel`.  Every spawn enters the queue (the process
+table's state "queued": no ring, uid or worker yet); `_pump_admission` starts
+the LIPs the policy (sched/admission.py) says may start, head of line first,
+and runs when a LIP is queued, when one is reclaimed or leaves the queue, and
+every `ADMISSION_TICK_S` while the queue is not empty (the serving snapshot,
+whose free pages it reads, changes meanwhile).  It never blocks: a start is
+the ring and the table's transition here, and the zygote's fork in a task.
+
+While a LIP waits, its client may send it input (kept, up to
+`AdmissionLimits.max_input_bytes`, and handed over in order once it starts),
+kill it, or go away (it is dropped: exit event, nothing to undo); its
+``timeout`` limit counts the wait.  What a LIP of each program held at its
+peak is remembered (`PeakTable`) as the next one's expected KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from symphony.sched.admission import AdmissionQueue, Machine, PeakTable, Waiting
+
+log = logging.getLogger("symphony.kernel")
+
+ADMISSION_TICK_S = 0.02     # re-check period while LIPs wait
+PEAK_TICK_S = 0.1           # peak-pages sampling period while LIPs run and none wait
+
+
+@dataclass
+class PendingStart:
+    """What the event loop keeps of a spawn from its request to its exit."""
+
+    source: Optional[str]       # the program text; None once handed to the zygote
+    filename: str
+    args: list
+    grants: dict
+    limits: dict
+    owner: Optional[tuple]
+    key: str                    # its program (PeakTable key)
+    pages: int                  # KV pages it is expected to need
+    queued_at: float            # time.monotonic() of the request
+    inputs: list = field(default_factory=list)      # input sent while it waited, in order
+    input_bytes: int = 0
+    peak: int = 0               # most KV pages it was seen holding
+
+
+class AdmissionControl:
+    """The admission queue of `daemon.Kernel` (``self.admission``, ``self.peaks``,
+    ``self.pending``: made in its constructor)."""
+
+    def _machine(self) -> Machine:
+        """The machine as admission sees it: the process table and the last
+        serving snapshot (missing fields count as 0)."""
+        snap = self.sys.snapshot
+        held = getattr(snap, "lip_pages", None) or {}
+        suspended = getattr(snap, "suspended", None) or {}
+        holding = tuple((e.row.priority, held.get(e.id, 0), self.pending[e.id].pages)
+                        for e in self.procs if e.state != "queued" and e.id in self.pending)
+        return Machine(self.procs.admitted, self.max_lips, self.procs.admitted_by_user(),
+                       self.policy.max_lips_per_user, getattr(snap, "kv_device_free", 0),
+                       getattr(snap, "kv_reclaimable", 0), sum(suspended.values()), holding)
+
+    def _pump_admission(self) -> None:
+        """Start every queued LIP that may start now, in the queue's order
+        (none once the kernel is stopping)."""
+        while len(self.admission) and not self.stopping.is_set():
+            w, why = self.admission.next_ready(self._machine())
+            if w is None:
+                if why and why != self._waiting_for:
+                    log.debug("admission: %d LIPs wait: %s", len(self.admission), why)
+                self._waiting_for = why
+                return
+            self._admit(w)
+
+    def _admit(self, w: Waiting) -> None:
+        """Take ``w`` out of the queue and start it (its own spawn request, if
+        still waiting on it, replies "started"; else its clients get a
+        "started" event with how long it waited)."""
+        self.admission.remove(w.lip)
+        p = self.pending[w.lip]
+        waited = time.monotonic() - p.queued_at
+        try:
+            self._start(w.lip, p)
+        except Exception as e:                          # noqa: BLE001 - told to its client, never lost
+            log.warning("LIP %d could not start: %s: %s", w.lip, type(e).__name__, e)
+            immediate = w.lip in self._spawning          # its own spawn request raises it
+            if immediate:
+                self._spawning[w.lip] = e
+            self._end_queued(w.lip, f"could not start: {e}", tell=not immediate, pump=False)
+            return
+        immediate = w.lip in self._spawning
+        self.admission.admitted(w.user, None if immediate else waited)
+        if not immediate:
+            log.info("LIP %d admitted after waiting %.2f s", w.lip, waited)
+            self._deliver(w.lip, {"event": "started", "lip": w.lip, "waited_s": round(waited, 3)})
+
+    def _queue_input(self, lip_id: int, data: Optional[str]) -> None:
+        """Keep input for a queued LIP; ValueError beyond the bound."""
+        p = self.pending[lip_id]
+        n = len(data.encode("utf-8", "surrogatepass")) if data is not None else 0
+        cap = self.admission.limits.max_input_bytes
+        if p.input_bytes + n > cap:
+            raise ValueError(f"LIP {lip_id} is queued and holds {p.input_bytes} bytes of input already; "
+                             f"at most {cap} bytes are kept for a LIP until it starts")
+        p.inputs.append(data)
+        p.input_bytes += n
+
+    def _timed_out(self, lip_id: int, secs: float) -> None:
+        """A LIP's wall-clock limit passed: waiting counts."""
+        if lip_id in self.admission:
+            self.admission.timeouts += 1
+            self._end_queued(lip_id, f"timed out waiting for admission ({secs:g} s)")
+        else:
+            self._kill(lip_id, f"killed: wall-clock limit of {secs} s")
+
+    def _end_queued(self, lip_id: int, reason: str, tell: bool = True, pump: bool = True) -> None:
+        """A queued LIP leaves without starting: exit event to its clients at
+        once (``tell``), then the queue moves on (``pump``)."""
+        self.admission.remove(lip_id)
+        self.pending.pop(lip_id, None)
+        done = self.procs.drop(lip_id, reason)
+        if done is not None:
+            log.info("LIP %d left the admission queue: %s", lip_id, reason)
+            if tell:
+                self._deliver(lip_id, done[1])
+            self._forget_output(lip_id)
+        if pump:
+            self._pump_admission()
+
+    def _sample_peaks(self) -> None:
+        """Note the KV pages each running LIP holds (its peak is its program's next estimate)."""
+        held = getattr(self.sys.snapshot, "lip_pages", None) or {}
+        for lip_id, n in held.items():
+            p = self.pending.get(lip_id)
+            if p is not None and n > p.peak:
+                p.peak = n
+
+    def _exited(self, lip_id: int) -> None:
+        """A started LIP is gone: remember its peak, free its reservation, admit the next."""
+        self._sample_peaks()
+        p = self.pending.pop(lip_id, None)
+        if p is not None:
+            self.peaks.record(p.key, p.peak)
+        self._pump_admission()
+
+    async def _watch_admission(self) -> None:
+        """Re-check the queue while it is not empty; sample peaks while LIPs
+        run; sleep while no LIP is live at all (an idle kernel does nothing)."""
+        while True:
+            if not len(self.procs):
+                self._admission_wake.clear()
+                await self._admission_wake.wait()
+            await asyncio.sleep(ADMISSION_TICK_S if len(self.admission) else PEAK_TICK_S)
+            self._sample_peaks()
+            self._pump_admission()
+
+    def admission_stats(self) -> dict:
+        """The queue's `stats` fields."""
+        return self.admission.stats()
+
+    def queued_views(self) -> dict:
+        """{lip: its `ps` fields} of the queued LIPs: place in the queue, how
+        long it has waited, the KV pages it is expected to need."""
+        now = time.monotonic()
+        order = self.admission.order(self.procs.admitted_by_user())
+        return {w.lip: {"position": i, "waited_s": round(now - w.arrived, 3), "kv_pages_expected": w.pages}
+                for i, w in enumerate(order, 1)}
+
+def new_admission_state(limits) -> tuple[AdmissionQueue, PeakTable]:
+    """The queue and the peak table a Kernel starts with."""
+    return AdmissionQueue(limits), PeakTable()

@@ -1,0 +1,242 @@
+"""Level 1: the admission queue.  A LIP that cannot start now waits here
+instead of being refused; pure policy (no threads, no torch), owned by the
+kernel's event loop (kernel/lifecycle.py drives it).
+
+    AdmissionQueue.push(w)          a spawn that is to wait (QueueFull beyond the bounds)
+    AdmissionQueue.next_ready(m)    the one LIP that may start now, given `Machine` m
+    AdmissionQueue.remove(lip)      it started, was killed, timed out or its client left
+    PeakTable.expected_pages(...)   the KV pages a new LIP is expected to need
+
+Order (`AdmissionQueue.order`): priority class first (higher first); within a
+class, fair across users: the user with the fewest LIPs admitted (starting or
+running) first, then the user admitted least recently (fewest of the last
+`RECENT_KEPT` admissions), then arrival.  Head of line: only the first LIP in
+that order may start, so a big LIP is never starved by small ones slipping
+past it; a higher-priority LIP is always ahead of a lower one, so it is never
+stuck behind it.  A LIP whose user already runs ``max_per_user`` LIPs is not
+eligible (it waits for its own user's LIPs, never blocks another user's).
+
+When the head may start (`Machine`): a LIP slot is free, and the device has
+room for the KV it is expected to need::
+
+    free = device_free + reclaimable - suspended - reserved(p) + lower(p)
+
+``reserved(p)``: for each admitted LIP of priority >= p, the pages it is
+expected to need and does not hold yet; ``lower(p)``: the pages held by
+admitted LIPs of priority < p (the level-2 memory manager suspends those when
+a higher-priority LIP needs pages; their reservations do not count either).
+When no LIP is admitted at all, the head always starts: a LIP bigger than the
+machine gets to run, and fails honestly.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from .lips import admit
+
+RECENT_KEPT = 64            # admissions remembered for fairness
+WAITS_KEPT = 256            # admission waits kept for the p50/max in stats
+PEAKS_KEPT = 4              # peaks remembered per program
+PROGRAMS_KEPT = 1024        # programs remembered (least recently used forgotten)
+
+
+class QueueFull(ValueError):
+    """The admission queue is at one of its bounds: the spawn is refused."""
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The queue's bounds and the default KV estimate (symphony-kernel flags)."""
+
+    max_queued: int = 1024              # LIPs waiting, all users (--max-queued)
+    max_queued_per_user: int = 256      # LIPs waiting, one user (--max-queued-per-user)
+    max_queued_bytes: int = 256 << 20   # source text of the waiting LIPs, all users (--max-queued-mb)
+    default_kv_tokens: int = 512        # expected KV of a LIP with no hint and no history (--lip-kv-tokens)
+    max_input_bytes: int = 1 << 20      # input kept for one waiting LIP until it starts
+
+    def __post_init__(self):
+        for name in ("max_queued", "max_queued_per_user", "max_queued_bytes", "default_kv_tokens",
+                     "max_input_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+@dataclass
+class Waiting:
+    """One queued LIP, as the policy sees it."""
+
+    lip: int
+    user: str
+    priority: int
+    pages: int                  # KV pages it is expected to need
+    arrived: float              # time.monotonic() when it was queued
+    source_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What admission needs to know of the machine now."""
+
+    admitted: int                               # LIPs starting or running (a slot each)
+    max_lips: int
+    per_user: Mapping[str, int]                 # admitted LIPs by user
+    max_per_user: Optional[int]
+    device_free: int = 0                        # device KV pages free
+    reclaimable: int = 0                        # freeable without suspending a running LIP
+    suspended: int = 0                          # pages suspended LIPs need back to resume
+    holding: tuple = ()                         # (priority, pages held, pages still expected) per admitted LIP
+
+    def free_for(self, priority: int) -> int:
+        """Device pages a new LIP of ``priority`` may count on."""
+        free = self.device_free + self.reclaimable - self.suspended
+        for p, held, expected in self.holding:
+            free += held if p < priority else -max(0, expected - held)
+        return free
+
+
+@dataclass
+class AdmissionQueue:
+    """The LIPs waiting to start, and the counters `stats` shows."""
+
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+
+    def __post_init__(self):
+        self._waiting: dict[int, Waiting] = {}
+        self._by_user: Counter = Counter()
+        self._bytes = 0
+        self._recent: deque = deque(maxlen=RECENT_KEPT)     # users of the last admissions
+        self._waits: deque = deque(maxlen=WAITS_KEPT)       # seconds waited by the last admitted after waiting
+        self.waits = 0                  # LIPs admitted after waiting
+        self.timeouts = 0               # LIPs whose timeout passed while queued
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, lip) -> bool:
+        return lip in self._waiting
+
+    def order(self, per_user: Mapping[str, int] = {}) -> list[Waiting]:
+        """The waiting LIPs, the next to start first."""
+        recent = Counter(self._recent)
+        return sorted(self._waiting.values(),
+                      key=lambda w: (-w.priority, per_user.get(w.user, 0), recent[w.user], w.arrived, w.lip))
+
+    def position(self, lip: int, per_user: Mapping[str, int] = {}) -> int:
+        """1-based place of ``lip`` in `order` (0 if it is not waiting)."""
+        for i, w in enumerate(self.order(per_user), 1):
+            if w.lip == lip:
+                return i
+        return 0
+
+    def next_ready(self, m: Machine) -> tuple[Optional[Waiting], str]:
+        """(the LIP that may start now, "") or (None, why the head waits; "" if
+        nothing is eligible).  It stays queued until `remove`d."""
+        head = next((w for w in self.order(m.per_user)
+                     if m.max_per_user is None or m.per_user.get(w.user, 0) < m.max_per_user), None)
+        if head is None:
+            return None, ""
+        if m.admitted == 0:
+            return head, ""
+        ok, why = admit(m.admitted, m.max_lips, m.free_for(head.priority), head.pages)
+        return (head, "") if ok else (None, why)
+
+    def stats(self) -> dict:
+        """The `stats` fields of the queue."""
+        waits = sorted(self._waits)
+        return {"admission_queue": len(self._waiting), "admission_waits": self.waits,
+                "admission_wait_s_max": round(waits[-1], 3) if waits else 0.0,
+                "admission_wait_s_p50": round(waits[(len(waits) - 1) // 2], 3) if waits else 0.0,
+                "queue_timeouts": self.timeouts}
+
+    # ------------------------------------------------------------------ changes
+    def push(self, w: Waiting) -> None:
+        """Queue ``w``; QueueFull if a bound would be passed."""
+        lim = self.limits
+        if len(self._waiting) >= lim.max_queued:
+            raise QueueFull(f"admission queue full: {len(self._waiting)} LIPs are waiting, the most the "
+                            f"kernel queues (symphony-kernel --max-queued {lim.max_queued})")
+        if self._by_user[w.user] >= lim.max_queued_per_user:
+            raise QueueFull(f"admission queue full: user {w.user} has {self._by_user[w.user]} LIPs waiting, "
+                            f"the most one user may (symphony-kernel --max-queued-per-user "
+                            f"{lim.max_queued_per_user})")
+        if self._bytes + w.source_bytes > lim.max_queued_bytes:
+            raise QueueFull(f"admission queue full: the waiting LIPs' programs take {self._bytes} bytes and "
+                            f"this one {w.source_bytes}, beyond {lim.max_queued_bytes} bytes "
+                            f"(symphony-kernel --max-queued-mb {lim.max_queued_bytes >> 20})")
+        if w.lip in self._waiting:
+            raise ValueError(f"LIP {w.lip} is already queued")
+        self._waiting[w.lip] = w
+        self._by_user[w.user] += 1
+        self._bytes += w.source_bytes
+
+    def remove(self, lip: int) -> Optional[Waiting]:
+        """Take ``lip`` out of the queue (None if it is not there)."""
+        w = self._waiting.pop(lip, None)
+        if w is not None:
+            self._by_user[w.user] -= 1
+            if not self._by_user[w.user]:
+                del self._by_user[w.user]
+            self._bytes -= w.source_bytes
+        return w
+
+    def admitted(self, user: str, waited_s: Optional[float] = None) -> None:
+        """A LIP of ``user`` starts (after waiting ``waited_s`` seconds, or at once: None)."""
+        self._recent.append(user)
+        if waited_s is not None:
+            self.waits += 1
+            self._waits.append(waited_s)
+
+
+class PeakTable:
+    """The most KV pages LIPs of one program held, for the programs that ran
+    lately: what a new LIP of the same program is expected to need.
+
+    A program is its user and the hash of its source text (`program_key`):
+    the user is part of it so that one user's runs never make another user's
+    LIPs of the same program look big (and wait longer)."""
+
+    def __init__(self, kept: int = PROGRAMS_KEPT, peaks: int = PEAKS_KEPT):
+        self._kept, self._peaks = kept, peaks
+        self._table: OrderedDict[str, deque] = OrderedDict()
+
+    def record(self, key: str, peak_pages: int) -> None:
+        """A LIP of program ``key`` exited having held at most ``peak_pages``."""
+        if peak_pages <= 0:
+            return
+        d = self._table.pop(key, None) or deque(maxlen=self._peaks)
+        d.append(peak_pages)
+        self._table[key] = d
+        while len(self._table) > self._kept:
+            self._table.popitem(last=False)
+
+    def expected_pages(self, key: str, kv_tokens: Optional[int], page_size: int, default_tokens: int) -> int:
+        """Pages a new LIP is expected to need: the client's hint (``kv_tokens``),
+        else the largest of the program's last peaks, else ``default_tokens``."""
+        if kv_tokens is not None:
+            return math.ceil(kv_tokens / page_size)
+        d = self._table.get(key)
+        if d:
+            self._table.move_to_end(key)
+            return max(d)
+        return math.ceil(default_tokens / page_size)
+
+
+def program_key(user: str, source: str) -> str:
+    """The `PeakTable` key of ``user``'s program ``source``."""
+    return f"{user}:{hashlib.sha256(source.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
+
+
+def check_kv_tokens(v) -> Optional[int]:
+    """A spawn's ``kv_tokens`` hint: None or an int > 0 (ValueError otherwise)."""
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 30:
+        raise ValueError(f"kv_tokens must be an int in [1, {1 << 30}], got {v!r}")
+    return v
+
