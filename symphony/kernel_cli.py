@@ -144,7 +144,8 @@ def kernel_main(argv=None) -> int:
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
                                  durable_dir=args.durable_dir, user_page_quota=user_pages,
                                  process_page_quota=args.process_quota, user_inode_quota=args.user_inodes,
-                                 umask=args.kv_umask), evict_first=served.swap_out_first)
+                                 umask=args.kv_umask), evict_first=served.swap_out_first,
+              pinned=served.running_ids)     # running LIPs lose pages only whole (kernel/residency.py)
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
