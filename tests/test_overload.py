@@ -18,7 +18,7 @@ import pytest
 
 from conftest import KernelProc
 
-POOL_PAGES = 32             # --kv-memory-mb 1 at 32 KiB a page (the config below)
+POOL_PAGES = 32             # --kv-memory-mb 1 at 32 KiB a page (the config below; the kernel may keep one back)
 HOST_PAGES = 64
 
 # each LIP: a prompt of N_PROMPT random tokens, then N_GEN greedy tokens, one pred each
@@ -145,7 +145,8 @@ def test_64_lips_on_a_pool_for_8_all_finish_as_alone(ok, reference):
     after = _settled(ok, base["kv_pages_used"])
     assert after["kv_pages_used"] == base["kv_pages_used"], after
     assert after["suspended_lips"] == 0 and after["suspended_pages"] == 0, after
-    assert after["suspensions"] > base["suspensions"], "the pool was never short: the test proves nothing"
+    moved = {k: after.get(k, 0) - base.get(k, 0) for k in ("suspensions", "admission_waits")}
+    assert any(moved.values()), f"the pool was never short: the test proves nothing ({moved})"
 
 
 def test_every_lip_keeps_asking_for_pages_no_deadlock(ok, reference):
@@ -200,4 +201,6 @@ def main():
     out = [e["data"] for e in c.events(timeout=60) if e["event"] == "out"]
     assert out and out[0]["type"] == "NoSpace", out
     msg = out[0]["message"]
-    assert "pool" in msg and str(POOL_PAGES) in msg, msg
+    pool = ok.client().stats()["kv_pages_total"]
+    assert POOL_PAGES - 2 <= pool <= POOL_PAGES
+    assert f"pool holds {pool} pages" in msg and f"{38 - pool} too many" in msg, msg
