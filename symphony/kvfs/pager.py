@@ -79,17 +79,12 @@ class Pager:
     # ------------------------------------------------------------------ capacity
     @property
     def host_capacity(self) -> int:
-        """Host slots the tier may grow to (``host_pages``)."""
-        return self.host_max
-
-    @property
-    def host_made(self) -> int:
-        """Host slots allocated so far (the tier's memory)."""
-        return len(self.host_chunks) * HOST_CHUNK
+        """Host slots in memory now (the tier grows up to ``host_max`` = ``host_pages``)."""
+        return min(len(self.host_chunks) * HOST_CHUNK, self.host_max)
 
     def host_slots_free(self) -> int:
         """Host slots free now or still to be made."""
-        return len(self.host_free) + self.host_max - min(self.host_made, self.host_max)
+        return len(self.host_free) + self.host_max - self.host_capacity
 
     def free_slots(self) -> int:
         """Non-device slots left (host + disk)."""
@@ -129,7 +124,7 @@ class Pager:
         host = self.host_slots_free()
         disk = (f"disk {self.free_slots() - host} of {self.disk_pages}"
                 if self.disk_pages else "no disk tier (no swap directory)")
-        return f"{self.free_slots()} free (host {host} of {self.host_capacity}, {disk})"
+        return f"{self.free_slots()} free (host {host} of {self.host_max}, {disk})"
 
     def swap_out(self, blocks: list[Block]) -> None:
         """Move device blocks off the device: to host slots, demoting the oldest
@@ -229,14 +224,13 @@ class Pager:
     def _grow_host(self, n: int) -> None:
         """Make host chunks until ``n`` host slots are free or the tier is at ``host_pages``."""
         pool = self.kv.pool
-        while len(self.host_free) < n and self.host_made < self.host_max:
+        while len(self.host_free) < n and self.host_capacity < self.host_max:
             shape = list(pool.shape)
             shape[2] = HOST_CHUNK
-            first = self.host_made
+            first = self.host_capacity
             self.host_chunks.append(torch.empty(shape, dtype=pool.dtype, pin_memory=pool.is_cuda))
-            usable = min(HOST_CHUNK, self.host_max - first)          # the last chunk may be cut short
-            self.host_free[:0] = range(first + usable - 1, first - 1, -1)
-            log.debug("host KV tier grew to %d pages", self.host_made)
+            self.host_free[:0] = range(self.host_capacity - 1, first - 1, -1)   # the last chunk may be cut short
+            log.debug("host KV tier grew to %d pages", self.host_capacity)
 
     def _host_page(self, slot: int) -> torch.Tensor:
         return self.host_chunks[slot // HOST_CHUNK][:, :, slot % HOST_CHUNK]
