@@ -421,7 +421,7 @@ def bits(t):
 
 def test_bf16_swap_to_host_and_disk_and_back_is_bit_exact(weights, tmp_path):
     fs = make_fs_bf16(weights, pages=8, host_pages=1, swap_dir=str(tmp_path))   # 7 device pages
-    assert fs.pager.host.dtype == BF16
+    assert fs.pager.host_chunks == []                          # the host tier is made when needed
     a = fs.create(ALICE, "/tmp/a.kv")
     fs.pred(ALICE, a, toks(20, seed=2))                        # 5 pages
     before = file_pages(fs, a).clone()
@@ -431,6 +431,7 @@ def test_bf16_swap_to_host_and_disk_and_back_is_bit_exact(weights, tmp_path):
     blocks = fs.handles[a].inode.blocks
     assert any(bl.host >= 0 for bl in blocks) and any(bl.disk >= 0 for bl in blocks)
     assert torch.equal(bits(file_pages(fs, a)), bits(before))   # read back from host and disk
+    assert fs.pager.host_chunks[0].dtype == BF16
     c = fs.create(BOB, "/tmp/c.kv")
     fs.pred(BOB, c, toks(3, seed=4))                           # one more page: a's host block is
     assert fs.pager.stats.demotions == 1                       # demoted to disk for room

@@ -271,3 +271,24 @@ def test_a_dropped_durable_cache_file_is_gone_after_a_restart_too(weights, tmp_p
     fs.pred(BOB, fs.create(BOB), toks(8 * S))                  # the whole pool: the file is deleted
     assert not exists(fs, "/tmp/c") and list(tmp_path.glob("*.kvf")) == []
     assert not exists(make_fs(weights, pages=9, durable_dir=str(tmp_path)), "/tmp/c")
+
+
+def test_the_host_tier_grows_on_demand_up_to_host_pages(weights):
+    from symphony.kvfs.pager import HOST_CHUNK
+    fs = make_fs(weights, pages=2 * HOST_CHUNK + 8, host_pages=HOST_CHUNK + 8)   # 72 host pages at most
+    assert fs.pager.host_capacity == 0 and fs.stats()["host_slots_free"] == HOST_CHUNK + 8
+    a = file_of(fs, ALICE, 3, seed=1, keep_open=True)
+    b = file_of(fs, BOB, HOST_CHUNK // 2, seed=2, keep_open=True)      # the tiny model's context
+    b2 = file_of(fs, BOB, HOST_CHUNK // 2 + 5, seed=4, keep_open=True)  # is 64 pages: two files
+    data = lambda *hs: [fs.pager.read(x).clone() for h in hs for x in fs.handles[h].inode.blocks]
+    before = data(a, b, b2)
+    assert fs.suspend(1) == 3 and fs.pager.host_capacity == HOST_CHUNK       # one chunk, not the tier
+    assert fs.suspend(2) == HOST_CHUNK + 5 and fs.pager.host_capacity == HOST_CHUNK + 8   # 2 chunks
+    st = fs.stats()
+    assert st["host_slots_free"] == 0 and st["host_slots_made"] == HOST_CHUNK + 8
+    assert fs.swap_in_pid(1) == 3 and fs.stats()["host_slots_free"] == 3
+    file_of(fs, ALICE, 1, seed=3, keep_open=True)
+    with pytest.raises(NoSpace, match="3 free \\(host 3 of 72, no disk tier"):
+        fs.suspend(1)                                                    # 4 pages, 3 slots
+    assert fs.swap_in_pid(2) == HOST_CHUNK + 5
+    assert all(torch.equal(x, y) for x, y in zip(data(a, b, b2), before))

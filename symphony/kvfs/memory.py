@@ -49,8 +49,9 @@ class MemoryOps:
                 "demotions": s.demotions, "disk_reads": s.disk_reads, "suspensions": s.suspensions,
                 "cache_files": len(self.lru_cache),
                 "device_pages_free": p.alloc.num_free, "device_pages": p.alloc.capacity,
-                "host_slots_free": len(p.host_free), "host_slots": p.host_capacity,
-                "disk_slots_free": p.free_slots() - len(p.host_free), "disk_slots": p.disk_pages}
+                "host_slots_free": p.host_slots_free(), "host_slots": p.host_max,
+                "host_slots_made": p.host_capacity,
+                "disk_slots_free": p.free_slots() - p.host_slots_free(), "disk_slots": p.disk_pages}
 
     def device_need(self, call) -> int:
         """Device pages a checked `KVPred` takes when it runs now: its file's

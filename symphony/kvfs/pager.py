@@ -1,8 +1,10 @@
 """KV tiers and the pager: device pages -> host memory -> disk.
 
     device   the engine's KVPool pages (GPU memory, or RAM on a CPU engine)
-    host     a pool of the same page shape in host memory, pinned when CUDA is
-             present so copies to and from the device are DMA transfers
+    host     pages of the same shape in host memory, pinned when CUDA is
+             present so copies to and from the device are DMA transfers; the
+             tier grows by `HOST_CHUNK` pages when it needs room, up to
+             ``host_pages``, so an idle kernel holds no pinned memory
     disk     a swap file of page-sized slots in ``swap_dir``
 
 A `Block` is in exactly one tier.  `swap_out` moves device blocks to the host
@@ -28,6 +30,8 @@ from .namespace import Block
 
 log = logging.getLogger("symphony.kvfs.pager")
 
+HOST_CHUNK = 64          # pages the host tier grows by
+
 
 @dataclass
 class PagerStats:
@@ -48,12 +52,10 @@ class Pager:
     def __init__(self, kv: KVPool, host_pages: int, swap_dir: Optional[Path], disk_pages: int):
         self.kv, self.alloc = kv, kv.allocator
         pool = kv.pool
-        pin = pool.is_cuda
-        # [n_layers, 2, host_pages, page_size, n_kv_heads, head_dim]
-        shape = list(pool.shape)
-        shape[2] = max(host_pages, 0)
-        self.host = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)   # untouched pages cost no RAM
-        self.host_free = list(range(shape[2] - 1, -1, -1))
+        shape = list(pool.shape)                   # [n_layers, 2, pages, page_size, n_kv_heads, head_dim]
+        self.host_max = max(host_pages, 0)
+        self.host_chunks: list[torch.Tensor] = []  # [L, 2, HOST_CHUNK, S, H, D] each, made on demand
+        self.host_free: list[int] = []             # free slots among those made
         self.host_lru: "OrderedDict[Block, None]" = OrderedDict()   # oldest first, for demotion
         self.page_shape = [shape[0], shape[1]] + shape[3:]             # one page: [L, 2, S, H, D]
         self.page_bytes = pool[:, :, 0].numel() * pool.element_size()
@@ -77,11 +79,16 @@ class Pager:
     # ------------------------------------------------------------------ capacity
     @property
     def host_capacity(self) -> int:
-        return self.host.shape[2]
+        """Host slots in memory now (the tier grows up to ``host_max`` = ``host_pages``)."""
+        return min(len(self.host_chunks) * HOST_CHUNK, self.host_max)
+
+    def host_slots_free(self) -> int:
+        """Host slots free now or still to be made."""
+        return len(self.host_free) + self.host_max - self.host_capacity
 
     def free_slots(self) -> int:
         """Non-device slots left (host + disk)."""
-        return len(self.host_free) + len(self.disk_free) + (self.disk_pages - self.disk_next)
+        return self.host_slots_free() + len(self.disk_free) + (self.disk_pages - self.disk_next)
 
     # ------------------------------------------------------------------ moves
     def make_room(self, n: int, victims: Iterator[Block],
@@ -114,9 +121,10 @@ class Pager:
 
     def slots_report(self) -> str:
         """Free host/disk slots, in words (for error messages)."""
-        disk = (f"disk {self.free_slots() - len(self.host_free)} of {self.disk_pages}"
+        host = self.host_slots_free()
+        disk = (f"disk {self.free_slots() - host} of {self.disk_pages}"
                 if self.disk_pages else "no disk tier (no swap directory)")
-        return f"{self.free_slots()} free (host {len(self.host_free)} of {self.host_capacity}, {disk})"
+        return f"{self.free_slots()} free (host {host} of {self.host_max}, {disk})"
 
     def swap_out(self, blocks: list[Block]) -> None:
         """Move device blocks off the device: to host slots, demoting the oldest
@@ -128,6 +136,7 @@ class Pager:
         if self.free_slots() < len(blocks):
             raise NoSpace(f"cannot swap out {len(blocks)} KV pages: host and disk slots: "
                           f"{self.slots_report()}")
+        self._grow_host(len(blocks))
         short = len(blocks) - len(self.host_free)
         if short > 0:
             self._demote(min(short, len(self.host_lru)))
@@ -139,7 +148,9 @@ class Pager:
             b.disk = slot
         if to_host:
             slots = [self.host_free.pop() for _ in to_host]
-            self._copy(self.host, slots, self.kv.pool, [b.device for b in to_host])
+            for chunk, idx in self._by_chunk(slots):
+                self._copy(chunk, [slots[i] % HOST_CHUNK for i in idx], self.kv.pool,
+                           [to_host[i].device for i in idx])
             for b, h in zip(to_host, slots):
                 b.host = h
                 self.host_lru[b] = None
@@ -159,7 +170,9 @@ class Pager:
         dev = self.kv.pool.device
         on_host = [(b, p) for b, p in zip(todo, pages) if b.host >= 0]
         if on_host:
-            self._copy(self.kv.pool, [p for _, p in on_host], self.host, [b.host for b, _ in on_host])
+            for chunk, idx in self._by_chunk([b.host for b, _ in on_host]):
+                self._copy(self.kv.pool, [on_host[i][1] for i in idx], chunk,
+                           [on_host[i][0].host % HOST_CHUNK for i in idx])
             for b, _ in on_host:
                 self.host_free.append(b.host)
                 self.host_lru.pop(b, None)
@@ -192,7 +205,7 @@ class Pager:
         if b.device >= 0:
             return self.kv.pool[:, :, b.device].cpu()
         if b.host >= 0:
-            return self.host[:, :, b.host].clone()
+            return self._host_page(b.host).clone()
         return self._read_disk(b.disk)
 
     # ------------------------------------------------------------------ helpers
@@ -208,12 +221,34 @@ class Pager:
             gathered = src[:, :, torch.tensor(src_idx, device=src.device)]
             dst[:, :, torch.tensor(dst_idx, device=dst.device)] = gathered.to(dst.device, non_blocking=True)
 
+    def _grow_host(self, n: int) -> None:
+        """Make host chunks until ``n`` host slots are free or the tier is at ``host_pages``."""
+        pool = self.kv.pool
+        while len(self.host_free) < n and self.host_capacity < self.host_max:
+            shape = list(pool.shape)
+            shape[2] = HOST_CHUNK
+            first = self.host_capacity
+            self.host_chunks.append(torch.empty(shape, dtype=pool.dtype, pin_memory=pool.is_cuda))
+            self.host_free[:0] = range(self.host_capacity - 1, first - 1, -1)   # the last chunk may be cut short
+            log.debug("host KV tier grew to %d pages", self.host_capacity)
+
+    def _host_page(self, slot: int) -> torch.Tensor:
+        return self.host_chunks[slot // HOST_CHUNK][:, :, slot % HOST_CHUNK]
+
+    def _by_chunk(self, slots: list[int]) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """(host chunk, indices into ``slots`` of the slots in it), per chunk used."""
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            groups.setdefault(s // HOST_CHUNK, []).append(i)
+        for c, idx in groups.items():
+            yield self.host_chunks[c], idx
+
     def _demote(self, n: int) -> None:
         """Move the ``n`` least recently swapped host blocks to disk."""
         for _ in range(n):
             b, _ = self.host_lru.popitem(last=False)
             slot = self.disk_free.pop() if self.disk_free else self._grow_disk()
-            self._write_disk(slot, self.host[:, :, b.host])
+            self._write_disk(slot, self._host_page(b.host))
             self.host_free.append(b.host)
             b.host, b.disk = -1, slot
             self.stats.demotions += 1
