@@ -7,6 +7,7 @@ startup: build/load the C++ ops, warm up one forward pass, then serve. The engin
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 import time
@@ -35,6 +36,21 @@ def _pages_or_percent(text: str):
             raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
         return pct / 100
     return _nonneg_int(text)
+
+
+def _host_pages(text: str):
+    return "auto" if text == "auto" else _nonneg_int(text)
+
+
+def auto_host_pages(engine) -> int:
+    """The host tier's default ceiling: 4x the device pool, at most a quarter
+    of the RAM.  Its pages are made only as they are needed (64 at a time), so
+    the ceiling costs nothing until LIPs are suspended or files evicted."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 << 30
+    return max(0, min(4 * engine.kv.allocator.capacity, ram // 4 // engine.kv.page_bytes))
 
 
 def _umask(text: str) -> int:
@@ -79,7 +95,14 @@ def kernel_main(argv=None) -> int:
     _engine_args(p)
     p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
                    "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
-    p.add_argument("--host-pages", type=int, default=256, help="host-memory KV tier, pages (default 256)")
+    p.add_argument("--host-pages", type=_host_pages, default="auto",
+                   help="most pages the host-memory KV tier may grow to (made in chunks as suspended LIPs "
+                        "and evicted files need them); 'auto' (default): 4x the device pool, at most a "
+                        "quarter of the machine's RAM")
+    p.add_argument("--kv-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="how long pred calls may all wait for device KV pages that cannot move (some LIP "
+                        "blocked holding them, host and disk tiers full) before the least important "
+                        "waiting LIP gets NoSpace (default 30)")
     p.add_argument("--swap-dir", default=None, help="directory for the disk KV tier (default: none)")
     p.add_argument("--durable-dir", default=None, help="directory for durable KV files (default: none)")
     p.add_argument("--user-quota", type=_pages_or_percent, default="50%",
@@ -111,6 +134,8 @@ def kernel_main(argv=None) -> int:
         policy = _policy(args)
     except ValueError as e:
         p.error(str(e))
+    if not 0 < args.kv_wait <= 86400:
+        p.error(f"--kv-wait must be in (0, 86400] seconds, got {args.kv_wait}")
     from .kernel.identity import DEFAULT_RANGE, parse_range
     try:
         lip_uids = parse_range(args.lip_uids) if args.lip_uids is not None else DEFAULT_RANGE
@@ -134,6 +159,11 @@ def kernel_main(argv=None) -> int:
     from .kernel.proc import ServedLips
     from .ipc.protocol import default_socket_path
     from .kvfs import KVFS, KVFSConfig
+    if args.host_pages == "auto":
+        args.host_pages = auto_host_pages(engine)
+    log.info("KV tiers: %d device pages (%.0f MiB), host tier up to %d pages, %s", engine.kv.allocator.capacity,
+             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, args.host_pages,
+             f"disk tier in {args.swap_dir}" if args.swap_dir else "no disk tier")
     user_pages = args.user_quota
     if isinstance(user_pages, float):               # a share of the device + host tiers
         user_pages = int(user_pages * (engine.kv.allocator.capacity + args.host_pages))
@@ -149,7 +179,7 @@ def kernel_main(argv=None) -> int:
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
-                    test_hooks=args.test_hooks, admission=admission)
+                    test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait)
     try:
         import uvloop
         uvloop.run(kernel.serve())

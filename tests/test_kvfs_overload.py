@@ -231,10 +231,12 @@ def test_suspend_with_full_host_and_disk_raises_and_changes_nothing(weights):
                                       r"slots; 3 free .*no disk tier.*only 0 more from cache files"):
         fs.suspend(1)
     assert state() == before
+    assert fs.suspend(1, partial=True) == 3 and state() != before   # partial: what the host takes
+    assert fs.swap_in_pid(1) == 3 and all(d >= 0 and hs < 0 for d, hs in state()[0]) and free(fs) == before[1]
     fs.advise(BOB, p, "cache")
     fs.close(BOB, p)                                          # a closed cache file on the host ...
     assert fs.suspend(1) == 4 and not exists(fs, "/tmp/p")    # ... is deleted to make room
-    assert fs.stats()["cache_drops"] == 1 and fs.stats()["suspensions"] == 2
+    assert fs.stats()["cache_drops"] == 1 and fs.stats()["suspensions"] == 3
 
 
 # ------------------------------------------------------------------ NoSpace only when true

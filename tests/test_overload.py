@@ -57,10 +57,13 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ok(tmp_path_factory, tiny_gguf):
-    """A kernel whose pool holds 32 pages, with a 64-page host tier and no disk."""
+    """A kernel whose pool holds 32 pages, with a 64-page host tier and no disk.
+    Admission expects 1 page a LIP, so it starts far more LIPs than fit and the
+    memory manager must cope (tests/test_admission.py covers the queue)."""
     k = KernelProc(tmp_path_factory.mktemp("overload"), "--model", str(tiny_gguf), "--kv-memory-mb", "1",
                    "--host-pages", str(HOST_PAGES), "--max-lips", "80", "--max-lips-per-user", "80",
-                   "--token-budget", "64", "--max-priority", "interactive")
+                   "--token-budget", "64", "--max-priority", "interactive",
+                   "--lip-kv-tokens", "16")     # admission lets everything in: the memory manager copes
     yield k
     k.stop()
     assert k.proc.returncode == 0, k.read_log()[-3000:]
@@ -151,11 +154,26 @@ def test_64_lips_on_a_pool_for_8_all_finish_as_alone(ok, reference):
 
 def test_every_lip_keeps_asking_for_pages_no_deadlock(ok, reference):
     """8 LIPs each grow one file page by page to 12 pages (96 pages in all, 3x
-    the pool and more than pool + host): no deadlock, no failure."""
+    the pool and more than pool + host): no deadlock, no failure; `ps` shows
+    the suspended ones meanwhile."""
     base = ok.client().stats()
     jobs = [((2000 + i, 192, 4, 16), "normal") for i in range(8)]
-    results = _run_all(ok, jobs)
+    seen, done = set(), threading.Event()
+
+    def watch():
+        with ok.client() as c:
+            while not done.is_set():
+                seen.update(l["state"] for l in c.ps()["lips"])
+                time.sleep(0.02)
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        results = _run_all(ok, jobs)
+    finally:
+        done.set()
+        w.join()
     _check(results, reference, jobs)
+    assert "suspended" in seen, seen
     after = _settled(ok, base["kv_pages_used"])
     assert after["kv_pages_used"] == base["kv_pages_used"], after
     assert after["suspensions"] > base["suspensions"]
@@ -204,3 +222,12 @@ def main():
     pool = ok.client().stats()["kv_pages_total"]
     assert POOL_PAGES - 2 <= pool <= POOL_PAGES
     assert f"pool holds {pool} pages" in msg and f"{38 - pool} too many" in msg, msg
+
+
+def test_kv_wait_and_host_pages_flags_are_checked(capsys):
+    from symphony.kernel_cli import kernel_main
+    for argv, want in ((["--kv-wait", "0"], "--kv-wait must be in"), (["--host-pages", "-3"], "expected an int"),
+                       (["--host-pages", "lots"], "expected an int")):
+        with pytest.raises(SystemExit):
+            kernel_main(argv)
+        assert want in capsys.readouterr().err

@@ -151,7 +151,12 @@ def test_serving_snapshot_stats_fields():
     st = s.as_stats()
     assert st["pending_reply_bytes"] == 123 and st["kv_pages_used"] == 4 and st["kv_pages_total"] == 10
     assert set(st) == {"batches", "batch_calls", "max_batch", "forward_passes", "pred_calls",
-                       "engine_max_batch", "kv_pages_used", "kv_pages_total", "pending_reply_bytes"}
+                       "engine_max_batch", "kv_pages_used", "kv_pages_total", "pending_reply_bytes",
+                       "kv_device_free", "kv_reclaimable", "suspended_lips", "suspended_pages",
+                       "suspensions", "resumes", "memory_waits", "kv_wait_failures"}
+    over = ServingSnapshot(suspended={3: 7, 4: 2}, overload={"suspensions": 5, "cache_drops": 1}).as_stats()
+    assert over["suspended_lips"] == 2 and over["suspended_pages"] == 9
+    assert over["suspensions"] == 5 and over["resumes"] == 0 and over["cache_drops"] == 1
     assert s.counters(3) == LipCounters()
 
 
@@ -382,3 +387,6 @@ def test_a_kernel_refuses_an_fs_without_its_lips_callback(tiny_weights):
     eng = Engine(tiny_weights, None, EngineConfig(page_size=4, num_pages=16))
     with pytest.raises(ValueError, match="evict_first"):
         Kernel(eng, KVFS(eng), "/nonexistent/sock", served=ServedLips())
+    served = ServedLips()
+    with pytest.raises(ValueError, match="pinned"):          # running LIPs must be pinned too
+        Kernel(eng, KVFS(eng, evict_first=served.swap_out_first), "/nonexistent/sock", served=served)

@@ -133,3 +133,15 @@ def test_a_full_host_tier_means_waiting_not_a_crash():
 def test_rank_is_priority_then_admission():
     ls = lips((1, 0, 5, 0, 0), (2, 1, 9, 0, 0), (3, 0, 2, 0, 0))
     assert [l.id for l in sorted(ls, key=rank)] == [2, 3, 1]
+
+
+def test_new_work_waits_while_a_suspended_lip_waits_to_come_back():
+    pool = Pool(10, {1: 8})
+    pool.swapped = {2: 6}
+    ls = [LipMem(1, 0, 0, 8, 0), LipMem(2, 0, 1, 0, 1, True, 6),
+          LipMem(3, 0, 2, 0, 2, fresh=True), LipMem(4, 0, 3, 1, 1)]
+    plan = pool.planner().plan(ls)
+    assert plan.wait == [2, 3] and plan.run == [4]        # 4 is under way: it may go on
+    pool.held[1] = 0                                      # 1 finished: 2 comes back first
+    plan = pool.planner().plan(ls[1:])
+    assert plan.resume == [2]

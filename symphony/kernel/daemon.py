@@ -60,6 +60,7 @@ from .proc import ServedLips
 from .proctable import ProcessTable
 from .sessions import ClientSessions
 from .supervisor import Supervision
+from .residency import KV_WAIT_S
 from .syscalls import SyscallServer
 
 log = logging.getLogger("symphony.kernel")
@@ -73,16 +74,19 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                  token_budget: Optional[int] = None, policy: Optional[LimitPolicy] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
-                 admission: Optional[AdmissionLimits] = None):
+                 admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
-        with (``KVFS(..., evict_first=served.swap_out_first)``).
+        with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
         default the stock ones, with ``default_limits`` as defaults).
         ``max_queued_output``: bytes of one LIP's output the kernel holds for
         its client (or keeps for a detached LIP) before its send() waits.
-        ``admission``: the admission queue's bounds and default KV estimate."""
-        if fs.evict_first != served.swap_out_first:
-            raise ValueError("fs must be built with evict_first=served.swap_out_first")
+        ``admission``: the admission queue's bounds and default KV estimate.
+        ``kv_wait_s``: how long calls may all wait for device pages that
+        cannot move before one LIP gets NoSpace (kernel/residency.py)."""
+        if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
+            raise ValueError("fs must be built with evict_first=served.swap_out_first and "
+                             "pinned=served.running_ids (a running LIP loses pages only whole)")
         self.engine, self.fs, self.socket_path = engine, fs, socket_path
         self.max_lips, self.n_slots = max_lips, n_slots
         self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
@@ -97,7 +101,7 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps,
                                  max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe,
-                                 lips=served)
+                                 lips=served, kv_wait_s=kv_wait_s)
         self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
         self.fatal: Optional[str] = None      # why the kernel is going down after a failure
         self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle

@@ -72,7 +72,7 @@ class Residency:
             mem.append(LipMem(lip.id, lip.priority, lip.admitted,
                               0 if lip.suspended else self.fs.pid_device_pages(lip.id), needs.get(lip.id, 0),
                               lip.suspended, self.fs.resume_need(lip.id) if lip.suspended else 0,
-                              blocked=_blocked(lip) and not queued))
+                              blocked=_blocked(lip) and not queued, fresh=self.fs.pid_pages(lip.id) == 0))
         headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
         plan = self.planner.plan(mem, headroom, self.engine.kv.allocator.capacity)
         if plan.wait:
@@ -103,9 +103,11 @@ class Residency:
         lip = self.lips[lip_id]
         keep = self.fs.pid_blocks(self.lips.running_ids() - {lip_id})   # pages shared with running LIPs stay
         try:
-            freed = self.fs.suspend(lip_id, keep)
+            freed = self.fs.suspend(lip_id, keep, partial=True)   # as much as the host and disk take
         except NoSpace as e:
             log.debug("LIP %d cannot be suspended: %s", lip_id, e)
+            return None
+        if not freed:
             return None
         lip.suspended = True
         lip.suspensions += 1

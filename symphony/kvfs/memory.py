@@ -121,12 +121,15 @@ class MemoryOps:
             self.pager.swap_out(batch[:self.pager.free_slots()])
         return alloc.num_free
 
-    def suspend(self, pid: int, keep: Iterable[int] = frozenset()) -> int:
+    def suspend(self, pid: int, keep: Iterable[int] = frozenset(), partial: bool = False) -> int:
         """Move every device block of every file ``pid`` has open to host/disk
         (demoting to disk as usual), except blocks in ``keep`` (those shared
         with running LIPs) and "keep" files.  Returns the device pages freed.
         If host and disk cannot take them all, even after deleting cache files
-        there, raises `NoSpace` and changes nothing."""
+        there, raises `NoSpace` and changes nothing -- unless ``partial``: then
+        as many as they can take go (the kernel's manager suspends a LIP whole
+        as far as there is room: its calls are held all the same), and only
+        no room at all raises."""
         keep = set(keep)
         blocks = list({b.id: b for i in self._open_inodes([_pid(pid)]) if i.advice != "keep"
                        for b in i.blocks if b.device >= 0 and b.id not in keep}.values())
@@ -136,7 +139,10 @@ class MemoryOps:
         if short > 0:
             more = sum(1 for i in self._droppable() if not _touches(i, keep)
                        for b in i.blocks if b.device < 0 and b.ref == 1)
-            if more < short:
+            if more < short and partial and self.pager.free_slots() + more > 0:
+                blocks = blocks[:self.pager.free_slots() + more]     # what the tiers can take
+                short = len(blocks) - self.pager.free_slots()
+            elif more < short:
                 raise NoSpace(f"cannot suspend process {pid}: its {len(blocks)} device KV pages need "
                               f"host/disk slots; {self.pager.slots_report()}, and only {more} more "
                               f"from cache files")

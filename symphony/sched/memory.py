@@ -19,6 +19,11 @@ then the LIP admitted first (`rank`).  Every decision follows it:
     LIPs after it in the order may still run with what is left.  Since a LIP
     only ever suspends less important ones, there is no cycle: the most
     important LIP with work always runs, so some LIP always progresses.
+  * While a suspended LIP waits to come back, a LIP that holds no KV yet
+    (``fresh``) does not start: the pages freed go to those already under
+    way, as vLLM serves its preempted requests before new ones.  Otherwise
+    every suspension would make room for more new work, and the KV of the
+    work under way could outgrow the device and host tiers together.
   * A suspended LIP resumes, in the same order, when its pages fit in what is
     free with `headroom` to spare (one page per running LIP, so that their
     next decode steps do not push it straight back out).  Only a strictly
@@ -47,6 +52,7 @@ class LipMem:
     suspended: bool = False
     resume_need: int = 0        # device pages to bring its files back (suspended LIPs)
     blocked: bool = False       # waiting for input or a capability: reclaimed, not suspended
+    fresh: bool = False         # holds no KV page in any tier yet (its first pred would start it)
 
 
 def rank(l: LipMem) -> tuple:
@@ -89,7 +95,8 @@ class MemoryPlanner:
         promised = 0
         gone: set[int] = set()                          # suspended during this plan
         running = [l for l in order if not l.suspended and not l.blocked]
-        for i, l in enumerate(order):
+        backlog = False                                 # a suspended LIP waits to come back
+        for l in order:
             if l.id in gone:
                 continue
             if l.suspended:
@@ -104,10 +111,15 @@ class MemoryPlanner:
                     promised += l.need                  # free() already counts the pages it brought back
                     if l.need:
                         out.run.append(l.id)
-                elif l.need:
-                    out.wait.append(l.id)
+                else:
+                    backlog = True
+                    if l.need:
+                        out.wait.append(l.id)
                 continue
             if not l.need:
+                continue
+            if backlog and l.fresh:                     # suspended LIPs come back before new KV starts
+                out.wait.append(l.id)
                 continue
             # everything less important and running may be pushed out for it
             lower = [v for v in running[::-1] if v.id not in gone and rank(v) > rank(l)]
