@@ -190,3 +190,9 @@ def random_gguf_blocks(qtype: str, n: int, k: int, seed: int = 0, d: float = 0.0
         vals = rng.uniform(0.25 * d, d, size=(n, k // qk)).astype(np.float16)
         blocks[:, :, off:off + 2] = vals.view(np.uint8).reshape(n, k // qk, 2)
     return blocks.reshape(n, -1)
+
+
+def write_tiny_gguf(directory: Path, seed: int = 0, **over) -> Path:
+    """A tiny random Llama as a GGUF file in ``directory`` (tiny_hf_config with ``over``)."""
+    cfg = tiny_hf_config(**over)
+    return write_gguf(Path(directory) / "tiny.gguf", cfg, hf_state_dict(cfg, seed=seed))

@@ -31,9 +31,8 @@ CHAOS_KILLS = int(os.environ.get("SYMPHONY_CHAOS_KILLS", "300"))
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from modelfiles import hf_state_dict, tiny_hf_config, write_gguf
-    cfg = tiny_hf_config()
-    return write_gguf(tmp_path_factory.mktemp("tinymodel") / "tiny.gguf", cfg, hf_state_dict(cfg, seed=1))
+    from modelfiles import write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("tinymodel"), seed=1)
 
 
 @pytest.fixture(scope="module")

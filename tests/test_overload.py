@@ -42,17 +42,12 @@ def main(seed, n_prompt, n_gen, chunk="0"):
 '''
 
 
-def _config():
-    from modelfiles import tiny_hf_config
-    # 4 layers x 4 KV heads x 16 dims, float32: 2 KiB a token, 32 KiB a 16-token page
-    return tiny_hf_config(num_hidden_layers=4, num_key_value_heads=4, max_position_embeddings=2048)
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from modelfiles import hf_state_dict, write_gguf
-    cfg = _config()
-    return write_gguf(tmp_path_factory.mktemp("ovmodel") / "tiny.gguf", cfg, hf_state_dict(cfg, seed=3))
+    from modelfiles import write_tiny_gguf
+    # 4 layers x 4 KV heads x 16 dims, float32: 2 KiB a token, 32 KiB a 16-token page
+    return write_tiny_gguf(tmp_path_factory.mktemp("ovmodel"), seed=3, num_hidden_layers=4,
+                           num_key_value_heads=4, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
