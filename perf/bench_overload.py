@@ -117,25 +117,20 @@ def make_prompt(tok, i: int, target: int) -> tuple[str, int]:
             return q, n
 
 
-# ------------------------------------------------------------------------------ symphony
+# ------------------------------------------------------------------------------ servers
 @contextlib.contextmanager
-def kernel(workdir: Path, extra: list[str], model):
-    """A ``symphony-kernel`` with default flags (plus ``extra``) on a socket in ``workdir``;
-    yields the socket path once the kernel says it is ready."""
-    sock = str(workdir / "kernel.sock")
-    log_path = workdir / "kernel.log"
-    cmd = [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
-           "--socket", sock, *(["--model", str(model)] if model else []), *extra]
+def serving(cmd: list, log_path: Path, ready, what: str, env=None):
+    """Run ``cmd`` (output to ``log_path``) until the block ends; enters once ``ready()`` is
+    true (RuntimeError with the log's tail if the process dies first or 10 minutes pass)."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=dict(os.environ, PYTHONPATH=str(REPO), SYMPHONY_SOCKET=sock))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:
         t_end = time.time() + 600
-        while "ready on" not in log_path.read_text():
+        while not ready():
             if proc.poll() is not None or time.time() > t_end:
-                raise RuntimeError(f"the kernel did not start ({log_path}):\n{log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"{what} did not start ({log_path}):\n{log_path.read_text()[-2000:]}")
             time.sleep(0.25)
-        yield sock
+        yield
     finally:
         proc.terminate()
         try:
@@ -143,6 +138,19 @@ def kernel(workdir: Path, extra: list[str], model):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------------------ symphony
+@contextlib.contextmanager
+def kernel(workdir: Path, extra: list[str], model):
+    """A ``symphony-kernel`` with default flags (plus ``extra``) on a socket in ``workdir``;
+    yields the socket path once the kernel says it is ready."""
+    sock, log_path = str(workdir / "kernel.sock"), workdir / "kernel.log"
+    cmd = [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
+           "--socket", sock, *(["--model", str(model)] if model else []), *extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO), SYMPHONY_SOCKET=sock)
+    with serving(cmd, log_path, lambda: "ready on" in log_path.read_text(), "the kernel", env):
+        yield sock
 
 
 def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, timeout: float) -> dict:
@@ -240,39 +248,26 @@ def llama_serialises():
     return hasattr(app, "llama_inner_lock") or hasattr(app, "llama_outer_lock")
 
 
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def llama_server(workdir: Path, model, n_ctx: int, threads: int):
     """``python -m llama_cpp.server`` on a free local port; yields its base URL once it answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log_path = workdir / "llama-server.log"
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads),
            "--n_threads_batch", str(threads)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        t_end = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > t_end:
-                raise RuntimeError(f"llama.cpp's server did not start ({log_path}):\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.5)
+    with serving(cmd, workdir / "llama-server.log", lambda: _answers(url + "/v1/models"), "llama.cpp's server"):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def post_completion(url: str, text: str, max_tokens: int, barrier, timeout: float) -> dict:
@@ -444,6 +439,8 @@ def line(s: dict) -> str:
     pages = "" if s["pages"][0] is None else f", KV pages used {s['pages'][0]} -> {s['pages'][1]}"
     why = "".join(f"; {k} x {w[:160]}" for w, k in s["why"])
     cnt = f", counters {s['counters']}" if s["counters"] else ""
+    pt = [r["prompt_tokens"] for r in s["requests"] if r.get("prompt_tokens")]
+    cnt += f", prompt tokens as the server counts them {min(pt)}..{max(pt)}" if pt else ""
     return (f"{s['completed']}/{s['n']} completed, {s['tok_s']:.1f} tok/s, p50 {s['p50']:.1f} s, "
             f"p99 {s['p99']:.1f} s, wave {s['wall']:.1f} s{pages}{cnt}{why}")
 
