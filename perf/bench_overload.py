@@ -155,7 +155,7 @@ def kernel(workdir: Path, extra: list[str], model):
 
 def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, timeout: float) -> dict:
     """One client running generate.py: {ok, latency, tokens, why, start, end}."""
-    why, status, outs, err = "", None, 0, []
+    why, status, outs, err, text = "", None, 0, [], []
     barrier.wait()
     t0 = time.perf_counter()
     try:
@@ -165,6 +165,7 @@ def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, 
                 kind = ev.get("event")
                 if kind == "out":
                     outs += 1
+                    text.append(ev["data"] if isinstance(ev.get("data"), str) else "")
                 elif kind == "stderr":
                     err.append(str(ev.get("data", "")))
                 elif kind == "exit":
@@ -180,7 +181,7 @@ def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, 
     ok = status == 0
     # generate.py sends once per generated token, then once more (the decoder's flush)
     return {"ok": ok, "latency": t1 - t0, "tokens": max(0, outs - 1) if ok else outs, "why": "" if ok else why,
-            "start": t0, "end": t1}
+            "start": t0, "end": t1, "text": "".join(text)}
 
 
 def kernel_counters(sock: str) -> dict:
@@ -325,7 +326,7 @@ def summarize(wave: dict) -> dict:
             "tokens": sum(r["tokens"] for r in done),
             "why": collections.Counter(r["why"] for r in recs if not r["ok"]).most_common(3),
             "counters": wave.get("counters", {}),
-            "requests": [{k: r[k] for k in ("ok", "latency", "tokens", "why", "prompt_tokens") if k in r}
+            "requests": [{k: r[k] for k in ("ok", "latency", "tokens", "why", "prompt_tokens", "text") if k in r}
                          for r in recs],
             "pages": (wave.get("pages_before"), wave.get("pages_after"))}
 
@@ -445,6 +446,19 @@ def line(s: dict) -> str:
             f"p99 {s['p99']:.1f} s, wave {s['wall']:.1f} s{pages}{cnt}{why}")
 
 
+def consistency(results: dict) -> tuple[int, int]:
+    """(prompts whose completed symphony runs all gave one text, prompts completed more than once)."""
+    texts = collections.defaultdict(list)
+    for c, per in results.items():
+        for waves in (per.values() if c != "llamacpp" else ()):
+            for s in waves:
+                for i, r in enumerate(s["requests"]):
+                    if r["ok"]:
+                        texts[i].append(r["text"])
+    multi = [set(t) for t in texts.values() if len(t) > 1]
+    return sum(len(t) == 1 for t in multi), len(multi)
+
+
 def report(results: dict, ns: list, skipped: dict, a) -> None:
     print("\n| contender | N | completed | output tok/s | latency p50 s | latency p99 s | wave s |")
     print("|---|---|---|---|---|---|---|")
@@ -463,6 +477,10 @@ def report(results: dict, ns: list, skipped: dict, a) -> None:
     for c, n, cnt in fails:
         for w, k in cnt.most_common(3):
             print(f"  {CONTENDERS[c]}, N={n}: {k} x {w[:200]}")
+    same, runs = consistency(results)
+    if runs:
+        print(f"\nGreedy outputs of symphony (every completed run of a prompt, all N, rounds and kernels): "
+              f"{same} of {runs} prompts run more than once gave the same text every time")
     for c, why in skipped.items():
         print(f"\n{CONTENDERS[c]}: not run: {why}")
     print(f"\nGoals (issue 19): 100% completion at every N; output tok/s at N={max(ns)} >= 0.9x the best N.")
