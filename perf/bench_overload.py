@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -357,6 +358,8 @@ def main() -> int:
                     help=f"contenders, comma-separated, from {', '.join(CONTENDERS)}")
     ap.add_argument("--quick", action="store_true", help="smoke run: N = 2, 4; 200-token prompts")
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    ap.add_argument("--llama-threads", type=int, default=0,
+                    help="llama.cpp's threads (default: torch's, as the kernel uses)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one request may take (default 3600)")
     ap.add_argument("--json", default=None, help="write every wave's records and figures here")
     a = ap.parse_args()
@@ -370,8 +373,8 @@ def main() -> int:
     bad = [c for c in configs if c not in CONTENDERS]
     if bad or not configs:
         ap.error(f"--configs: unknown {bad} (choose from {', '.join(CONTENDERS)})")
-    if not ns or min(ns) < 1 or a.prompt_tokens < 1 or a.max_tokens < 1 or a.repeat < 1:
-        ap.error("--ns, --prompt-tokens, --max-tokens and --repeat must be >= 1")
+    if not ns or min(ns) < 1 or a.prompt_tokens < 1 or a.max_tokens < 1 or a.repeat < 1 or a.llama_threads < 0:
+        ap.error("--ns, --prompt-tokens, --max-tokens and --repeat must be >= 1, --llama-threads >= 0")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
@@ -395,9 +398,11 @@ def main() -> int:
         if why:
             skipped["llamacpp"] = why
             configs.remove("llamacpp")
-        elif llama_serialises() is True:
-            print("# llama-cpp-python's server serves one request at a time (one context behind a lock, "
-                  "no parallel slots): its N clients queue for it", flush=True)
+        else:
+            serial = ("; it serves one request at a time (one context behind a lock, no parallel slots): "
+                      "its N clients queue for it") if llama_serialises() else ""
+            print(f"# llama.cpp server: llama-cpp-python {importlib.metadata.version('llama_cpp_python')}, "
+                  f"{a.llama_threads or threads} threads{serial}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     results = {c: {n: [] for n in ns} for c in configs}
     for r in range(a.repeat):
@@ -407,7 +412,7 @@ def main() -> int:
             try:
                 if c == "llamacpp":
                     ctx = max(counts) + a.max_tokens + 64
-                    with llama_server(work, model, ctx, threads) as url:
+                    with llama_server(work, model, ctx, a.llama_threads or threads) as url:
                         post_completion(url, texts[0][:200], 4, None, a.timeout)      # warm-up
                         for n in ns:
                             results[c][n].append(summarize(llama_wave(url, texts[:n], a.max_tokens, a.timeout)))
