@@ -51,6 +51,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -219,7 +220,7 @@ def symphony_wave(sock: str, source: str, prompts: list[str], max_tokens: int, t
 
     def one(i):
         recs[i] = run_generate(sock, source, prompts[i], max_tokens, barrier, timeout)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
@@ -302,7 +303,7 @@ def llama_wave(url: str, texts: list[str], max_tokens: int, timeout: float) -> d
 
     def one(i):
         recs[i] = post_completion(url, texts[i], max_tokens, barrier, timeout)
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
     for t in threads:
         t.start()
     for t in threads:
@@ -385,7 +386,6 @@ def main() -> int:
     threads = torch.get_num_threads()
     prompts, counts = zip(*(make_prompt(tok, i, a.prompt_tokens) for i in range(max(ns))))
     texts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in prompts]
-    source = (REPO / "userland/generate.py").read_text()
     print(f"# CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__} ({threads} threads); "
           f"model {model.name} ({model.stat().st_size / 1e6:.1f} MB)", flush=True)
     print(f"# {max(ns)} distinct prompts of {min(counts)}..{max(counts)} tokens (chat template included), "
@@ -405,6 +405,29 @@ def main() -> int:
                   f"{a.llama_threads or threads} threads{serial}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     results = {c: {n: [] for n in ns} for c in configs}
+
+    def save():
+        if a.json:
+            Path(a.json).write_text(json.dumps({"args": vars(a), "prompt_tokens": counts, "skipped": skipped,
+                                                "results": {c: {str(n): v for n, v in per.items()}
+                                                            for c, per in results.items()}}, indent=1))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)     # a stopped run still reports
+    try:
+        run_rounds(a, ns, configs, results, skipped, tmp, save, model, threads, prompts, counts, texts)
+    except KeyboardInterrupt:
+        print("  interrupted: the figures below are of the waves that ended", flush=True)
+    for d in tmp.glob("*/swap"):                       # the logs stay; the disk tier goes
+        shutil.rmtree(d, ignore_errors=True)
+    print(f"\n(kernel and server logs: {tmp})")
+    report(results, ns, skipped)
+    save()
+    return 0
+
+
+def run_rounds(a, ns, configs, results, skipped, tmp, save, model, threads, prompts, counts, texts):
+    """Every round: each contender in turn (a fresh kernel or server), every N; results[c][n]
+    gets each wave's summary, and ``save()`` runs after each wave."""
+    source = (REPO / "userland/generate.py").read_text()
     for r in range(a.repeat):
         for c in list(configs):
             work = tmp / f"{c}-{r}"
@@ -417,6 +440,7 @@ def main() -> int:
                         for n in ns:
                             results[c][n].append(summarize(llama_wave(url, texts[:n], a.max_tokens, a.timeout)))
                             print(f"  round {r + 1} {c} N={n}: {line(results[c][n][-1])}", flush=True)
+                            save()
                     continue
                 extra = ["--swap-dir", str(work / "swap")] if c == "swap" else []
                 with kernel(work, extra, a.model) as sock:
@@ -425,20 +449,13 @@ def main() -> int:
                         results[c][n].append(summarize(symphony_wave(sock, source, list(prompts[:n]),
                                                                      a.max_tokens, a.timeout)))
                         print(f"  round {r + 1} {c} N={n}: {line(results[c][n][-1])}", flush=True)
+                        save()
             except RuntimeError as e:
                 print(f"  round {r + 1} {c}: could not run: {e}", flush=True)
                 skipped[c] = str(e).splitlines()[0]
                 configs.remove(c)
                 if not all(results[c].values()):          # keep a contender only with every N measured
                     results.pop(c)
-    for d in tmp.glob("*/swap"):                       # the logs stay; the disk tier goes
-        shutil.rmtree(d, ignore_errors=True)
-    print(f"\n(kernel and server logs: {tmp})")
-    report(results, ns, skipped, a)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "prompt_tokens": counts, "results": {
-            c: {str(n): v for n, v in per.items()} for c, per in results.items()}, "skipped": skipped}, indent=1))
-    return 0
 
 
 def line(s: dict) -> str:
@@ -464,12 +481,16 @@ def consistency(results: dict) -> tuple[int, int]:
     return sum(len(t) == 1 for t in multi), len(multi)
 
 
-def report(results: dict, ns: list, skipped: dict, a) -> None:
+def report(results: dict, ns: list, skipped: dict) -> None:
+    """The table, the failures, the greedy-output check and the goal lines (of the waves that ended)."""
     print("\n| contender | N | completed | output tok/s | latency p50 s | latency p99 s | wave s |")
     print("|---|---|---|---|---|---|---|")
     for c, per in results.items():
         for n in ns:
             rs = per[n]
+            if not rs:
+                print(f"| {CONTENDERS[c]} | {n} | not measured | - | - | - | - |")
+                continue
             done = [s["completed"] for s in rs]
             comp = f"{min(done)}/{n}" if min(done) == max(done) else f"{min(done)}..{max(done)}/{n}"
             print(f"| {CONTENDERS[c]} | {n} | {comp} | {spread([s['tok_s'] for s in rs])} | "
@@ -490,13 +511,17 @@ def report(results: dict, ns: list, skipped: dict, a) -> None:
         print(f"\n{CONTENDERS[c]}: not run: {why}")
     print(f"\nGoals (issue 19): 100% completion at every N; output tok/s at N={max(ns)} >= 0.9x the best N.")
     for c, per in results.items():
-        short = [f"N={n}: {min(s['completed'] for s in per[n])}/{n}" for n in ns
+        got = [n for n in ns if per[n]]
+        if not got:
+            continue
+        short = [f"N={n}: {min(s['completed'] for s in per[n])}/{n}" for n in got
                  if min(s["completed"] for s in per[n]) < n]
-        rate = {n: statistics.median(s["tok_s"] for s in per[n]) for n in ns}
+        rate = {n: statistics.median(s["tok_s"] for s in per[n]) for n in got}
         best = max(rate.values())
-        ratio = rate[max(ns)] / best if best > 0 else 0.0
+        ratio = rate[max(got)] / best if best > 0 else 0.0
+        partial = f" (measured only N = {', '.join(map(str, got))})" if got != ns else ""
         print(f"  {CONTENDERS[c]}: completion {'MET' if not short else 'NOT MET (' + ', '.join(short) + ')'}; "
-              f"tok/s N={max(ns)} / best = {ratio:.2f}x {'MET' if ratio >= 0.9 else 'NOT MET'}")
+              f"tok/s N={max(got)} / best = {ratio:.2f}x {'MET' if ratio >= 0.9 else 'NOT MET'}{partial}")
 
 
 if __name__ == "__main__":
