@@ -157,7 +157,7 @@ def kernel(workdir: Path, extra: list[str], model):
 
 def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, timeout: float) -> dict:
     """One client running generate.py: {ok, latency, tokens, why, start, end}."""
-    why, status, outs, err, text = "", None, 0, [], []
+    why, status, outs, err, text, waited = "", None, 0, [], [], None
     barrier.wait()
     t0 = time.perf_counter()
     try:
@@ -170,6 +170,8 @@ def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, 
                     text.append(ev["data"] if isinstance(ev.get("data"), str) else "")
                 elif kind == "stderr":
                     err.append(str(ev.get("data", "")))
+                elif kind == "started" and isinstance(ev.get("waited_s"), (int, float)):
+                    waited = float(ev["waited_s"])    # it waited in the admission queue
                 elif kind == "exit":
                     status, why = ev.get("status"), str(ev.get("reason", ""))
     except KernelError as e:
@@ -183,7 +185,7 @@ def run_generate(sock: str, source: str, prompt: str, max_tokens: int, barrier, 
     ok = status == 0
     # generate.py sends once per generated token, then once more (the decoder's flush)
     return {"ok": ok, "latency": t1 - t0, "tokens": max(0, outs - 1) if ok else outs, "why": "" if ok else why,
-            "start": t0, "end": t1, "text": "".join(text)}
+            "start": t0, "end": t1, "text": "".join(text), "waited": waited}
 
 
 def kernel_counters(sock: str) -> dict:
@@ -328,7 +330,7 @@ def summarize(wave: dict) -> dict:
             "tokens": sum(r["tokens"] for r in done),
             "why": collections.Counter(r["why"] for r in recs if not r["ok"]).most_common(3),
             "counters": wave.get("counters", {}),
-            "requests": [{k: r[k] for k in ("ok", "latency", "tokens", "why", "prompt_tokens", "text") if k in r}
+            "requests": [{k: r[k] for k in ("ok", "latency", "tokens", "why", "prompt_tokens", "text", "waited") if k in r}
                          for r in recs],
             "pages": (wave.get("pages_before"), wave.get("pages_after"))}
 
@@ -462,6 +464,8 @@ def line(s: dict) -> str:
     pages = "" if s["pages"][0] is None else f", KV pages used {s['pages'][0]} -> {s['pages'][1]}"
     why = "".join(f"; {k} x {w[:160]}" for w, k in s["why"])
     cnt = f", counters {s['counters']}" if s["counters"] else ""
+    waits = [r["waited"] for r in s["requests"] if r.get("waited") is not None]
+    cnt += f", {len(waits)} queued at spawn: wait p50 {pct(waits, 0.5):.1f} s, max {max(waits):.1f} s" if waits else ""
     pt = [r["prompt_tokens"] for r in s["requests"] if r.get("prompt_tokens")]
     cnt += f", prompt tokens as the server counts them {min(pt)}..{max(pt)}" if pt else ""
     return (f"{s['completed']}/{s['n']} completed, {s['tok_s']:.1f} tok/s, p50 {s['p50']:.1f} s, "
