@@ -85,6 +85,15 @@ WHEN = ["before the spring floods", "during the long winter", "on market days", 
 WHY = ["because the council had asked for a full record", "so that the guild could settle an old dispute",
        "although nobody had requested it", "to prepare for the visit of the inspectors",
        "since the previous ledger had been lost", "as part of a wager with the ferry crew"]
+# the kernel's warm-up LIP: not generate.py's source, so admission does not learn its tiny peak
+# as generate.py's expected KV (admission keys the peaks it saw by program source)
+WARMUP = """
+from symphony.lip import kv, pred, send, tokenize
+
+def main(*args):
+    with kv.create() as f:
+        send(pred(f, tokenize("Hello, warm-up"), output="argmax"))
+"""
 ASK = "Summarize these notes in two sentences, naming the people involved."
 
 
@@ -446,7 +455,9 @@ def run_rounds(a, ns, configs, results, skipped, tmp, save, model, threads, prom
                     continue
                 extra = ["--swap-dir", str(work / "swap")] if c == "swap" else []
                 with kernel(work, extra, a.model) as sock:
-                    run_generate(sock, source, "Hello", 4, threading.Barrier(1), a.timeout)   # warm-up
+                    warm = run_generate(sock, WARMUP, "", 0, threading.Barrier(1), a.timeout)
+                    if not warm["ok"]:
+                        raise RuntimeError(f"the warm-up LIP failed: {warm['why']}")
                     for n in ns:
                         results[c][n].append(summarize(symphony_wave(sock, source, list(prompts[:n]),
                                                                      a.max_tokens, a.timeout)))
