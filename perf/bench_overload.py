@@ -221,6 +221,7 @@ def settled_pages(sock: str, before: int, wait_s: float = 10.0) -> int:
 
 
 WATCHED = ("forward_passes", "pred_calls", "preempt", "resume", "suspend", "drop", "swap", "queue", "admi", "recompute")
+GAUGES = ("max", "p50", "p90", "p99", "free", "peak", "files", "queued", "len")   # values, not counts
 
 
 def symphony_wave(sock: str, source: str, prompts: list[str], max_tokens: int, timeout: float) -> dict:
@@ -238,8 +239,9 @@ def symphony_wave(sock: str, source: str, prompts: list[str], max_tokens: int, t
         t.join()
     after = kernel_counters(sock)
     pages = settled_pages(sock, before.get("kv_pages_used", 0))
-    delta = {k: v - before.get(k, 0) for k, v in after.items()
-             if any(w in k for w in WATCHED) and v != before.get(k, 0)}
+    delta = {(f"{k}=" if any(g in k for g in GAUGES) else f"{k}+"):
+             (v if any(g in k for g in GAUGES) else v - before.get(k, 0))
+             for k, v in after.items() if any(w in k for w in WATCHED) and v != before.get(k, 0)}
     return {"recs": recs, "counters": delta, "pages_before": before.get("kv_pages_used"), "pages_after": pages}
 
 
