@@ -2,7 +2,7 @@
 
     python perf/bench_overload.py [--ns 4,16,64] [--prompt-tokens 1000] [--max-tokens 64]
                                   [--repeat R] [--configs default,swap,llamacpp] [--quick]
-                                  [--model PATH.gguf] [--json FILE]
+                                  [--model PATH.gguf] [--llama-threads T] [--timeout S] [--json FILE]
 
 Issue 19's benchmark: does every honest request finish when more work arrives than fits,
 and does throughput hold up?  For each N in --ns, N clients start at once (a barrier), each
@@ -28,16 +28,22 @@ refusal), latency (spawn request -> exit event; HTTP request -> reply) and outpu
 ``usage.completion_tokens``).  Per wave: completed/N, output tokens/s = output tokens of the
 completed requests / wall time from the first start to the last end, latency p50 / p99 over
 the completed requests (nearest rank), and for the kernel the KV pages still used after the
-wave against before it, and the deltas of its counters (forward passes, pred calls, and any
-overload counter the kernel's ``stats`` reports: preemptions, drops, swap bytes, queue...).
+wave against before it, its counters' increases and gauges (forward passes, pred calls, and
+any overload entry its ``stats`` reports: preemptions, drops, swap bytes, queue...), and how
+many LIPs waited in the admission queue and for how long (their ``started`` event).  Every
+completed symphony run of a prompt (all N, rounds, both kernels) must give the same greedy
+text; the script counts the prompts that did.
 
 Rounds are interleaved (round 1: every contender, every N; round 2: ...); each contender
-gets a fresh kernel or server each round, warmed up by one short untimed request.  With
+gets a fresh kernel or server each round, warmed up by one short untimed request (for the
+kernel a small LIP of its own, so that admission does not learn generate.py's KV need from it).  With
 --repeat R > 1 the table gives the median over rounds and the per-round spread (min..max).
 The last lines check issue 19's goals for each contender: 100% completion at every N, and
 output tok/s at the largest N >= 0.9x that of the best N (no collapse under overload).
 
---quick: N = 2, 4 and 200-token prompts (a smoke run).
+--quick: N = 2, 4 and 200-token prompts (a smoke run).  Ctrl-C or SIGTERM stops the run and
+reports the waves that ended; --json is rewritten after every wave.  Run it on a quiet machine:
+llama.cpp's threads spin at barriers when the cores are oversubscribed.
 """
 from __future__ import annotations
 
