@@ -91,8 +91,7 @@ class DataOps:
         toks, pos = self.engine.check_call(tokens, positions, length=inode.length,
                                            next_position=_next_position(inode), all_logits=all_logits)
         S = self.page_size
-        new = pages_for(inode.length + len(toks), S) - len(inode.blocks)
-        cow = int(inode.length % S != 0 and inode.blocks[-1].ref > 1)
+        new, cow = append_growth(inode, len(toks), S)
         need, cap = len(inode.blocks) + new + cow, self.engine.kv.allocator.capacity
         if need > cap:
             raise NoSpace(f"pred needs {need} device KV pages (the file's {inode.length} tokens + "
@@ -174,8 +173,7 @@ class DataOps:
         if length + n > self.engine.max_seq_len or pos[-1] >= self.engine.model_config.max_context:
             raise PredError(f"pred: the KV file would hold {length + n} tokens up to position "
                             f"{pos[-1]}, past the limit {self.engine.max_seq_len}")
-        new = pages_for(length + n, S) - len(inode.blocks)
-        cow = int(length % S != 0 and inode.blocks[-1].ref > 1)
+        new, cow = append_growth(inode, n, S)
         who = c.who
         self.quotas.check({(who.user, who.pid): new + cow})
         self._make_resident([inode], extra=new + cow, protect=protect)
@@ -340,6 +338,14 @@ class DataOps:
         inode = self.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions
         return hid
+
+
+def append_growth(inode: Inode, n: int, page_size: int) -> tuple[int, int]:
+    """Pages appending ``n`` tokens to ``inode`` makes: (new pages, 1 if its
+    shared partial last page must be copied first else 0)."""
+    new = pages_for(inode.length + n, page_size) - len(inode.blocks)
+    cow = int(inode.length % page_size != 0 and inode.blocks[-1].ref > 1)
+    return new, cow
 
 
 def _next_position(inode: Inode) -> int:

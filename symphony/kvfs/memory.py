@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Iterator
 
-from symphony.engine.page_allocator import pages_for
+from .data import append_growth
 from .errors import InvalidArgument, NoSpace
 from .namespace import Block, Inode
 
@@ -59,9 +59,7 @@ class MemoryOps:
         shared partial last page.  Exactly what `_plan` then allocates or
         swaps in; changes nothing."""
         inode = self._handle(call.who, call.handle).inode
-        n, length, S = len(call.tokens), inode.length, self.page_size
-        new = pages_for(length + n, S) - len(inode.blocks)
-        cow = int(length % S != 0 and inode.blocks[-1].ref > 1)
+        new, cow = append_growth(inode, len(call.tokens), self.page_size)
         missing = len({b.id for b in inode.blocks if b.device < 0})
         return missing + new + cow
 
