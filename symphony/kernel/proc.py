@@ -62,6 +62,11 @@ class LipProc:
     suspensions: int = 0
 
     @property
+    def blocked(self) -> bool:
+        """Waiting in recv() or on a capability call: its pages may be swapped out page by page."""
+        return self.parked_recv is not None or self.caps_in_flight > 0
+
+    @property
     def principal(self) -> Principal:
         return Principal(self.user, self.id)
 
@@ -80,8 +85,7 @@ class ServedLips(dict):
     def swap_out_first(self) -> list[int]:
         """Ids of the blocked LIPs (waiting in recv or on a capability call),
         whose KV pages to move off the device first, in `swap_out_order`."""
-        views = [LipView(l.id, l.priority, l.parked_recv is not None or l.caps_in_flight > 0,
-                         l.blocked_since, l.last_active, 1) for l in self.values()]
+        views = [LipView(l.id, l.priority, l.blocked, l.blocked_since, l.last_active, 1) for l in self.values()]
         blocked = {v.id for v in views if v.blocked}
         return [i for i in swap_out_order(views) if i in blocked]
 
@@ -90,4 +94,4 @@ class ServedLips(dict):
         (``KVFS(..., pinned=...)``): served, neither blocked nor suspended.
         Their pages leave the device only with the whole LIP (kernel/residency.py)."""
         return {l.id for l in self.values() if l.state in ("running", "killing") and not l.suspended
-                and l.parked_recv is None and l.caps_in_flight == 0}
+                and not l.blocked}

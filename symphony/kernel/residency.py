@@ -35,10 +35,6 @@ KV_WAIT_S = 30.0
 STUCK_GRACE_S = 1.0
 
 
-def _blocked(lip) -> bool:
-    return lip.parked_recv is not None or lip.caps_in_flight > 0
-
-
 class Residency:
     """Suspension and resumption of whole LIPs by device memory (mixed into SyscallServer)."""
 
@@ -72,7 +68,7 @@ class Residency:
             mem.append(LipMem(lip.id, lip.priority, lip.admitted,
                               0 if lip.suspended else self.fs.pid_device_pages(lip.id), needs.get(lip.id, 0),
                               lip.suspended, self.fs.resume_need(lip.id) if lip.suspended else 0,
-                              blocked=_blocked(lip) and not queued, fresh=self.fs.pid_pages(lip.id) == 0))
+                              blocked=lip.blocked and not queued, fresh=self.fs.pid_pages(lip.id) == 0))
         headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
         plan = self.planner.plan(mem, headroom, self.engine.kv.allocator.capacity)
         if plan.wait:
