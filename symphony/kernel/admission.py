@@ -54,15 +54,13 @@ class AdmissionControl:
 
     def _machine(self) -> Machine:
         """The machine as admission sees it: the process table and the last
-        serving snapshot (missing fields count as 0)."""
+        serving snapshot."""
         snap = self.sys.snapshot
-        held = getattr(snap, "lip_pages", None) or {}
-        suspended = getattr(snap, "suspended", None) or {}
-        holding = tuple((e.row.priority, held.get(e.id, 0), self.pending[e.id].pages)
+        holding = tuple((e.row.priority, snap.lip_pages.get(e.id, 0), self.pending[e.id].pages)
                         for e in self.procs if e.state != "queued" and e.id in self.pending)
         return Machine(self.procs.admitted, self.max_lips, self.procs.admitted_by_user(),
-                       self.policy.max_lips_per_user, getattr(snap, "kv_device_free", 0),
-                       getattr(snap, "kv_reclaimable", 0), sum(suspended.values()), holding)
+                       self.policy.max_lips_per_user, snap.kv_device_free, snap.kv_reclaimable,
+                       sum(snap.suspended.values()), holding)
 
     def _pump_admission(self) -> None:
         """Start every queued LIP that may start now, in the queue's order
