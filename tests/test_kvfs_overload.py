@@ -13,8 +13,8 @@ from conftest import tiny_config
 from symphony.engine.config import EngineConfig
 from symphony.engine.engine import Engine
 from symphony.engine.weights import random_weights
-from symphony.kvfs import (KVFS, InvalidArgument, KVFSConfig, KVPred, NoSpace, NotFound, Principal,
-                           QuotaExceeded)
+from symphony.kvfs import (KVFS, InvalidArgument, KVFSConfig, KVPred, NoSpace, NotFound, PermissionDenied,
+                           Principal, QuotaExceeded)
 
 S = 4                                                    # tokens a page
 ALICE, BOB = Principal("alice", 1), Principal("bob", 2)
@@ -237,6 +237,22 @@ def test_suspend_with_full_host_and_disk_raises_and_changes_nothing(weights):
     fs.close(BOB, p)                                          # a closed cache file on the host ...
     assert fs.suspend(1) == 4 and not exists(fs, "/tmp/p")    # ... is deleted to make room
     assert fs.stats()["cache_drops"] == 1 and fs.stats()["suspensions"] == 3
+
+
+def test_another_user_cannot_make_a_file_a_cache_file_to_get_it_deleted(weights):
+    """advise("cache") lets the kernel delete a file: a reader of someone else's
+    file (0644, opened read-only) may not ask for it; the file stays, normal."""
+    fs = make_fs(weights, pages=16, host_pages=8)
+    h = fs.create(ALICE, "/shared/notes.kv", mode=0o644)
+    fs.pred(ALICE, h, toks(2 * S))
+    fs.close(ALICE, h)
+    r = fs.open(BOB, "/shared/notes.kv", "r")
+    with pytest.raises(PermissionDenied):
+        fs.advise(BOB, r, "cache")
+    fs.close(BOB, r)
+    fs.reclaim(free(fs) + 2)                                 # pressure: only idle swaps, no deletion
+    assert exists(fs, "/shared/notes.kv") and fs.stats()["cache_drops"] == 0
+    assert fs.stat(Principal("root"), "/shared/notes.kv")["advice"] == "normal"
 
 
 # ------------------------------------------------------------------ NoSpace only when true
