@@ -55,6 +55,7 @@ Q8_PATHS = [
     pytest.param(5, id="int8-avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the int8 AVX2 path cannot run here")),
     pytest.param(6, id="int8-avxvnni", marks=pytest.mark.skipif(not HAS_AVX_VNNI, reason="this CPU has no AVX-VNNI: the int8 AVX-VNNI path cannot run here")),
     pytest.param(7, id="int8-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI path cannot run here")),
+    pytest.param(8, id="int8-avx512vnni-t16", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI 16-row-tile path cannot run here")),
 ]
 # the best int8-activation path this CPU runs (the one the automatic choice takes)
 Q8_BEST = 7 if HAS_AVX512_VNNI else 6 if HAS_AVX_VNNI else 5 if HAS_AVX2 else 4
@@ -164,7 +165,7 @@ def test_int8_paths_agree_and_round_like_the_reference():
     qw, want = gguf_weight("Q5_K", 11, 256, seed=4)
     x = torch.randn(6, 256) * torch.logspace(-3, 3, 256)     # blocks of very different scales
     ys = {p: ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, p)
-          for p in (4, 5, 6, 7) if p <= Q8_BEST and (p != 6 or HAS_AVX_VNNI)}
+          for p in (4, 5, 6, 7, 8) if p <= Q8_BEST and (p != 6 or HAS_AVX_VNNI)}
     for p, y in ys.items():
         torch.testing.assert_close(y, ys[4], rtol=1e-5, atol=1e-5 * float(ys[4].abs().max()))
     # identity-like i8 weight: row n has q = 1 at column n, scale 1: y[m, n] = d * qx[m, n]
@@ -297,7 +298,7 @@ def _args(**over):
     (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
-    (dict(path=8), "path must be"),
+    (dict(path=9), "path must be"),
     (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
      "multiple of 32"),

@@ -63,6 +63,7 @@ struct QAct {
   const float* d;    // [M, ldq / 16] block scales (in value order, whatever the byte layout)
   const float* s;    // [M, n_groups] float sums of x per weight group, or nullptr (no mins)
   int64_t ldq;
+  const int8_t* lo = nullptr;  // 15-bit x (quantize_act15): q = qx >> 7, lo = qx & 127
 };
 
 // Quantize x [M, K] (row stride ldx) into q [M, ldq], d [M, ldq / 16] and, if s is not null,
@@ -70,6 +71,12 @@ struct QAct {
 void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int8_t* q,
                   float* d, float* s, int64_t ldq, bool permute64, bool bias128);
 
+// The 15-bit variant (path 9): d = max |x_block| / 16383, qx = round_half_even(x / d) in
+// -16383..16383, stored split in two bytes, hi = qx >> 7 (-128..127) and lo = qx & 127 (0..127),
+// so that qx = 128 * hi + lo and an integer dot product with it is two vpdpbusd. x is then
+// rounded to 1/32766 of its block's largest value: products equal the float32 ones to ~3e-5
+// of |x| |W|, where int8 rounds to 1/254. corr [M, ldq / 16] = -128 * (sum of qx over each
+// block) (for i8 weights: see qkernels_t16_x86.cpp). quantize_act_avx512 does it.
 using RowsQ8Fn = void (*)(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
                           int64_t n0, int64_t n1);
 void rows_q8_scalar(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
@@ -81,6 +88,15 @@ void rows_q8_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, int64
                      int64_t n1);
 void rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
                         int64_t n0, int64_t n1);
+// Path 8 (qkernels_t16_x86.cpp): 16 weight rows a tile, one row a lane; x plain (no permute64,
+// no bias128); xcorr [M, ldq / 16] = -128 * (sum of qx over each block), used for i8 weights.
+// quantize_act (lo null: the same bits as the scalar code) or its 15-bit variant (lo not null)
+// with AVX-512; corr as above; permute64 / bias128 as quantize_act's (bias128: hi only).
+void quantize_act_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group,
+                         int8_t* hi, int8_t* lo, float* d, float* s, int32_t* corr, int64_t ldq,
+                         bool permute64, bool bias128);
+void rows_q8_t16_avx512vnni(const QView& w, const QAct& a, const int32_t* xcorr, int64_t M,
+                            float* out, int64_t ldo, int64_t n0, int64_t n1);
 #endif
 
 }  // namespace qcpu

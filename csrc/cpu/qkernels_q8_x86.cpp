@@ -50,7 +50,9 @@ constexpr int64_t kPrefetchRows = 16;  // as in qkernels_x86.cpp
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
 
-template <int NB, int MB, bool TAIL, int KIND>  // KIND 0: u4, 1: i8 groups of 32, 2: i8 groups of 16
+// KIND 0: u4, 1: i8 groups of 32, 2: i8 groups of 16. SPLIT: 15-bit x (a.q = hi, biased for
+// i8 like 8-bit x; a.lo = lo, 0..127, never biased: it is the unsigned operand for i8 weights).
+template <int NB, int MB, bool TAIL, int KIND, bool SPLIT>
 inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_t st,
                      __m512 (&acc)[NB][MB]) {
   const __m512i zero = _mm512_setzero_si512();
@@ -88,24 +90,29 @@ inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_
   }
   for (int j = 0; j < MB; ++j) {
     const __m512i xq = _mm512_loadu_si512(a.q + (m + j) * a.ldq + st * 64);
+    __m512i xl = zero;
+    if constexpr (SPLIT) xl = _mm512_loadu_si512(a.lo + (m + j) * a.ldq + st * 64);
     const __m512 xd = _mm512_permutexvar_ps(idx_x, _mm512_castps128_ps512(_mm_loadu_ps(a.d + (m + j) * nb + 4 * st)));
     for (int b = 0; b < NB; ++b) {
-      const __m512i isum = KIND == 0 ? _mm512_dpbusd_epi32(zero, wv[b], xq)
-                                     : _mm512_dpbusd_epi32(nwc[b], xq, wv[b]);
+      __m512i isum = KIND == 0 ? _mm512_dpbusd_epi32(zero, wv[b], xq)
+                               : _mm512_dpbusd_epi32(nwc[b], xq, wv[b]);
+      if constexpr (SPLIT)  // 128 * (w . hi) + (w . lo)
+        isum = KIND == 0 ? _mm512_dpbusd_epi32(_mm512_slli_epi32(isum, 7), wv[b], xl)
+                         : _mm512_dpbusd_epi32(_mm512_slli_epi32(isum, 7), xl, wv[b]);
       acc[b][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[b], xd), acc[b][j]);
     }
   }
 }
 
-template <int NB, int MB, int KIND>
+template <int NB, int MB, int KIND, bool SPLIT>
 inline void tile_kind_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n,
                           int64_t m) {
   __m512 acc[NB][MB];
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm512_setzero_ps();
   const int64_t full = w.K / 64;
-  for (int64_t st = 0; st < full; ++st) step_512<NB, MB, false, KIND>(w, a, n, m, st, acc);
-  if (w.K % 64) step_512<NB, MB, true, KIND>(w, a, n, m, full, acc);
+  for (int64_t st = 0; st < full; ++st) step_512<NB, MB, false, KIND, SPLIT>(w, a, n, m, st, acc);
+  if (w.K % 64) step_512<NB, MB, true, KIND, SPLIT>(w, a, n, m, full, acc);
   const int64_t G = w.n_groups;
   if (w.mins)  // + sum_g mins[n, g] * s[m, g], into the same accumulators
     for (int64_t g = 0; g < G; g += 16) {
@@ -121,14 +128,22 @@ inline void tile_kind_512(const QView& w, const QAct& a, float* out, int64_t ldo
     for (int b = 0; b < NB; ++b) out[(m + j) * ldo + n + b] = _mm512_reduce_add_ps(acc[b][j]);
 }
 
+template <int NB, int MB, bool SPLIT>
+inline void tile_split_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n, int64_t m) {
+  if (w.kind == kQU4)
+    tile_kind_512<NB, MB, 0, SPLIT>(w, a, out, ldo, n, m);
+  else if (w.group == 32)
+    tile_kind_512<NB, MB, 1, SPLIT>(w, a, out, ldo, n, m);
+  else
+    tile_kind_512<NB, MB, 2, SPLIT>(w, a, out, ldo, n, m);
+}
+
 template <int NB, int MB>
 inline void tile_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n, int64_t m) {
-  if (w.kind == kQU4)
-    tile_kind_512<NB, MB, 0>(w, a, out, ldo, n, m);
-  else if (w.group == 32)
-    tile_kind_512<NB, MB, 1>(w, a, out, ldo, n, m);
+  if (a.lo)
+    tile_split_512<NB, MB, true>(w, a, out, ldo, n, m);
   else
-    tile_kind_512<NB, MB, 2>(w, a, out, ldo, n, m);
+    tile_split_512<NB, MB, false>(w, a, out, ldo, n, m);
 }
 
 #pragma GCC pop_options

@@ -90,10 +90,12 @@ using namespace qcpu;
 // Paths of qlinear: -1 picks; the others force one (tests run every path the CPU has).
 enum Path : int64_t {
   kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
-  kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7,
+  kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7, kQ8T16Avx512Vnni = 8,
+  kQ15T16Avx512Vnni = 9,
 };
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
+constexpr int64_t kRowM = 2;     // the 15-bit path's 16-row tiles from this many rows on
 
 // The SIMD paths this CPU runs (cpuid, once).
 struct CpuFeatures {
@@ -159,28 +161,88 @@ RowsQ8Fn rows_q8_fn(int64_t path) {
   return rows_q8_scalar;
 }
 
-// x @ W^T by the int8-activation kernels: quantize x once (this thread), then split W's rows.
+// x @ W^T by the integer-activation kernels: quantize x once (this thread), then split W's rows.
 void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
-  const RowsQ8Fn fn = rows_q8_fn(path);
-  const int64_t M = x.size(0), ldq = (w.K + 63) / 64 * 64;
-  static thread_local std::vector<int8_t> qbuf;
+  const int64_t M = x.size(0), ldq = (w.K + 63) / 64 * 64, nb = ldq / 16;
+  static thread_local std::vector<int8_t> qbuf, lbuf;
   static thread_local std::vector<float> dbuf, sbuf;
+  static thread_local std::vector<int32_t> cbuf;
   qbuf.resize(M * ldq);
-  dbuf.resize(M * ldq / 16);
+  dbuf.resize(M * nb);
+  cbuf.resize(M * nb);
   if (w.mins) sbuf.resize(M * w.n_groups);
+  float* s = w.mins ? sbuf.data() : nullptr;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (path == kQ8Avx512Vnni || path == kQ8T16Avx512Vnni || path == kQ15T16Avx512Vnni ||
+      (path == kAuto && cpu_has_avx512vnni())) {
+    require(cpu_has_avx512vnni(), 0, path, path == kQ15T16Avx512Vnni ? "15-bit, AVX-512 VNNI"
+            : path == kQ8T16Avx512Vnni ? "int8, AVX-512 VNNI, 16-row tiles" : "int8, AVX-512 VNNI",
+            "avx512f/bw/vl/dq/vnni");
+    // the 15-bit path runs the row kernel below kRowM rows (faster for a GEMV as the engine
+    // streams the weights: perf/RESULTS.md), the 16-row tiles from there
+    const bool split = path == kQ15T16Avx512Vnni;
+    const bool t16 = path == kQ8T16Avx512Vnni || (split && M >= kRowM);
+    QAct a{qbuf.data(), dbuf.data(), s, ldq};
+    if (split) {
+      lbuf.resize(M * ldq);
+      a.lo = lbuf.data();
+    }
+    quantize_act_avx512(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(),
+                        split ? lbuf.data() : nullptr, dbuf.data(), s, cbuf.data(), ldq,
+                        !t16 && w.kind == kQU4, !t16 && w.kind == kQI8);
+    const int32_t* xcorr = cbuf.data();  // (the lambda runs on other threads: their cbuf is not ours)
+    if (t16) {
+      const int64_t tiles = (w.N + 15) / 16;
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (16 * w.K * std::max<int64_t>(M, 1)));
+      at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+        rows_q8_t16_avx512vnni(w, a, xcorr, M, out, w.N, t0 * 16, std::min(w.N, t1 * 16));
+      });
+    } else {
+      const int64_t nblocks = (w.N + 3) / 4;
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * w.K * std::max<int64_t>(M, 1)));
+      at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+        rows_q8_avx512vnni(w, a, M, out, w.N, b0 * 4, std::min(w.N, b1 * 4));
+      });
+    }
+    return;
+  }
+#endif
+  const RowsQ8Fn fn = rows_q8_fn(path);
 #if defined(__x86_64__) || defined(_M_X64)
   const bool wide = fn == rows_q8_avx512vnni;  // its x layout: see qkernels_q8_x86.cpp
 #else
   const bool wide = false;
 #endif
-  quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(),
-               w.mins ? sbuf.data() : nullptr, ldq, wide && w.kind == kQU4, wide && w.kind == kQI8);
-  const QAct a{qbuf.data(), dbuf.data(), w.mins ? sbuf.data() : nullptr, ldq};
+  quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
+               wide && w.kind == kQU4, wide && w.kind == kQI8);
+  const QAct a{qbuf.data(), dbuf.data(), s, ldq};
   const int64_t nblocks = (w.N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * w.K * std::max<int64_t>(M, 1)));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     fn(w, a, M, out, w.N, b0 * 4, std::min(w.N, b1 * 4));
   });
+}
+
+// The path an automatic choice (-1, -2) takes for M rows of x and this weight; a forced path as is.
+// From micro-benchmarks on the AVX-512 VNNI Xeon, one thread (perf/RESULTS.md):
+//   -1 (results equal to the float32 product up to ~1e-5 of |x| |W|): the 15-bit 16-row-tile
+//      kernel below 64 rows (1.1-1.4x the float register kernel at one row, 1.3-1.9x the
+//      dense GEMM at 32), except for i8 weights at 1-2 rows (the float kernel reads them as
+//      fast); the dense GEMM from 64 rows on. Without VNNI: the float register kernel below 32
+//      rows, dense from there.
+//   -2 (x rounded to int8): the int8 16-row-tile kernel below 256 rows (1.2-2.9x the dense GEMM
+//      up to 256 rows), dense from there. Without AVX-512 VNNI: the best int8 kernel below 32
+//      rows (64 for matrices of 3 x 2^18 weights or more), dense from there.
+int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
+  if (path >= 0) return path;
+  const bool t16 = cpu_has_avx512vnni();
+  if (path == kAutoQ8) {
+    if (t16) return M < kRowM ? kQ8Avx512Vnni : M < 256 ? kQ8T16Avx512Vnni : kDense;
+    return M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)) ? kAutoQ8 : kDense;
+  }
+  if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
+  if (t16 && !(d.kind == kQI8 && M <= 2)) return kQ15T16Avx512Vnni;
+  return kAuto;
 }
 
 DequantFn dequant_fn() {
@@ -216,9 +278,10 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAutoQ8 && path <= kQ8Avx512Vnni, op, ": path must be -2 (auto, int8 "
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T16Avx512Vnni, op, ": path must be -2 (auto, int8 "
               "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
-              "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI) or 7 (int8 AVX-512 VNNI), got ", path);
+              "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
+              "8 (int8 AVX-512 VNNI, 16-row tiles) or 9 (15-bit AVX-512 VNNI, 16-row tiles), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
@@ -228,11 +291,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   at::Tensor out = at::empty({M, d.N}, x.options());
   if (M == 0 || d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
-  // int8 activations (-2): below 32 rows, and below 64 for large matrices, where the int8
-  // kernels beat the dense GEMM (SmolLM2's gate_up, down, head; not qkv / o: micro-benchmark on
-  // the AVX-512 VNNI Xeon, perf/RESULTS.md)
-  const bool q8_auto = path == kAutoQ8 && (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)));
-  if (path == kDense || (path <= kAuto && M >= kDenseM && !q8_auto)) {
+  const int64_t eff = resolve_path(path, M, d);
+  if (eff == kDense) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
     // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
     // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
@@ -251,11 +311,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     }
     return out;
   }
-  if (path >= kQ8Scalar || path == kAutoQ8) {
-    qlinear_q8(x, w, path == kAutoQ8 ? kAuto : path, out.data_ptr<float>());
+  if (eff >= kQ8Scalar || eff == kAutoQ8) {
+    qlinear_q8(x, w, eff == kAutoQ8 ? kAuto : eff, out.data_ptr<float>());
     return out;
   }
-  const RowsFn fn = rows_fn(path);
+  const RowsFn fn = rows_fn(eff);
   const float* xp = x.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), nblocks = (d.N + 3) / 4;

@@ -31,27 +31,29 @@ def qdequant_reference(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
     return w.float()
 
 
-def quantize_act_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x float32 ``[M, K]`` rounded as the int8-activation paths do, per block of 16 values:
-    ``d = max|x_block| / 127`` and ``q = round_half_even(x * (1 / d))`` (0 where d = 0), all in
-    float32. Returns q (int8 ``[M, K]``) and d (float32 ``[M, K / 16]``)."""
+def quantize_act_reference(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 ``[M, K]`` rounded as the integer-activation paths do, per block of 16 values:
+    ``d = max|x_block| / qmax`` and ``q = round_half_even(x * (1 / d))`` (0 where d = 0), all in
+    float32; qmax 127 for the int8 paths (4-8), 16383 for the 15-bit path (9). Returns q (int8
+    or int16 ``[M, K]``) and d (float32 ``[M, K / 16]``)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // 16, 16)                                  # [M, K/16, 16]
-    d = xb.abs().amax(dim=2) / 127.0                                        # [M, K/16]
+    d = xb.abs().amax(dim=2) / float(qmax)                                  # [M, K/16]
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-    q = torch.round(xb * inv.unsqueeze(2)).clamp(-127, 127).to(torch.int8)  # [M, K/16, 16]
-    return q.reshape(m, k), d
+    q = torch.round(xb * inv.unsqueeze(2)).clamp(-qmax, qmax)              # [M, K/16, 16]
+    return q.to(torch.int8 if qmax <= 127 else torch.int16).reshape(m, k), d
 
 
 def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                       kind: int, group: int, path: int = -1) -> torch.Tensor:
     """Reference qlinear: the float64 product with the dequantized weight, rounded to float32.
-    Paths 4-7 (int8 activations) multiply x as those paths round it (``quantize_act_reference``:
-    ``d * q`` per block of 16) instead of x itself; their kernels compute the same with integer
-    dot products per block (mins included: they take the rounded x's sums)."""
+    Paths 4-9 (integer activations) multiply x as those paths round it
+    (``quantize_act_reference``: ``d * q`` per block of 16, 15 bits for path 9, 8 for the
+    others) instead of x itself; their kernels compute the same with integer dot products per
+    block (mins included: they take the rounded x's sums)."""
     w = qdequant_reference(qs, scales, mins, kind, group)
     if path >= 4:
-        q, d = quantize_act_reference(x)
+        q, d = quantize_act_reference(x, 16383 if path == 9 else 127)
         x = q.double() * d.double().repeat_interleave(16, dim=1)            # [M, K] as rounded
     return (x.double() @ w.double().t()).float()
 
