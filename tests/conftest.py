@@ -6,9 +6,12 @@ from symphony.engine.weights import random_weights
 
 # Tolerances, stated once (float32 on the CPU):
 #   tiny random models: paged logits vs reference, max |diff| <= 1e-4
-#   SmolLM2-135M (logits of magnitude ~20): max |diff| <= 2e-3
+#   SmolLM2-135M (logits of magnitude ~20): max |diff| <= 2e-3 on float activations; 2e-2 where
+#   the engine's default kernels round x to 15 bits (CPUs with AVX-512 VNNI: below 64 rows a
+#   call, csrc/cpu/qlinear.cpp): measured up to 1.03e-2 against the float32 reference over the
+#   30 layers (1 / 2000 of the logits' scale; int8 activations move them by 1 / 27)
 TINY_ATOL = 1e-4
-SMOLLM_ATOL = 2e-3
+SMOLLM_ATOL = 2e-2 if "avx512_vnni" in open("/proc/cpuinfo").read().split() else 2e-3
 
 # Reduced precision on the CPU (weights, activations and KV pool in the dtype; final norm and
 # logits from a float32 head).  Tiny random models have logits of magnitude ~1.5; the bfloat16

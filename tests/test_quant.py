@@ -6,12 +6,16 @@ Tolerance of qlinear, float paths (0-3): they compute the float32 product with t
 weight (no activation quantization), so they differ from the float64 reference only by float32
 rounding of the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
 
-int8-activation paths (4-7): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
+int8-activation paths (4-8): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
 the kernels multiply W by that rounded x (integer dot products scaled per block). Against
 ``qlinear_reference`` on the same path (the same rounding simulated in PyTorch, float64 after it)
 they differ only by float32 rounding of the sums: |y - ref| <= 1e-5 * (|x^| @ |W|^T) + 1e-6.
 Against the float product they differ by the rounding of x, at most half a step a value:
 |y - x @ W^T| <= (d/2 @ |W|^T) (1 + 1e-5) + 1e-5 * (|x| @ |W|^T) + 1e-6.
+
+The 15-bit path (9, the automatic float choice below 64 rows on AVX-512 VNNI CPUs): the same,
+with d = max|x_block| / 16383: half a step is 1/32766 of the block's largest value, so it is
+within 3.1e-5 * (|x| @ |W|^T) of the float product (measured: 1.6e-5).
 """
 import re
 
@@ -56,9 +60,15 @@ Q8_PATHS = [
     pytest.param(6, id="int8-avxvnni", marks=pytest.mark.skipif(not HAS_AVX_VNNI, reason="this CPU has no AVX-VNNI: the int8 AVX-VNNI path cannot run here")),
     pytest.param(7, id="int8-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI path cannot run here")),
     pytest.param(8, id="int8-avx512vnni-t16", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI 16-row-tile path cannot run here")),
+    pytest.param(9, id="15bit-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the 15-bit path cannot run here")),
 ]
-# the best int8-activation path this CPU runs (the one the automatic choice takes)
+# the best int8-activation path this CPU runs at one row (the one the automatic choice takes)
 Q8_BEST = 7 if HAS_AVX512_VNNI else 6 if HAS_AVX_VNNI else 5 if HAS_AVX2 else 4
+
+
+def qmax_of(path: int) -> int:
+    """The largest |qx| of an integer-activation path's rounding of x: 16383 for the 15-bit path."""
+    return 16383 if path == 9 else 127
 
 
 def gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
@@ -79,7 +89,7 @@ def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
 def assert_q8_close(y: torch.Tensor, x: torch.Tensor, qw: QWeight, w: torch.Tensor, path: int) -> None:
     """An int8-activation path's y vs the simulated reference and vs x @ w^T (module docstring)."""
     ref = ops.qlinear_reference(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path).double()
-    qx, d = ops.quantize_act_reference(x)
+    qx, d = ops.quantize_act_reference(x, qmax_of(path))
     xr = qx.double() * d.double().repeat_interleave(16, dim=1)                # x as rounded
     terms = xr.abs() @ w.double().abs().t() + x.double().abs() @ w.double().abs().t()
     err = (y.double() - ref).abs()
@@ -165,7 +175,7 @@ def test_int8_paths_agree_and_round_like_the_reference():
     qw, want = gguf_weight("Q5_K", 11, 256, seed=4)
     x = torch.randn(6, 256) * torch.logspace(-3, 3, 256)     # blocks of very different scales
     ys = {p: ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, p)
-          for p in (4, 5, 6, 7, 8) if p <= Q8_BEST and (p != 6 or HAS_AVX_VNNI)}
+          for p in (4, 5, 6, 7, 8) if p <= Q8_BEST + (HAS_AVX512_VNNI and p == 8) and (p != 6 or HAS_AVX_VNNI)}
     for p, y in ys.items():
         torch.testing.assert_close(y, ys[4], rtol=1e-5, atol=1e-5 * float(ys[4].abs().max()))
     # identity-like i8 weight: row n has q = 1 at column n, scale 1: y[m, n] = d * qx[m, n]
@@ -205,7 +215,7 @@ def test_force_qlinear_path_validates_and_restores():
     with quant.force_qlinear_path(4):
         assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 4))
     assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
-    for bad in (8, -3, "7", 1.0, True):
+    for bad in (10, -3, "7", 1.0, True):
         with pytest.raises(ValueError, match="qlinear path"):
             quant.force_qlinear_path(bad)
 
@@ -217,7 +227,8 @@ def test_set_int8_activations():
     try:
         quant.set_int8_activations(True)
         assert quant.int8_activations()
-        assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, Q8_BEST))
+        assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32,
+                                                     expected_auto(-2, 3, qw)))
         with quant.force_qlinear_path(0):
             assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 0))
         assert quant.int8_activations()
@@ -228,26 +239,41 @@ def test_set_int8_activations():
         quant.set_int8_activations(1)
 
 
+def expected_auto(path: int, m: int, qw: QWeight) -> int:
+    """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp)."""
+    if path == -2:
+        if HAS_AVX512_VNNI:
+            return 7 if m < 2 else 8 if m < 256 else 3
+        return Q8_BEST if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
+    if HAS_AVX512_VNNI:
+        return 3 if m >= 64 else 9
+    return 3 if m >= 32 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
+
+
 def test_qlinear_auto_path_and_empty_batch():
-    """The automatic choice is one of the forced paths (bit for bit) and stays within the int8
-    bound whichever it is."""
-    qw, want = gguf_weight("Q6_K", 13, 256)
-    best_float = 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
-    for m in (1, 2, 4, 31, 32, 100):
-        x = torch.randn(m, 256)
-        y = qw.linear(x)                    # float activations: register kernels, dense from 32
-        assert torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
-                                          best_float if m < 32 else 3)), m
-        assert_linear_close(y, x, torch.from_numpy(want))
-        y8 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -2)   # int8 below 32
-        assert torch.equal(y8, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
-                                           Q8_BEST if m < 32 else 3)), m
-    # from 32 to 63 rows, -2 keeps the int8 kernels for matrices of 3 * 2^18 weights and more
+    """The automatic choice is one of the forced paths (bit for bit), by the rule of
+    `expected_auto`, and -1 stays within the 15-bit bound of the float product whichever it is."""
+    for qtype in ("Q6_K", "Q4_1"):
+        qw, want = gguf_weight(qtype, 13, 256)
+        for m in (1, 2, 3, 4, 31, 32, 63, 64, 100, 255, 256):
+            x = torch.randn(m, 256)
+            y = qw.linear(x)
+            assert torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
+                                              expected_auto(-1, m, qw))), (qtype, m)
+            w = torch.from_numpy(want).double()
+            err = (y.double() - x.double() @ w.t()).abs()
+            assert bool((err <= 3.1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()), (qtype, m)
+            y8 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, -2)
+            assert torch.equal(y8, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group,
+                                               expected_auto(-2, m, qw))), (qtype, m)
+    # without AVX-512 VNNI, from 32 to 63 rows, -2 keeps the int8 kernels for matrices of
+    # 3 * 2^18 weights and more
     x = torch.randn(40, 512)
-    for n, want_path in ((1536, Q8_BEST), (1024, 3)):
+    for n in (1536, 1024):
         big, _ = gguf_weight("Q8_0", n, 512)
         y8 = ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, -2)
-        assert torch.equal(y8, ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, want_path)), n
+        assert torch.equal(y8, ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group,
+                                           expected_auto(-2, 40, big))), n
     assert qw.linear(torch.randn(0, 256)).shape == (0, 13)
     y = qw.linear(torch.randn(2, 3, 256, dtype=torch.bfloat16))       # any leading shape / dtype
     assert y.shape == (2, 3, 13) and y.dtype == torch.bfloat16
@@ -273,7 +299,7 @@ def test_opcheck_qlinear_and_qdequant():
     for qtype in ("Q4_1", "Q6_K", "Q5_K"):
         qw, _ = gguf_weight(qtype, 5, 256)
         for m in (1, 3, 40):
-            for path in (-1, 4, Q8_BEST):
+            for path in (-1, -2, 4, Q8_BEST) + ((8, 9) if HAS_AVX512_VNNI else ()):
                 torch.library.opcheck(torch.ops.symphony.qlinear.default,
                                       (torch.randn(m, 256), qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path))
         torch.library.opcheck(torch.ops.symphony.qdequant.default,
@@ -298,7 +324,7 @@ def _args(**over):
     (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
-    (dict(path=9), "path must be"),
+    (dict(path=10), "path must be"),
     (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
      "multiple of 32"),
@@ -352,7 +378,11 @@ def test_load_time_quantizers(scheme, step):
     err = (qw.dequantize() - w).abs()
     assert bool((err <= 0.5 * step * span + 1e-6).all())     # half a quantization step
     x = torch.randn(3, 96)
-    assert_linear_close(qw.linear(x), x, qw.dequantize())
+    with quant.force_qlinear_path(2 if HAS_AVX512 else 1 if HAS_AVX2 else 0):
+        assert_linear_close(qw.linear(x), x, qw.dequantize())
+    if HAS_AVX512_VNNI:
+        with quant.force_qlinear_path(9):
+            assert_q8_close(qw.linear(x), x, qw, qw.dequantize(), 9)
     with quant.force_qlinear_path(Q8_BEST):
         assert_q8_close(qw.linear(x), x, qw, qw.dequantize(), Q8_BEST)
     with pytest.raises(QuantError, match="K % 32"):

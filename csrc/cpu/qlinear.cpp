@@ -227,8 +227,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 // From micro-benchmarks on the AVX-512 VNNI Xeon, one thread (perf/RESULTS.md):
 //   -1 (results equal to the float32 product up to ~1e-5 of |x| |W|): the 15-bit 16-row-tile
 //      kernel below 64 rows (1.1-1.4x the float register kernel at one row, 1.3-1.9x the
-//      dense GEMM at 32), except for i8 weights at 1-2 rows (the float kernel reads them as
-//      fast); the dense GEMM from 64 rows on. Without VNNI: the float register kernel below 32
+//      dense GEMM at 32); the dense GEMM from 64 rows on. Without VNNI: the float register kernel below 32
 //      rows, dense from there.
 //   -2 (x rounded to int8): the int8 16-row-tile kernel below 256 rows (1.2-2.9x the dense GEMM
 //      up to 256 rows), dense from there. Without AVX-512 VNNI: the best int8 kernel below 32
@@ -241,7 +240,7 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
     return M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)) ? kAutoQ8 : kDense;
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
-  if (t16 && !(d.kind == kQI8 && M <= 2)) return kQ15T16Avx512Vnni;
+  if (t16) return kQ15T16Avx512Vnni;
   return kAuto;
 }
 
