@@ -150,6 +150,9 @@ def kernel_main(argv=None) -> int:
     except ModelLoadError as e:
         log.error("%s", e)
         return 2
+    if engine.model.w.is_quantized() and engine.device.type == "cpu":
+        from .engine.quant import describe_cpu_kernels
+        log.info("quantized weights: %s", describe_cpu_kernels())
     try:
         _warm_up(engine)
     except RuntimeError as e:

@@ -226,3 +226,29 @@ def test_embedded_model_quantized_paris_and_perplexity(smollm):
     lf = dense.pred(kv, text, all_logits=True)
     dense.release(kv)
     assert 0 < (l8 - lf).abs().max() <= 0.05 * lf.abs().max()
+
+
+def test_activations_flag_selects_the_kernels(tmp_path):
+    """`--activations int8` (symphony / symphony-kernel) switches the engine to the int8 kernels,
+    `auto` back; the kernel's log line says which; a bad value is refused by the parser."""
+    import argparse
+    from symphony import cli
+    from symphony.engine import quant
+    cfg = tiny_cfg(False)
+    path = write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg), quant="Q4_1")
+    p = argparse.ArgumentParser()
+    cli._engine_args(p)
+    try:
+        eng = cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1", "--activations", "int8"]))
+        assert quant.int8_activations() and "int8" in quant.describe_cpu_kernels()
+        x = torch.randn(3, cfg["hidden_size"])
+        w = eng.model.w.layers[0].wqkv
+        assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -2))
+        cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1"]))
+        assert not quant.int8_activations()
+        assert ("15 bits" if HAS_AVX512_VNNI else "float32") in quant.describe_cpu_kernels()
+        assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -1))
+    finally:
+        quant.set_int8_activations(False)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--activations", "int4"])

@@ -88,13 +88,14 @@ void rows_q8_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, int64
                      int64_t n1);
 void rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
                         int64_t n0, int64_t n1);
-// Path 8 (qkernels_t16_x86.cpp): 16 weight rows a tile, one row a lane; x plain (no permute64,
-// no bias128); xcorr [M, ldq / 16] = -128 * (sum of qx over each block), used for i8 weights.
 // quantize_act (lo null: the same bits as the scalar code) or its 15-bit variant (lo not null)
 // with AVX-512; corr as above; permute64 / bias128 as quantize_act's (bias128: hi only).
 void quantize_act_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group,
                          int8_t* hi, int8_t* lo, float* d, float* s, int32_t* corr, int64_t ldq,
                          bool permute64, bool bias128);
+// Paths 8 and 9 (qkernels_t16_x86.cpp): 16 weight rows a tile, one row a lane; x plain (no
+// permute64, no bias128), 15-bit if a.lo is set; xcorr [M, ldq / 16] = -128 * (sum of qx over
+// each block), used for i8 weights. (Path 9 at one row runs rows_q8_avx512vnni on 15-bit x.)
 void rows_q8_t16_avx512vnni(const QView& w, const QAct& a, const int32_t* xcorr, int64_t M,
                             float* out, int64_t ldo, int64_t n0, int64_t n1);
 #endif

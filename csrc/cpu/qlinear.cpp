@@ -3,18 +3,22 @@
 //   qlinear(x [M, K] float32, W) -> x @ W^T  [M, N] float32
 //   qdequant(W) -> W as float32 [N, K]
 //
-// qlinear has three strategies:
+// qlinear has four strategies:
 //   * float register kernels (paths 0-2): each group of W is dequantized into registers and
 //     multiplied with the float32 activations; only the quantized bytes are read from memory.
 //     AVX-512 or AVX2+FMA by cpuid (qkernels_x86.cpp), else scalar.
-//   * int8-activation kernels (paths 4-7): x is quantized to int8 per block of 16 values
+//   * int8-activation kernels (paths 4-8): x is quantized to int8 per block of 16 values
 //     (qlinear_q8.cpp) and each weight group is an integer dot product (AVX-512 VNNI vpdpbusd,
-//     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp). The result differs from the
-//     float product by the rounding of x (at most half a step of its block per value): the
-//     result is W times the rounded x.
-//   * dense (M >= kDenseM: prefill): W is dequantized into a float32 scratch of up to 8 MiB
-//     (in pieces of rows beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill
-//     runs at the float32 path's speed while the model stays quantized in memory.
+//     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp; path 8: 16 weight rows a register,
+//     qkernels_t16_x86.cpp). The result differs from the float product by the rounding of x (at
+//     most half a step of its block per value): the result is W times the rounded x.
+//   * the 15-bit kernels (path 9, AVX-512 VNNI): the same with x rounded to 15 bits per block
+//     (two vpdpbusd a product), within ~3e-5 of |x| |W| of the float product; the automatic
+//     float-accurate choice below 64 rows on CPUs that have them.
+//   * dense (prefill): W is dequantized into a float32 scratch of up to 8 MiB (in pieces of rows
+//     beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill runs at the float32
+//     path's speed while the model stays quantized in memory.
+// resolve_path below says which the automatic choices (-1, -2) take.
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -225,12 +229,12 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 
 // The path an automatic choice (-1, -2) takes for M rows of x and this weight; a forced path as is.
 // From micro-benchmarks on the AVX-512 VNNI Xeon, one thread (perf/RESULTS.md):
-//   -1 (results equal to the float32 product up to ~1e-5 of |x| |W|): the 15-bit 16-row-tile
-//      kernel below 64 rows (1.1-1.4x the float register kernel at one row, 1.3-1.9x the
-//      dense GEMM at 32); the dense GEMM from 64 rows on. Without VNNI: the float register kernel below 32
-//      rows, dense from there.
-//   -2 (x rounded to int8): the int8 16-row-tile kernel below 256 rows (1.2-2.9x the dense GEMM
-//      up to 256 rows), dense from there. Without AVX-512 VNNI: the best int8 kernel below 32
+//   -1 (results equal to the float32 product up to ~3e-5 of |x| |W|): the 15-bit kernels below
+//      64 rows (the row kernel at one row: ~1.1x the float register kernel in the engine's
+//      decode; 16-row tiles from 2 rows: 1.4x the dense GEMM at 32), the dense GEMM from 64
+//      rows on. Without AVX-512 VNNI: the float register kernel below 32 rows, dense from there.
+//   -2 (x rounded to int8): the int8 row kernel (path 7) at one row, the int8 16-row tiles
+//      (path 8) below 256 rows (1.2-2.9x the dense GEMM), dense from there. Without AVX-512 VNNI: the best int8 kernel below 32
 //      rows (64 for matrices of 3 x 2^18 weights or more), dense from there.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;

@@ -39,17 +39,20 @@ _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
-# The qlinear path QWeight.linear asks for (ops.qlinear): -1 lets the op pick a float32-activation
-# kernel by M and the CPU (csrc/cpu/qlinear.cpp), -2 an int8-activation one. -2 is opt-in
-# (`set_int8_activations`, or SYMPHONY_INT8_ACTIVATIONS=1 in the environment): it is faster but
-# rounds every linear layer's input to int8 (logits move by a few % of their scale; perf/RESULTS.md).
+# The qlinear path QWeight.linear asks for (ops.qlinear): -1 lets the op pick by M and the CPU
+# (csrc/cpu/qlinear.cpp) a kernel whose result is the float32 product up to ~3e-5 of |x| |W| (15-bit
+# activations on AVX-512 VNNI, float32 otherwise), -2 an int8-activation one. -2 is opt-in
+# (`set_int8_activations`, `symphony-kernel --activations int8`, or SYMPHONY_INT8_ACTIVATIONS=1 in
+# the environment): it is faster for batches but rounds every linear layer's input to int8 (logits
+# move by a few % of their scale; perf/RESULTS.md).
 # Tests and benchmarks force a path with `force_qlinear_path`.
 _qlinear_path = -2 if os.environ.get("SYMPHONY_INT8_ACTIVATIONS", "") == "1" else -1
 
 
 def set_int8_activations(on: bool) -> None:
-    """Process-wide: quantized matrices compute on int8-rounded activations (True) or on the
-    float32 activations (False, the default unless SYMPHONY_INT8_ACTIVATIONS=1)."""
+    """Process-wide: quantized matrices compute on int8-rounded activations (True) or on
+    activations as exact as float32 to ~3e-5 (False, the default unless
+    SYMPHONY_INT8_ACTIVATIONS=1)."""
     global _qlinear_path
     if not isinstance(on, bool):
         raise TypeError(f"set_int8_activations takes a bool, got {on!r}")
@@ -59,6 +62,20 @@ def set_int8_activations(on: bool) -> None:
 def int8_activations() -> bool:
     """Whether `QWeight.linear` picks int8-activation kernels (see `set_int8_activations`)."""
     return _qlinear_path == -2
+
+
+def describe_cpu_kernels() -> str:
+    """One line on what quantized matrices multiply on this CPU, for the kernel's log."""
+    f = ops.qcpu_features()
+    if _qlinear_path == -2:
+        how = ("int8 16-row-tile kernels (AVX-512 VNNI)" if f["avx512_vnni"] else
+               "int8 kernels (" + ("AVX-VNNI" if f["avx_vnni"] else "AVX2" if f["avx2"] else "scalar") + ")")
+        return f"activations rounded to int8 per block of 16 (--activations int8): {how}, dense GEMM from 256 rows"
+    if f["avx512_vnni"]:
+        return ("activations rounded to 15 bits per block of 16 (AVX-512 VNNI kernels) below 64 rows, "
+                "float32 dense GEMM from 64")
+    isa = "AVX-512" if f["avx512"] else "AVX2" if f["avx2"] else "scalar"
+    return f"float32 activations: {isa} register kernels below 32 rows, dense GEMM from 32"
 
 
 class force_qlinear_path:

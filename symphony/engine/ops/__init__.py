@@ -136,13 +136,16 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
             kind: int, group: int, path: int = -1) -> torch.Tensor:
     """``x @ W^T`` for a quantized weight W (layout: ``csrc/quant.h``; x float32 ``[M, K]``).
 
-    ``path`` (CPU only): -1 picks a float32-activation kernel by M and the CPU's features (the
-    float32 product with the dequantized weight); -2 the best int8-activation kernel below 32
-    rows (dense tiles from 32); the others force one (one this CPU lacks raises): float32
-    register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM; int8-activation
-    kernels (x rounded to int8 per block of 16 values, integer dot products: the product of W
-    with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2 (``vpmaddubsw``),
-    6 AVX-VNNI, 7 AVX-512 VNNI.
+    ``path`` (CPU only): -1 picks a kernel by M and the CPU's features whose result is the
+    float32 product with the dequantized weight up to ~3e-5 of ``|x| @ |W|^T`` (15-bit
+    activations below 64 rows on AVX-512 VNNI CPUs, float32 register kernels below 32 rows
+    elsewhere, the dense GEMM beyond); -2 the best int8-activation kernel (dense from 256 rows
+    on AVX-512 VNNI, from 32 elsewhere); the others force one (one this CPU lacks raises):
+    float32 register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM;
+    int8-activation kernels (x rounded to int8 per block of 16 values, integer dot products:
+    the product of W with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2
+    (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
+    register; 9 the same with x rounded to 15 bits (AVX-512 VNNI).
     """
     if not _loaded:
         load()
@@ -176,7 +179,7 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
 
 def qcpu_features() -> dict[str, bool]:
     """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
-    ``avx_vnni`` (6) and ``avx512_vnni`` (7)."""
+    ``avx_vnni`` (6) and ``avx512_vnni`` (7, 8, 9)."""
     if not _loaded:
         load()
     bits = int(torch.ops.symphony.qcpu_features())
