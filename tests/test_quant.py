@@ -243,7 +243,7 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
     """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp)."""
     if path == -2:
         if HAS_AVX512_VNNI:
-            return 7 if m < 2 else 8 if m < 256 else 3
+            return 7 if m < 2 else 8
         return Q8_BEST if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
         return 3 if m >= 64 else 9

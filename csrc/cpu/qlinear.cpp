@@ -234,13 +234,14 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //      decode; 16-row tiles from 2 rows: 1.4x the dense GEMM at 32), the dense GEMM from 64
 //      rows on. Without AVX-512 VNNI: the float register kernel below 32 rows, dense from there.
 //   -2 (x rounded to int8): the int8 row kernel (path 7) at one row, the int8 16-row tiles
-//      (path 8) below 256 rows (1.2-2.9x the dense GEMM), dense from there. Without AVX-512 VNNI: the best int8 kernel below 32
+//      (path 8) from 2 rows on, prefills included (1.2-2.9x the dense GEMM up to 256 rows,
+//      1.0-1.4x at 512). Without AVX-512 VNNI: the best int8 kernel below 32
 //      rows (64 for matrices of 3 x 2^18 weights or more), dense from there.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
   const bool t16 = cpu_has_avx512vnni();
   if (path == kAutoQ8) {
-    if (t16) return M < kRowM ? kQ8Avx512Vnni : M < 256 ? kQ8T16Avx512Vnni : kDense;
+    if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
     return M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)) ? kAutoQ8 : kDense;
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;

@@ -70,7 +70,8 @@ def describe_cpu_kernels() -> str:
     if _qlinear_path == -2:
         how = ("int8 16-row-tile kernels (AVX-512 VNNI)" if f["avx512_vnni"] else
                "int8 kernels (" + ("AVX-VNNI" if f["avx_vnni"] else "AVX2" if f["avx2"] else "scalar") + ")")
-        return f"activations rounded to int8 per block of 16 (--activations int8): {how}, dense GEMM from 256 rows"
+        dense = "" if f["avx512_vnni"] else ", dense GEMM from 32 rows"
+        return f"activations rounded to int8 per block of 16 (--activations int8): {how}{dense}"
     if f["avx512_vnni"]:
         return ("activations rounded to 15 bits per block of 16 (AVX-512 VNNI kernels) below 64 rows, "
                 "float32 dense GEMM from 64")
