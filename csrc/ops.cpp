@@ -45,4 +45,12 @@ TORCH_LIBRARY(symphony, m) {
   // returns (x + r, rms_norm(x + r)).
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
+
+  // Fused element-wise ops of the decode step, float32 (CPU; csrc/cpu/fused.cpp).
+  // silu_mul: gu [T, 2I] (the fused gate/up projection) -> silu(gu[:, :I]) * gu[:, I:], [T, I].
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  // rope_: rotates, in place, the first `heads` heads of head_dim = 2 * table.size(1) values of
+  // each row x[t] ([T, N]): pair (2i, 2i+1) as the complex x[2i] + i x[2i+1] times
+  // table[positions[t], i] = (cos, sin) of positions[t] * inv_freq[i] (table [P, head_dim/2, 2]).
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table, int heads) -> ()");
 }
