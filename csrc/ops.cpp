@@ -53,4 +53,11 @@ TORCH_LIBRARY(symphony, m) {
   // each row x[t] ([T, N]): pair (2i, 2i+1) as the complex x[2i] + i x[2i+1] times
   // table[positions[t], i] = (cos, sin) of positions[t] * inv_freq[i] (table [P, head_dim/2, 2]).
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table, int heads) -> ()");
+  // llama_layers: PagedLlama's decoder layer stack in one op (float32 CPU; csrc/cpu/layers.cpp
+  // documents the arguments): x [T, H] -> x after the last layer; writes K/V into kv_pool.
+  m.def(
+      "llama_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor(a!) kv_pool, Tensor slots, "
+      "Tensor page_table, Tensor cu_q_lens, Tensor kv_lens, Tensor[] norms, Tensor[] mats, "
+      "int[] kinds, int[] groups, Tensor?[] biases, int n_heads, int n_kv_heads, float scale, "
+      "float eps, int qpath) -> Tensor");
 }

@@ -10,6 +10,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "fused.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -54,6 +56,8 @@ inline void silu_mul_row(const float* __restrict g, const float* __restrict u, f
   }
 }
 
+}  // namespace
+
 at::Tensor silu_mul_cpu(const at::Tensor& gu) {
   constexpr const char* op = "symphony::silu_mul";
   TORCH_CHECK(gu.dim() == 2, op, ": gu must be 2-D [T, 2 * I], got shape ", gu.sizes());
@@ -74,6 +78,8 @@ at::Tensor silu_mul_cpu(const at::Tensor& gu) {
   return out;
 }
 
+namespace {
+
 // One head: (x[2i] + i x[2i+1]) * (cs[2i] + i cs[2i+1]), the complex multiply of model.py
 inline void rope_head(float* __restrict x, const float* __restrict cs, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
@@ -83,7 +89,9 @@ inline void rope_head(float* __restrict x, const float* __restrict cs, int64_t h
   }
 }
 
-void rope_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table, int64_t heads) {
+}  // namespace
+
+void rope_inplace(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table, int64_t heads) {
   constexpr const char* op = "symphony::rope_";
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [T, N], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && table.scalar_type() == at::kFloat, op,
@@ -117,11 +125,9 @@ void rope_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& tabl
   });
 }
 
-}  // namespace
-
 TORCH_LIBRARY_IMPL(symphony, CPU, m) {
   m.impl("silu_mul", &silu_mul_cpu);
-  m.impl("rope_", &rope_cpu);
+  m.impl("rope_", &rope_inplace);
 }
 
 }  // namespace symphony

@@ -58,6 +58,7 @@ __all__ = [
     "add_rms_norm",
     "silu_mul",
     "rope_",
+    "llama_layers",
     "qlinear_reference",
     "quantize_act_reference",
     "qdequant_reference",
@@ -200,6 +201,29 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: 
     torch.ops.symphony.rope_(x, positions, table, int(heads))
 
 
+def llama_layers(x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
+                 kv_pool: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, norms: list[torch.Tensor],
+                 mats: list[torch.Tensor], kinds: list[int], groups: list[int],
+                 biases: list[torch.Tensor | None], n_heads: int, n_kv_heads: int, scale: float,
+                 eps: float, qpath: int) -> torch.Tensor:
+    """A Llama decoder layer stack in one op (float32, CPU): from the embeddings x ``[T, H]`` to
+    the residual stream after the last layer, writing every layer's K/V into ``kv_pool``
+    ``[L, 2, num_pages, page_size, n_kv_heads, head_dim]``. The same ops in the same order as
+    ``PagedLlama``'s Python loop (so the same values), called from C++: per layer, wqkv (+ bias),
+    ``rope_``, ``write_kv``, ``paged_attention``, wo, ``add_rms_norm``, w_gate_up, ``silu_mul``,
+    w_down, ``add_rms_norm``. ``norms``: 2 per layer (attn, mlp); ``mats``: 4 matrices per layer
+    (wqkv, wo, w_gate_up, w_down) as 3 tensors each, ``(qs, scales, mins)`` of a quantized one
+    (``kinds``/``groups``: its kind and group; ``qlinear`` path ``qpath``) or ``(w, w, w)`` of a
+    dense float32 ``[N, K]`` one (kind -1); ``biases``: bqkv per layer or None."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.llama_layers(x, positions, rope_table, kv_pool, slots, page_table,
+                                           cu_q_lens, kv_lens, norms, mats, kinds, groups, biases,
+                                           int(n_heads), int(n_kv_heads), float(scale),
+                                           float(eps), int(qpath))
+
+
 def qcpu_features() -> dict[str, bool]:
     """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
     ``avx_vnni`` (6) and ``avx512_vnni`` (7)."""
@@ -259,6 +283,12 @@ def _rope_fake(x, positions, table, heads) -> None:
     return None
 
 
+def _llama_layers_fake(x, positions, rope_table, kv_pool, slots, page_table, cu_q_lens, kv_lens,
+                       norms, mats, kinds, groups, biases, n_heads, n_kv_heads, scale, eps, qpath):
+    torch._check(x.dim() == 2 and kv_pool.dim() == 6)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 _fakes_registered = False
 
 
@@ -283,6 +313,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("symphony::add_rms_norm", _add_rms_norm_fake)
     torch.library.register_fake("symphony::silu_mul", _silu_mul_fake)
     torch.library.register_fake("symphony::rope_", _rope_fake)
+    torch.library.register_fake("symphony::llama_layers", _llama_layers_fake)
     _fakes_registered = True
 
 
