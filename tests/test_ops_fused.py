@@ -135,35 +135,44 @@ def test_rope_opcheck_and_bad_args():
 
 
 # ------------------------------------------------------------------ the model
-@pytest.mark.parametrize("cfg", [tiny_config(), tiny_config(n_heads=6, n_kv_heads=2, head_dim=8, hidden_size=48),
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("cfg", [tiny_config(), tiny_config(n_heads=6, n_kv_heads=2, head_dim=32, hidden_size=64),
                                  tiny_config(arch="qwen2", attn_bias=True)], ids=["gqa2", "gqa3", "qwen2-bias"])
-def test_model_uses_fused_ops_with_torch_logits(cfg, monkeypatch):
-    """float32 CPU: every layer calls rope_ and silu_mul once per pass, and the logits of a prompt
-    and of decode steps equal those of torch's code (fused_elementwise off) within 1e-5."""
+def test_model_fused_paths_give_torch_logits(cfg, quantize, monkeypatch):
+    """float32 CPU, dense or quantized matrices: one llama_layers call a pass by default; with the
+    layer stack off, the Python loop calls rope_ and silu_mul once a layer; with those off too,
+    torch's code. The logits of a prompt and two decode steps agree within 1e-5 in all three."""
     w = random_weights(cfg, seed=3)
-    eng = Engine(w, None, EngineConfig(page_size=4, num_pages=64))
-    calls = {"rope_": 0, "silu_mul": 0}
+    eng = Engine(w, None, EngineConfig(page_size=4, num_pages=64, quantize=quantize))
+    calls = {"llama_layers": 0, "rope_": 0, "silu_mul": 0}
     for name in calls:
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _r(*a))
+        def counted(*a, _real=getattr(ops, name), _name=name):
+            calls[_name] += 1
+            return _real(*a)
+        monkeypatch.setattr(ops, name, counted)
     toks = [5, 17, 3, 99, 42, 8, 1]
 
     def run():
         kv = eng.new_sequence()
         out = [eng.pred(kv, toks[:5], all_logits=True)] + [eng.pred(kv, [t]).unsqueeze(0) for t in toks[5:]]
         eng.release(kv)
-        return torch.cat(out)
-    assert eng.model.fused_elementwise
+        return torch.cat(out)                                       # [7, vocab]
+    m, L = eng.model, cfg.n_layers
+    assert m.fused_elementwise and m.layer_stack is not None
+    stack = run()
+    assert calls == {"llama_layers": 3, "rope_": 0, "silu_mul": 0}
+    m.layer_stack = None
     fused = run()
-    assert calls == {"rope_": 3 * cfg.n_layers, "silu_mul": 3 * cfg.n_layers}
-    eng.model.fused_elementwise = False
+    assert calls == {"llama_layers": 3, "rope_": 3 * L, "silu_mul": 3 * L}
+    m.fused_elementwise = False
     plain = run()
-    assert calls == {"rope_": 3 * cfg.n_layers, "silu_mul": 3 * cfg.n_layers}   # torch's code now
+    assert calls == {"llama_layers": 3, "rope_": 3 * L, "silu_mul": 3 * L}   # torch's code only
+    torch.testing.assert_close(stack, plain, atol=1e-5, rtol=0)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
-    assert math.isfinite(fused.abs().max().item())
+    assert math.isfinite(plain.abs().max().item()) and plain.abs().max() > 0.1
 
 
 def test_model_keeps_torch_code_for_bfloat16():
-    cfg = tiny_config()
-    eng = Engine(random_weights(cfg, seed=1), None, EngineConfig(page_size=4, num_pages=64, dtype=torch.bfloat16))
-    assert not eng.model.fused_elementwise
+    eng = Engine(random_weights(tiny_config(), seed=1), None,
+                 EngineConfig(page_size=4, num_pages=64, dtype=torch.bfloat16))
+    assert not eng.model.fused_elementwise and eng.model.layer_stack is None

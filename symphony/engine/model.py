@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, quant
 from .quant import QWeight, embedding, linear
 from .config import ModelConfig, RopeScaling
 from .kv_cache import KVPool
@@ -77,6 +77,9 @@ class PagedLlama:
         # same table as real (cos, sin) pairs, [max_context, head_dim/2, 2]; torch's code otherwise
         self.fused_elementwise = device.type == "cpu" and dtype == torch.float32
         self.rope_table = torch.view_as_real(self.rope)
+        # ... and the whole layer stack is one C++ op (ops.llama_layers: the same ops without
+        # ~35 Python calls a layer) on these lists of the layers' tensors; None: the Python loop
+        self.layer_stack = self._stack_args() if self.fused_elementwise else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
         # A prompt into an empty file attends by scaled_dot_product_attention (flash attention)
         # on a GPU. Not on the CPU: there our paged kernel took 0.89-0.96x of SDPA's time for
@@ -88,9 +91,25 @@ class PagedLlama:
     def forward(self, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """Write the batch's K/V into the pool; return [R, vocab] float32 logits."""
         c, w = self.config, self.w
+        x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
+        if self.layer_stack is not None and not (meta.fresh_prefill and self.fused_prefill):
+            # quant._qlinear_path: the path QWeight.linear would ask qlinear for
+            x = ops.llama_layers(x, meta.positions, self.rope_table, kv.pool, meta.slots,
+                                 meta.page_table, meta.cu_q_lens, meta.kv_lens, *self.layer_stack,
+                                 c.n_heads, c.n_kv_heads, self.scale, c.rms_eps,
+                                 quant._qlinear_path)                 # [T, hidden]
+        else:
+            x = self._layers(x, meta, kv)
+        x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
+        x = self._norm(x.to(self.head_dtype), w.norm)
+        return linear(x, self.lm_head).float()                      # [R, vocab]
+
+    def _layers(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
+        """The decoder layers in Python: embeddings x ``[T, hidden]`` -> the residual stream
+        after the last layer; writes every layer's K/V into the pool."""
+        c, w = self.config, self.w
         T = meta.tokens.shape[0]
         rot = None if self.fused_elementwise else self.rope[meta.positions].unsqueeze(1)  # [T, 1, head_dim/2]
-        x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
         h = self._norm(x, w.layers[0].attn_norm) if w.layers else x
         for i, lw in enumerate(w.layers):
             qkv = linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
@@ -109,9 +128,28 @@ class PagedLlama:
                 x, h = self._add_norm(x, down, w.layers[i + 1].attn_norm)
             else:
                 x = x + down                                        # [T, hidden]
-        x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
-        x = self._norm(x.to(self.head_dtype), w.norm)
-        return linear(x, self.lm_head).float()                      # [R, vocab]
+        return x
+
+    def _stack_args(self) -> tuple[list, list, list, list, list] | None:
+        """``(norms, mats, kinds, groups, biases)`` of every layer for ``ops.llama_layers``, or
+        None when a matrix is neither quantized nor a float32 tensor (no copies: the lists hold
+        the layers' own tensors)."""
+        norms, mats, kinds, groups, biases = [], [], [], [], []
+        for lw in self.w.layers:
+            norms += [lw.attn_norm.float(), lw.mlp_norm.float()]
+            for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+                if isinstance(m, QWeight):
+                    mats += [m.qs, m.scales, m.mins]
+                    kinds.append(m.kind)
+                    groups.append(m.group)
+                elif m.dtype == torch.float32:
+                    mats += [m, m, m]                               # kind -1: at::linear(x, m)
+                    kinds.append(-1)
+                    groups.append(0)
+                else:
+                    return None
+            biases.append(None if lw.bqkv is None else lw.bqkv.float())
+        return norms, mats, kinds, groups, biases
 
     def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor,
                 rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
