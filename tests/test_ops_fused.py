@@ -176,3 +176,52 @@ def test_model_keeps_torch_code_for_bfloat16():
     eng = Engine(random_weights(tiny_config(), seed=1), None,
                  EngineConfig(page_size=4, num_pages=64, dtype=torch.bfloat16))
     assert not eng.model.fused_elementwise and eng.model.layer_stack is None
+
+
+# ------------------------------------------------------------------ llama_layers arguments
+def _stack_args(T=3, bias=False):
+    """A one-layer stack (hidden 64, 2 heads and 1 kv head of 32, intermediate 96; dense
+    matrices) over a 4-page pool, T new tokens of one sequence at positions 0 .. T-1."""
+    g = torch.Generator().manual_seed(0)
+    H, nh, nkv, d, inter = 64, 2, 1, 32, 96
+    mats = []
+    for n, k in ((nh * d + 2 * nkv * d, H), (H, nh * d), (2 * inter, H), (H, inter)):
+        w = torch.randn(n, k, generator=g) / math.sqrt(k)
+        mats += [w, w, w]
+    return dict(x=torch.randn(T, H, generator=g), positions=torch.arange(T), rope_table=rope_table(16, d),
+                kv_pool=torch.zeros(1, 2, 4, 4, nkv, d), slots=torch.arange(T),
+                page_table=torch.arange(4, dtype=torch.int32).view(1, 4),
+                cu_q_lens=torch.tensor([0, T], dtype=torch.int32), kv_lens=torch.tensor([T], dtype=torch.int32),
+                norms=[torch.rand(H, generator=g) + 0.5 for _ in range(2)], mats=mats, kinds=[-1] * 4,
+                groups=[0] * 4, biases=[torch.randn(nh * d + 2 * nkv * d, generator=g) if bias else None],
+                n_heads=nh, n_kv_heads=nkv, scale=d ** -0.5, eps=1e-5, qpath=-1)
+
+
+def test_llama_layers_opcheck_and_kv_written():
+    a = _stack_args(bias=True)
+    out = ops.llama_layers(**a)
+    assert out.shape == a["x"].shape and torch.isfinite(out).all()
+    assert a["kv_pool"][0, :, 0, :3].abs().sum(-1).gt(0).all()      # K and V of the 3 tokens
+    assert a["kv_pool"][0, :, 0, 3:].eq(0).all() and a["kv_pool"][0, :, 1:].eq(0).all()
+    torch.library.opcheck(torch.ops.symphony.llama_layers.default, tuple(_stack_args().values()))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(kv_pool=torch.zeros(2, 4, 4, 1, 32)), "kv_pool must be"),
+    (dict(kv_pool=torch.zeros(1, 2, 4, 4, 1, 32, dtype=torch.bfloat16)), "kv_pool must be float32"),
+    (dict(x=torch.randn(3, 64, dtype=torch.float64)), "x must be a float32"),
+    (dict(norms=[torch.rand(64)]), "expected 2L norms"),
+    (dict(kinds=[-1] * 3), "expected 2L norms"),
+    (dict(biases=[None, None]), "expected 2L norms"),
+    (dict(n_kv_heads=2), "kv heads"),
+    (dict(n_heads=3), "wqkv gives"),
+    (dict(biases=[torch.randn(7)]), "bias of matrix 0"),
+])
+def test_llama_layers_bad_args_raise(change, match):
+    a = {**_stack_args(), **change}
+    if "biases" in change and len(change["biases"]) == 1:          # a quantized wqkv takes the bias path
+        q = torch.ones(128, 64, dtype=torch.int8)                   # i8, groups of 32, no mins
+        a["mats"] = [q, torch.ones(128, 2), torch.empty(0)] + a["mats"][3:]
+        a["kinds"], a["groups"] = [1, -1, -1, -1], [32, 0, 0, 0]
+    with pytest.raises(RuntimeError, match=match):
+        ops.llama_layers(**a)

@@ -82,7 +82,10 @@ struct Mats {
     const at::Tensor& a = mats[3 * j];
     if (kinds[j] < 0) return at::linear(x, a, bias);
     at::Tensor y = qlinear(x, a, mats[3 * j + 1], mats[3 * j + 2], kinds[j], groups[j], path);
-    return bias ? y.add_(*bias) : y;
+    if (!bias) return y;
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(1), "symphony::llama_layers: bias of matrix ",
+                j, " must be [", y.size(1), "], got ", bias->sizes());
+    return y.add_(*bias);
   }
 };
 
