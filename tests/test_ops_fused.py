@@ -10,6 +10,7 @@ from symphony.engine import ops
 from symphony.engine.config import EngineConfig
 from symphony.engine.engine import Engine
 from symphony.engine.model import rope_inv_freq
+from symphony.engine.quant import force_qlinear_path
 from symphony.engine.weights import random_weights
 
 ULP = 2.0 ** -23          # float32 relative spacing at 1
@@ -135,6 +136,14 @@ def test_rope_opcheck_and_bad_args():
 
 
 # ------------------------------------------------------------------ the model
+def _logits(eng, toks=(5, 17, 3, 99, 42, 8, 1)):
+    """Logits of a 5-token prompt and two decode steps on a new sequence, [7, vocab]."""
+    kv = eng.new_sequence()
+    out = [eng.pred(kv, list(toks[:5]), all_logits=True)] + [eng.pred(kv, [t]).unsqueeze(0) for t in toks[5:]]
+    eng.release(kv)
+    return torch.cat(out)
+
+
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 @pytest.mark.parametrize("cfg", [tiny_config(), tiny_config(n_heads=6, n_kv_heads=2, head_dim=32, hidden_size=64),
                                  tiny_config(arch="qwen2", attn_bias=True)], ids=["gqa2", "gqa3", "qwen2-bias"])
@@ -150,26 +159,35 @@ def test_model_fused_paths_give_torch_logits(cfg, quantize, monkeypatch):
             calls[_name] += 1
             return _real(*a)
         monkeypatch.setattr(ops, name, counted)
-    toks = [5, 17, 3, 99, 42, 8, 1]
-
-    def run():
-        kv = eng.new_sequence()
-        out = [eng.pred(kv, toks[:5], all_logits=True)] + [eng.pred(kv, [t]).unsqueeze(0) for t in toks[5:]]
-        eng.release(kv)
-        return torch.cat(out)                                       # [7, vocab]
     m, L = eng.model, cfg.n_layers
     assert m.fused_elementwise and m.layer_stack is not None
-    stack = run()
+    stack = _logits(eng)
     assert calls == {"llama_layers": 3, "rope_": 0, "silu_mul": 0}
     m.layer_stack = None
-    fused = run()
+    fused = _logits(eng)
     assert calls == {"llama_layers": 3, "rope_": 3 * L, "silu_mul": 3 * L}
     m.fused_elementwise = False
-    plain = run()
+    plain = _logits(eng)
     assert calls == {"llama_layers": 3, "rope_": 3 * L, "silu_mul": 3 * L}   # torch's code only
     torch.testing.assert_close(stack, plain, atol=1e-5, rtol=0)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
     assert math.isfinite(plain.abs().max().item()) and plain.abs().max() > 0.1
+
+
+def test_layer_stack_follows_the_qlinear_path():
+    """llama_layers asks qlinear for the path QWeight.linear would (quant's current path): under
+    force_qlinear_path(-2) (int8 activations) it gives the Python loop's logits on that path,
+    which differ from the float32-activation ones."""
+    eng = Engine(random_weights(tiny_config(), seed=5), None,
+                 EngineConfig(page_size=4, num_pages=64, quantize="int8"))
+    with force_qlinear_path(-2):
+        stack_q8 = _logits(eng)
+        saved, eng.model.layer_stack = eng.model.layer_stack, None
+        loop_q8 = _logits(eng)
+        eng.model.layer_stack = saved
+    stack_f32 = _logits(eng)
+    torch.testing.assert_close(stack_q8, loop_q8, atol=1e-5, rtol=0)
+    assert (stack_q8 - stack_f32).abs().max() > 1e-4
 
 
 def test_model_keeps_torch_code_for_bfloat16():
