@@ -47,4 +47,19 @@ TORCH_LIBRARY(symphony, m) {
   // returns (x + r, rms_norm(x + r)).
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
+
+  // Fused element-wise ops of the decode step, float32 (CPU; csrc/cpu/fused.cpp).
+  // silu_mul: gu [T, 2I] (the fused gate/up projection) -> silu(gu[:, :I]) * gu[:, I:], [T, I].
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  // rope_: rotates, in place, the first `heads` heads of head_dim = 2 * table.size(1) values of
+  // each row x[t] ([T, N]): pair (2i, 2i+1) as the complex x[2i] + i x[2i+1] times
+  // table[positions[t], i] = (cos, sin) of positions[t] * inv_freq[i] (table [P, head_dim/2, 2]).
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table, int heads) -> ()");
+  // llama_layers: PagedLlama's decoder layer stack in one op (float32 CPU; csrc/cpu/layers.cpp
+  // documents the arguments): x [T, H] -> x after the last layer; writes K/V into kv_pool.
+  m.def(
+      "llama_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor(a!) kv_pool, Tensor slots, "
+      "Tensor page_table, Tensor cu_q_lens, Tensor kv_lens, Tensor[] norms, Tensor[] mats, "
+      "int[] kinds, int[] groups, Tensor?[] biases, int n_heads, int n_kv_heads, float scale, "
+      "float eps, int qpath) -> Tensor");
 }

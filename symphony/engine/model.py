@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, quant
 from .quant import QWeight, embedding, linear
 from .config import ModelConfig, RopeScaling
 from .kv_cache import KVPool
@@ -73,6 +73,13 @@ class PagedLlama:
         angles = torch.outer(torch.arange(c.max_context, dtype=torch.float32), inv)
         # [max_context, head_dim/2] complex64: e^{i * pos * freq}
         self.rope = torch.polar(torch.ones_like(angles), angles).to(device)
+        # float32 on the CPU: RoPE and SwiGLU by the fused C++ ops (csrc/cpu/fused.cpp) on the
+        # same table as real (cos, sin) pairs, [max_context, head_dim/2, 2]; torch's code otherwise
+        self.fused_elementwise = device.type == "cpu" and dtype == torch.float32
+        self.rope_table = torch.view_as_real(self.rope)
+        # ... and the whole layer stack is one C++ op (ops.llama_layers: the same ops without
+        # ~35 Python calls a layer) on these lists of the layers' tensors; None: the Python loop
+        self.layer_stack = self._stack_args() if self.fused_elementwise else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
         # A prompt into an empty file attends by scaled_dot_product_attention (flash attention)
         # on a GPU. Not on the CPU: there our paged kernel took 0.89-0.96x of SDPA's time for
@@ -84,20 +91,29 @@ class PagedLlama:
     def forward(self, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """Write the batch's K/V into the pool; return [R, vocab] float32 logits."""
         c, w = self.config, self.w
-        T = meta.tokens.shape[0]
-        qk_heads = c.n_heads + c.n_kv_heads
-        rot = self.rope[meta.positions].unsqueeze(1)               # [T, 1, head_dim/2]
         x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
+        if self.layer_stack is not None and not (meta.fresh_prefill and self.fused_prefill):
+            # quant._qlinear_path: the path QWeight.linear would ask qlinear for
+            x = ops.llama_layers(x, meta.positions, self.rope_table, kv.pool, meta.slots,
+                                 meta.page_table, meta.cu_q_lens, meta.kv_lens, *self.layer_stack,
+                                 c.n_heads, c.n_kv_heads, self.scale, c.rms_eps,
+                                 quant._qlinear_path)                 # [T, hidden]
+        else:
+            x = self._layers(x, meta, kv)
+        x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
+        x = self._norm(x.to(self.head_dtype), w.norm)
+        return linear(x, self.lm_head).float()                      # [R, vocab]
+
+    def _layers(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
+        """The decoder layers in Python: embeddings x ``[T, hidden]`` -> the residual stream
+        after the last layer; writes every layer's K/V into the pool."""
+        c, w = self.config, self.w
+        T = meta.tokens.shape[0]
+        rot = None if self.fused_elementwise else self.rope[meta.positions].unsqueeze(1)  # [T, 1, head_dim/2]
         h = self._norm(x, w.layers[0].attn_norm) if w.layers else x
         for i, lw in enumerate(w.layers):
             qkv = linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
-            # [T, n_heads + n_kv_heads, head_dim/2] as complex: rotate q and k at once
-            qk = torch.view_as_complex(
-                qkv[:, : c.q_size + c.kv_size].float().reshape(T, qk_heads, c.head_dim // 2, 2))
-            qk = torch.view_as_real(qk * rot).reshape(T, qk_heads, c.head_dim).to(x.dtype)
-            q = qk[:, : c.n_heads]                                  # [T, n_heads, head_dim]
-            k = qk[:, c.n_heads:]                                   # [T, n_kv_heads, head_dim]
-            v = qkv[:, c.q_size + c.kv_size:].view(T, c.n_kv_heads, c.head_dim)
+            q, k, v = self._rotate(qkv, meta.positions, rot)        # [T, heads, head_dim] each
             k_cache, v_cache = kv.layer(i)
             ops.write_kv(k, v, k_cache, v_cache, meta.slots)         # token-strided views are fine
             if meta.fresh_prefill and self.fused_prefill:   # nothing cached before: fused causal attention
@@ -107,14 +123,57 @@ class PagedLlama:
                                         meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
             x, h = self._add_norm(x, linear(o.reshape(T, c.q_size), lw.wo), lw.mlp_norm)
             gu = linear(h, lw.w_gate_up)                            # [T, 2 * intermediate]
-            down = linear(F.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size:], lw.w_down)
+            down = linear(self._swiglu(gu), lw.w_down)
             if i + 1 < len(w.layers):                               # the residual and the next norm
                 x, h = self._add_norm(x, down, w.layers[i + 1].attn_norm)
             else:
                 x = x + down                                        # [T, hidden]
-        x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
-        x = self._norm(x.to(self.head_dtype), w.norm)
-        return linear(x, self.lm_head).float()                      # [R, vocab]
+        return x
+
+    def _stack_args(self) -> tuple[list, list, list, list, list] | None:
+        """``(norms, mats, kinds, groups, biases)`` of every layer for ``ops.llama_layers``, or
+        None when a matrix is neither quantized nor a float32 tensor (no copies: the lists hold
+        the layers' own tensors)."""
+        norms, mats, kinds, groups, biases = [], [], [], [], []
+        for lw in self.w.layers:
+            norms += [lw.attn_norm.float(), lw.mlp_norm.float()]
+            for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+                if isinstance(m, QWeight):
+                    mats += [m.qs, m.scales, m.mins]
+                    kinds.append(m.kind)
+                    groups.append(m.group)
+                elif m.dtype == torch.float32:
+                    mats += [m, m, m]                               # kind -1: at::linear(x, m)
+                    kinds.append(-1)
+                    groups.append(0)
+                else:
+                    return None
+            biases.append(None if lw.bqkv is None else lw.bqkv.float())
+        return norms, mats, kinds, groups, biases
+
+    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor,
+                rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, n_heads, head_dim]``, k and v ``[T, n_kv_heads, head_dim]`` of the fused
+        projection qkv ``[T, q_size + 2 * kv_size]``, q and k rotated by RoPE (positions [T];
+        rot: their complex factors ``[T, 1, head_dim/2]``, None on the fused path)."""
+        c = self.config
+        T, qk_heads = qkv.shape[0], c.n_heads + c.n_kv_heads
+        if rot is None:                  # float32 CPU: rotate q and k in place, then views
+            ops.rope_(qkv, positions, self.rope_table, qk_heads)
+            return qkv.view(T, -1, c.head_dim).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=1)
+        # [T, n_heads + n_kv_heads, head_dim/2] as complex: rotate q and k at once
+        qk = torch.view_as_complex(
+            qkv[:, : c.q_size + c.kv_size].float().reshape(T, qk_heads, c.head_dim // 2, 2))
+        qk = torch.view_as_real(qk * rot).reshape(T, qk_heads, c.head_dim).to(qkv.dtype)
+        v = qkv[:, c.q_size + c.kv_size:].view(T, c.n_kv_heads, c.head_dim)
+        return qk[:, : c.n_heads], qk[:, c.n_heads:], v
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused gate/up projection gu ``[T, 2 * intermediate]``."""
+        if self.fused_elementwise:
+            return ops.silu_mul(gu)
+        i = self.config.intermediate_size
+        return F.silu(gu[:, :i]) * gu[:, i:]
 
     def _fused_norm(self, x: torch.Tensor) -> bool:
         """Whether the C++ RMSNorm ops take x (float32 on the CPU; torch's otherwise)."""

@@ -44,7 +44,8 @@ import torch
 
 from .build import _build_and_load, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401
 from .reference import (paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
-                        quantize_act_reference, write_kv_reference)
+                        quantize_act_reference, rope_reference, silu_mul_reference,
+                        write_kv_reference)
 
 __all__ = [
     "load",
@@ -55,11 +56,16 @@ __all__ = [
     "qcpu_features",
     "rms_norm",
     "add_rms_norm",
+    "silu_mul",
+    "rope_",
+    "llama_layers",
     "qlinear_reference",
     "quantize_act_reference",
     "qdequant_reference",
     "write_kv_reference",
     "paged_attention_reference",
+    "silu_mul_reference",
+    "rope_reference",
     "cuda_available",
     "compile_cuda_object",
     "csrc_dir",
@@ -177,6 +183,50 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
     return torch.ops.symphony.add_rms_norm(x, r, w, float(eps))
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU of a fused gate/up projection (float32, CPU): ``gu [T, 2I]`` ->
+    ``silu(gu[:, :I]) * gu[:, I:]``, ``[T, I]``; rows of gu may be strided. One op for four
+    (two slices, silu, mul); its exp is within 2 ulp (``silu_mul_reference``)."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.silu_mul(gu)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int) -> None:
+    """Rotary embedding in place (float32, CPU): rotate the first ``heads`` heads of each row of
+    ``x [T, N]`` (rows may be strided), head_dim = ``2 * table.shape[1]`` values each, pair
+    ``(2i, 2i + 1)`` by the angle ``positions[t] * inv_freq[i]`` whose ``(cos, sin)`` is
+    ``table[positions[t], i]`` (``table``: float32 ``[max_positions, head_dim / 2, 2]``, the
+    complex ``e^{i pos freq}`` table viewed as real). The complex multiply of the model, in one
+    op instead of ~10 (``rope_reference``)."""
+    if not _loaded:
+        load()
+    torch.ops.symphony.rope_(x, positions, table, int(heads))
+
+
+def llama_layers(x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
+                 kv_pool: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
+                 cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, norms: list[torch.Tensor],
+                 mats: list[torch.Tensor], kinds: list[int], groups: list[int],
+                 biases: list[torch.Tensor | None], n_heads: int, n_kv_heads: int, scale: float,
+                 eps: float, qpath: int) -> torch.Tensor:
+    """A Llama decoder layer stack in one op (float32, CPU): from the embeddings x ``[T, H]`` to
+    the residual stream after the last layer, writing every layer's K/V into ``kv_pool``
+    ``[L, 2, num_pages, page_size, n_kv_heads, head_dim]``. The same ops in the same order as
+    ``PagedLlama``'s Python loop (so the same values), called from C++: per layer, wqkv (+ bias),
+    ``rope_``, ``write_kv``, ``paged_attention``, wo, ``add_rms_norm``, w_gate_up, ``silu_mul``,
+    w_down, ``add_rms_norm``. ``norms``: 2 per layer (attn, mlp); ``mats``: 4 matrices per layer
+    (wqkv, wo, w_gate_up, w_down) as 3 tensors each, ``(qs, scales, mins)`` of a quantized one
+    (``kinds``/``groups``: its kind and group; ``qlinear`` path ``qpath``) or ``(w, w, w)`` of a
+    dense float32 ``[N, K]`` one (kind -1); ``biases``: bqkv per layer or None."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.llama_layers(x, positions, rope_table, kv_pool, slots, page_table,
+                                           cu_q_lens, kv_lens, norms, mats, kinds, groups, biases,
+                                           int(n_heads), int(n_kv_heads), float(scale),
+                                           float(eps), int(qpath))
+
+
 def qcpu_features() -> dict[str, bool]:
     """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
     ``avx_vnni`` (6) and ``avx512_vnni`` (7, 8, 9)."""
@@ -226,6 +276,22 @@ def _add_rms_norm_fake(x, r, w, eps):
             torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
+def _silu_mul_fake(gu):
+    torch._check(gu.dim() == 2 and gu.shape[1] % 2 == 0)
+    return torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype, device=gu.device)
+
+
+def _rope_fake(x, positions, table, heads) -> None:
+    torch._check(x.dim() == 2 and positions.dim() == 1 and table.dim() == 3)
+    return None
+
+
+def _llama_layers_fake(x, positions, rope_table, kv_pool, slots, page_table, cu_q_lens, kv_lens,
+                       norms, mats, kinds, groups, biases, n_heads, n_kv_heads, scale, eps, qpath):
+    torch._check(x.dim() == 2 and kv_pool.dim() == 6)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 _fakes_registered = False
 
 
@@ -248,6 +314,9 @@ def _register_fakes() -> None:
     torch.library.register_fake("symphony::qdequant", _qdequant_fake)
     torch.library.register_fake("symphony::rms_norm", _rms_norm_fake)
     torch.library.register_fake("symphony::add_rms_norm", _add_rms_norm_fake)
+    torch.library.register_fake("symphony::silu_mul", _silu_mul_fake)
+    torch.library.register_fake("symphony::rope_", _rope_fake)
+    torch.library.register_fake("symphony::llama_layers", _llama_layers_fake)
     _fakes_registered = True
 
 
