@@ -56,6 +56,8 @@ inline QDims check_qweight(const char* op, const at::Tensor& qs, const at::Tenso
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G, op,
               ": scales must be [N, K/group] = [", N, ", ", G, "], got ", scales.sizes());
   const bool has_min = mins.numel() > 0;
+  TORCH_CHECK(has_min || kind != kQU4, op, ": u4 weights need mins (Q4_0's are -8 * scale), got an "
+              "empty mins tensor");
   if (has_min) {
     TORCH_CHECK(mins.scalar_type() == at::kFloat, op, ": mins must be float32, got ",
                 mins.scalar_type());

@@ -150,7 +150,8 @@ def _logits(eng, toks=(5, 17, 3, 99, 42, 8, 1)):
 def test_model_fused_paths_give_torch_logits(cfg, quantize, monkeypatch):
     """float32 CPU, dense or quantized matrices: one llama_layers call a pass by default; with the
     layer stack off, the Python loop calls rope_ and silu_mul once a layer; with those off too,
-    torch's code. The logits of a prompt and two decode steps agree within 1e-5 in all three."""
+    torch.s code. The logits of a prompt and two decode steps agree within 1e-5 in all three
+    (1e-4 with quantized matrices: see below)."""
     w = random_weights(cfg, seed=3)
     eng = Engine(w, None, EngineConfig(page_size=4, num_pages=64, quantize=quantize))
     calls = {"llama_layers": 0, "rope_": 0, "silu_mul": 0}
@@ -169,8 +170,12 @@ def test_model_fused_paths_give_torch_logits(cfg, quantize, monkeypatch):
     m.fused_elementwise = False
     plain = _logits(eng)
     assert calls == {"llama_layers": 3, "rope_": 3 * L, "silu_mul": 3 * L}   # torch's code only
-    torch.testing.assert_close(stack, plain, atol=1e-5, rtol=0)
-    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0)
+    # quantized matrices on AVX-512 VNNI CPUs round x to 15 bits (the default kernels): where the
+    # three paths' float32 values differ in the last bit a value can round to the next step
+    # (measured 2.3e-5 on logits of ~1)
+    atol = 1e-5 if quantize is None else 1e-4
+    torch.testing.assert_close(stack, plain, atol=atol, rtol=0)
+    torch.testing.assert_close(fused, plain, atol=atol, rtol=0)
     assert math.isfinite(plain.abs().max().item()) and plain.abs().max() > 0.1
 
 

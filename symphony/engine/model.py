@@ -93,11 +93,11 @@ class PagedLlama:
         c, w = self.config, self.w
         x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
         if self.layer_stack is not None and not (meta.fresh_prefill and self.fused_prefill):
-            # quant._qlinear_path: the path QWeight.linear would ask qlinear for
+            # quant.qlinear_path(): the path QWeight.linear would ask qlinear for
             x = ops.llama_layers(x, meta.positions, self.rope_table, kv.pool, meta.slots,
                                  meta.page_table, meta.cu_q_lens, meta.kv_lens, *self.layer_stack,
                                  c.n_heads, c.n_kv_heads, self.scale, c.rms_eps,
-                                 quant._qlinear_path)                 # [T, hidden]
+                                 quant.qlinear_path())                # [T, hidden]
         else:
             x = self._layers(x, meta, kv)
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]

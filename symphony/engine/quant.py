@@ -59,6 +59,12 @@ def set_int8_activations(on: bool) -> None:
     _qlinear_path = -2 if on else -1
 
 
+def qlinear_path() -> int:
+    """The qlinear path `QWeight.linear` asks for now (-1 or -2 unless a test forces one); the
+    C++ layer stack (ops.llama_layers) passes the same."""
+    return _qlinear_path
+
+
 def int8_activations() -> bool:
     """Whether `QWeight.linear` picks int8-activation kernels (see `set_int8_activations`)."""
     return _qlinear_path == -2
