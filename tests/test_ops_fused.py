@@ -150,7 +150,7 @@ def _logits(eng, toks=(5, 17, 3, 99, 42, 8, 1)):
 def test_model_fused_paths_give_torch_logits(cfg, quantize, monkeypatch):
     """float32 CPU, dense or quantized matrices: one llama_layers call a pass by default; with the
     layer stack off, the Python loop calls rope_ and silu_mul once a layer; with those off too,
-    torch.s code. The logits of a prompt and two decode steps agree within 1e-5 in all three
+    torch's code. The logits of a prompt and two decode steps agree within 1e-5 in all three
     (1e-4 with quantized matrices: see below)."""
     w = random_weights(cfg, seed=3)
     eng = Engine(w, None, EngineConfig(page_size=4, num_pages=64, quantize=quantize))
