@@ -12,6 +12,7 @@
 //     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp; path 8: 16 weight rows a register,
 //     qkernels_t16_x86.cpp). The result differs from the float product by the rounding of x (at
 //     most half a step of its block per value): the result is W times the rounded x.
+//   * paths 10 / 11: int8 / 15-bit x in 8-row tiles on AVX2 alone (qkernels_t16_avx2.cpp).
 //   * the 15-bit kernels (path 9, AVX-512 VNNI): the same with x rounded to 15 bits per block
 //     (two vpdpbusd a product), within ~3e-5 of |x| |W| of the float product; the automatic
 //     float-accurate choice below 64 rows on CPUs that have them.
@@ -95,7 +96,7 @@ using namespace qcpu;
 enum Path : int64_t {
   kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
   kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7, kQ8T16Avx512Vnni = 8,
-  kQ15T16Avx512Vnni = 9,
+  kQ15T16Avx512Vnni = 9, kQ8T8Avx2 = 10, kQ15T8Avx2 = 11,
 };
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
@@ -211,6 +212,29 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
     return;
   }
 #endif
+#if defined(__x86_64__) || defined(_M_X64)
+  if (path == kQ8T8Avx2 || path == kQ15T8Avx2) {  // 8-row tiles, AVX2 (qkernels_t16_avx2.cpp)
+    const bool split = path == kQ15T8Avx2;
+    require(cpu_has_avx2(), 0, path, split ? "15-bit, AVX2, 8-row tiles" : "int8, AVX2, 8-row tiles",
+            "avx2/fma");
+    QAct a{qbuf.data(), dbuf.data(), s, ldq};
+    if (split) {
+      lbuf.resize(M * ldq);
+      a.lo = lbuf.data();
+      quantize_act15_avx2(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), lbuf.data(),
+                          dbuf.data(), s, ldq);
+    } else {
+      quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
+                   false, false);
+    }
+    const int64_t tiles = (w.N + 7) / 8;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (8 * w.K * std::max<int64_t>(M, 1)));
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      rows_q8_t8_avx2(w, a, M, out, w.N, t0 * 8, std::min(w.N, t1 * 8));
+    });
+    return;
+  }
+#endif
   const RowsQ8Fn fn = rows_q8_fn(path);
 #if defined(__x86_64__) || defined(_M_X64)
   const bool wide = fn == rows_q8_avx512vnni;  // its x layout: see qkernels_q8_x86.cpp
@@ -282,10 +306,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T16Avx512Vnni, op, ": path must be -2 (auto, int8 "
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
               "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
               "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
-              "8 (int8 AVX-512 VNNI, 16-row tiles) or 9 (15-bit AVX-512 VNNI, 16-row tiles), got ", path);
+              "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
+              "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);

@@ -90,8 +90,8 @@ class force_qlinear_path:
     ``ops.qlinear``: -2 / -1 the automatic choices). Not thread-local: for tests/benchmarks."""
 
     def __init__(self, path: int):
-        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 9:
-            raise ValueError(f"qlinear path must be an int in -2..9, got {path!r}")
+        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 11:
+            raise ValueError(f"qlinear path must be an int in -2..11, got {path!r}")
         self.path, self.saved = path, -1
 
     def __enter__(self) -> "force_qlinear_path":

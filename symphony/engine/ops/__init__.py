@@ -151,7 +151,8 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
     int8-activation kernels (x rounded to int8 per block of 16 values, integer dot products:
     the product of W with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2
     (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
-    register; 9 the same with x rounded to 15 bits (AVX-512 VNNI).
+    register; 9 the same with x rounded to 15 bits (AVX-512 VNNI); 10 and 11 int8 and 15-bit
+    x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register).
     """
     if not _loaded:
         load()
