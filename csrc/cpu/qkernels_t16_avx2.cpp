@@ -64,6 +64,8 @@ inline void transpose8x16(const uint8_t* const* rp, int64_t off, __m256i (&t)[4]
 struct Tile8 {
   const QView& w;
   const uint8_t* rp[8];
+  const uint8_t* next;  // the next tile's first row: its rows follow it, prefetched as we go
+  int64_t next_rows;    // how many (0 after the last tile)
   __m256i gidx;  // gather offsets: lane r -> (row of lane r - n) * n_groups
   int64_t n;
 
@@ -74,10 +76,17 @@ struct Tile8 {
       rp[r] = w.qs + (n + rr) * w.row_bytes;
       ix[r] = int32_t(rr * w.n_groups);
     }
+    next = w.qs + std::min<int64_t>(n + 8, w.N) * w.row_bytes;
+    next_rows = std::clamp<int64_t>(w.N - n - 8, 0, 8);
     gidx = _mm256_load_si256(reinterpret_cast<const __m256i*>(ix));
   }
 
   void group(int64_t g, __m256i (&wk)[8], __m256& sv, __m256& mv) const {
+    // the weights are read 8 rows at a time across the tile (a stride the hardware prefetcher
+    // follows poorly): fetch the next tile's lines for the same k, one line a row
+    const int64_t gb = g * (w.kind == kQU4 ? 16 : w.group);  // byte offset of the group in a row
+    if (gb % 64 < (w.kind == kQU4 ? 16 : w.group))
+      for (int64_t r = 0; r < next_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * w.row_bytes + gb), _MM_HINT_T0);
     __m256i t[4];
     if (w.kind == kQU4) {  // chunk g = group g: its first 16 values in the low nibbles
       const __m256i nib = _mm256_set1_epi8(0x0F);
