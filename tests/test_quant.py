@@ -48,6 +48,9 @@ HAS_AVX2 = {"avx2", "fma"} <= FLAGS
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
 HAS_AVX_VNNI = "avx_vnni" in FLAGS and HAS_AVX2
 HAS_AVX512_VNNI = "avx512_vnni" in FLAGS and HAS_AVX512
+# qlinear's automatic float-accurate choice (-1) rounds x to 15 bits below some rows: on AVX-512
+# VNNI (path 9), and on AVX2 without AVX-512 (path 11)
+AUTO_15BIT = HAS_AVX512_VNNI or (HAS_AVX2 and not HAS_AVX512)
 PATHS = [
     pytest.param(0, id="scalar"),
     pytest.param(1, id="avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the AVX2 path cannot run here")),
@@ -264,13 +267,18 @@ def test_set_int8_activations():
 
 
 def expected_auto(path: int, m: int, qw: QWeight) -> int:
-    """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp)."""
+    """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp).
+    The AVX2 8-row tiles (10, 11) are chosen only on CPUs without AVX-512 VNNI, which this
+    test cannot see on one that has it: there the forced paths 10 / 11 are what is tested."""
+    t8 = not HAS_AVX512_VNNI and HAS_AVX2 and (m > 1 or qw.kind == U4)   # an i8 weight's row: no
     if path == -2:
         if HAS_AVX512_VNNI:
             return 7 if m < 2 else 8
-        return Q8_BEST if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
+        return (10 if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
         return 3 if m >= 64 else 9
+    if t8 and not HAS_AVX512:
+        return 11 if m < 24 else 3
     return 3 if m >= 32 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
 
 

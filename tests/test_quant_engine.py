@@ -35,10 +35,10 @@ from symphony.engine.loader import load_model
 from symphony.engine import model as model_mod
 from symphony.engine import ops
 from symphony.engine.quant import QWeight, force_qlinear_path
-from test_quant import HAS_AVX2, HAS_AVX512, HAS_AVX512_VNNI, Q8_BEST
+from test_quant import AUTO_15BIT, HAS_AVX2, HAS_AVX512, HAS_AVX512_VNNI, Q8_BEST
 
 FLOAT_PATH = 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0      # the fastest float-activation kernel
-AUTO_TOL = 1e-3 if HAS_AVX512_VNNI else 1e-4                # the automatic choice: 15-bit x or float
+AUTO_TOL = 1e-3 if AUTO_15BIT else 1e-4                    # the automatic choice: 15-bit x or float
 
 PROMPT = list(range(3, 60, 3))
 SMALL = EngineConfig(page_size=4, num_pages=64)
@@ -259,7 +259,7 @@ def test_activations_flag_selects_the_kernels(tmp_path):
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -2))
         cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1"]))
         assert not quant.int8_activations()
-        assert ("15 bits" if HAS_AVX512_VNNI else "float32") in quant.describe_cpu_kernels()
+        assert ("15 bits" if AUTO_15BIT else "float32") in quant.describe_cpu_kernels()
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -1))
     finally:
         quant.set_int8_activations(False)

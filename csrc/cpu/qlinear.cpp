@@ -101,6 +101,7 @@ enum Path : int64_t {
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
 constexpr int64_t kRowM = 2;     // the 15-bit path's 16-row tiles from this many rows on
+constexpr int64_t kT8DenseM = 24;  // AVX2 alone, -1: the 15-bit 8-row tiles below this many rows
 
 // The SIMD paths this CPU runs (cpuid, once).
 struct CpuFeatures {
@@ -256,18 +257,32 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //   -1 (results equal to the float32 product up to ~3e-5 of |x| |W|): the 15-bit kernels below
 //      64 rows (the row kernel at one row: ~1.1x the float register kernel in the engine's
 //      decode; 16-row tiles from 2 rows: 1.4x the dense GEMM at 32), the dense GEMM from 64
-//      rows on. Without AVX-512 VNNI: the float register kernel below 32 rows, dense from there.
+//      rows on. AVX-512 without VNNI (or no AVX2): the float register kernel below 32 rows, dense
+//      from there (AVX2 alone: below).
 //   -2 (x rounded to int8): the int8 row kernel (path 7) at one row, the int8 16-row tiles
 //      (path 8) from 2 rows on, prefills included (1.2-2.9x the dense GEMM up to 256 rows,
-//      1.0-1.4x at 512). Without AVX-512 VNNI: the best int8 kernel below 32
+//      1.0-1.4x at 512). Without AVX-512 VNNI: the int8 kernels (below) under 32
 //      rows (64 for matrices of 3 x 2^18 weights or more), dense from there.
+// Without AVX-512 VNNI (AVX2: the 8-row tiles, paths 10 / 11), from micro-benchmarks of
+// SmolLM2-135M's matrices on the Xeon with those paths forced, one thread (README.avx2t16.md):
+//   -2: the int8 8-row tiles (path 10), 1.2-1.4x the int8 row kernels (paths 5 / 6) at one row
+//       and 1.4-2.1x at 4 rows, up to the dense GEMM's rows above; except an i8 weight (Q8_0) at
+//       one row, where the row kernel takes 5-25% less time (the transposes cost more a byte).
+//   -1, AVX2 without AVX-512: the 15-bit 8-row tiles (path 11) below 24 rows (1.2-1.4x the float
+//       AVX2 kernel at one row, 1.1-1.8x at 4; at 16 rows 16% less time a layer than the dense
+//       GEMM, at 24 4% less than it with MKL kept to AVX2, 8% more with its AVX-512 code), dense
+//       from 24; an i8 weight at one row keeps the float kernel (a tie). With AVX-512 but no
+//       VNNI the float AVX-512 kernel (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
   const bool t16 = cpu_has_avx512vnni();
+  const bool t8 = !t16 && cpu_has_avx2() && (M > 1 || d.kind == kQU4);
   if (path == kAutoQ8) {
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
-    return M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)) ? kAutoQ8 : kDense;
+    if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18))) return t8 ? kQ8T8Avx2 : kAutoQ8;
+    return kDense;
   }
+  if (t8 && !cpu_has_avx512()) return M < kT8DenseM ? kQ15T8Avx2 : kDense;
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
   if (t16) return kQ15T16Avx512Vnni;
   return kAuto;
