@@ -45,17 +45,17 @@ typedef int32_t __attribute__((may_alias, aligned(1))) dword_u;  // 4 bytes of x
 // Bytes off .. off + 15 of the rows rp[0..7] -> t[d]: 32-bit lane r = bytes 4d .. 4d + 3 of row r.
 inline void transpose8x16(const uint8_t* const* rp, int64_t off, __m256i (&t)[4]) {
   __m256i z[4];  // z[i]: row i in the low 128 bits, row 4 + i in the high ones
-  for (int i = 0; i < 4; ++i) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[i] + off));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + i] + off));
-    z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(rp[4 + i] + off),
+                               reinterpret_cast<const __m128i*>(rp[i] + off));
+  // dwords interleaved by pairs of rows (01, 23), then by 64-bit halves: a 4 x 4 transpose of
+  // dwords in each 128-bit half
+  const __m256i p01[2] = {_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpackhi_epi32(z[0], z[1])};
+  const __m256i p23[2] = {_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3])};
+  for (int h = 0; h < 2; ++h) {
+    t[2 * h] = _mm256_unpacklo_epi64(p01[h], p23[h]);
+    t[2 * h + 1] = _mm256_unpackhi_epi64(p01[h], p23[h]);
   }
-  const __m256i a01 = _mm256_unpacklo_epi32(z[0], z[1]), b01 = _mm256_unpackhi_epi32(z[0], z[1]);
-  const __m256i a23 = _mm256_unpacklo_epi32(z[2], z[3]), b23 = _mm256_unpackhi_epi32(z[2], z[3]);
-  t[0] = _mm256_unpacklo_epi64(a01, a23);
-  t[1] = _mm256_unpackhi_epi64(a01, a23);
-  t[2] = _mm256_unpacklo_epi64(b01, b23);
-  t[3] = _mm256_unpackhi_epi64(b01, b23);
 }
 
 // The 8 rows n .. n + 7 of a tile (rows past the weight's end repeat its last row), a group at a
@@ -136,19 +136,18 @@ inline void tile_rows(const Tile8& src, const QAct& a, int64_t m, float* out, in
                       int64_t rows, const __m256i& keep) {
   const QView& w = src.w;
   const int64_t G = w.n_groups, nb = a.ldq / 16, bpg = w.group / 16;
-  __m256 acc[MB];
-  for (int j = 0; j < MB; ++j) acc[j] = _mm256_setzero_ps();
+  __m256 acc[MB] = {};
   for (int64_t g = 0; g < G; ++g) {
     __m256i wk[8];
-    __m256 sv, mv = _mm256_setzero_ps();
+    __m256 sv = _mm256_setzero_ps(), mv = sv;
     src.group(g, wk, sv, mv);
-    for (int64_t bb = 0; bb < bpg; ++bb) {
-      const int64_t b = g * bpg + bb;
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {  // the group's blocks of 16
+      const __m256i* wb = wk + 4 * (b - g * bpg);
       for (int j = 0; j < MB; ++j) {
         const int64_t xo = (m + j) * a.ldq + b * 16;
-        __m256i isum = block_dot<I8>(wk + 4 * bb, a.q + xo);
+        __m256i isum = block_dot<I8>(wb, a.q + xo);
         if constexpr (SPLIT)  // 15-bit x: 128 * (w . hi) + (w . lo)
-          isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 7), block_dot<I8>(wk + 4 * bb, a.lo + xo));
+          isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 7), block_dot<I8>(wb, a.lo + xo));
         const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(a.d[(m + j) * nb + b]), sv);
         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ds, acc[j]);
       }
@@ -203,41 +202,40 @@ __attribute__((target("avx2,fma"))) void rows_q8_t8_avx2(const QView& w, const Q
   else tiles_kind<false>(w, a, M, out, ldo, n0, n1);
 }
 
-// The 15-bit rounding of x (qkernels.h: d = amax / 16383, qx = round_half_even(x / d)), the
-// same float32 steps as quantize_act_avx512, stored as this file's hi / lo pair (hi >= -127).
+// One block of 16 values of x rounded to 15 bits (qkernels.h: d = amax / 16383, qx =
+// round_half_even(x / d)) with the float32 steps of quantize_act_avx512, stored as this file's
+// hi / lo pair (hi >= -127); returns d, and the sum of qx in `sum`.
+__attribute__((target("avx2,fma"))) inline float quantize_block15(const float* xb, int8_t* h,
+                                                                  int8_t* l, int32_t& sum) {
+  constexpr float kQmax = 16383.f;
+  float amax = 0.f;
+  for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float dv = amax / kQmax, id = dv != 0.f ? 1.f / dv : 0.f;
+  sum = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int32_t q = int32_t(std::clamp(std::nearbyint(xb[i] * id), -kQmax, kQmax));
+    const int32_t top = std::max(q >> 7, -127);  // (q >> 7 is -128 only for q < -16256)
+    h[i] = int8_t(top);
+    l[i] = int8_t(q - 128 * top);
+    sum += q;
+  }
+  return dv;
+}
+
 __attribute__((target("avx2,fma"))) void quantize_act15_avx2(const float* x, int64_t ldx,
                                                              int64_t M, int64_t K, int64_t group,
                                                              int8_t* hi, int8_t* lo, float* d,
                                                              float* s, int64_t ldq) {
-  constexpr float kQmax = 16383.f;
   const int64_t nb = ldq / 16, G = K / group;
+  std::memset(hi, 0, size_t(M * ldq));  // the pad past K: qx = 0 (d = 0)
+  std::memset(lo, 0, size_t(M * ldq));
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * ldx;
-    int8_t* hr = hi + m * ldq;
-    int8_t* lr = lo + m * ldq;
-    float* sr = s ? s + m * G : nullptr;
-    if (sr) std::fill(sr, sr + G, 0.f);
-    std::memset(hr, 0, size_t(ldq));
-    std::memset(lr, 0, size_t(ldq));
+    if (s) std::fill(s + m * G, s + (m + 1) * G, 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      float dv = 0.f;
-      if (b * 16 < K) {
-        const float* xb = xr + b * 16;
-        float amax = 0.f;
-        for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        dv = amax / kQmax;
-        const float id = dv != 0.f ? 1.f / dv : 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < 16; ++i) {
-          const int32_t q = int32_t(std::clamp(std::nearbyint(xb[i] * id), -kQmax, kQmax));
-          const int32_t h = std::max(q >> 7, -127);  // (q >> 7 is -128 only for q < -16256)
-          hr[b * 16 + i] = int8_t(h);
-          lr[b * 16 + i] = int8_t(q - 128 * h);
-          sum += q;
-        }
-        if (sr) sr[b * 16 / group] += dv * float(sum);
-      }
-      d[m * nb + b] = dv;
+      int32_t sum = 0;
+      const int64_t at = m * ldq + b * 16;
+      d[m * nb + b] = b * 16 < K ? quantize_block15(x + m * ldx + b * 16, hi + at, lo + at, sum) : 0.f;
+      if (s && b * 16 < K) s[m * G + b * 16 / group] += d[m * nb + b] * float(sum);
     }
   }
 }
