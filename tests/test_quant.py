@@ -277,9 +277,7 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
         return (10 if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
         return 3 if m >= 64 else 9
-    if t8 and not HAS_AVX512:
-        return 11 if m < 24 else 3
-    return 3 if m >= 32 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
+    return 3 if m >= 32 else 11 if t8 and not HAS_AVX512 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
 
 
 def test_qlinear_auto_path_and_empty_batch():

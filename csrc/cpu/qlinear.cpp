@@ -101,7 +101,6 @@ enum Path : int64_t {
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
 constexpr int64_t kRowM = 2;     // the 15-bit path's 16-row tiles from this many rows on
-constexpr int64_t kT8DenseM = 24;  // AVX2 alone, -1: the 15-bit 8-row tiles below this many rows
 
 // The SIMD paths this CPU runs (cpuid, once).
 struct CpuFeatures {
@@ -265,14 +264,16 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //      rows (64 for matrices of 3 x 2^18 weights or more), dense from there.
 // Without AVX-512 VNNI (AVX2: the 8-row tiles, paths 10 / 11), from micro-benchmarks of
 // SmolLM2-135M's matrices on the Xeon with those paths forced, one thread (README.avx2t16.md):
-//   -2: the int8 8-row tiles (path 10), 1.2-1.4x the int8 row kernels (paths 5 / 6) at one row
-//       and 1.4-2.1x at 4 rows, up to the dense GEMM's rows above; except an i8 weight (Q8_0) at
-//       one row, where the row kernel takes 5-25% less time (the transposes cost more a byte).
-//   -1, AVX2 without AVX-512: the 15-bit 8-row tiles (path 11) below 24 rows (1.2-1.4x the float
-//       AVX2 kernel at one row, 1.1-1.8x at 4; at 16 rows 16% less time a layer than the dense
-//       GEMM, at 24 4% less than it with MKL kept to AVX2, 8% more with its AVX-512 code), dense
-//       from 24; an i8 weight at one row keeps the float kernel (a tie). With AVX-512 but no
-//       VNNI the float AVX-512 kernel (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
+//   -2: the int8 8-row tiles (path 10), 1.2-1.3x the int8 row kernels (paths 5 / 6) at one row
+//       and 1.4-1.9x at 4 rows, up to the dense GEMM's rows above; except an i8 weight (Q8_0) at
+//       one row, where the row kernel takes 1-6% less time (the transposes cost more a byte).
+//   -1, AVX2 without AVX-512: the 15-bit 8-row tiles (path 11) where the float AVX2 kernel ran,
+//       below 32 rows (1.2-1.4x its speed at one row, 1.05-1.9x from 4 rows), dense from 32 as
+//       before; an i8 weight at one row keeps the float kernel (a tie). Against the dense GEMM,
+//       a layer's four matrices take 14% less time at 16 rows; at 24 and 32 4% and 15% less
+//       with MKL kept to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2 CPU), 8% and 28%
+//       more with its AVX-512 code here. With AVX-512 but no VNNI the float AVX-512 kernel
+//       (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
   const bool t16 = cpu_has_avx512vnni();
@@ -282,8 +283,8 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
     if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18))) return t8 ? kQ8T8Avx2 : kAutoQ8;
     return kDense;
   }
-  if (t8 && !cpu_has_avx512()) return M < kT8DenseM ? kQ15T8Avx2 : kDense;
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
+  if (t8 && !cpu_has_avx512()) return kQ15T8Avx2;
   if (t16) return kQ15T16Avx512Vnni;
   return kAuto;
 }

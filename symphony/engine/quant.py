@@ -82,8 +82,8 @@ def describe_cpu_kernels() -> str:
         return ("activations rounded to 15 bits per block of 16 (AVX-512 VNNI kernels) below 64 rows, "
                 "float32 dense GEMM from 64")
     if f["avx2"] and not f["avx512"]:
-        return ("activations rounded to 15 bits per block of 16 (AVX2 8-row-tile kernels) below 24 rows, "
-                "float32 dense GEMM from 24")
+        return ("activations rounded to 15 bits per block of 16 (AVX2 8-row-tile kernels) below 32 rows, "
+                "float32 dense GEMM from 32")
     isa = "AVX-512" if f["avx512"] else "AVX2" if f["avx2"] else "scalar"
     return f"float32 activations: {isa} register kernels below 32 rows, dense GEMM from 32"
 

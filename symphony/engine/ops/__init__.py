@@ -144,7 +144,7 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
 
     ``path`` (CPU only): -1 picks a kernel by M and the CPU's features whose result is the
     float32 product with the dequantized weight up to ~3e-5 of ``|x| @ |W|^T`` (15-bit
-    activations below 64 rows on AVX-512 VNNI CPUs and below 24 on AVX2 ones without AVX-512,
+    activations below 64 rows on AVX-512 VNNI CPUs and below 32 on AVX2 ones without AVX-512,
     float32 register kernels below 32 rows elsewhere, the dense GEMM beyond); -2 the best
     int8-activation kernel (for every M on AVX-512 VNNI; dense from 32 rows elsewhere); the others force one (one this CPU lacks raises):
     float32 register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM;
