@@ -86,10 +86,10 @@ def test_engine_on_quantized_bits_matches_dequantized(tmp_path, qtype):
         assert torch.isfinite(a).all() and scale > 0
         assert (a - b).abs().max() <= 1e-4 * scale
         assert ta == tb
-    if HAS_AVX512_VNNI:                          # 15-bit activations: the row and the tile kernels
-        with force_qlinear_path(9):
+    for p15 in [p for p, ok in ((9, HAS_AVX512_VNNI), (11, HAS_AVX2)) if ok]:
+        with force_qlinear_path(p15):            # 15-bit activations (9: the row and tile kernels)
             a, ta = decode(eq, PROMPT, 6)
-        assert 0 < (a - b).abs().max() <= 1e-3 * scale
+        assert 0 < (a - b).abs().max() <= 1e-3 * scale, p15
         assert ta == tb
     # a batch (two decodes and a prefill: the register kernels and the dense tiles at once),
     # the automatic choice (15-bit or float activations: see AUTO_TOL)
@@ -209,17 +209,19 @@ def test_embedded_model_quantized_paris_and_perplexity(smollm):
     pf = perplexity(dense, text)
     assert 1.5 < pf < 60, pf                                                # a sane model on English
     assert abs(pq / pf - 1) < 0.01, (pq, pf)
-    if HAS_AVX512_VNNI:    # the default kernels below 64 rows: 15-bit x (measured +0.003%, 8.4e-3)
+    # the default kernels where they round x to 15 bits (9: AVX-512 VNNI below 64 rows, measured
+    # +0.003%, 8.4e-3; 11: AVX2 without AVX-512 below 32)
+    for p15 in [p for p, ok in ((9, HAS_AVX512_VNNI), (11, HAS_AVX2)) if ok]:
         kv = dense.new_sequence()
         lf = dense.pred(kv, text, all_logits=True)
         dense.release(kv)
-        with force_qlinear_path(9):
+        with force_qlinear_path(p15):
             p9 = perplexity(smollm, text)
             kv = smollm.new_sequence()
             l9 = smollm.pred(kv, text, all_logits=True)
             smollm.release(kv)
-        assert abs(p9 / pf - 1) < 1e-3, (p9, pf)
-        assert 0 < (l9 - lf).abs().max() <= SMOLLM_ATOL
+        assert abs(p9 / pf - 1) < 1e-3, (p15, p9, pf)
+        assert 0 < (l9 - lf).abs().max() <= 2e-2, (p15, (l9 - lf).abs().max())
     # the int8-activation kernels: Paris, perplexity within 1%, logits within 5%. Not on the
     # prompt above: its first token is a knife edge ("The" 25.33 vs "L" 25.24 in float32), which
     # the rounding of x flips to "L'Étoile..." (llama.cpp, whose kernels also round x to int8,
