@@ -6,14 +6,15 @@ Tolerance of qlinear, float paths (0-3): they compute the float32 product with t
 weight (no activation quantization), so they differ from the float64 reference only by float32
 rounding of the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
 
-int8-activation paths (4-8): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
+int8-activation paths (4-8, 10): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
 the kernels multiply W by that rounded x (integer dot products scaled per block). Against
 ``qlinear_reference`` on the same path (the same rounding simulated in PyTorch, float64 after it)
 they differ only by float32 rounding of the sums: |y - ref| <= 1e-5 * (|x^| @ |W|^T) + 1e-6.
 Against the float product they differ by the rounding of x, at most half a step a value:
 |y - x @ W^T| <= (d/2 @ |W|^T) (1 + 1e-5) + 1e-5 * (|x| @ |W|^T) + 1e-6.
 
-The 15-bit path (9, the automatic float choice below 64 rows on AVX-512 VNNI CPUs): the same,
+The 15-bit paths (9 and 11, the automatic float choice below 64 rows on AVX-512 VNNI CPUs and
+below 32 on AVX2 ones without AVX-512): the same,
 with d = max|x_block| / 16383: half a step is 1/32766 of the block's largest value, so it is
 within 3.1e-5 * (|x| @ |W|^T) of the float product (measured: 1.6e-5).
 """
