@@ -108,9 +108,10 @@ struct Tile8 {
   }
 };
 
-// The int32 dot products, per lane, of one block of 16: the 8 rows' wb[0..3] with x's 16 bytes.
+// The int32 dot products, per lane, of one block of 16: the 8 rows' wb[0..3] with x's 16 bytes
+// (wa: |wb| for i8 weights, unused for u4).
 template <bool I8>
-inline __m256i block_dot(const __m256i* wb, const int8_t* xb) {
+inline __m256i block_dot(const __m256i* wa, const __m256i* wb, const int8_t* xb) {
   const dword_u* xd = reinterpret_cast<const dword_u*>(xb);
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (!I8) {  // u4: the four int16 partial sums fit, widen once
@@ -123,7 +124,7 @@ inline __m256i block_dot(const __m256i* wb, const int8_t* xb) {
     __m256i s = _mm256_setzero_si256();
     for (int d = 0; d < 4; ++d) {
       const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(xd[d]), wb[d]);
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wb[d]), xv), ones));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[d], xv), ones));
     }
     return s;
   }
@@ -143,11 +144,14 @@ inline void tile_rows(const Tile8& src, const QAct& a, int64_t m, float* out, in
     src.group(g, wk, sv, mv);
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {  // the group's blocks of 16
       const __m256i* wb = wk + 4 * (b - g * bpg);
+      __m256i wa[4];  // |w| (i8), once for the MB rows and both halves of 15-bit x
+      if constexpr (I8)
+        for (int d = 0; d < 4; ++d) wa[d] = _mm256_abs_epi8(wb[d]);
       for (int j = 0; j < MB; ++j) {
         const int64_t xo = (m + j) * a.ldq + b * 16;
-        __m256i isum = block_dot<I8>(wb, a.q + xo);
+        __m256i isum = block_dot<I8>(wa, wb, a.q + xo);
         if constexpr (SPLIT)  // 15-bit x: 128 * (w . hi) + (w . lo)
-          isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 7), block_dot<I8>(wb, a.lo + xo));
+          isum = _mm256_add_epi32(_mm256_slli_epi32(isum, 7), block_dot<I8>(wa, wb, a.lo + xo));
         const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(a.d[(m + j) * nb + b]), sv);
         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ds, acc[j]);
       }
