@@ -266,7 +266,8 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 // SmolLM2-135M's matrices on the Xeon with those paths forced, one thread (README.avx2t16.md):
 //   -2: the int8 8-row tiles (path 10), 1.2-1.3x the int8 row kernels (paths 5 / 6) at one row
 //       and 1.4-1.9x at 4 rows, up to the dense GEMM's rows above; except an i8 weight (Q8_0) at
-//       one row, where the row kernel takes 1-6% less time (the transposes cost more a byte).
+//       one row: a tie within +-5% over three runs (the transposes cost more a byte), the row
+//       kernel kept.
 //   -1, AVX2 without AVX-512: the 15-bit 8-row tiles (path 11) where the float AVX2 kernel ran,
 //       below 32 rows (1.2-1.4x its speed at one row, 1.05-1.9x from 4 rows), dense from 32 as
 //       before; an i8 weight at one row keeps the float kernel (a tie). Against the dense GEMM,
