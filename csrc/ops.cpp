@@ -30,11 +30,13 @@ TORCH_LIBRARY(symphony, m) {
   // int8 [N, K] for kind 1 "i8"), scales float32 [N, K/group] and mins (same shape, or empty);
   // W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group].
   // qlinear: x float32 [M, K] -> x @ W^T, float32 [M, N]. path: -1 picks a kernel by M whose
-  // result is the float32 product up to ~3e-5 of |x| |W| (15-bit x on AVX-512 VNNI, else float),
+  // result is the float32 product up to ~3e-5 of |x| |W| (15-bit x on AVX-512 VNNI and on AVX2
+  // without AVX-512, else float),
   // -2 an int8-activation one (x rounded per block of 16), both a dense GEMM for large M
   // (csrc/cpu/qlinear.cpp resolve_path); 0 scalar, 1 AVX2, 2 AVX-512 (float register kernels),
   // 3 dequantize + torch GEMM, 4 int8 scalar, 5 int8 AVX2, 6 int8 AVX-VNNI, 7 int8 AVX-512 VNNI,
-  // 8 int8 AVX-512 VNNI 16-row tiles, 9 15-bit AVX-512 VNNI force one (CPU; CUDA ignores it).
+  // 8 int8 AVX-512 VNNI 16-row tiles, 9 15-bit AVX-512 VNNI, 10 int8 AVX2 8-row tiles, 11 15-bit
+  // AVX2 8-row tiles force one (CPU; CUDA ignores it).
   m.def(
       "qlinear(Tensor x, Tensor qs, Tensor scales, Tensor mins, int kind, int group, "
       "int path=-1) -> Tensor");

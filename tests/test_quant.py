@@ -6,14 +6,15 @@ Tolerance of qlinear, float paths (0-3): they compute the float32 product with t
 weight (no activation quantization), so they differ from the float64 reference only by float32
 rounding of the sum: |y - ref| <= 1e-5 * (|x| @ |W|^T) + 1e-6 (K <= 1024 terms of ulp 6e-8 each).
 
-int8-activation paths (4-8): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
+int8-activation paths (4-8, 10): x is rounded to int8 per block of 16 (d = max|x_block| / 127) and
 the kernels multiply W by that rounded x (integer dot products scaled per block). Against
 ``qlinear_reference`` on the same path (the same rounding simulated in PyTorch, float64 after it)
 they differ only by float32 rounding of the sums: |y - ref| <= 1e-5 * (|x^| @ |W|^T) + 1e-6.
 Against the float product they differ by the rounding of x, at most half a step a value:
 |y - x @ W^T| <= (d/2 @ |W|^T) (1 + 1e-5) + 1e-5 * (|x| @ |W|^T) + 1e-6.
 
-The 15-bit path (9, the automatic float choice below 64 rows on AVX-512 VNNI CPUs): the same,
+The 15-bit paths (9 and 11, the automatic float choice below 64 rows on AVX-512 VNNI CPUs and
+below 32 on AVX2 ones without AVX-512): the same,
 with d = max|x_block| / 16383: half a step is 1/32766 of the block's largest value, so it is
 within 3.1e-5 * (|x| @ |W|^T) of the float product (measured: 1.6e-5).
 """
@@ -48,6 +49,9 @@ HAS_AVX2 = {"avx2", "fma"} <= FLAGS
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
 HAS_AVX_VNNI = "avx_vnni" in FLAGS and HAS_AVX2
 HAS_AVX512_VNNI = "avx512_vnni" in FLAGS and HAS_AVX512
+# qlinear's automatic float-accurate choice (-1) rounds x to 15 bits below some rows: on AVX-512
+# VNNI (path 9), and on AVX2 without AVX-512 (path 11)
+AUTO_15BIT = HAS_AVX512_VNNI or (HAS_AVX2 and not HAS_AVX512)
 PATHS = [
     pytest.param(0, id="scalar"),
     pytest.param(1, id="avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the AVX2 path cannot run here")),
@@ -61,14 +65,16 @@ Q8_PATHS = [
     pytest.param(7, id="int8-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI path cannot run here")),
     pytest.param(8, id="int8-avx512vnni-t16", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the int8 AVX-512 VNNI 16-row-tile path cannot run here")),
     pytest.param(9, id="15bit-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the 15-bit path cannot run here")),
+    pytest.param(10, id="int8-avx2-t8", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the int8 AVX2 8-row-tile path cannot run here")),
+    pytest.param(11, id="15bit-avx2-t8", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the 15-bit AVX2 8-row-tile path cannot run here")),
 ]
 # the best int8-activation path this CPU runs at one row (the one the automatic choice takes)
 Q8_BEST = 7 if HAS_AVX512_VNNI else 6 if HAS_AVX_VNNI else 5 if HAS_AVX2 else 4
 
 
 def qmax_of(path: int) -> int:
-    """The largest |qx| of an integer-activation path's rounding of x: 16383 for the 15-bit path."""
-    return 16383 if path == 9 else 127
+    """The largest |qx| of an integer-activation path's rounding of x: 16383 for the 15-bit paths."""
+    return 16383 if path in (9, 11) else 127
 
 
 def gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
@@ -174,8 +180,8 @@ def test_int8_paths_agree_and_round_like_the_reference():
     weight that picks single columns reads back d * qx exactly)."""
     qw, want = gguf_weight("Q5_K", 11, 256, seed=4)
     x = torch.randn(6, 256) * torch.logspace(-3, 3, 256)     # blocks of very different scales
-    ys = {p: ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, p)
-          for p in (4, 5, 6, 7, 8) if p <= Q8_BEST + (HAS_AVX512_VNNI and p == 8) and (p != 6 or HAS_AVX_VNNI)}
+    runs = {4: True, 5: HAS_AVX2, 6: HAS_AVX_VNNI, 7: HAS_AVX512_VNNI, 8: HAS_AVX512_VNNI, 10: HAS_AVX2}
+    ys = {p: ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, p) for p in runs if runs[p]}
     for p, y in ys.items():
         torch.testing.assert_close(y, ys[4], rtol=1e-5, atol=1e-5 * float(ys[4].abs().max()))
     # identity-like i8 weight: row n has q = 1 at column n, scale 1: y[m, n] = d * qx[m, n]
@@ -188,6 +194,28 @@ def test_int8_paths_agree_and_round_like_the_reference():
     for p in ys:
         y = ops.qlinear(xs, qs, torch.ones(k, 2), torch.empty(0), I8, 32, p)
         assert torch.equal(y, want_x), p
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: paths 10 and 11 cannot run here")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_avx2_tiles_extremes(qtype):
+    """Paths 10 / 11 at the ends of the byte ranges: i8 weights of -128 and 127 (|w| = 128 goes
+    to vpmaddubsw unsigned, x takes w's sign), x blocks whose largest value is negative (qx =
+    -127, or -16383 whose qx >> 7 is -128: split as -127 and a negative low part), N = 8 + 1
+    (a full tile and a one-row tail), M = 1..6 (the 4-row blocks and their remainders)."""
+    k = 96
+    qw, want = gguf_weight(qtype, 9, k, seed=8)
+    if qtype == "Q8_0":                       # every byte either extreme, scale 1
+        qs = torch.where(torch.arange(9 * k).reshape(9, k) % 3 == 0, 127, -128).to(torch.int8)
+        qw = QWeight(qs, torch.ones(9, k // 32), torch.empty(0), I8, 32)
+        want = ops.qdequant_reference(qw.qs, qw.scales, qw.mins, qw.kind, qw.group).numpy()
+    g = torch.Generator().manual_seed(9)
+    for m in range(1, 7):
+        x = torch.rand(m, k, generator=g) * 2 - 1
+        x[:, ::16] = -1.5                     # the largest |x| of every block, negative
+        for path in (10, 11):
+            y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
+            assert_q8_close(y, x, qw, torch.from_numpy(want), path)
 
 
 @pytest.mark.parametrize("path", PATHS + Q8_PATHS)
@@ -215,7 +243,7 @@ def test_force_qlinear_path_validates_and_restores():
     with quant.force_qlinear_path(4):
         assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 4))
     assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
-    for bad in (10, -3, "7", 1.0, True):
+    for bad in (12, -3, "7", 1.0, True):
         with pytest.raises(ValueError, match="qlinear path"):
             quant.force_qlinear_path(bad)
 
@@ -240,14 +268,17 @@ def test_set_int8_activations():
 
 
 def expected_auto(path: int, m: int, qw: QWeight) -> int:
-    """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp)."""
+    """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp).
+    The AVX2 8-row tiles (10, 11) are chosen only on CPUs without AVX-512 VNNI, which this
+    test cannot see on one that has it: there the forced paths 10 / 11 are what is tested."""
+    t8 = not HAS_AVX512_VNNI and HAS_AVX2 and (m > 1 or qw.kind == U4)   # an i8 weight's row: no
     if path == -2:
         if HAS_AVX512_VNNI:
             return 7 if m < 2 else 8
-        return Q8_BEST if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
+        return (10 if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
         return 3 if m >= 64 else 9
-    return 3 if m >= 32 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
+    return 3 if m >= 32 else 11 if t8 and not HAS_AVX512 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
 
 
 def test_qlinear_auto_path_and_empty_batch():
@@ -324,7 +355,7 @@ def _args(**over):
     (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
-    (dict(path=10), "path must be"),
+    (dict(path=12), "path must be"),
     (dict(mins=torch.empty(0)), "u4 weights need mins"),
     (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),

@@ -35,10 +35,10 @@ from symphony.engine.loader import load_model
 from symphony.engine import model as model_mod
 from symphony.engine import ops
 from symphony.engine.quant import QWeight, force_qlinear_path
-from test_quant import HAS_AVX2, HAS_AVX512, HAS_AVX512_VNNI, Q8_BEST
+from test_quant import AUTO_15BIT, HAS_AVX2, HAS_AVX512, HAS_AVX512_VNNI, Q8_BEST
 
 FLOAT_PATH = 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0      # the fastest float-activation kernel
-AUTO_TOL = 1e-3 if HAS_AVX512_VNNI else 1e-4                # the automatic choice: 15-bit x or float
+AUTO_TOL = 1e-3 if AUTO_15BIT else 1e-4                    # the automatic choice: 15-bit x or float
 
 PROMPT = list(range(3, 60, 3))
 SMALL = EngineConfig(page_size=4, num_pages=64)
@@ -86,10 +86,10 @@ def test_engine_on_quantized_bits_matches_dequantized(tmp_path, qtype):
         assert torch.isfinite(a).all() and scale > 0
         assert (a - b).abs().max() <= 1e-4 * scale
         assert ta == tb
-    if HAS_AVX512_VNNI:                          # 15-bit activations: the row and the tile kernels
-        with force_qlinear_path(9):
+    for p15 in [p for p, ok in ((9, HAS_AVX512_VNNI), (11, HAS_AVX2)) if ok]:
+        with force_qlinear_path(p15):            # 15-bit activations (9: the row and tile kernels)
             a, ta = decode(eq, PROMPT, 6)
-        assert 0 < (a - b).abs().max() <= 1e-3 * scale
+        assert 0 < (a - b).abs().max() <= 1e-3 * scale, p15
         assert ta == tb
     # a batch (two decodes and a prefill: the register kernels and the dense tiles at once),
     # the automatic choice (15-bit or float activations: see AUTO_TOL)
@@ -209,17 +209,19 @@ def test_embedded_model_quantized_paris_and_perplexity(smollm):
     pf = perplexity(dense, text)
     assert 1.5 < pf < 60, pf                                                # a sane model on English
     assert abs(pq / pf - 1) < 0.01, (pq, pf)
-    if HAS_AVX512_VNNI:    # the default kernels below 64 rows: 15-bit x (measured +0.003%, 8.4e-3)
+    # the default kernels where they round x to 15 bits (9: AVX-512 VNNI below 64 rows, measured
+    # +0.003%, 8.4e-3; 11: AVX2 without AVX-512 below 32)
+    for p15 in [p for p, ok in ((9, HAS_AVX512_VNNI), (11, HAS_AVX2)) if ok]:
         kv = dense.new_sequence()
         lf = dense.pred(kv, text, all_logits=True)
         dense.release(kv)
-        with force_qlinear_path(9):
+        with force_qlinear_path(p15):
             p9 = perplexity(smollm, text)
             kv = smollm.new_sequence()
             l9 = smollm.pred(kv, text, all_logits=True)
             smollm.release(kv)
-        assert abs(p9 / pf - 1) < 1e-3, (p9, pf)
-        assert 0 < (l9 - lf).abs().max() <= SMOLLM_ATOL
+        assert abs(p9 / pf - 1) < 1e-3, (p15, p9, pf)
+        assert 0 < (l9 - lf).abs().max() <= 2e-2, (p15, (l9 - lf).abs().max())
     # the int8-activation kernels: Paris, perplexity within 1%, logits within 5%. Not on the
     # prompt above: its first token is a knife edge ("The" 25.33 vs "L" 25.24 in float32), which
     # the rounding of x flips to "L'Étoile..." (llama.cpp, whose kernels also round x to int8,
@@ -259,7 +261,7 @@ def test_activations_flag_selects_the_kernels(tmp_path):
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -2))
         cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1"]))
         assert not quant.int8_activations()
-        assert ("15 bits" if HAS_AVX512_VNNI else "float32") in quant.describe_cpu_kernels()
+        assert ("15 bits" if AUTO_15BIT else "float32") in quant.describe_cpu_kernels()
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -1))
     finally:
         quant.set_int8_activations(False)

@@ -98,6 +98,13 @@ void quantize_act_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, int6
 // each block), used for i8 weights. (Path 9 at one row runs rows_q8_avx512vnni on 15-bit x.)
 void rows_q8_t16_avx512vnni(const QView& w, const QAct& a, const int32_t* xcorr, int64_t M,
                             float* out, int64_t ldo, int64_t n0, int64_t n1);
+// Paths 10 and 11 (qkernels_t16_avx2.cpp): 8 weight rows a tile on AVX2 (vpmaddubsw), x plain
+// (quantize_act without permute64 / bias128), 15-bit if a.lo is set, split by quantize_act15_avx2
+// as hi = max(qx >> 7, -127), lo = qx - 128 hi (both -127..127, see that file).
+void rows_q8_t8_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                     int64_t n1);
+void quantize_act15_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group,
+                         int8_t* hi, int8_t* lo, float* d, float* s, int64_t ldq);
 #endif
 
 }  // namespace qcpu

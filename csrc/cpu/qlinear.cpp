@@ -12,6 +12,7 @@
 //     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp; path 8: 16 weight rows a register,
 //     qkernels_t16_x86.cpp). The result differs from the float product by the rounding of x (at
 //     most half a step of its block per value): the result is W times the rounded x.
+//   * paths 10 / 11: int8 / 15-bit x in 8-row tiles on AVX2 alone (qkernels_t16_avx2.cpp).
 //   * the 15-bit kernels (path 9, AVX-512 VNNI): the same with x rounded to 15 bits per block
 //     (two vpdpbusd a product), within ~3e-5 of |x| |W| of the float product; the automatic
 //     float-accurate choice below 64 rows on CPUs that have them.
@@ -95,7 +96,7 @@ using namespace qcpu;
 enum Path : int64_t {
   kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
   kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7, kQ8T16Avx512Vnni = 8,
-  kQ15T16Avx512Vnni = 9,
+  kQ15T16Avx512Vnni = 9, kQ8T8Avx2 = 10, kQ15T8Avx2 = 11,
 };
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
@@ -211,6 +212,29 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
     return;
   }
 #endif
+#if defined(__x86_64__) || defined(_M_X64)
+  if (path == kQ8T8Avx2 || path == kQ15T8Avx2) {  // 8-row tiles, AVX2 (qkernels_t16_avx2.cpp)
+    const bool split = path == kQ15T8Avx2;
+    require(cpu_has_avx2(), 0, path, split ? "15-bit, AVX2, 8-row tiles" : "int8, AVX2, 8-row tiles",
+            "avx2/fma");
+    QAct a{qbuf.data(), dbuf.data(), s, ldq};
+    if (split) {
+      lbuf.resize(M * ldq);
+      a.lo = lbuf.data();
+      quantize_act15_avx2(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), lbuf.data(),
+                          dbuf.data(), s, ldq);
+    } else {
+      quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
+                   false, false);
+    }
+    const int64_t tiles = (w.N + 7) / 8;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (8 * w.K * std::max<int64_t>(M, 1)));
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      rows_q8_t8_avx2(w, a, M, out, w.N, t0 * 8, std::min(w.N, t1 * 8));
+    });
+    return;
+  }
+#endif
   const RowsQ8Fn fn = rows_q8_fn(path);
 #if defined(__x86_64__) || defined(_M_X64)
   const bool wide = fn == rows_q8_avx512vnni;  // its x layout: see qkernels_q8_x86.cpp
@@ -232,19 +256,36 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //   -1 (results equal to the float32 product up to ~3e-5 of |x| |W|): the 15-bit kernels below
 //      64 rows (the row kernel at one row: ~1.1x the float register kernel in the engine's
 //      decode; 16-row tiles from 2 rows: 1.4x the dense GEMM at 32), the dense GEMM from 64
-//      rows on. Without AVX-512 VNNI: the float register kernel below 32 rows, dense from there.
+//      rows on. AVX-512 without VNNI (or no AVX2): the float register kernel below 32 rows, dense
+//      from there (AVX2 alone: below).
 //   -2 (x rounded to int8): the int8 row kernel (path 7) at one row, the int8 16-row tiles
 //      (path 8) from 2 rows on, prefills included (1.2-2.9x the dense GEMM up to 256 rows,
-//      1.0-1.4x at 512). Without AVX-512 VNNI: the best int8 kernel below 32
+//      1.0-1.4x at 512). Without AVX-512 VNNI: the int8 kernels (below) under 32
 //      rows (64 for matrices of 3 x 2^18 weights or more), dense from there.
+// Without AVX-512 VNNI (AVX2: the 8-row tiles, paths 10 / 11), from micro-benchmarks of
+// SmolLM2-135M's matrices on the Xeon with those paths forced, one thread (README.avx2t16.md):
+//   -2: the int8 8-row tiles (path 10), 1.2-1.3x the int8 row kernels (paths 5 / 6) at one row
+//       and 1.4-1.9x at 4 rows, up to the dense GEMM's rows above; except an i8 weight (Q8_0) at
+//       one row: a tie within +-5% over three runs (the transposes cost more a byte), the row
+//       kernel kept.
+//   -1, AVX2 without AVX-512: the 15-bit 8-row tiles (path 11) where the float AVX2 kernel ran,
+//       below 32 rows (1.2-1.4x its speed at one row, 1.05-1.9x from 4 rows), dense from 32 as
+//       before; an i8 weight at one row keeps the float kernel (a tie). Against the dense GEMM,
+//       a layer's four matrices take 14% less time at 16 rows; at 24 and 32 4% and 15% less
+//       with MKL kept to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2 CPU), 8% and 28%
+//       more with its AVX-512 code here. With AVX-512 but no VNNI the float AVX-512 kernel
+//       (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
   const bool t16 = cpu_has_avx512vnni();
+  const bool t8 = !t16 && cpu_has_avx2() && (M > 1 || d.kind == kQU4);
   if (path == kAutoQ8) {
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
-    return M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)) ? kAutoQ8 : kDense;
+    if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18))) return t8 ? kQ8T8Avx2 : kAutoQ8;
+    return kDense;
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
+  if (t8 && !cpu_has_avx512()) return kQ15T8Avx2;
   if (t16) return kQ15T16Avx512Vnni;
   return kAuto;
 }
@@ -282,10 +323,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T16Avx512Vnni, op, ": path must be -2 (auto, int8 "
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
               "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
               "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
-              "8 (int8 AVX-512 VNNI, 16-row tiles) or 9 (15-bit AVX-512 VNNI, 16-row tiles), got ", path);
+              "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
+              "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);

@@ -75,12 +75,15 @@ def describe_cpu_kernels() -> str:
     f = ops.qcpu_features()
     if _qlinear_path == -2:
         how = ("int8 16-row-tile kernels (AVX-512 VNNI)" if f["avx512_vnni"] else
-               "int8 kernels (" + ("AVX-VNNI" if f["avx_vnni"] else "AVX2" if f["avx2"] else "scalar") + ")")
+               "int8 8-row-tile kernels (AVX2)" if f["avx2"] else "int8 kernels (scalar)")
         dense = "" if f["avx512_vnni"] else ", dense GEMM from 32 rows"
         return f"activations rounded to int8 per block of 16 (--activations int8): {how}{dense}"
     if f["avx512_vnni"]:
         return ("activations rounded to 15 bits per block of 16 (AVX-512 VNNI kernels) below 64 rows, "
                 "float32 dense GEMM from 64")
+    if f["avx2"] and not f["avx512"]:
+        return ("activations rounded to 15 bits per block of 16 (AVX2 8-row-tile kernels) below 32 rows, "
+                "float32 dense GEMM from 32")
     isa = "AVX-512" if f["avx512"] else "AVX2" if f["avx2"] else "scalar"
     return f"float32 activations: {isa} register kernels below 32 rows, dense GEMM from 32"
 
@@ -90,8 +93,8 @@ class force_qlinear_path:
     ``ops.qlinear``: -2 / -1 the automatic choices). Not thread-local: for tests/benchmarks."""
 
     def __init__(self, path: int):
-        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 9:
-            raise ValueError(f"qlinear path must be an int in -2..9, got {path!r}")
+        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 11:
+            raise ValueError(f"qlinear path must be an int in -2..11, got {path!r}")
         self.path, self.saved = path, -1
 
     def __enter__(self) -> "force_qlinear_path":

@@ -144,14 +144,15 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
 
     ``path`` (CPU only): -1 picks a kernel by M and the CPU's features whose result is the
     float32 product with the dequantized weight up to ~3e-5 of ``|x| @ |W|^T`` (15-bit
-    activations below 64 rows on AVX-512 VNNI CPUs, float32 register kernels below 32 rows
-    elsewhere, the dense GEMM beyond); -2 the best int8-activation kernel (for every M on
-    AVX-512 VNNI; dense from 32 rows elsewhere); the others force one (one this CPU lacks raises):
+    activations below 64 rows on AVX-512 VNNI CPUs and below 32 on AVX2 ones without AVX-512,
+    float32 register kernels below 32 rows elsewhere, the dense GEMM beyond); -2 the best
+    int8-activation kernel (for every M on AVX-512 VNNI; dense from 32 rows elsewhere); the others force one (one this CPU lacks raises):
     float32 register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM;
     int8-activation kernels (x rounded to int8 per block of 16 values, integer dot products:
     the product of W with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2
     (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
-    register; 9 the same with x rounded to 15 bits (AVX-512 VNNI).
+    register; 9 the same with x rounded to 15 bits (AVX-512 VNNI); 10 and 11 int8 and 15-bit
+    x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register).
     """
     if not _loaded:
         load()
