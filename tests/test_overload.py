@@ -184,13 +184,18 @@ def test_interactive_lips_finish_first(ok, reference):
     t.start()
     time.sleep(1.0)                                   # the batch LIPs hold the device
     inter = [((4000 + i, 96, 24), "interactive") for i in range(4)]
+    t_inter = time.monotonic()
     _run_all(ok, inter, results=results)
     t.join(300)
     _check(results, reference, jobs + inter)
-    batch_done = sorted(results[s][2] for (s, *_), _ in jobs)
+    # against the batch LIPs still running when the interactive ones came (how many finished
+    # in the first second depends on the machine's speed): most of them
+    running = sorted(results[s][2] for (s, *_), _ in jobs if results[s][2] > t_inter)
+    assert len(running) >= len(jobs) // 2, f"only {len(running)} batch LIPs were still running"
     for (s, *_), _ in inter:
-        later = sum(1 for b in batch_done if b > results[s][2])
-        assert later >= len(jobs) // 2, f"interactive LIP {s} finished after {len(jobs) - later} batch LIPs"
+        later = sum(1 for b in running if b > results[s][2])
+        assert later >= len(running) // 2, \
+            f"interactive LIP {s} finished after {len(running) - later} of {len(running)} running batch LIPs"
 
 
 def test_pred_larger_than_the_pool_is_refused_with_numbers(ok):
