@@ -166,6 +166,15 @@ RowsQ8Fn rows_q8_fn(int64_t path) {
   return rows_q8_scalar;
 }
 
+// fn(n0, n1) over W's rows in blocks of `rb` rows, split across threads: at least ~64K
+// weights a thread (smaller matrices are not worth waking a second thread for).
+template <class Fn>
+void for_row_blocks(const QView& w, int64_t M, int64_t rb, const Fn& fn) {
+  const int64_t blocks = (w.N + rb - 1) / rb;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (rb * w.K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(b0 * rb, std::min(w.N, b1 * rb)); });
+}
+
 // x @ W^T by the integer-activation kernels: quantize x once (this thread), then split W's rows.
 void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   const int64_t M = x.size(0), ldq = (w.K + 63) / 64 * 64, nb = ldq / 16;
@@ -196,19 +205,10 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
                         split ? lbuf.data() : nullptr, dbuf.data(), s, cbuf.data(), ldq,
                         !t16 && w.kind == kQU4, !t16 && w.kind == kQI8);
     const int32_t* xcorr = cbuf.data();  // (the lambda runs on other threads: their cbuf is not ours)
-    if (t16) {
-      const int64_t tiles = (w.N + 15) / 16;
-      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (16 * w.K * std::max<int64_t>(M, 1)));
-      at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-        rows_q8_t16_avx512vnni(w, a, xcorr, M, out, w.N, t0 * 16, std::min(w.N, t1 * 16));
-      });
-    } else {
-      const int64_t nblocks = (w.N + 3) / 4;
-      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * w.K * std::max<int64_t>(M, 1)));
-      at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-        rows_q8_avx512vnni(w, a, M, out, w.N, b0 * 4, std::min(w.N, b1 * 4));
-      });
-    }
+    if (t16)
+      for_row_blocks(w, M, 16, [&](int64_t n0, int64_t n1) { rows_q8_t16_avx512vnni(w, a, xcorr, M, out, w.N, n0, n1); });
+    else
+      for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { rows_q8_avx512vnni(w, a, M, out, w.N, n0, n1); });
     return;
   }
 #endif
@@ -227,11 +227,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
       quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
                    false, false);
     }
-    const int64_t tiles = (w.N + 7) / 8;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (8 * w.K * std::max<int64_t>(M, 1)));
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      rows_q8_t8_avx2(w, a, M, out, w.N, t0 * 8, std::min(w.N, t1 * 8));
-    });
+    for_row_blocks(w, M, 8, [&](int64_t n0, int64_t n1) { rows_q8_t8_avx2(w, a, M, out, w.N, n0, n1); });
     return;
   }
 #endif
@@ -244,11 +240,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
                wide && w.kind == kQU4, wide && w.kind == kQI8);
   const QAct a{qbuf.data(), dbuf.data(), s, ldq};
-  const int64_t nblocks = (w.N + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * w.K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    fn(w, a, M, out, w.N, b0 * 4, std::min(w.N, b1 * 4));
-  });
+  for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { fn(w, a, M, out, w.N, n0, n1); });
 }
 
 // The path an automatic choice (-1, -2) takes for M rows of x and this weight; a forced path as is.
@@ -364,12 +356,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const RowsFn fn = rows_fn(eff);
   const float* xp = x.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), nblocks = (d.N + 3) / 4;
-  // at least ~64K weights a thread: smaller matrices are not worth waking a second thread for
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (4 * d.K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    fn(w, xp, ldx, M, op_, d.N, b0 * 4, std::min(d.N, b1 * 4));
-  });
+  const int64_t ldx = x.stride(0);
+  for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { fn(w, xp, ldx, M, op_, d.N, n0, n1); });
   return out;
 }
 
