@@ -32,7 +32,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize float weights (safetensors, F16/F32 GGUF) at load, groups of 32")
     p.add_argument("--activations", default="auto", choices=["auto", "int8"],
                    help="what quantized weights multiply on a CPU: auto (x rounded to 15 bits per block "
-                        "of 16 on CPUs with AVX-512 VNNI, float32 otherwise: logits within ~1/2000 of "
+                        "of 16 on CPUs with AVX-512 VNNI or AVX2 without AVX-512, float32 otherwise: logits within ~1/2000 of "
                         "their scale) or int8 (faster for batches, but logits move by ~4%% of their "
                         "scale, as llama.cpp's do)")
     p.add_argument("--no-cuda-graphs", action="store_true",

@@ -63,7 +63,7 @@ struct QAct {
   const float* d;    // [M, ldq / 16] block scales (in value order, whatever the byte layout)
   const float* s;    // [M, n_groups] float sums of x per weight group, or nullptr (no mins)
   int64_t ldq;
-  const int8_t* lo = nullptr;  // 15-bit x (quantize_act15): q = qx >> 7, lo = qx & 127
+  const int8_t* lo = nullptr;  // 15-bit x: q = hi, lo as its quantizer splits qx (below)
 };
 
 // Quantize x [M, K] (row stride ldx) into q [M, ldq], d [M, ldq / 16] and, if s is not null,
@@ -71,12 +71,19 @@ struct QAct {
 void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int8_t* q,
                   float* d, float* s, int64_t ldq, bool permute64, bool bias128);
 
+// Where block b of 16 values goes in a quantized x row: in value order, or (permute64) the u4
+// nibble order of its 64-value step (its 4 blocks stored as blocks 0, 2, 1, 3).
+inline int64_t act_block_pos(int64_t b, bool permute64) {
+  return permute64 ? (b & ~int64_t(3)) * 16 + ((b & 1) * 2 + ((b >> 1) & 1)) * 16 : b * 16;
+}
+
 // The 15-bit variant (path 9): d = max |x_block| / 16383, qx = round_half_even(x / d) in
 // -16383..16383, stored split in two bytes, hi = qx >> 7 (-128..127) and lo = qx & 127 (0..127),
 // so that qx = 128 * hi + lo and an integer dot product with it is two vpdpbusd. x is then
 // rounded to 1/32766 of its block's largest value: products equal the float32 ones to ~3e-5
 // of |x| |W|, where int8 rounds to 1/254. corr [M, ldq / 16] = -128 * (sum of qx over each
-// block) (for i8 weights: see qkernels_t16_x86.cpp). quantize_act_avx512 does it.
+// block) (for i8 weights: see qkernels_t16_x86.cpp). quantize_act_avx512 does it. (Paths
+// 10 / 11 split qx as hi = max(qx >> 7, -127), lo = qx - 128 hi instead: quantize_act15_avx2.)
 using RowsQ8Fn = void (*)(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
                           int64_t n0, int64_t n1);
 void rows_q8_scalar(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,

@@ -69,8 +69,11 @@ struct Direct {
   const uint8_t* rp[16];       // the tile's rows (rows past the end repeat the last one)
   const uint8_t* next[16];     // the next tile's rows, prefetched as we go
   __m512i idx;                 // gather offsets of the 16 rows' scales / mins
+  const float* sc;             // the tile's first row's scales and mins (mins: or nullptr)
+  const float* mn;
 
-  Direct(const QView& w_, int64_t n, int64_t rows) : w(w_) {
+  Direct(const QView& w_, int64_t n, int64_t rows)
+      : w(w_), sc(w_.scales + n * w_.n_groups), mn(w_.mins ? w_.mins + n * w_.n_groups : nullptr) {
     alignas(64) int32_t ix[16];
     const int64_t nn = std::min<int64_t>(n + 16, w.N - 1);
     for (int r = 0; r < 16; ++r) {
@@ -103,9 +106,8 @@ struct Direct {
         for (int d = 0; d < 4; ++d) wk[4 * bb + d] = _mm512_xor_si512(v[d], flip);
       }
     }
-    const int64_t off = (rp[0] - w.qs) / w.row_bytes * w.n_groups + g;
-    sv = _mm512_i32gather_ps(idx, w.scales + off, 4);
-    if (w.mins) mv = _mm512_i32gather_ps(idx, w.mins + off, 4);
+    sv = _mm512_i32gather_ps(idx, sc + g, 4);
+    if (mn) mv = _mm512_i32gather_ps(idx, mn + g, 4);
   }
 };
 
@@ -249,9 +251,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void quan
     float* sr = s ? s + m * G : nullptr;
     if (sr) std::fill(sr, sr + G, 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      // where block b goes (quantize_act): in value order, or the u4 nibble order of its step
-      const int64_t pos = permute64 ? (b & ~int64_t(3)) * 16 + ((b & 1) * 2 + ((b >> 1) & 1)) * 16
-                                    : b * 16;
+      const int64_t pos = act_block_pos(b, permute64);
       int8_t* h = hi + m * ldq + pos;
       float dv = 0.f;
       int32_t sum = 0;

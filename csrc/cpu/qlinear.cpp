@@ -183,7 +183,6 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   static thread_local std::vector<int32_t> cbuf;
   qbuf.resize(M * ldq);
   dbuf.resize(M * nb);
-  cbuf.resize(M * nb);
   if (w.mins) sbuf.resize(M * w.n_groups);
   float* s = w.mins ? sbuf.data() : nullptr;
 #if defined(__x86_64__) || defined(_M_X64)
@@ -201,6 +200,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
       lbuf.resize(M * ldq);
       a.lo = lbuf.data();
     }
+    cbuf.resize(M * nb);
     quantize_act_avx512(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(),
                         split ? lbuf.data() : nullptr, dbuf.data(), s, cbuf.data(), ldq,
                         !t16 && w.kind == kQU4, !t16 && w.kind == kQI8);
@@ -211,8 +211,6 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
       for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { rows_q8_avx512vnni(w, a, M, out, w.N, n0, n1); });
     return;
   }
-#endif
-#if defined(__x86_64__) || defined(_M_X64)
   if (path == kQ8T8Avx2 || path == kQ15T8Avx2) {  // 8-row tiles, AVX2 (qkernels_t16_avx2.cpp)
     const bool split = path == kQ15T8Avx2;
     require(cpu_has_avx2(), 0, path, split ? "15-bit, AVX2, 8-row tiles" : "int8, AVX2, 8-row tiles",

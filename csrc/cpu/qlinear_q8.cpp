@@ -20,10 +20,7 @@ void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t gro
     float* sr = s ? s + m * G : nullptr;
     if (sr) std::fill(sr, sr + G, 0.f);
     for (int64_t b = 0; b < nb; ++b) {
-      // where block b goes: in value order, or (permute64) the u4 nibble order of its step:
-      // the 4 blocks of a 64-value step are stored as blocks 0, 2, 1, 3
-      const int64_t pos = permute64 ? (b & ~int64_t(3)) * 16 + ((b & 1) * 2 + ((b >> 1) & 1)) * 16
-                                    : b * 16;
+      const int64_t pos = act_block_pos(b, permute64);
       int8_t blk[16] = {0};
       float dv = 0.f;
       if (b * 16 < K) {

@@ -41,7 +41,8 @@ _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
 
 # The qlinear path QWeight.linear asks for (ops.qlinear): -1 lets the op pick by M and the CPU
 # (csrc/cpu/qlinear.cpp) a kernel whose result is the float32 product up to ~3e-5 of |x| |W| (15-bit
-# activations on AVX-512 VNNI, float32 otherwise), -2 an int8-activation one. -2 is opt-in
+# activations on AVX-512 VNNI and on AVX2 without AVX-512, float32 otherwise), -2 an int8-activation
+# one. -2 is opt-in
 # (`set_int8_activations`, `symphony-kernel --activations int8`, or SYMPHONY_INT8_ACTIVATIONS=1 in
 # the environment): it is faster for batches but rounds every linear layer's input to int8 (logits
 # move by a few % of their scale; perf/RESULTS.md).
