@@ -74,7 +74,29 @@ def test_slots_and_the_per_user_limit():
     w, _ = q.next_ready(machine(admitted=2, per_user={"ann": 2}, max_per_user=2, device_free=100))
     assert w.lip == 2
     q.remove(2)
-    assert q.next_ready(machine(admitted=2, per_user={"ann": 2}, max_per_user=2, device_free=100)) == (None, "")
+    assert q.next_ready(machine(admitted=2, per_user={"ann": 2}, max_per_user=2, device_free=100)) == \
+        (None, "user ann runs 2 LIPs, the most one user may (symphony-kernel --max-lips-per-user 2)")
+
+
+def test_a_user_at_their_kv_quota_waits_for_their_own_lips():
+    """room(u) = quota - charged - what u's admitted LIPs still expect: a LIP that does not
+    fit waits (not eligible), another user's LIP goes past it; with nothing of the user's
+    admitted it starts anyway (nothing of theirs would free pages)."""
+    q = q_with(Waiting(1, "ann", 0, pages=5, arrived=1.0), Waiting(2, "bob", 0, pages=5, arrived=2.0))
+    m = machine(admitted=2, per_user={"ann": 2}, device_free=100, user_room={"ann": 4, "bob": 50})
+    w, _ = q.next_ready(m)
+    assert w.lip == 2                                   # ann's room is 4 < 5: bob goes first
+    q.remove(2)
+    w, why = q.next_ready(m)
+    assert w is None and "user ann's KV quota" in why and "room for 4 more pages" in why \
+        and "expected to need 5" in why and "--user-quota" in why
+    assert q.why_waiting(1, m) == why and q.why_waiting(99, m) == ""
+    assert q.next_ready(machine(admitted=2, per_user={"ann": 2}, device_free=100,
+                                user_room={"ann": 5}))[0].lip == 1                  # exactly fits
+    assert q.next_ready(machine(admitted=2, per_user={"bob": 2}, device_free=100,
+                                user_room={"ann": -3}))[0].lip == 1                 # none of ann's admitted
+    assert q.next_ready(machine(admitted=2, per_user={"ann": 2}, device_free=100))[0].lip == 1   # no quota
+    assert q.users() == {"ann"}
 
 
 def test_with_nothing_admitted_the_head_always_starts():

@@ -234,3 +234,76 @@ def test_kv_wait_and_host_pages_flags_are_checked(capsys):
         with pytest.raises(SystemExit):
             kernel_main(argv)
         assert want in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- one user's KV quota
+USER_QUOTA = 12             # pages; each LIP below needs 5 (80 tokens), so two fit at a time
+
+
+@pytest.fixture(scope="module")
+def quota_kernel(tmp_path_factory, tiny_gguf):
+    """A kernel whose users may hold 12 KV pages each (the pool has 32), and which expects
+    a LIP with no history to need 80 tokens (5 pages)."""
+    k = KernelProc(tmp_path_factory.mktemp("userquota"), "--model", str(tiny_gguf), "--kv-memory-mb", "1",
+                   "--host-pages", str(HOST_PAGES), "--user-quota", str(USER_QUOTA), "--token-budget", "64",
+                   "--lip-kv-tokens", "80")
+    yield k
+    k.stop()
+    assert k.proc.returncode == 0, k.read_log()[-3000:]
+
+
+def test_a_users_lips_past_their_kv_quota_wait_for_each_other_not_fail(quota_kernel, reference):
+    """Alice starts 6 LIPs of 5 pages at once under a 12-page user quota: they run two at a
+    time and all finish with their own output (before, admission ignored the quota: the
+    third and later ones started and failed with QuotaExceeded).  Bob, who comes after them,
+    is not held behind Alice's queue.  Nothing is left charged to either afterwards."""
+    from conftest import ALICE_UID, BOB_UID
+    k = quota_kernel
+    base = k.client().stats()
+    jobs = [(5000 + i, 64, 16) for i in range(6)]
+    seen_running, done = [], threading.Event()
+
+    def watch():
+        with k.client() as c:
+            while not done.is_set():
+                lips = c.ps()["lips"]
+                seen_running.append(sum(1 for l in lips if l["user"] != "root" and l["state"] == "running"
+                                        and l["file"] == "alice.py"))
+                time.sleep(0.01)
+    w = threading.Thread(target=watch)
+    w.start()
+    results, clients = {}, []
+    try:
+        replies = []
+        for seed, n_prompt, n_gen in jobs:
+            c = k.client_as(ALICE_UID, timeout=240)
+            replies.append(c.launch(GREEDY, [str(seed), str(n_prompt), str(n_gen)], filename="alice.py"))
+            clients.append((seed, c))
+        bob = k.client_as(BOB_UID, timeout=240)
+        bob.spawn(GREEDY, ["6000", "64", "16"], filename="bob.py")
+        clients.append((6000, bob))
+
+        def wait(seed, c):
+            out, exit_ev = None, None
+            for ev in c.events(timeout=240):
+                if ev["event"] == "out":
+                    out = ev["data"]
+                elif ev["event"] == "exit":
+                    exit_ev = ev
+            results[seed] = (exit_ev, out, time.monotonic())
+            c.close()
+        threads = [threading.Thread(target=wait, args=sc) for sc in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(270)
+    finally:
+        done.set()
+        w.join()
+    _check(results, reference, [((s, p, g), "normal") for s, p, g in jobs + [(6000, 64, 16)]])
+    assert max(seen_running) <= USER_QUOTA // 5, f"Alice ran {max(seen_running)} LIPs at once"
+    queued = [r for r in replies if r["event"] == "queued"]
+    assert queued and all("KV quota" in r["waiting_for"] and "--user-quota" in r["waiting_for"]
+                          for r in queued), replies
+    after = _settled(k, base["kv_pages_used"])
+    assert after["admission_waits"] - base["admission_waits"] >= len(jobs) - USER_QUOTA // 5, after

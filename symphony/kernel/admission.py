@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from symphony.kvfs.namespace import ROOT_USER
 from symphony.sched.admission import AdmissionQueue, Machine, PeakTable, Waiting
 
 log = logging.getLogger("symphony.kernel")
@@ -56,11 +57,33 @@ class AdmissionControl:
         """The machine as admission sees it: the process table and the last
         serving snapshot."""
         snap = self.sys.snapshot
+        admitted = [e for e in self.procs if e.state != "queued" and e.id in self.pending]
         holding = tuple((e.row.priority, snap.lip_pages.get(e.id, 0), self.pending[e.id].pages)
-                        for e in self.procs if e.state != "queued" and e.id in self.pending)
+                        for e in admitted)
         return Machine(self.procs.admitted, self.max_lips, self.procs.admitted_by_user(),
                        self.policy.max_lips_per_user, snap.kv_device_free, snap.kv_reclaimable,
-                       sum(snap.suspended.values()), holding)
+                       sum(snap.suspended.values()), holding, self._user_room(snap, admitted))
+
+    def _user_room(self, snap, admitted) -> dict:
+        """{waiting user: KV pages their quota has left for one more LIP}: the quota, less the
+        pages charged to the user (the snapshot's) and what each of the user's admitted LIPs
+        is expected to need and does not hold yet.  Users without a quota (root) are absent.
+        The quota limits are fixed when KVFS is made, so reading them here is safe; the
+        charges, which the syscall thread owns, come from its snapshot."""
+        users = self.admission.users()
+        if not users:
+            return {}
+        to_come: dict[str, int] = {}
+        for e in admitted:
+            if e.row.user in users:
+                n = max(0, self.pending[e.id].pages - snap.lip_pages.get(e.id, 0))
+                to_come[e.row.user] = to_come.get(e.row.user, 0) + n
+        room = {}
+        for user in users:
+            limit = None if user == ROOT_USER else self.fs.quotas.limit_for(user)
+            if limit is not None:
+                room[user] = limit - snap.user_pages.get(user, 0) - to_come.get(user, 0)
+        return room
 
     def _pump_admission(self) -> None:
         """Start every queued LIP that may start now, in the queue's order
@@ -164,8 +187,11 @@ class AdmissionControl:
         """{lip: its `ps` fields} of the queued LIPs: place in the queue, how
         long it has waited, the KV pages it is expected to need."""
         now = time.monotonic()
-        order = self.admission.order(self.procs.admitted_by_user())
-        return {w.lip: {"position": i, "waited_s": round(now - w.arrived, 3), "kv_pages_expected": w.pages}
+        m = self._machine()
+        order = self.admission.order(m.per_user)
+        head_why = self.admission.next_ready(m)[1] if order else ""
+        return {w.lip: {"position": i, "waited_s": round(now - w.arrived, 3), "kv_pages_expected": w.pages,
+                        "waiting_for": self.admission.held_back(w, m) or head_why}
                 for i, w in enumerate(order, 1)}
 
 def new_admission_state(limits) -> tuple[AdmissionQueue, PeakTable]:

@@ -84,9 +84,7 @@ class LipLifecycle:
             raise failed
         if lip_id in self.admission:
             position = self.admission.position(lip_id, self.procs.admitted_by_user())
-            cap, mine = self.policy.max_lips_per_user, self.procs.count_for(user)
-            why = (f"user {user} runs {mine} LIPs, the most one user may (symphony-kernel "
-                   f"--max-lips-per-user {cap})" if cap is not None and mine >= cap else self._waiting_for)
+            why = self.admission.why_waiting(lip_id, self._machine())
             log.info("LIP %d queued at position %d (%s): %s (user %s)", lip_id, position, why, filename, user)
             return {"event": "queued", "lip": lip_id, "position": position, "waiting_for": why}
         return {"event": "started", "lip": lip_id}

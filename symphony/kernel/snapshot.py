@@ -83,6 +83,7 @@ class ServingSnapshot:
     kv_reclaimable: int = 0     # device pages freeable without suspending a running LIP
                                 # (unopened cache/idle files, blocked LIPs' files)
     lip_pages: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> KV pages charged (all tiers)
+    user_pages: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # user -> KV pages charged (all tiers)
     suspended: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> pages it needs back to resume
     overload: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))    # preemptions, resumes, drops, swap bytes, ...
 

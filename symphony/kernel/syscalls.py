@@ -306,6 +306,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
             kv_reclaimable=self.fs.reclaimable(),
             lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
+            user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
             suspended=MappingProxyType({i: self.fs.resume_need(i) for i, l in self.lips.items() if l.suspended}),
             overload=MappingProxyType({**self.fs.stats(), **self.overload}))
         self._dirty = False

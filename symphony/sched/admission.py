@@ -13,8 +13,15 @@ running) first, then the user admitted least recently (fewest of the last
 `RECENT_KEPT` admissions), then arrival.  Head of line: only the first LIP in
 that order may start, so a big LIP is never starved by small ones slipping
 past it; a higher-priority LIP is always ahead of a lower one, so it is never
-stuck behind it.  A LIP whose user already runs ``max_per_user`` LIPs is not
-eligible (it waits for its own user's LIPs, never blocks another user's).
+stuck behind it.  A LIP is not eligible, and waits for its own user's LIPs
+without blocking another user's, while its user already runs ``max_per_user``
+LIPs, or while its user's KV quota has no room for it (`Machine.user_room`):
+
+    room(u) = quota(u) - pages charged to u - sum over u's admitted LIPs of
+              the pages each is expected to need and does not hold yet
+
+(a user with no LIP admitted is always eligible: nothing of theirs would free
+pages, and a LIP bigger than the quota gets to run and fails honestly).
 
 When the head may start (`Machine`): a LIP slot is free, and the device has
 room for the KV it is expected to need::
@@ -90,6 +97,8 @@ class Machine:
     reclaimable: int = 0                        # freeable without suspending a running LIP
     suspended: int = 0                          # pages suspended LIPs need back to resume
     holding: tuple = ()                         # (priority, pages held, pages still expected) per admitted LIP
+    user_room: Mapping[str, int] = field(default_factory=dict)   # pages left in a waiting user's KV quota
+                                                                 # (absent: no quota, root included)
 
     def free_for(self, priority: int) -> int:
         """Device pages a new LIP of ``priority`` may count on."""
@@ -134,17 +143,48 @@ class AdmissionQueue:
                 return i
         return 0
 
+    def users(self) -> set:
+        """The users with LIPs waiting."""
+        return set(self._by_user)
+
+    @staticmethod
+    def held_back(w: Waiting, m: Machine) -> str:
+        """Why ``w``'s own user keeps it from starting ("" when nothing does)."""
+        mine = m.per_user.get(w.user, 0)
+        if m.max_per_user is not None and mine >= m.max_per_user:
+            return (f"user {w.user} runs {mine} LIPs, the most one user may (symphony-kernel "
+                    f"--max-lips-per-user {m.max_per_user})")
+        room = m.user_room.get(w.user)
+        if room is not None and mine and w.pages > room:
+            return (f"user {w.user}'s KV quota: the user's files and {mine} running LIPs leave room for "
+                    f"{max(room, 0)} more pages, this LIP is expected to need {w.pages} (symphony-kernel "
+                    f"--user-quota)")
+        return ""
+
     def next_ready(self, m: Machine) -> tuple[Optional[Waiting], str]:
-        """(the LIP that may start now, "") or (None, why the head waits; "" if
-        nothing is eligible).  It stays queued until `remove`d."""
-        head = next((w for w in self.order(m.per_user)
-                     if m.max_per_user is None or m.per_user.get(w.user, 0) < m.max_per_user), None)
+        """(the LIP that may start now, "") or (None, why the head waits; when
+        no LIP is eligible, why the first one is held back).  It stays queued
+        until `remove`d."""
+        first_why, head = "", None
+        for w in self.order(m.per_user):
+            why = self.held_back(w, m)
+            if not why:
+                head = w
+                break
+            first_why = first_why or why
         if head is None:
-            return None, ""
+            return None, first_why
         if m.admitted == 0:
             return head, ""
         ok, why = admit(m.admitted, m.max_lips, m.free_for(head.priority), head.pages)
         return (head, "") if ok else (None, why)
+
+    def why_waiting(self, lip: int, m: Machine) -> str:
+        """Why queued ``lip`` has not started: its user's limits, else what the head waits for."""
+        w = self._waiting.get(lip)
+        if w is None:
+            return ""
+        return self.held_back(w, m) or self.next_ready(m)[1]
 
     def stats(self) -> dict:
         """The `stats` fields of the queue."""
