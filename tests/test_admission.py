@@ -467,3 +467,33 @@ def test_kernel_flags_refuse_a_bad_bound(capsys):
             kernel_main([flag, "0"])
         err = capsys.readouterr().err
         assert "admission queue:" in err and "must be an int >= 1, got 0" in err, err
+
+
+# ---------------------------------------------------------------- no free LIP uid: wait, not fail
+def test_lips_wait_for_a_free_uid_instead_of_failing(tmp_path_factory, tiny_gguf):  # noqa: F811
+    """A kernel with 8 LIP slots but only 2 LIP uids (--lip-uids): the third LIP waits in
+    the queue, saying why, and starts when a uid comes free (its spawn used to be refused:
+    "no free LIP uid in ...").  Needs root (the kernel switches uids)."""
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("the kernel gives LIPs their own uids only when it runs as root")
+    k = KernelProc(tmp_path_factory.mktemp("uids"), "--model", str(tiny_gguf), "--max-lips", "8",
+                   "--max-lips-per-user", "8", "--lip-uids", "64600-64601")
+    try:
+        got = [launch(k) for _ in range(3)]
+        assert [r["event"] for _, r in got] == ["started", "started", "queued"], [r for _, r in got]
+        assert "no free LIP uid in 64600-64601" in got[2][1]["waiting_for"], got[2][1]
+        assert "no free LIP uid" in ps_of(k, got[2][1]["lip"])["waiting_for"]
+        for c, r in got[:2]:
+            assert next(c.events(timeout=60))["data"] == "ready"
+        assert finish(got[0][0], got[0][1]["lip"])[-1]["reason"] == "finished"
+        c, r = got[2]
+        ev = next(c.events(timeout=60))
+        assert ev["event"] == "started" and ev["lip"] == r["lip"], ev
+        assert next(c.events(timeout=60))["data"] == "ready"
+        for c, r in (got[1], got[2]):
+            assert finish(c, r["lip"])[-1]["reason"] == "finished"
+        idle(k)
+    finally:
+        k.stop()
+    assert k.proc.returncode == 0, k.read_log()[-3000:]

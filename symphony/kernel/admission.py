@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from symphony.kernel.identity import NoFreeUid
 from symphony.kvfs.namespace import ROOT_USER
 from symphony.sched.admission import AdmissionQueue, Machine, PeakTable, Waiting
 
@@ -90,34 +91,44 @@ class AdmissionControl:
         (none once the kernel is stopping)."""
         while len(self.admission) and not self.stopping.is_set():
             w, why = self.admission.next_ready(self._machine())
-            if w is None:
-                if why and why != self._waiting_for:
-                    log.debug("admission: %d LIPs wait: %s", len(self.admission), why)
-                self._waiting_for = why
-                return
-            self._admit(w)
+            if w is not None:
+                why = self._admit(w)
+                if not why:
+                    continue
+            if why and why != self._waiting_for:
+                log.debug("admission: %d LIPs wait: %s", len(self.admission), why)
+            self._waiting_for = why
+            return
 
-    def _admit(self, w: Waiting) -> None:
+    def _admit(self, w: Waiting) -> str:
         """Take ``w`` out of the queue and start it (its own spawn request, if
         still waiting on it, replies "started"; else its clients get a
-        "started" event with how long it waited)."""
+        "started" event with how long it waited).  "" when it started or
+        ended; why it is back in the queue when every LIP uid is taken (it
+        waits for one, as for a LIP slot)."""
         self.admission.remove(w.lip)
         p = self.pending[w.lip]
         waited = time.monotonic() - p.queued_at
         try:
             self._start(w.lip, p)
+        except NoFreeUid as e:
+            self.admission.push(w)                      # same place: its arrival time is kept
+            if str(e) != self._waiting_for:
+                log.warning("admission waits for a LIP uid: %s", e)
+            return str(e)
         except Exception as e:                          # noqa: BLE001 - told to its client, never lost
             log.warning("LIP %d could not start: %s: %s", w.lip, type(e).__name__, e)
             immediate = w.lip in self._spawning          # its own spawn request raises it
             if immediate:
                 self._spawning[w.lip] = e
             self._end_queued(w.lip, f"could not start: {e}", tell=not immediate, pump=False)
-            return
+            return ""
         immediate = w.lip in self._spawning
         self.admission.admitted(w.user, None if immediate else waited)
         if not immediate:
             log.info("LIP %d admitted after waiting %.2f s", w.lip, waited)
             self._deliver(w.lip, {"event": "started", "lip": w.lip, "waited_s": round(waited, 3)})
+        return ""
 
     def _queue_input(self, lip_id: int, data: Optional[str]) -> None:
         """Keep input for a queued LIP; ValueError beyond the bound."""
@@ -189,7 +200,7 @@ class AdmissionControl:
         now = time.monotonic()
         m = self._machine()
         order = self.admission.order(m.per_user)
-        head_why = self.admission.next_ready(m)[1] if order else ""
+        head_why = (self.admission.next_ready(m)[1] or self._waiting_for) if order else ""
         return {w.lip: {"position": i, "waited_s": round(now - w.arrived, 3), "kv_pages_expected": w.pages,
                         "waiting_for": self.admission.held_back(w, m) or head_why}
                 for i, w in enumerate(order, 1)}

@@ -29,6 +29,10 @@ class IdentityError(PermissionError):
     code = "EPERM"
 
 
+class NoFreeUid(IdentityError):
+    """Every uid of the LIP range is taken: admission waits for one to come free."""
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """``"FIRST-LAST"`` -> (first, last); ValueError with the reason if malformed."""
     if not isinstance(text, str):
@@ -114,7 +118,7 @@ class UidPool:
     def allocate(self, lip_id: int) -> Optional[int]:
         """A uid (= gid) for LIP ``lip_id``, or None if this kernel cannot switch.
 
-        Raises IdentityError when every uid in the range is taken."""
+        Raises NoFreeUid when every uid in the range is taken."""
         if not self.can_switch:
             return None
         if lip_id in self.held:
@@ -128,7 +132,7 @@ class UidPool:
             if uid == self.first:                       # wrapped: look at /proc again
                 self._foreign = _process_uids() - self._held_uids
         else:
-            raise IdentityError(f"no free LIP uid in {self.first}-{self.last} "
+            raise NoFreeUid(f"no free LIP uid in {self.first}-{self.last} "
                                 f"({len(self.held)} held by LIPs); widen --lip-uids")
         self.held[lip_id] = uid
         self._held_uids.add(uid)

@@ -84,7 +84,7 @@ class LipLifecycle:
             raise failed
         if lip_id in self.admission:
             position = self.admission.position(lip_id, self.procs.admitted_by_user())
-            why = self.admission.why_waiting(lip_id, self._machine())
+            why = self.admission.why_waiting(lip_id, self._machine()) or self._waiting_for
             log.info("LIP %d queued at position %d (%s): %s (user %s)", lip_id, position, why, filename, user)
             return {"event": "queued", "lip": lip_id, "position": position, "waiting_for": why}
         return {"event": "started", "lip": lip_id}
