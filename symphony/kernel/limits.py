@@ -16,7 +16,8 @@ A ceiling of None means "no ceiling" (then a default of None means "no limit").
 Priority classes are ceilings too: every user may ask up to ``max_priority``
 (``normal`` unless the administrator says otherwise), a user named in
 ``user_priority`` up to that class.  ``max_lips_per_user`` bounds how many LIPs
-one user may run at once, so no user can take every LIP slot.
+one user may run at once, so no user can take every LIP slot (the admission
+queue applies it: a user's LIPs beyond it wait, sched/admission.py).
 """
 from __future__ import annotations
 
@@ -117,13 +118,6 @@ class LimitPolicy:
                                 f"the administrator may grant it (symphony-kernel --user-priority "
                                 f"{user}=CLASS or --max-priority CLASS)")
         return p
-
-    def check_count(self, user: str, running: int) -> None:
-        """LimitExceeded if ``user`` already runs ``max_lips_per_user`` LIPs."""
-        m = self.max_lips_per_user
-        if m is not None and running >= m:
-            raise LimitExceeded(f"user {user} already runs {running} LIPs, the most one user may "
-                                f"(symphony-kernel --max-lips-per-user {m})")
 
 
 # ---------------------------------------------------------------- helpers
