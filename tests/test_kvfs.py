@@ -485,3 +485,17 @@ def test_float32_durable_file_is_refused_by_a_bf16_kernel(weights, tmp_path):
     # and the float32 kernel still loads it
     fs3 = make_fs(weights, durable_dir=d)
     assert fs3.restore_report["restored"] == ["/home/alice/f32.kv"]
+
+
+def test_pager_read_is_a_copy_not_a_view_of_the_pool(weights):
+    """`Pager.read` of a device block on the CPU used to return a view of the pool: a page
+    reused after the read changed what the caller held."""
+    fs = make_fs(weights, pages=8)
+    a = fs.create(ALICE, "/tmp/a.kv")
+    fs.pred(ALICE, a, toks(4, seed=5))                         # one page
+    b = fs.handles[a].inode.blocks[0]
+    got = fs.pager.read(b)
+    before = got.clone()
+    fs.engine.kv.pool[:, :, b.device] += 1.0                   # the page changes (reused, say)
+    assert torch.equal(got, before)
+    assert torch.equal(fs.pager.read(b), before + 1.0)

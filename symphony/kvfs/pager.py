@@ -201,9 +201,10 @@ class Pager:
             b.disk = -1
 
     def read(self, b: Block) -> torch.Tensor:
-        """A block's data, [n_layers, 2, page_size, n_kv_heads, head_dim], on the CPU."""
+        """A copy of a block's data, [n_layers, 2, page_size, n_kv_heads, head_dim], on the CPU
+        (never a view of the pool, whose page may be reused once the block moves)."""
         if b.device >= 0:
-            return self.kv.pool[:, :, b.device].cpu()
+            return self.kv.pool[:, :, b.device].to("cpu", copy=True)
         if b.host >= 0:
             return self._host_page(b.host).clone()
         return self._read_disk(b.disk)
