@@ -281,6 +281,24 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
     return 3 if m >= 32 else 11 if t8 and not HAS_AVX512 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
 
 
+def test_qlinear_path_for_is_the_choice_qlinear_makes():
+    """`ops.qlinear_path_for` (what the kernel's log line is made of) resolves -1 / -2 as the
+    rule of `expected_auto` says qlinear does; forced paths come back as they are; bad
+    arguments are refused; the log line names the dense GEMM's first row count."""
+    for qtype in ("Q6_K", "Q4_1"):
+        qw, _ = gguf_weight(qtype, 13, 256)
+        n, k = qw.qs.shape[0], 256
+        for m in (1, 2, 3, 4, 31, 32, 63, 64, 100, 255, 256):
+            for path in (-1, -2):
+                assert ops.qlinear_path_for(path, m, n, k, qw.kind) == expected_auto(path, m, qw), (qtype, m, path)
+        assert ops.qlinear_path_for(3, 1, n, k, qw.kind) == 3
+    for bad in ((12, 1, 8, 8, U4), (-3, 1, 8, 8, U4), (-1, 0, 8, 8, U4), (-1, 1, 0, 8, U4), (-1, 1, 8, 8, 2)):
+        with pytest.raises(RuntimeError, match="qlinear_path_for"):
+            ops.qlinear_path_for(*bad)
+    dense_from = next(m for m in range(1, 257) if ops.qlinear_path_for(-1, m, 576, 576, U4) == 3)
+    assert f"from {dense_from} rows: dense float32 GEMM" in quant.describe_cpu_kernels()
+
+
 def test_qlinear_auto_path_and_empty_batch():
     """The automatic choice is one of the forced paths (bit for bit), by the rule of
     `expected_auto`, and -1 stays within the 15-bit bound of the float product whichever it is."""

@@ -261,7 +261,7 @@ def test_activations_flag_selects_the_kernels(tmp_path):
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -2))
         cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1"]))
         assert not quant.int8_activations()
-        assert ("15 bits" if AUTO_15BIT else "float32") in quant.describe_cpu_kernels()
+        assert ("15-bit" if AUTO_15BIT else "float32") in quant.describe_cpu_kernels()
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -1))
     finally:
         quant.set_int8_activations(False)

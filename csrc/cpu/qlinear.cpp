@@ -364,6 +364,22 @@ int64_t qcpu_features() {
          (cpu_has_avx512vnni() ? 8 : 0);
 }
 
+// The path qlinear's choice ``path`` (-2, -1: automatic; others are returned as they are)
+// takes for an [M, K] x on an [N, K] weight of ``kind`` on this CPU: resolve_path itself, for
+// the kernel's log and the tests (3 is the dense GEMM).
+int64_t qlinear_path_for(int64_t path, int64_t M, int64_t N, int64_t K, int64_t kind) {
+  constexpr const char* op = "symphony::qlinear_path_for";
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be in -2..11, got ", path);
+  TORCH_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
+  TORCH_CHECK(M >= 1 && N >= 1 && K >= 1, op, ": M, N and K must be >= 1, got ", M, ", ", N,
+              ", ", K);
+  QDims d{};
+  d.N = N;
+  d.K = K;
+  d.kind = static_cast<QKind>(kind);
+  return resolve_path(path, M, d);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(symphony, CPU, m) {
@@ -375,6 +391,7 @@ TORCH_LIBRARY_IMPL(symphony, CPU, m) {
 // kernel defined here rather than a schema in ops.cpp with per-backend implementations.
 TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qcpu_features() -> int", &qcpu_features);
+  m.def("qlinear_path_for(int path, int M, int N, int K, int kind) -> int", &qlinear_path_for);
 }
 
 }  // namespace symphony

@@ -71,22 +71,38 @@ def int8_activations() -> bool:
     return _qlinear_path == -2
 
 
-def describe_cpu_kernels() -> str:
-    """One line on what quantized matrices multiply on this CPU, for the kernel's log."""
-    f = ops.qcpu_features()
-    if _qlinear_path == -2:
-        how = ("int8 16-row-tile kernels (AVX-512 VNNI)" if f["avx512_vnni"] else
-               "int8 8-row-tile kernels (AVX2)" if f["avx2"] else "int8 kernels (scalar)")
-        dense = "" if f["avx512_vnni"] else ", dense GEMM from 32 rows"
-        return f"activations rounded to int8 per block of 16 (--activations int8): {how}{dense}"
-    if f["avx512_vnni"]:
-        return ("activations rounded to 15 bits per block of 16 (AVX-512 VNNI kernels) below 64 rows, "
-                "float32 dense GEMM from 64")
-    if f["avx2"] and not f["avx512"]:
-        return ("activations rounded to 15 bits per block of 16 (AVX2 8-row-tile kernels) below 32 rows, "
-                "float32 dense GEMM from 32")
-    isa = "AVX-512" if f["avx512"] else "AVX2" if f["avx2"] else "scalar"
-    return f"float32 activations: {isa} register kernels below 32 rows, dense GEMM from 32"
+# what each qlinear path is (ops.qlinear's docstring); -1 / -2 as resolve_path returns them: the
+# best float32 / int8 row kernel this CPU has
+PATH_NAMES = {
+    -2: "int8 row kernels", -1: "float32 register kernels", 0: "float32 scalar kernel",
+    1: "float32 AVX2 kernel", 2: "float32 AVX-512 kernel", 3: "dense float32 GEMM on the dequantized weight",
+    4: "int8 scalar kernel", 5: "int8 AVX2 kernel", 6: "int8 AVX-VNNI kernel", 7: "int8 AVX-512 VNNI row kernel",
+    8: "int8 AVX-512 VNNI 16-row tiles", 9: "15-bit AVX-512 VNNI kernels (16-row tiles; the row kernel at one row)",
+    10: "int8 AVX2 8-row tiles", 11: "15-bit AVX2 8-row tiles",
+}
+
+
+def describe_cpu_kernels(n: int = 576, k: int = 576, kind: int = U4, max_rows: int = 256) -> str:
+    """One line on what quantized matrices multiply with on this CPU, for the kernel's log: the
+    kernel qlinear's current choice (`qlinear_path`) takes at each number of rows up to
+    ``max_rows``, for an ``[n, k]`` weight of ``kind`` (default: a 4-bit 576 x 576 matrix),
+    as qlinear resolves it (``ops.qlinear_path_for``)."""
+    mode = _qlinear_path
+    runs: list[list[int]] = []                  # [first row, last row, path]
+    for m in range(1, max_rows + 1):
+        p = ops.qlinear_path_for(mode, m, n, k, kind)
+        if runs and runs[-1][2] == p:
+            runs[-1][1] = m
+        else:
+            runs.append([m, m, p])
+    what = {-2: "activations rounded to int8 per block of 16 (--activations int8)",
+            -1: "automatic choice (--activations auto)"}.get(mode, f"qlinear path {mode} forced")
+
+    def rows(a: int, b: int) -> str:
+        if b == max_rows:
+            return f"from {a} rows" if a > 1 else "any number of rows"
+        return f"{a} row{'s' if b > 1 else ''}" if a == b else f"{a}-{b} rows"
+    return what + ": " + "; ".join(f"{rows(a, b)}: {PATH_NAMES.get(p, f'path {p}')}" for a, b, p in runs)
 
 
 class force_qlinear_path:

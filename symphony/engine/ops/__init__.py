@@ -54,6 +54,7 @@ __all__ = [
     "qlinear",
     "qdequant",
     "qcpu_features",
+    "qlinear_path_for",
     "rms_norm",
     "add_rms_norm",
     "silu_mul",
@@ -152,7 +153,8 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
     the product of W with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2
     (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
     register; 9 the same with x rounded to 15 bits (AVX-512 VNNI); 10 and 11 int8 and 15-bit
-    x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register).
+    x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register). `qlinear_path_for` says
+    which kernel a choice takes for a given M on this CPU.
     """
     if not _loaded:
         load()
@@ -236,6 +238,15 @@ def qcpu_features() -> dict[str, bool]:
     bits = int(torch.ops.symphony.qcpu_features())
     return {"avx2": bool(bits & 1), "avx512": bool(bits & 2), "avx_vnni": bool(bits & 4),
             "avx512_vnni": bool(bits & 8)}
+
+
+def qlinear_path_for(path: int, m: int, n: int, k: int, kind: int) -> int:
+    """The kernel ``qlinear(..., path)`` runs on this CPU for ``m`` rows of x and an ``[n, k]``
+    weight of ``kind`` (0 u4, 1 i8): the automatic choices (-1, -2) resolved, as qlinear
+    itself resolves them; a forced path is returned as it is."""
+    if not _loaded:
+        load()
+    return int(torch.ops.symphony.qlinear_path_for(int(path), int(m), int(n), int(k), int(kind)))
 
 
 # Fake (meta) implementations, for torch.compile / FakeTensor tracing. They can only be
