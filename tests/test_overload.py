@@ -98,7 +98,12 @@ def _run_all(k, jobs, *, priority="normal", results=None, timeout=240):
         c = k.client(timeout=timeout)
         c.spawn(GREEDY, [str(a) for a in args], filename="greedy.py", priority=prio)
         clients.append((args[0], c))
+    return _collect(clients, results, timeout)
 
+
+def _collect(clients, results, timeout):
+    """Read each (seed, client)'s events to its LIP's exit, all at once; closes the clients.
+    results[seed] = (exit event, output, finish time)."""
     def wait(seed, c):
         out, exit_ev = None, None
         for ev in c.events(timeout=timeout):
@@ -282,21 +287,7 @@ def test_a_users_lips_past_their_kv_quota_wait_for_each_other_not_fail(quota_ker
         bob = k.client_as(BOB_UID, timeout=240)
         bob.spawn(GREEDY, ["6000", "64", "16"], filename="bob.py")
         clients.append((6000, bob))
-
-        def wait(seed, c):
-            out, exit_ev = None, None
-            for ev in c.events(timeout=240):
-                if ev["event"] == "out":
-                    out = ev["data"]
-                elif ev["event"] == "exit":
-                    exit_ev = ev
-            results[seed] = (exit_ev, out, time.monotonic())
-            c.close()
-        threads = [threading.Thread(target=wait, args=sc) for sc in clients]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(270)
+        _collect(clients, results, 240)
     finally:
         done.set()
         w.join()
