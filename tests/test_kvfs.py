@@ -499,3 +499,20 @@ def test_pager_read_is_a_copy_not_a_view_of_the_pool(weights):
     fs.engine.kv.pool[:, :, b.device] += 1.0                   # the page changes (reused, say)
     assert torch.equal(got, before)
     assert torch.equal(fs.pager.read(b), before + 1.0)
+
+
+def test_a_process_peak_pages_are_counted_at_every_charge(weights):
+    """`Quotas.peak(pid)`: the most pages a process held at once, whatever was freed since
+    (the kernel's admission estimate for the next LIP of the same program); gone at exit."""
+    fs = make_fs(weights, pages=16)
+    a = fs.create(ALICE, "/tmp/a.kv")
+    fs.pred(ALICE, a, toks(10, seed=1))                        # 3 pages of 4
+    b = fs.create(ALICE, "/tmp/b.kv")
+    fs.pred(ALICE, b, toks(5, seed=2))                         # 2 more
+    assert fs.quotas.by_pid[ALICE.pid] == fs.quotas.peak(ALICE.pid) == 5
+    fs.remove(ALICE, "/tmp/a.kv")
+    fs.close(ALICE, a)
+    assert fs.quotas.by_pid[ALICE.pid] == 2 and fs.quotas.peak(ALICE.pid) == 5
+    assert fs.quotas.peak(BOB.pid) == 0
+    fs.exit_process(ALICE.pid)
+    assert fs.quotas.peak(ALICE.pid) == 0

@@ -29,7 +29,6 @@ from symphony.sched.admission import AdmissionQueue, Machine, PeakTable, Waiting
 log = logging.getLogger("symphony.kernel")
 
 ADMISSION_TICK_S = 0.02     # re-check period while LIPs wait
-PEAK_TICK_S = 0.1           # peak-pages sampling period while LIPs run and none wait
 
 
 @dataclass
@@ -47,7 +46,6 @@ class PendingStart:
     queued_at: float            # time.monotonic() of the request
     inputs: list = field(default_factory=list)      # input sent while it waited, in order
     input_bytes: int = 0
-    peak: int = 0               # most KV pages it was seen holding
 
 
 class AdmissionControl:
@@ -163,31 +161,23 @@ class AdmissionControl:
         if pump:
             self._pump_admission()
 
-    def _sample_peaks(self) -> None:
-        """Note the KV pages each running LIP holds (its peak is its program's next estimate)."""
-        held = getattr(self.sys.snapshot, "lip_pages", None) or {}
-        for lip_id, n in held.items():
-            p = self.pending.get(lip_id)
-            if p is not None and n > p.peak:
-                p.peak = n
-
-    def _exited(self, lip_id: int) -> None:
-        """A started LIP is gone: remember its peak, free its reservation, admit the next."""
-        self._sample_peaks()
+    def _exited(self, lip_id: int, peak: int = 0) -> None:
+        """A started LIP is gone: remember the most KV pages it held at once (``peak``, counted
+        by the syscall thread at every charge) as its program's next estimate, free its
+        reservation, admit the next."""
         p = self.pending.pop(lip_id, None)
         if p is not None:
-            self.peaks.record(p.key, p.peak)
+            self.peaks.record(p.key, peak)
         self._pump_admission()
 
     async def _watch_admission(self) -> None:
-        """Re-check the queue while it is not empty; sample peaks while LIPs
-        run; sleep while no LIP is live at all (an idle kernel does nothing)."""
+        """Re-check the queue while it is not empty (the serving snapshot, whose free pages it
+        reads, changes meanwhile); sleep while it is empty (an idle kernel does nothing)."""
         while True:
-            if not len(self.procs):
+            if not len(self.admission):
                 self._admission_wake.clear()
                 await self._admission_wake.wait()
-            await asyncio.sleep(ADMISSION_TICK_S if len(self.admission) else PEAK_TICK_S)
-            self._sample_peaks()
+            await asyncio.sleep(ADMISSION_TICK_S)
             self._pump_admission()
 
     def admission_stats(self) -> dict:

@@ -210,18 +210,17 @@ class LipLifecycle:
     def _reclaim(self, lip_id: int, status: int, sig: int) -> None:
         """The LIP's process is gone: mark it exiting, have the syscall thread
         reclaim its files and ring, then send the exit event (`_reclaimed`)."""
-        self._sample_peaks()                           # its pages as last published: its program's peak
         if self.procs.exit_reported(lip_id) is None:
             return
         fut = self.sys.call_future(lambda: self.sys.remove(lip_id))
         fut.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._reclaimed, lip_id, status, sig, f))
 
     def _reclaimed(self, lip_id: int, status: int, sig: int, fut) -> None:
-        counters = LipCounters()
+        counters, peak = LipCounters(), 0
         if fut.cancelled() or fut.exception() is not None:
             log.error("LIP %d: reclaim failed: %r", lip_id, None if fut.cancelled() else fut.exception())
         else:
-            counters = fut.result()
+            counters, peak = fut.result()
         done = self.procs.reclaimed(lip_id, status, sig, counters)
         if done is None:                               # already told (shutdown gave up waiting)
             return
@@ -230,7 +229,7 @@ class LipLifecycle:
                  counters.calls, counters.preds)
         self._deliver(lip_id, event)
         self._forget_output(lip_id)
-        self._exited(lip_id)                           # its slot and KV are free: admit the next
+        self._exited(lip_id, peak)                     # its slot and KV are free: admit the next
 
     async def _drain_reaping(self, timeout: float) -> bool:
         """Wait until every pending reclaim is done; False if the syscall

@@ -255,21 +255,23 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             _pin(lip.ring, True)
         self._publish()
 
-    def remove(self, lip_id: int) -> LipCounters:
+    def remove(self, lip_id: int) -> tuple[LipCounters, int]:
         """The LIP is gone: reclaim its handles, anonymous files and ring.
-        Returns its last counters (for `ps`'s finished list)."""
+        Returns its last counters (for `ps`'s finished list) and the most KV
+        pages it held at once (its program's next admission estimate)."""
         lip = self.lips.pop(lip_id, None)
         if lip is None:
-            return LipCounters()
+            return LipCounters(), 0
         lip.state = "exited"
         self.sched.drop_lip(lip.id)
+        peak = self.fs.quotas.peak(lip.id)
         closed = self.fs.exit_process(lip.id)
         if self.engine.device.type == "cuda":
             _pin(lip.ring, False)
         lip.ring.unlink()
         lip.ring.close()
         log.info("LIP %d (%s) reclaimed: %d KV handles closed", lip.id, lip.filename, closed)
-        return lip.counters
+        return lip.counters, peak
 
     def give_input(self, lip_id: int, data: Optional[str]) -> None:
         lip = self.lips.get(lip_id)

@@ -293,6 +293,7 @@ class KVFS(DataOps, MemoryOps):
                 if b.pid == pid:
                     b.pid = 0                      # the user keeps the charge
         self.quotas.by_pid.pop(pid, None)
+        self.quotas.peak_by_pid.pop(pid, None)
         return len(hids)
 
     def close_all(self) -> None:

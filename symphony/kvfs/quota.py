@@ -32,6 +32,7 @@ class Quotas:
         self.per_user = dict(per_user or {})
         self.by_user: Counter = Counter()
         self.by_pid: Counter = Counter()
+        self.peak_by_pid: Counter = Counter()     # the most pages each live process held at once
         self.inodes_by_user: Counter = Counter()
 
     def limit_for(self, user: str) -> Optional[int]:
@@ -60,6 +61,12 @@ class Quotas:
         self.by_user[user] += n
         if pid:
             self.by_pid[pid] += n
+            if self.by_pid[pid] > self.peak_by_pid[pid]:
+                self.peak_by_pid[pid] = self.by_pid[pid]
+
+    def peak(self, pid: int) -> int:
+        """The most pages process ``pid`` held at once (0 once it has exited)."""
+        return self.peak_by_pid.get(pid, 0)
 
     def uncharge(self, user: str, pid: int, n: int = 1) -> None:
         self.by_user[user] -= n
