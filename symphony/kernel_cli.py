@@ -25,6 +25,13 @@ def _nonneg_int(text: str) -> int:
     return n
 
 
+def _positive_int(text: str) -> int:
+    n = _nonneg_int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return n
+
+
 def _pages_or_percent(text: str):
     """'N' pages (an int) or 'N%' of the pool (a float in (0, 1])."""
     if text.endswith("%"):
@@ -125,6 +132,9 @@ def kernel_main(argv=None) -> int:
                         "(default 61184-65519)")
     _limit_args(p)
     _cap_args(p)
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads the model computes with (default: torch's, one per core); only "
+                        "the syscall thread computes, the others use one")
     p.add_argument("--test-hooks", action="store_true",
                    help="enable root-only fault-injection requests (tests only; never in production)")
     args = p.parse_args(argv)
@@ -144,6 +154,14 @@ def kernel_main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     log = logging.getLogger("symphony.kernel")
+    import torch
+    compute_threads = args.threads or torch.get_num_threads()
+    # One OpenMP team in the process: the syscall thread's, which runs every step. A team made by
+    # this thread as well (loading, the warm-up) would outlive its use, and libgomp, seeing more
+    # threads than cores, then lets its workers sleep between parallel regions instead of
+    # spinning: every region pays a futex wake-up, and a decode step took 2.6x as long on 2
+    # cores (perf/RESULTS.md). Here everything computes on one thread.
+    torch.set_num_threads(1)
     from .engine.loader import ModelLoadError
     try:
         engine = _build_engine(args)
@@ -182,7 +200,8 @@ def kernel_main(argv=None) -> int:
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
-                    test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait)
+                    test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait,
+                    compute_threads=compute_threads)
     try:
         import uvloop
         uvloop.run(kernel.serve())

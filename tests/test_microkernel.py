@@ -169,3 +169,31 @@ def test_kernel_rejects_an_unknown_dtype(capsys):
         kernel_main(["--dtype", "float64"])
     assert e.value.code == 2
     assert "invalid choice: 'float64'" in capsys.readouterr().err
+
+
+def test_only_the_syscall_thread_computes_with_several_threads(tmp_path, monkeypatch):
+    """The kernel's model runs in its syscall thread with --threads N; its main thread (which
+    loads the model and runs the warm-up pass) computes with one, so the process has exactly one
+    OpenMP team.  A second team (the main thread's, at torch's default) made libgomp let its
+    workers sleep between parallel regions on a 2-core machine: a decode step took 2.6x as long
+    through the kernel as in-process (perf/RESULTS.md).  Counted in /proc: with torch's default
+    at 4 threads, no worker exists before the first pred, and --threads 2 adds exactly one."""
+    import os
+    from conftest import REPO as repo
+
+    def tasks(k):
+        return len(os.listdir(f"/proc/{k.proc.pid}/task"))
+    counts = {}
+    for omp in ("1", "4"):
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)      # torch's default in the kernel's threads
+        (tmp_path / f"omp{omp}").mkdir()
+        k = KernelProc(tmp_path / f"omp{omp}", "--kv-memory-mb", "64", "--threads", "2")
+        try:
+            before = tasks(k)
+            r = k.run(repo / "userland/generate.py", "Hi", "4")
+            assert r.returncode == 0, r.stderr
+            counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
+        finally:
+            k.stop()
+    assert counts["1"][0] == counts["4"][0], counts     # no team in the main thread at any default
+    assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts

@@ -74,7 +74,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                  token_budget: Optional[int] = None, policy: Optional[LimitPolicy] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
-                 admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S):
+                 admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
+                 compute_threads: Optional[int] = None):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -83,7 +84,9 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         its client (or keeps for a detached LIP) before its send() waits.
         ``admission``: the admission queue's bounds and default KV estimate.
         ``kv_wait_s``: how long calls may all wait for device pages that
-        cannot move before one LIP gets NoSpace (kernel/residency.py)."""
+        cannot move before one LIP gets NoSpace (kernel/residency.py).
+        ``compute_threads``: torch's CPU threads for the syscall thread, the one
+        that runs the model (None: leave torch's setting as it is)."""
         if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
             raise ValueError("fs must be built with evict_first=served.swap_out_first and "
                              "pinned=served.running_ids (a running LIP loses pages only whole)")
@@ -101,7 +104,7 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps,
                                  max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe,
-                                 lips=served, kv_wait_s=kv_wait_s)
+                                 lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads)
         self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
         self.fatal: Optional[str] = None      # why the kernel is going down after a failure
         self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle

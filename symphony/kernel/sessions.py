@@ -169,6 +169,7 @@ class ClientSessions:
         d.update(served.as_stats())
         d.update(self.admission_stats())
         d["instance"] = self.instance
+        d["compute_threads"] = self.sys.compute_threads
         d["output_queued_bytes"] = self.queued_output_bytes()
         return d
 

@@ -34,6 +34,7 @@ from types import MappingProxyType
 from typing import Callable, Optional
 
 import orjson
+import torch
 
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import OutOfPages
@@ -74,14 +75,19 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT,
                  on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None,
-                 kv_wait_s: float = KV_WAIT_S):
+                 kv_wait_s: float = KV_WAIT_S, compute_threads: Optional[int] = None):
         """``emit``/``kill``/``on_fatal``: how this thread tells the event loop
         of a LIP's output, a LIP to kill, and that it cannot go on (each safe
         from any thread).  ``lips``: the LIP set whose `swap_out_first` and
         `running_ids` KVFS was built with (``KVFS(..., evict_first=
         lips.swap_out_first, pinned=lips.running_ids)``).  ``kv_wait_s``: how
         long calls may all wait for device pages that cannot move before the
-        most important one fails with NoSpace (residency.py)."""
+        most important one fails with NoSpace (residency.py).  ``compute_threads``:
+        torch's CPU threads in this thread, which runs every forward pass (None:
+        torch's default for a new thread)."""
+        if compute_threads is not None and (not isinstance(compute_threads, int) or compute_threads < 1):
+            raise ValueError(f"compute_threads must be None or an int >= 1, got {compute_threads!r}")
+        self.compute_threads = compute_threads
         self.engine, self.fs, self.door = engine, fs, doorbell
         self.emit, self.kill = emit, kill
         self.max_queued_output = max_queued_output
@@ -157,7 +163,10 @@ class SyscallServer(PredCalls, IOCalls, Residency):
         """The thread's body: `_serve`, supervised.  An unexpected exception is
         logged with its traceback and the loop goes on with its state intact;
         too many in a short time and the kernel is shut down (``on_fatal``)."""
-        log.info("syscall thread running")
+        if self.compute_threads is not None:
+            torch.set_num_threads(self.compute_threads)   # per thread (OpenMP): this one runs the model
+        self.compute_threads = torch.get_num_threads()
+        log.info("syscall thread running (%d compute threads)", self.compute_threads)
         while not self.stop.is_set():
             try:
                 self._serve()
