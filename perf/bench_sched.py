@@ -80,10 +80,13 @@ def run_kernel_round(k, n_dec, n_pre, steps):
     def one(source, args, name):
         try:
             with Client(k.socket) as c:
-                lip = c.spawn(source, args, filename=name)
+                # the KV each one needs, so that admission does not hold decoders back on the
+                # default estimate while the others wait at the barrier for them
+                need = 600 + 16 if source is PREFILLER else 16 + steps + 16
+                lip = c.spawn(source, args, filename=name, kv_tokens=need)
                 evs = []
                 if source is DECODER:
-                    ev = next(c.events(timeout=600))
+                    ev = next(e for e in c.events(timeout=600) if e.get("event") != "started")
                     assert ev.get("data") == "ready", ev
                     barrier.wait(timeout=600)
                     c.send_input(lip, "go")
