@@ -179,8 +179,9 @@ class LipConn(threading.Thread):
     its events until exit.  A ``"ready"`` message sets ``self.ready``."""
 
     def __init__(self, socket: str, source: str, args, *, filename: str, timeout: float,
-                 barrier: threading.Barrier | None = None):
+                 barrier: threading.Barrier | None = None, kv_tokens: int | None = None):
         super().__init__(daemon=True)
+        self.kv_tokens = kv_tokens                  # admission's hint: the KV this LIP needs
         self.socket, self.source, self.args, self.filename = socket, source, list(args), filename
         self.timeout, self.barrier = timeout, barrier
         self.ready = threading.Event()
@@ -198,7 +199,8 @@ class LipConn(threading.Thread):
             if self.barrier is not None:
                 self.barrier.wait()
             self.t_spawn = time.perf_counter()
-            self.lip = self.client.spawn(self.source, self.args, filename=self.filename)
+            self.lip = self.client.spawn(self.source, self.args, filename=self.filename,
+                                         kv_tokens=self.kv_tokens)
             self.t_started = time.perf_counter()
             for ev in self.client.events(timeout=self.timeout):
                 kind = ev.get("event")
@@ -233,13 +235,13 @@ class LipConn(threading.Thread):
 
 
 def run_together(k: KernelProc, source, arg_lists, *, filename, timeout, go: bool = False,
-                 on_ready=None) -> tuple[list[LipConn], float]:
+                 on_ready=None, kv_tokens: int | None = None) -> tuple[list[LipConn], float]:
     """Spawn len(arg_lists) LIPs at once (one connection and thread each); if ``go``,
     wait until all are ready, call ``on_ready()``, then send each "go".
     Returns (conns, client-side wall seconds from the spawns, or from "go")."""
     barrier = threading.Barrier(len(arg_lists) + 1)
-    conns = [LipConn(k.socket, source, a, filename=filename, timeout=timeout, barrier=barrier)
-             for a in arg_lists]
+    conns = [LipConn(k.socket, source, a, filename=filename, timeout=timeout, barrier=barrier,
+                     kv_tokens=kv_tokens) for a in arg_lists]
     for c in conns:
         c.start()
     try:
@@ -311,8 +313,11 @@ def kernel_concurrent(k: KernelProc, prompts: list[list[int]], steps: int, timeo
     def snapshot():
         with k.client() as c:
             box["before"] = c.stats()
+    # with "go", every LIP waits for all to be ready: admission must not hold any back on its
+    # default estimate (a program with no history), so each says what it needs
     conns, wall = run_together(k, LIP_DECODE, [[json.dumps(p), str(steps), "1"] for p in prompts],
-                               filename="decode.py", timeout=timeout, go=True, on_ready=snapshot)
+                               filename="decode.py", timeout=timeout, go=True, on_ready=snapshot,
+                               kv_tokens=max(len(p) for p in prompts) + steps + 16)
     with k.client() as c:
         after = c.stats()
     bad = [c for c in conns if not c.ok]
