@@ -197,3 +197,11 @@ def test_only_the_syscall_thread_computes_with_several_threads(tmp_path, monkeyp
             k.stop()
     assert counts["1"][0] == counts["4"][0], counts     # no team in the main thread at any default
     assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts
+
+
+def test_threads_flag_is_checked(capsys):
+    from symphony.kernel_cli import kernel_main
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(SystemExit):
+            kernel_main(["--threads", bad])
+        assert "--threads" in (err := capsys.readouterr().err) and "expected an int" in err, err
