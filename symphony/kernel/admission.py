@@ -29,6 +29,7 @@ from symphony.sched.admission import AdmissionQueue, Machine, PeakTable, Waiting
 log = logging.getLogger("symphony.kernel")
 
 ADMISSION_TICK_S = 0.02     # re-check period while LIPs wait
+UID_RETRY_S = 1.0           # every LIP uid taken: look again after a LIP exits, or this long
 
 
 @dataclass
@@ -90,6 +91,8 @@ class AdmissionControl:
         while len(self.admission) and not self.stopping.is_set():
             w, why = self.admission.next_ready(self._machine())
             if w is not None:
+                if time.monotonic() < self._uid_retry_at:   # no uid was free: a scan of the
+                    return                                  # whole range waits for an exit
                 why = self._admit(w)
                 if not why:
                     continue
@@ -111,6 +114,7 @@ class AdmissionControl:
             self._start(w.lip, p)
         except NoFreeUid as e:
             self.admission.push(w)                      # same place: its arrival time is kept
+            self._uid_retry_at = time.monotonic() + UID_RETRY_S
             if str(e) != self._waiting_for:
                 log.warning("admission waits for a LIP uid: %s", e)
             return str(e)
@@ -168,6 +172,7 @@ class AdmissionControl:
         p = self.pending.pop(lip_id, None)
         if p is not None:
             self.peaks.record(p.key, peak)
+        self._uid_retry_at = 0.0                        # its uid is free again
         self._pump_admission()
 
     async def _watch_admission(self) -> None:

@@ -112,6 +112,7 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self.pending: dict = {}                        # lip -> admission.PendingStart, request to exit
         self._spawning: dict = {}                      # lip -> its start's error, while its spawn pumps
         self._waiting_for = ""                         # why the queue's head waits
+        self._uid_retry_at = 0.0                       # no LIP uid was free: try again after this
         self._forks: set = set()
         self._fork_lock = asyncio.Lock()
         self._admission_wake = asyncio.Event()
