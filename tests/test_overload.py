@@ -257,11 +257,18 @@ def quota_kernel(tmp_path_factory, tiny_gguf):
     assert k.proc.returncode == 0, k.read_log()[-3000:]
 
 
+GATED = GREEDY.replace("    rnd = random.Random(int(seed))", "    recv()                                      # wait for 'go'\n"
+                       "    rnd = random.Random(int(seed))").replace("from symphony.lip import kv, pred, send",
+                                                               "from symphony.lip import kv, pred, recv, send")
+
+
 def test_a_users_lips_past_their_kv_quota_wait_for_each_other_not_fail(quota_kernel, reference):
-    """Alice starts 6 LIPs of 5 pages at once under a 12-page user quota: they run two at a
-    time and all finish with their own output (before, admission ignored the quota: the
-    third and later ones started and failed with QuotaExceeded).  Bob, who comes after them,
-    is not held behind Alice's queue.  Nothing is left charged to either afterwards."""
+    """Alice starts 6 LIPs expected to need 5 pages each under a 12-page user quota: two
+    start, four wait in the queue saying why (before, admission ignored the quota: the third
+    and later ones started and failed with QuotaExceeded).  Bob, who comes after them, starts
+    at once: he is not held behind Alice's queue.  Told to go, all finish with their own
+    output, never more than two of Alice's at a time.  (The LIPs wait for "go" before their
+    first pred, so what starts and what waits does not depend on how fast they run.)"""
     from conftest import ALICE_UID, BOB_UID
     k = quota_kernel
     base = k.client().stats()
@@ -282,19 +289,24 @@ def test_a_users_lips_past_their_kv_quota_wait_for_each_other_not_fail(quota_ker
         replies = []
         for seed, n_prompt, n_gen in jobs:
             c = k.client_as(ALICE_UID, timeout=240)
-            replies.append(c.launch(GREEDY, [str(seed), str(n_prompt), str(n_gen)], filename="alice.py"))
+            replies.append(c.launch(GATED, [str(seed), str(n_prompt), str(n_gen)], filename="alice.py"))
             clients.append((seed, c))
         bob = k.client_as(BOB_UID, timeout=240)
-        bob.spawn(GREEDY, ["6000", "64", "16"], filename="bob.py")
+        bob_reply = bob.launch(GATED, ["6000", "64", "16"], filename="bob.py")
         clients.append((6000, bob))
+        assert [r["event"] for r in replies] == ["started"] * 2 + ["queued"] * 4, replies
+        assert all("'s KV quota" in r["waiting_for"] and "room for 2 more pages" in r["waiting_for"]
+                   and "expected to need 5" in r["waiting_for"] for r in replies[2:]), replies
+        assert bob_reply["event"] == "started", bob_reply
+        rows = {l["lip"]: l for l in k.client().ps()["lips"]}
+        assert "KV quota" in rows[replies[2]["lip"]]["waiting_for"]
+        for (_, c), r in zip(clients, replies + [bob_reply]):
+            c.send_input(r["lip"], "go")                # kept for the queued ones until they start
         _collect(clients, results, 240)
     finally:
         done.set()
         w.join()
     _check(results, reference, [((s, p, g), "normal") for s, p, g in jobs + [(6000, 64, 16)]])
     assert max(seen_running) <= USER_QUOTA // 5, f"Alice ran {max(seen_running)} LIPs at once"
-    queued = [r for r in replies if r["event"] == "queued"]
-    assert queued and all("KV quota" in r["waiting_for"] and "--user-quota" in r["waiting_for"]
-                          for r in queued), replies
     after = _settled(k, base["kv_pages_used"])
-    assert after["admission_waits"] - base["admission_waits"] >= len(jobs) - USER_QUOTA // 5, after
+    assert after["admission_waits"] - base["admission_waits"] == len(jobs) - USER_QUOTA // 5, after
