@@ -32,9 +32,13 @@ struct QDims {
   bool has_min;
 };
 
+inline void check_qkind(const char* op, int64_t kind) {
+  TORCH_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
+}
+
 inline QDims check_qweight(const char* op, const at::Tensor& qs, const at::Tensor& scales,
                            const at::Tensor& mins, int64_t kind, int64_t group) {
-  TORCH_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
+  check_qkind(op, kind);
   TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D [N, packed K], got shape ", qs.sizes());
   TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), op,
               ": qs, scales and mins must be contiguous");

@@ -469,8 +469,8 @@ QUICK = ("from symphony.lip import kv, pred, send, tokenize\n\n"
 
 
 def test_a_short_lived_program_is_remembered_too(ak):
-    """A LIP that holds its pages for less than the peak sampling period still leaves its peak
-    (the syscall thread counts it at every charge): the next one of the same program is
+    """A LIP that holds its pages only briefly still leaves its peak (the syscall thread
+    counts it at every charge; a 0.1 s sampling of the snapshot used to miss it): the next one of the same program is
     expected to need that much, not the default.  (Missed before, a benchmark's 32 LIPs were
     then each expected to need the default 32 pages, and 8 of them waited forever.)"""
     c = ak.client(user="kim", timeout=60)

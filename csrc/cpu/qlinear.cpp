@@ -265,6 +265,14 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //       with MKL kept to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2 CPU), 8% and 28%
 //       more with its AVX-512 code here. With AVX-512 but no VNNI the float AVX-512 kernel
 //       (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
+void check_path(const char* op, int64_t path) {
+  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
+              "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
+              "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
+              "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
+              "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
+}
+
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
   const bool t16 = cpu_has_avx512vnni();
@@ -313,11 +321,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
-              "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
-              "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
-              "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
-              "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
+  check_path(op, path);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
@@ -369,8 +373,8 @@ int64_t qcpu_features() {
 // the kernel's log and the tests (3 is the dense GEMM).
 int64_t qlinear_path_for(int64_t path, int64_t M, int64_t N, int64_t K, int64_t kind) {
   constexpr const char* op = "symphony::qlinear_path_for";
-  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be in -2..11, got ", path);
-  TORCH_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
+  check_path(op, path);
+  check_qkind(op, kind);
   TORCH_CHECK(M >= 1 && N >= 1 && K >= 1, op, ": M, N and K must be >= 1, got ", M, ", ", N,
               ", ", K);
   QDims d{};

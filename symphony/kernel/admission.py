@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from symphony.kernel.identity import NoFreeUid
-from symphony.kvfs.namespace import ROOT_USER
 from symphony.sched.admission import AdmissionQueue, Machine, PeakTable, Waiting
 
 log = logging.getLogger("symphony.kernel")
@@ -80,7 +79,7 @@ class AdmissionControl:
                 to_come[e.row.user] = to_come.get(e.row.user, 0) + n
         room = {}
         for user in users:
-            limit = None if user == ROOT_USER else self.fs.quotas.limit_for(user)
+            limit = self.fs.quotas.limit_for(user)
             if limit is not None:
                 room[user] = limit - snap.user_pages.get(user, 0) - to_come.get(user, 0)
         return room

@@ -36,7 +36,8 @@ class Quotas:
         self.inodes_by_user: Counter = Counter()
 
     def limit_for(self, user: str) -> Optional[int]:
-        return self.per_user.get(user, self.user_pages)
+        """The pages ``user`` may hold in all tiers (None: no limit; root is exempt)."""
+        return None if user == ROOT_USER else self.per_user.get(user, self.user_pages)
 
     def check(self, need: dict[tuple[str, int], int]) -> None:
         """Raise `QuotaExceeded` if charging ``need[(user, pid)]`` pages would
@@ -47,7 +48,7 @@ class Quotas:
             pids[pid] += n
         for user, n in users.items():
             lim = self.limit_for(user)
-            if user != ROOT_USER and lim is not None and self.by_user[user] + n > lim:
+            if lim is not None and self.by_user[user] + n > lim:
                 raise QuotaExceeded(f"user {user!r} would hold {self.by_user[user] + n} KV pages, "
                                     f"quota {lim} ({self.by_user[user] + n - lim} over)")
         if self.process_pages is not None:
