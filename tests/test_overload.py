@@ -300,6 +300,9 @@ def test_a_users_lips_past_their_kv_quota_wait_for_each_other_not_fail(quota_ker
         assert bob_reply["event"] == "started", bob_reply
         rows = {l["lip"]: l for l in k.client().ps()["lips"]}
         assert "KV quota" in rows[replies[2]["lip"]]["waiting_for"]
+        with k.client_as(BOB_UID) as other:            # another user: not why (it names Alice's KV use)
+            seen = {l["lip"]: l for l in other.ps()["lips"]}[replies[2]["lip"]]
+        assert seen["state"] == "queued" and "waiting_for" not in seen, seen
         for (_, c), r in zip(clients, replies + [bob_reply]):
             c.send_input(r["lip"], "go")                # kept for the queued ones until they start
         _collect(clients, results, 240)

@@ -139,13 +139,20 @@ class ClientSessions:
         table's rows (event loop) and the syscall thread's counters.  A
         running LIP the memory manager suspended shows state "suspended".
         ``viewer``: the user asking (others' LIPs come without their
-        arguments and limits); None: an administrator, who sees everything."""
+        arguments, limits and why they wait: that names their user's KV use);
+        None: an administrator, who sees everything."""
         (rows, finished, _), served = self.procs.snapshot, self.sys.snapshot
         full = lambda r: viewer is None or r.user == viewer  # noqa: E731
         queued = self.queued_views()                   # position, waited_s of each queued LIP
         for lip, pages in served.suspended.items():    # running, but swapped out for a more important LIP
             queued.setdefault(lip, {}).update(state="suspended", suspended_pages=pages)
-        return {"lips": [dict(r.ps(served.counters(r.lip), full(r)), **queued.get(r.lip, {})) for r in rows],
+
+        def row(r):
+            q = queued.get(r.lip, {})
+            if not full(r):
+                q = {k: v for k, v in q.items() if k != "waiting_for"}
+            return dict(r.ps(served.counters(r.lip), full(r)), **q)
+        return {"lips": [row(r) for r in rows],
                 "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
 
     async def _fresh_serving_snapshot(self, wait_s: float = FRESH_SNAPSHOT_WAIT_S) -> None:
