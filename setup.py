@@ -74,10 +74,16 @@ setup(
         "uvloop",
         "tqdm",
         "llguidance",           # grammar engine for constrained decoding (token masks), no torch
+        # the HTTP gateway (symphony/gateway/): an ASGI app on a maintained server
+        "starlette>=0.40",      # routing, requests, streamed responses
+        "uvicorn>=0.30",        # the ASGI server, run with uvloop and httptools
+        "httptools",
+        "prometheus-client",    # GET /metrics
     ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "httpx"]},
     entry_points={"console_scripts": [
         "symphony=symphony.cli:main",
         "symphony-kernel=symphony.kernel_cli:kernel_main",
+        "symphony-gateway=symphony.gateway.server:main",
     ]},
 )

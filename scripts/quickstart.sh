@@ -18,7 +18,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
     step "installing torch==2.13.0 (CPU build)"
     $PY -m pip install -q "torch==2.13.0"
 fi
-if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema" 2>/dev/null \
+if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema, starlette, uvicorn, httptools, prometheus_client, openai, httpx" 2>/dev/null \
    || [ "$($PY -c 'import symphony,os;print(os.path.dirname(os.path.dirname(symphony.__file__)))')" != "$PWD" ]; then
     step "installing symphony and its dependencies"
     $PY -c "import setuptools, wheel" 2>/dev/null || $PY -m pip install -q "setuptools>=64" wheel

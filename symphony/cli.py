@@ -116,8 +116,12 @@ def main(argv=None) -> int:
         err = _resolve_program(args)
         if err:
             return err
+    if args.cmd == "run" and args.remote:
+        return _run_remote(args)
     if args.cmd in ("run", "ps", "kill", "kv"):
         return _client_cmd(args)
+    if args.cmd == "keys":
+        return _keys_cmd(args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     if args.max_tokens < 1:
@@ -222,10 +226,9 @@ def _client_cmd(args) -> int:
     return 2
 
 
-def _run(c, args) -> int:
-    import json
+def _run_request(args):
+    """(source, grants, limits) of ``symphony run``'s arguments, or an exit status after saying why."""
     import os
-    import threading
     path = args.lip_file
     try:
         source = open(path, encoding="utf-8").read()
@@ -246,8 +249,52 @@ def _run(c, args) -> int:
         limits["cpu_seconds"] = args.cpu
     if args.memory_mb:
         limits["memory_bytes"] = args.memory_mb << 20
-    reply = c.launch(source, args.lip_args, filename=os.path.basename(path), grants=grants, limits=limits,
+    return source, grants, limits
+
+
+def _run(c, args) -> int:
+    import os
+    req = _run_request(args)
+    if isinstance(req, int):
+        return req
+    source, grants, limits = req
+    reply = c.launch(source, args.lip_args, filename=os.path.basename(args.lip_file), grants=grants, limits=limits,
                      priority=args.priority, kv_tokens=args.kv_tokens)
+    return _follow(args, reply, c.events(), c.send_input, c.kill)
+
+
+def _run_remote(args) -> int:
+    """``symphony run --remote URL``: the same run through the HTTP gateway."""
+    import os
+    from .remote import RemoteClient, RemoteError
+    req = _run_request(args)
+    if isinstance(req, int):
+        return req
+    source, grants, limits = req
+    try:
+        rc = RemoteClient(args.remote)
+        run = rc.launch(source, args.lip_args, filename=os.path.basename(args.lip_file), grants=grants,
+                        limits=limits, priority=args.priority, kv_tokens=args.kv_tokens)
+    except (ValueError, ConnectionError) as e:
+        print(f"symphony: {e}", file=sys.stderr)
+        return 2
+    except RemoteError as e:
+        print(f"symphony: {e} (HTTP {e.status}{', ' + e.code if e.code else ''})", file=sys.stderr)
+        return 1
+    try:
+        return _follow(args, run.first, run.events(), rc.send_input, rc.kill)
+    finally:
+        run.close()
+
+
+def _follow(args, reply: dict, events, send_input, kill) -> int:
+    """Print a running LIP's events as ``symphony run`` does, forward stdin to
+    it, and return its exit status (local and remote runs alike)."""
+    import json
+    import threading
+    if reply.get("event") == "exit":                   # lost before it started
+        print(f"symphony: {reply.get('reason')}", file=sys.stderr)
+        return reply.get("status", 1)
     lip = reply["lip"]
     if reply.get("event") == "queued":                 # always said: the wait is not a hang
         why = reply.get("waiting_for") or "waiting for its turn"
@@ -258,17 +305,17 @@ def _run(c, args) -> int:
     def pump_stdin():
         try:
             if sys.stdin is None or sys.stdin.closed or (sys.stdin.isatty() and not args.interactive):
-                c.send_input(lip, None)
+                send_input(lip, None)
                 return
             for line in sys.stdin:
-                c.send_input(lip, line.rstrip("\n"))
-            c.send_input(lip, None)
-        except (OSError, ValueError):
+                send_input(lip, line.rstrip("\n"))
+            send_input(lip, None)
+        except Exception:                              # noqa: BLE001 - the LIP may be gone; its exit says why
             pass
     threading.Thread(target=pump_stdin, daemon=True).start()
     status = 1
     try:
-        for ev in c.events():
+        for ev in events:
             kind = ev.get("event")
             if kind == "started":
                 if args.verbose:
@@ -288,9 +335,49 @@ def _run(c, args) -> int:
                 if ev.get("reason") not in ("finished",):
                     print(f"symphony: LIP {lip} {ev['reason']} (status {status})", file=sys.stderr)
     except KeyboardInterrupt:
-        c.kill(lip)
+        try:
+            kill(lip)
+        except Exception:                              # noqa: BLE001 - leaving anyway
+            pass
         return 130
     return status
+
+
+def _keys_cmd(args) -> int:
+    """``symphony keys add|ls|rm``: the gateway's API keys (keys.py)."""
+    from .gateway.keys import KeyFileError, add_key, default_key_file, list_keys, remove_key
+    path = args.file or default_key_file()
+    try:
+        if args.keys_cmd == "add":
+            grants = {"http": [], "read": []}
+            for g in args.grant:
+                kind, _, val = g.partition(":")
+                if kind not in grants or not val:
+                    print(f"symphony: bad --grant {g!r} (http:HOST[:PORT] or read:DIR)", file=sys.stderr)
+                    return 2
+                grants[kind].append(val)
+            key, entry = add_key(path, args.name, args.user, max_priority=args.max_priority, grants=grants,
+                                 rpm=args.rpm, max_concurrent=args.max_concurrent, share_cache=args.share_cache)
+            print(key)
+            print(f"symphony: key {entry.name!r} for user {entry.user!r} added to {path}; it is shown only "
+                  f"this once (send SIGHUP to a running gateway to load it)", file=sys.stderr)
+        elif args.keys_cmd == "ls":
+            for k in list_keys(path):
+                print(f"{k.name:<20} user={k.user:<12} max_priority={k.max_priority:<11} rpm={k.rpm:<7} "
+                      f"concurrent={k.max_concurrent:<5} share_cache={str(k.share_cache).lower()} "
+                      f"grants={json_compact(k.grants)} created={k.created}")
+        elif args.keys_cmd == "rm":
+            remove_key(path, args.name)
+            print(f"symphony: key {args.name!r} removed from {path}", file=sys.stderr)
+    except (KeyFileError, OSError) as e:
+        print(f"symphony: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def json_compact(v) -> str:
+    import json
+    return json.dumps(v, separators=(",", ":"))
 
 
 def _add_client_cmds(sub) -> None:
@@ -316,8 +403,29 @@ def _add_client_cmds(sub) -> None:
     r.add_argument("--priority", default="normal", choices=["batch", "normal", "interactive"],
                    help="scheduling class (default normal)")
     r.add_argument("-v", "--verbose", action="store_true")
+    r.add_argument("--remote", default=None, metavar="URL",
+                   help="run it through the HTTP gateway at URL (API key from $SYMPHONY_API_KEY)")
     common(r)
     sub.add_parser("programs", help="list the stock programs (symphony run NAME runs one)")
+    keys = sub.add_parser("keys", help="the HTTP gateway's API keys")
+    ks = keys.add_subparsers(dest="keys_cmd", required=True)
+    a = ks.add_parser("add", help="make a key (printed once) for a KVFS user")
+    a.add_argument("name")
+    a.add_argument("--user", required=True, help="the KVFS user its requests run as (not root)")
+    a.add_argument("--max-priority", default="normal", choices=["batch", "normal", "interactive"],
+                   help="highest scheduling class its LIPs may ask for (default normal)")
+    a.add_argument("--grant", action="append", default=[], metavar="http:HOST[:PORT]|read:DIR",
+                   help="a capability its LIPs may ask for (repeatable; default none)")
+    a.add_argument("--rpm", type=int, default=600, help="requests per minute (default 600)")
+    a.add_argument("--max-concurrent", type=int, default=16, help="requests running at once (default 16)")
+    a.add_argument("--share-cache", action="store_true",
+                   help="share prefix-cache files with the other keys that do (gateway --prefix-cache shared)")
+    ks.add_parser("ls", help="list the keys (never the keys themselves)")
+    rm = ks.add_parser("rm", help="remove a key")
+    rm.add_argument("name")
+    for x in (a, ks.choices["ls"], rm):
+        x.add_argument("--file", default=None, help="the key file (default $SYMPHONY_KEYS, "
+                       "/etc/symphony/keys.json for root, ~/.config/symphony/keys.json otherwise)")
     ps = sub.add_parser("ps", help="list running LIPs")
     common(ps)
     k = sub.add_parser("kill", help="kill a LIP")

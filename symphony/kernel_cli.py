@@ -135,6 +135,15 @@ def kernel_main(argv=None) -> int:
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads the model computes with (default: torch's, one per core); only "
                         "the syscall thread computes, the others use one")
+    p.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve HTTP (the OpenAI API and programs over HTTP) on HOST:PORT: starts "
+                        "symphony-gateway as a child, stopped with the kernel")
+    p.add_argument("--gateway-uid", type=_positive_int, default=None, metavar="UID",
+                   help="the uid of the HTTP gateway, trusted to act for any user but root (default with "
+                        "--http: a free uid of --lip-uids on a root kernel, the kernel's own otherwise); "
+                        "give it to trust a symphony-gateway you run yourself")
+    from .gateway.config import add_args as gateway_args
+    gateway_args(p)
     p.add_argument("--test-hooks", action="store_true",
                    help="enable root-only fault-injection requests (tests only; never in production)")
     args = p.parse_args(argv)
@@ -144,6 +153,15 @@ def kernel_main(argv=None) -> int:
         policy = _policy(args)
     except ValueError as e:
         p.error(str(e))
+    gateway = None
+    if args.http is not None or args.gateway_uid is not None:
+        from .gateway.config import ConfigError, parse_hostport, to_argv
+        if args.http is not None:
+            try:
+                parse_hostport(args.http)
+            except ConfigError as e:
+                p.error(f"--http: {e}")
+        gateway = {"http": args.http, "uid": args.gateway_uid, "argv": to_argv(args)}
     if not 0 < args.kv_wait <= 86400:
         p.error(f"--kv-wait must be in (0, 86400] seconds, got {args.kv_wait}")
     from .kernel.identity import DEFAULT_RANGE, parse_range
@@ -201,7 +219,7 @@ def kernel_main(argv=None) -> int:
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
                     test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait,
-                    compute_threads=compute_threads)
+                    compute_threads=compute_threads, gateway=gateway)
     try:
         import uvloop
         uvloop.run(kernel.serve())

@@ -75,7 +75,7 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
                  admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
-                 compute_threads: Optional[int] = None):
+                 compute_threads: Optional[int] = None, gateway: Optional[dict] = None):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -86,7 +86,11 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         ``kv_wait_s``: how long calls may all wait for device pages that
         cannot move before one LIP gets NoSpace (kernel/residency.py).
         ``compute_threads``: torch's CPU threads for the syscall thread, the one
-        that runs the model (None: leave torch's setting as it is)."""
+        that runs the model (None: leave torch's setting as it is).
+        ``gateway``: {"http": "HOST:PORT", "uid": UID or None, "argv": [...]}
+        to start the HTTP gateway once ready (gateway_proc.py); ``uid``: the
+        uid it serves as, trusted to act for any user but root (None: a free
+        uid of the LIP range on a root kernel, the kernel's own otherwise)."""
         if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
             raise ValueError("fs must be built with evict_first=served.swap_out_first and "
                              "pinned=served.running_ids (a running LIP loses pages only whole)")
@@ -106,6 +110,14 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                                  max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe,
                                  lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads)
         self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
+        self.gateway_spec = gateway
+        self.gateway_uid: Optional[int] = None
+        self.gateway = None                   # gateway_proc.GatewayProcess, once started
+        if gateway is not None:
+            uid = gateway.get("uid")
+            if uid is None:
+                uid = self.uids.allocate(-1) if self.uids.can_switch else self.uids.kernel_uid
+            self.gateway_uid = uid
         self.fatal: Optional[str] = None      # why the kernel is going down after a failure
         self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle
         self.admission, self.peaks = new_admission_state(admission or AdmissionLimits())   # the event loop's
@@ -170,6 +182,13 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self._supervise("socket server", self._watch_server)
         log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.zygote.pid)
         print(f"symphony-kernel: ready on {self.socket_path}", file=sys.stderr, flush=True)
+        if self.gateway_spec is not None and self.gateway_spec.get("http"):
+            from .gateway_proc import GatewayProcess
+            g = self.gateway_spec
+            self.gateway = GatewayProcess(g["http"], self.socket_path,
+                                          self.gateway_uid if os.geteuid() == 0 else None, g.get("argv", []))
+            log.info("starting the HTTP gateway on %s (serving as uid %d)", g["http"], self.gateway_uid)
+            self.gateway.start(dict(os.environ))
         await self.stopping.wait()
         await self.shutdown()
         if self.fatal:
@@ -180,6 +199,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         reason), sync durable files, stop the syscall thread and the zygote,
         unlink every shared-memory name.  Also the path of `_fail_loudly`."""
         log.info("shutting down: stopping %d LIPs", len(self.procs))
+        if self.gateway is not None:
+            await self.gateway.stop()
         self.server.close()
         why = f"killed: the kernel failed ({self.fatal})" if self.fatal else "kernel shutting down"
         for e in self.procs:

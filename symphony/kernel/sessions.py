@@ -63,11 +63,14 @@ class ClientSessions:
 
     async def _request(self, uid: int, msg: dict, writer, attached: set) -> Optional[dict]:
         op = msg.get("op")
-        user = _user_for(uid, msg.get("user"))
+        user = _user_for(uid, msg.get("user"), self.gateway_uid)
         if op == "spawn":
             attach = msg.get("attach", True)
-            reply = await self.spawn(user, msg, watcher=writer if attach else None, caller_uid=uid,
-                                     owner=identity_for(uid, user, acting=msg.get("user") is not None))
+            acting = msg.get("user") is not None
+            reply = await self.spawn(user, msg, watcher=writer if attach else None,
+                                     caller_uid=self.uids.kernel_uid if uid == self.gateway_uid else uid,
+                                     owner=identity_for(uid, user, acting=acting,
+                                                        on_behalf=acting and uid == self.gateway_uid))
             if attach:
                 attached.add(reply["lip"])
             return reply
@@ -176,6 +179,8 @@ class ClientSessions:
         d.update(served.as_stats())
         d.update(self.admission_stats())
         d["instance"] = self.instance
+        d["model"] = self.engine.model_config.name
+        d["context"] = self.engine.max_seq_len
         d["compute_threads"] = self.sys.compute_threads
         d["output_queued_bytes"] = self.queued_output_bytes()
         return d
@@ -189,7 +194,14 @@ def _peer_uid(writer) -> int:
     return struct.unpack("3i", creds)[1]
 
 
-def _user_for(uid: int, asked) -> str:
+def _user_for(uid: int, asked, gateway_uid: Optional[int] = None) -> str:
+    """The KVFS user a request of Unix uid ``uid`` acts as: its own name, or
+    ``asked`` when root asks, or when the trusted gateway (``--gateway-uid``)
+    asks for anyone but root."""
+    if asked is not None and gateway_uid is not None and uid == gateway_uid and uid != 0:
+        if not isinstance(asked, str) or not _USER_RE.fullmatch(asked) or asked == "root":
+            raise PermissionError(f"the gateway may act for any user but root, not {asked!r}")
+        return asked
     if asked is not None:
         if uid != 0:
             try:

@@ -38,15 +38,16 @@ def nobody() -> Identity:
         return Identity(_NOBODY, _NOBODY, ())
 
 
-def identity_for(peer_uid: int, user: str, acting: bool) -> Identity:
+def identity_for(peer_uid: int, user: str, acting: bool, on_behalf: bool = False) -> Identity:
     """The identity a LIP's file capabilities use.
 
     ``peer_uid`` is the client's Unix uid (SO_PEERCRED); ``acting`` is true when
-    root named another user (``--as-user``): that user's passwd entry if it has
-    one, else ``nobody``.  A uid without a passwd entry gets no group rights
-    (nobody's group): we do not know its groups, so we grant none."""
+    root named another user (``--as-user``), ``on_behalf`` when the trusted
+    gateway did: that user's passwd entry if it has one, else ``nobody``.  A
+    uid without a passwd entry gets no group rights (nobody's group): we do not
+    know its groups, so we grant none."""
     name = None
-    if peer_uid == 0 and acting:
+    if (peer_uid == 0 and acting) or on_behalf:
         try:
             p = pwd.getpwnam(user)
         except KeyError:

@@ -1,0 +1,136 @@
+"""The gateway's configuration: its flags (one home, `add_args`) and their validation."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+ROUTES = ("chat", "completions", "responses")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8000`` for IPv6; ``:8000`` is loopback) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"expected HOST:PORT, got {text!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class GatewayConfig:
+    socket_path: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    keys_path: Optional[str] = None
+    open_user: str = "local"
+    open_priority: str = "normal"
+    max_body_bytes: int = 8 << 20
+    max_active: int = 1024
+    request_timeout: float = 600.0
+    max_stored_responses: int = 1000
+    programs: dict = field(default_factory=dict)
+    model_aliases: list = field(default_factory=list)
+    images: str = "placeholder"
+    cache: str = "user"
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+
+    def __post_init__(self):
+        if not _USER_RE.fullmatch(self.open_user) or self.open_user == "root":
+            raise ConfigError(f"--open-user {self.open_user!r}: a KVFS user name, not root")
+        for what, v in (("--max-body-mb", self.max_body_bytes), ("--max-active", self.max_active),
+                        ("--max-stored-responses", self.max_stored_responses)):
+            if v < 1:
+                raise ConfigError(f"{what} must be >= 1")
+        if not 0 < self.request_timeout <= 86400:
+            raise ConfigError("--request-timeout must be in (0, 86400] seconds")
+        if self.images not in ("placeholder", "refuse"):
+            raise ConfigError("--images must be 'placeholder' or 'refuse'")
+        if self.cache not in ("user", "shared", "off"):
+            raise ConfigError("--prefix-cache must be 'user', 'shared' or 'off'")
+        for r in self.programs:
+            if r not in ROUTES:
+                raise ConfigError(f"--program {r}=...: routes are {', '.join(ROUTES)}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+
+
+def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
+    """The gateway's flags (``prefix`` "gateway-" where the kernel passes them on)."""
+    g = p.add_argument_group("HTTP gateway")
+    g.add_argument(f"--{prefix}keys", dest="keys", default=None, metavar="FILE",
+                   help="API key file (default $SYMPHONY_KEYS, /etc/symphony/keys.json for root, else "
+                        "~/.config/symphony/keys.json; made by `symphony keys add`). With no keys, the "
+                        "gateway serves only loopback, every request as --open-user")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="... and this private key")
+    g.add_argument("--open-user", default="local",
+                   help="the KVFS user requests run as when no keys are configured (default local)")
+    g.add_argument("--max-body-mb", type=int, default=8, help="largest request body, MiB (default 8)")
+    g.add_argument("--max-active", type=int, default=1024,
+                   help="requests served at once, all keys (default 1024); beyond, 503 with Retry-After")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="wall-clock limit of one request's program, seconds (default 600)")
+    g.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="stored /v1/responses kept per user, oldest dropped first (default 1000)")
+    g.add_argument("--program", action="append", default=[], metavar="ROUTE=PROGRAM",
+                   help="serve ROUTE (chat, completions, responses) with PROGRAM, a stock program's name or "
+                        "a LIP file (default: the stock program serve)")
+    g.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name clients may use for the model (repeatable)")
+    g.add_argument("--images", default="placeholder", choices=["placeholder", "refuse"],
+                   help="image parts in a message: replaced by the text [image] (default; the model reads "
+                        "text only) or refused with 400")
+    g.add_argument("--prefix-cache", default="user", choices=["user", "shared", "off"],
+                   help="prefix caching of the serving program: per user (default), shared between the "
+                        "keys marked share_cache, or off")
+
+
+def from_args(args, socket_path: str, host: str, port: int) -> GatewayConfig:
+    programs = {}
+    for spec in args.program:
+        route, sep, prog = spec.partition("=")
+        if not sep or not prog:
+            raise ConfigError(f"--program {spec!r}: expected ROUTE=PROGRAM")
+        programs[route] = prog
+    return GatewayConfig(socket_path=socket_path, host=host, port=port, keys_path=args.keys,
+                         open_user=args.open_user, max_body_bytes=args.max_body_mb << 20,
+                         max_active=args.max_active, request_timeout=args.request_timeout,
+                         max_stored_responses=args.max_stored_responses, programs=programs,
+                         model_aliases=list(args.served_model_name), images=args.images, cache=args.prefix_cache,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def to_argv(args) -> list[str]:
+    """The gateway flags of a parsed ``args`` as a command line (``symphony-kernel
+    --http`` passes its gateway flags on to the gateway it starts)."""
+    out = []
+    for flag, v in (("--keys", args.keys), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                    ("--open-user", args.open_user), ("--max-body-mb", args.max_body_mb),
+                    ("--max-active", args.max_active), ("--request-timeout", args.request_timeout),
+                    ("--max-stored-responses", args.max_stored_responses), ("--images", args.images),
+                    ("--prefix-cache", args.prefix_cache)):
+        if v is not None:
+            out += [flag, str(v)]
+    for spec in args.program:
+        out += ["--program", spec]
+    for name in args.served_model_name:
+        out += ["--served-model-name", name]
+    return out

@@ -1,0 +1,134 @@
+"""The gateway's side of the kernel's Unix socket (the program RPC, ipc/protocol.py).
+
+One connection per LIP: `KernelLink.start` opens a connection, spawns the LIP
+attached to it and returns a `LipSession` that reads the LIP's events.  The
+kernel kills an attached LIP when its connection closes, so an HTTP client
+that goes away (the session is closed) takes its LIP and its KV pages with it.
+Other requests (`ps`, `stats`, `kv_*`) use a short connection each.
+
+The gateway names the user it acts for in every request (`"user"`); the
+kernel accepts that only from root or from the uid it was told is the
+gateway's (`symphony-kernel --gateway-uid`), and never for root.
+Back-pressure: a session's events are read only as fast as its HTTP client
+takes them, so the kernel's output credit stops a LIP whose client reads
+slowly (its send() waits) instead of buffering here.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional
+
+from symphony.ipc.protocol import ProtocolError, encode_frame, read_frame
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class KernelUnavailable(ConnectionError):
+    """The kernel cannot be reached (not started, stopped, or crashed)."""
+
+
+class KernelRefused(Exception):
+    """The kernel refused a request: its error reply (``code``, ``type``, message)."""
+
+    def __init__(self, reply: dict):
+        super().__init__(str(reply.get("message", "kernel error")))
+        self.code, self.type = reply.get("error"), reply.get("type")
+
+
+class LipSession:
+    """One LIP spawned by the gateway, attached to its own kernel connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, user: str, reply: dict):
+        self.reader, self.writer, self.user = reader, writer, user
+        self.lip: int = reply["lip"]
+        self.first = reply                   # {"event": "started"|"queued", ...}
+        self.exit: Optional[dict] = None     # the exit event, once seen
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The LIP's events ({"event": "out"|"stdout"|"stderr"|"started", ...})
+        up to and including its exit event.  If the kernel goes away first, the
+        last event is a synthesized exit with ``"lost": True``."""
+        while self.exit is None:
+            try:
+                ev = await read_frame(self.reader)
+            except (asyncio.IncompleteReadError, ConnectionError, ProtocolError, OSError) as e:
+                ev = {"event": "exit", "status": 1, "lost": True,
+                      "reason": f"lost: the kernel connection closed before the LIP exited ({type(e).__name__})"}
+            if "event" not in ev:            # a reply to a kill sent on this connection
+                continue
+            if ev["event"] == "exit":
+                self.exit = ev
+            yield ev
+
+    async def send_input(self, data: Optional[str]) -> None:
+        """One line for the LIP's recv(); None ends its input."""
+        msg = {"op": "input", "lip": self.lip, "user": self.user}
+        msg.update({"eof": True} if data is None else {"data": data})
+        self.writer.write(encode_frame(msg))
+        await self.writer.drain()
+
+    async def kill(self) -> None:
+        """Ask the kernel to kill the LIP (its exit event still follows)."""
+        if self.exit is None and not self.writer.is_closing():
+            self.writer.write(encode_frame({"op": "kill", "lip": self.lip, "user": self.user}))
+            try:
+                await self.writer.drain()
+            except (ConnectionError, OSError):
+                pass
+
+    async def close(self) -> None:
+        """Close the connection: a LIP still running is killed by the kernel."""
+        if not self.writer.is_closing():
+            self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+class KernelLink:
+    """Requests to the kernel at ``socket_path`` on behalf of named users."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+
+    async def _connect(self):
+        try:
+            return await asyncio.wait_for(asyncio.open_unix_connection(self.socket_path), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise KernelUnavailable(f"the kernel at {self.socket_path} is not reachable: {e}") from None
+
+    async def _ask(self, reader, writer, msg: dict) -> dict:
+        writer.write(encode_frame(msg))
+        await writer.drain()
+        try:
+            reply = await read_frame(reader)
+        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError, OSError) as e:
+            raise KernelUnavailable(f"the kernel closed the connection ({type(e).__name__})") from None
+        if "error" in reply:
+            raise KernelRefused(reply)
+        return reply
+
+    async def request(self, user: str, msg: dict) -> dict:
+        """One request (ps, stats, kv_ls, kv_stat, kv_rm) as ``user``; its reply."""
+        reader, writer = await self._connect()
+        try:
+            return await self._ask(reader, writer, dict(msg, user=user))
+        finally:
+            writer.close()
+
+    async def start(self, user: str, source: str, args: list, *, filename: str, grants: dict,
+                    limits: dict, priority: str, kv_tokens: Optional[int] = None) -> LipSession:
+        """Spawn a LIP for ``user`` attached to a new connection; KernelRefused
+        if the kernel refuses it (bad program, over a limit, queue full)."""
+        reader, writer = await self._connect()
+        msg = {"op": "spawn", "user": user, "source": source, "filename": filename, "args": list(args),
+               "grants": grants, "limits": limits, "attach": True, "priority": priority}
+        if kv_tokens is not None:
+            msg["kv_tokens"] = kv_tokens
+        try:
+            reply = await self._ask(reader, writer, msg)
+        except BaseException:
+            writer.close()
+            raise
+        return LipSession(reader, writer, user, reply)

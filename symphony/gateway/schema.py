@@ -1,0 +1,259 @@
+"""OpenAI request bodies, decoded and validated by type with msgspec.
+
+`decode(body, Type)` turns a request body into a typed object or raises
+`ApiError` (400, naming the parameter: ``$.messages[0].role``).  Unknown
+fields are ignored, as OpenAI's own SDKs send fields a server may not know;
+fields whose values Symphony cannot honour are refused by the route with a
+clear message instead (`unsupported`).  Ranges follow OpenAI's documentation;
+``n`` and ``top_logprobs`` are bounded by what one LIP serves well.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Optional, Union
+
+import msgspec
+
+from .errors import ApiError
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_TOOLS = 128
+
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]
+Stop = Union[str, Annotated[list[str], msgspec.Meta(max_length=MAX_STOP)], None]
+
+
+class Base(msgspec.Struct, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------- shared pieces
+class Part(Base):
+    """A content part: text (``text``, ``input_text``, ``output_text``) or
+    something Symphony's text models cannot read (images, audio, files)."""
+    type: str
+    text: Optional[str] = None
+
+
+Content = Union[str, list[Part], None]
+
+
+class FunctionDef(Base):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(Base):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class JsonSchemaFormat(Base):
+    name: Optional[str] = None
+    schema: Optional[dict] = None
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StreamOptions(Base):
+    include_usage: bool = False
+
+
+# ---------------------------------------------------------------- chat completions
+class ToolCallFunction(Base):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(Base):
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
+class Message(Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class ChatRequest(Base):
+    model: str
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    max_tokens: Optional[PositiveInt] = None
+    max_completion_tokens: Optional[PositiveInt] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    n: Optional[N] = None
+    seed: Optional[Seed] = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[TopLogprobs] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[Annotated[list[ChatTool], msgspec.Meta(max_length=MAX_TOOLS)]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+
+
+# ---------------------------------------------------------------- completions
+class CompletionRequest(Base):
+    model: str
+    prompt: Union[str, list[Union[str, int, list[int]]]]    # text, texts, token ids, token id lists
+    max_tokens: Optional[PositiveInt] = 16
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    n: Optional[N] = None
+    seed: Optional[Seed] = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[Annotated[int, msgspec.Meta(ge=0, le=20)]] = None
+    echo: bool = False
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    best_of: Optional[PositiveInt] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+
+
+# ---------------------------------------------------------------- responses
+class ResponseItem(Base):
+    """One input item: a message (``type`` "message" or absent, with ``role``),
+    a ``function_call`` the model made earlier, or a ``function_call_output``."""
+    type: Optional[str] = None
+    role: Optional[Literal["system", "developer", "user", "assistant"]] = None
+    content: Content = None
+    call_id: Optional[str] = None
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+    output: Union[str, list[Part], None] = None
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ResponseTool(Base):
+    type: str
+    name: Optional[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]] = None
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class TextFormat(Base):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Optional[str] = None
+    schema: Optional[dict] = None
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class TextConfig(Base):
+    format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None
+
+
+class ResponsesRequest(Base):
+    model: str
+    input: Union[str, list[ResponseItem], None] = None
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: Optional[PositiveInt] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    seed: Optional[Seed] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    top_logprobs: Optional[TopLogprobs] = None
+    include: Optional[list[str]] = None
+    tools: Optional[Annotated[list[ResponseTool], msgspec.Meta(max_length=MAX_TOOLS)]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[TextConfig] = None
+    metadata: Optional[dict[str, str]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    max_tool_calls: Optional[PositiveInt] = None
+    background: Optional[bool] = None
+    user: Optional[str] = None
+
+
+# ---------------------------------------------------------------- LIPs over HTTP
+class LipRequest(Base):
+    """POST /v1/lips: a LIP to run (``program``: a stock program's name, or
+    ``source``: a LIP's text) and its arguments, grants and limits."""
+    program: Optional[str] = None
+    source: Optional[Annotated[str, msgspec.Meta(max_length=4 << 20)]] = None
+    filename: Optional[Annotated[str, msgspec.Meta(max_length=200)]] = None
+    args: list[str] = []
+    grants: dict[str, list[str]] = {}
+    limits: dict[str, float] = {}
+    priority: Literal["batch", "normal", "interactive"] = "normal"
+    kv_tokens: Optional[Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]] = None
+
+
+class LipInput(Base):
+    data: Optional[str] = None
+    eof: bool = False
+
+
+# ---------------------------------------------------------------- decoding
+_AT = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def decode(body: bytes, typ):
+    """``body`` as a ``typ``; ApiError 400 naming the parameter when it is not."""
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT.search(msg)
+        param = m.group(1) if m else None
+        raise ApiError(400, f"invalid request: {msg}", param=param or None) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def text_of(content: Content, where: str, *, images: str = "refuse") -> str:
+    """One string from a message's content (a string or text parts).  A part
+    the model cannot read (an image, audio, a file) is refused (400), or with
+    ``images="placeholder"`` replaced by ``[image]``."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for i, p in enumerate(content):
+        if p.type in ("text", "input_text", "output_text", "refusal"):
+            if p.text is None:
+                raise ApiError(400, f"{where}[{i}]: a {p.type} part needs 'text'", param=f"{where}[{i}].text")
+            out.append(p.text)
+        elif p.type in ("image_url", "input_image") and images == "placeholder":
+            out.append("[image]")
+        else:
+            raise ApiError(400, f"{where}[{i}]: content parts of type {p.type!r} are not supported: the "
+                                f"model reads text only", param=f"{where}[{i}].type")
+    return "".join(out)

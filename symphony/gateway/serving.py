@@ -1,0 +1,242 @@
+"""Running the serving program for one OpenAI request.
+
+The gateway does no model work: every OpenAI request becomes one run of a
+serving program (by default the stock `userland/serve.py`) spawned for the
+key's user, with the key's priority and the gateway's limits, so that
+admission, fairness, suspension and KV quotas apply to HTTP traffic as they
+do to ``symphony run``.  The program gets the request, normalized, as its one
+argument (JSON) and answers with events (`send(dict)`), the contract
+serve.py's docstring defines:
+
+    {"event": "prompt", "prompt_tokens", "cached_tokens"}
+    {"event": "text", "index", "text", "logprobs"?}
+    {"event": "tool_call", "index", "call", "id"?, "name"?, "arguments"}
+    {"event": "done", "index", "finish_reason", "completion_tokens"}
+    {"event": "error", "status", "code", "message", "param"}   (then exit 2)
+
+`ServeRun` spawns the program(s) (one per prompt of a batched completion),
+merges their events in arrival order (choice indexes offset per prompt),
+checks them, and counts usage and latency metrics as they pass.  A run's
+first event is awaited before the HTTP response starts, so a request the
+program refuses still gets its own status, streamed or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+import orjson
+
+from .errors import ApiError
+from .kernel import KernelRefused, KernelUnavailable, LipSession
+
+log = logging.getLogger("symphony.gateway")
+
+_KERNEL_STATUS = {"QueueFull": 503, "LimitExceeded": 403, "PermissionError": 403, "IdentityError": 403,
+                  "ValueError": 400}
+
+
+def kernel_error(e: Exception) -> ApiError:
+    """An ApiError for a kernel that refused a spawn or could not be reached."""
+    if isinstance(e, KernelUnavailable):
+        return ApiError(503, f"the model server is not available: {e}", code="kernel_unavailable", retry_after=5)
+    if isinstance(e, KernelRefused):
+        status = _KERNEL_STATUS.get(e.type, 400 if e.code == "EINVAL" else 503)
+        return ApiError(status, f"the kernel refused the request: {e}", code=(e.type or "refused").lower(),
+                        retry_after=2 if status == 503 else None)
+    raise e
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+    text: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    calls: list = field(default_factory=list)        # [{"id", "name", "arguments"}]
+    finish_reason: Optional[str] = None
+    completion_tokens: int = 0
+    last_at: Optional[float] = None
+
+
+class ServeRun:
+    """The serving program's run(s) for one request (see the module docstring)."""
+
+    def __init__(self, gw, route: str, requests: list[dict], n: int, key):
+        self.gw, self.route, self.requests, self.n, self.key = gw, route, requests, n, key
+        self.sessions: list[LipSession] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.choices = [Choice() for _ in range(n * len(requests))]
+        self.started = time.monotonic()
+        self.first_token_at: Optional[float] = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._pending_prompt = len(requests)
+        self._live = 0
+        self._stderr: list[str] = []
+        self._closed = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    async def start(self) -> None:
+        """Spawn the program for each request; ApiError if the kernel refuses."""
+        source, filename = self.gw.program(self.route)
+        try:
+            for req in self.requests:
+                s = await self.gw.link.start(
+                    self.key.user, source, [orjson.dumps(req).decode()], filename=filename, grants={},
+                    limits={"timeout": self.gw.cfg.request_timeout}, priority=self.key.max_priority,
+                    kv_tokens=_kv_estimate(req, self.gw.context_tokens))
+                self.sessions.append(s)
+                self.gw.metrics.lips_started.labels(self.route).inc()
+        except (KernelRefused, KernelUnavailable) as e:
+            await self.close()
+            raise kernel_error(e) from None
+        for i, s in enumerate(self.sessions):
+            self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, s)))
+        self._live = len(self.sessions)
+
+    async def _pump(self, k: int, s: LipSession) -> None:
+        async for ev in s.events():
+            await self._queue.put((k, ev))
+        await self._queue.put((k, None))
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The programs' output events, checked, with choice indexes made global;
+        the first is always {"event": "prompt"} (summed over the prompts).
+        ApiError if a program refuses the request or fails."""
+        while self._live:
+            k, ev = await self._queue.get()
+            if ev is None:
+                self._live -= 1
+                continue
+            out = self._accept(k, ev)
+            if out is not None:
+                yield out
+        unfinished = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
+        if unfinished:
+            exits = [s.exit or {} for s in self.sessions]
+            bad = next((e for e in exits if e.get("status", 0) != 0), exits[0] if exits else {})
+            tail = "".join(self._stderr)[-2000:].strip()
+            log.warning("serving program failed (user %s, LIP %s): %s (status %s)%s", self.key.user,
+                        ",".join(str(s.lip) for s in self.sessions), bad.get("reason"), bad.get("status"),
+                        f"; its stderr:\n{tail}" if tail else "")
+            raise ApiError(500, f"the serving program ended without finishing choice(s) {unfinished}: "
+                                f"{bad.get('reason', 'unknown')} (status {bad.get('status')}); the gateway's "
+                                f"log has its error output", code="program_failed")
+
+    def _accept(self, k: int, ev: dict) -> Optional[dict]:
+        kind = ev.get("event")
+        if kind == "stderr":
+            if sum(map(len, self._stderr)) < 4096:
+                self._stderr.append(str(ev.get("data", "")))
+            return None
+        if kind != "out":
+            return None                                  # started, stdout, exit: not the answer
+        d = ev.get("data")
+        if not isinstance(d, dict):
+            return None
+        what = d.get("event")
+        if what == "error":
+            status = d.get("status") if isinstance(d.get("status"), int) and 400 <= d.get("status") < 600 else 400
+            raise ApiError(status, str(d.get("message", "the request was refused"))[:2000],
+                           code=d.get("code") if isinstance(d.get("code"), str) else None,
+                           param=d.get("param") if isinstance(d.get("param"), str) else None)
+        if what == "prompt":
+            self.prompt_tokens += _int(d.get("prompt_tokens"))
+            self.cached_tokens += _int(d.get("cached_tokens"))
+            self._pending_prompt -= 1
+            if self._pending_prompt:
+                return None
+            m = self.gw.metrics
+            m.prompt_tokens.labels(self.route).inc(self.prompt_tokens)
+            m.cache_queries.inc(self.prompt_tokens)
+            m.cache_hits.inc(self.cached_tokens)
+            return {"event": "prompt", "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+        i = _int(d.get("index"))
+        if not 0 <= i < self.n:
+            return None
+        i += k * self.n
+        c = self.choices[i]
+        now = time.monotonic()
+        if what in ("text", "tool_call"):
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.gw.metrics.ttft.labels(self.route).observe(now - self.started)
+            elif c.last_at is not None:
+                self.gw.metrics.itl.labels(self.route).observe(now - c.last_at)
+            c.last_at = now
+        if what == "text":
+            text = d.get("text") if isinstance(d.get("text"), str) else ""
+            lps = d.get("logprobs") if isinstance(d.get("logprobs"), list) else None
+            c.text.append(text)
+            if lps:
+                c.logprobs.extend(lps)
+            return {"event": "text", "index": i, "text": text, "logprobs": lps}
+        if what == "tool_call":
+            call = _int(d.get("call"))
+            args = d.get("arguments") if isinstance(d.get("arguments"), str) else ""
+            if call == len(c.calls):
+                c.calls.append({"id": str(d.get("id") or f"call_{i}_{call}"), "name": str(d.get("name", "")),
+                                "arguments": args})
+                return {"event": "tool_call", "index": i, "call": call, "start": True, **c.calls[-1],
+                        "delta": args}
+            if 0 <= call < len(c.calls):
+                c.calls[call]["arguments"] += args
+                return {"event": "tool_call", "index": i, "call": call, "start": False, "delta": args}
+            return None
+        if what == "done":
+            c.finish_reason = d.get("finish_reason") if d.get("finish_reason") in (
+                "stop", "length", "tool_calls", "content_filter") else "stop"
+            c.completion_tokens = _int(d.get("completion_tokens"))
+            self.gw.metrics.generation_tokens.labels(self.route).inc(c.completion_tokens)
+            return {"event": "done", "index": i, "finish_reason": c.finish_reason}
+        return None
+
+    async def first(self) -> dict:
+        """Wait for the first event (the prompt's), so that a refusal is known
+        before the HTTP response starts; returns it and keeps the rest."""
+        self._events = self.events()
+        return await self._events.__anext__()
+
+    def rest(self) -> AsyncIterator[dict]:
+        return self._events
+
+    async def close(self) -> None:
+        """Stop the program(s): close their connections (the kernel kills a LIP
+        still running and reclaims its pages).  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._pumps:
+            t.cancel()
+        for s in self.sessions:
+            await s.close()
+        self.gw.metrics.e2e.labels(self.route).observe(time.monotonic() - self.started)
+
+
+def _int(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def _kv_estimate(req: dict, context: int) -> int:
+    """KV tokens to tell admission this request needs: its text at ~3
+    characters a token plus what it may generate, per choice (forks share the
+    prompt's pages), at most the context."""
+    if req.get("mode") == "chat":
+        prompt = sum(len(m.get("content") or "") for m in req.get("messages", [])) // 3
+    elif isinstance(req.get("prompt"), list):
+        prompt = len(req["prompt"])
+    else:
+        prompt = len(req.get("prompt") or "") // 3
+    gen = req.get("max_tokens") or 256
+    return max(1, min(context, prompt + 64 + gen * max(1, req.get("n", 1))))

@@ -1,0 +1,64 @@
+"""A serving program for the gateway's own tests: the serve contract
+(userland/serve.py) without a model, so that every answer is known.
+
+The last message (or the prompt) decides:
+  "ERROR <status> <code>"  -> an error event, exit 2
+  "TOOL <name> <json>"     -> choice i calls <name> with <json>, streamed in 3 pieces
+  "CRASH"                  -> an uncaught exception before any event
+  "SLOW <n>"               -> n words, 0.2 s apart (for disconnects)
+  anything else            -> its words echoed, one text event each ("[i] " before choice i > 0)
+max_tokens cuts the words (finish "length"); logprobs are -0.5 per word.
+The prompt event reports 1 token per word of every message, cached 0.
+"""
+import json
+import time
+
+from symphony.lip import send
+
+
+def main(request):
+    r = json.loads(request)
+    if r["mode"] == "chat":
+        msgs = r["messages"]
+        last = msgs[-1]["content"]
+        n_prompt = sum(len(m["content"].split()) for m in msgs)
+    else:
+        last = r["prompt"] if isinstance(r["prompt"], str) else " ".join(map(str, r["prompt"]))
+        n_prompt = len(last.split())
+    if last.startswith("CRASH"):
+        raise RuntimeError("fake_serve crashed on purpose")
+    if last.startswith("ERROR"):
+        _, status, code = last.split()[:3]
+        send({"event": "error", "status": int(status), "code": code, "message": f"refused: {code}",
+              "param": "messages"})
+        return 2
+    send({"event": "prompt", "prompt_tokens": n_prompt, "cached_tokens": 0})
+    n = r.get("n", 1)
+    if last.startswith("TOOL"):
+        _, name, args = last.split(" ", 2)
+        for i in range(n):
+            third = max(1, len(args) // 3)
+            send({"event": "tool_call", "index": i, "call": 0, "id": f"call_{i}", "name": name,
+                  "arguments": args[:third]})
+            send({"event": "tool_call", "index": i, "call": 0, "arguments": args[third:2 * third]})
+            send({"event": "tool_call", "index": i, "call": 0, "arguments": args[2 * third:]})
+            send({"event": "done", "index": i, "finish_reason": "tool_calls", "completion_tokens": 3})
+        return 0
+    slow = last.startswith("SLOW")
+    words = [f"w{k}" for k in range(int(last.split()[1]))] if slow else last.split()
+    limit = r.get("max_tokens") or len(words)
+    for i in range(n):
+        out = words[:limit]
+        for k, w in enumerate(out):
+            text = (f"[{i}] " if i and k == 0 else "") + w + (" " if k < len(out) - 1 else "")
+            ev = {"event": "text", "index": i, "text": text}
+            if r.get("logprobs"):
+                ev["logprobs"] = [{"token": text, "bytes": list(text.encode()), "logprob": -0.5,
+                                   "top_logprobs": [{"token": text, "bytes": list(text.encode()), "logprob": -0.5}]
+                                   * r.get("top_logprobs", 0)}]
+            send(ev)
+            if slow:
+                time.sleep(0.2)
+        send({"event": "done", "index": i, "finish_reason": "length" if len(words) > limit else "stop",
+              "completion_tokens": len(out)})
+    return 0
