@@ -11,6 +11,9 @@ The rules (README, "Architecture"):
   * nothing imports symphony.kernel except symphony/kernel/ itself and the command line that
     starts it (symphony/cli.py, symphony/kernel_cli.py).
   * the stock programs (userland/*.py) import from symphony only symphony.lip and symphony.tokenizer.
+  * symphony/gateway/ (the HTTP front door, a process of its own) imports from symphony only
+    itself, ipc (the kernel's socket protocol) and programs, and no torch: it does no model work;
+    symphony/remote.py (the HTTP client of `symphony run --remote`) imports nothing of symphony.
   * no file under symphony/ is over 500 lines.
 Imports inside functions and under ``if TYPE_CHECKING`` count like any other.
 """
@@ -127,6 +130,13 @@ def test_stock_programs_import_only_the_lip_library_and_the_tokenizer():
     assert files
     assert _violations(files, lambda n: _under(n, "symphony") and n != "symphony"
                        and not (_under(n, "symphony.lip") or _under(n, "symphony.tokenizer"))) == []
+
+
+def test_gateway_imports_only_ipc_programs_and_itself_and_no_torch():
+    allowed = ("symphony.gateway", "symphony.ipc", "symphony.programs")
+    assert _violations(_files("gateway"), lambda n: _under(n, "torch") or (
+        _under(n, "symphony") and n != "symphony" and not any(_under(n, a) for a in allowed))) == []
+    assert _violations(_files("remote.py"), lambda n: _under(n, "symphony") or _under(n, "torch")) == []
 
 
 def test_the_rules_see_what_they_check():

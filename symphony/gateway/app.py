@@ -125,6 +125,20 @@ class Gateway:
             await run.close()
             raise
 
+    def priority(self, request: Request, key: KeyPolicy) -> str:
+        """The scheduling class of an OpenAI request: ``normal`` (``batch`` for a
+        key capped there), or what its ``X-Symphony-Priority`` header asks for,
+        within the key's ceiling (403 beyond it)."""
+        asked = request.headers.get("x-symphony-priority")
+        if asked is None:
+            return "normal" if key.allows_priority("normal") else "batch"
+        if asked not in ("batch", "normal", "interactive"):
+            raise ApiError(400, "X-Symphony-Priority must be batch, normal or interactive", param="priority")
+        if not key.allows_priority(asked):
+            raise ApiError(403, f"this key may ask for priority up to {key.max_priority!r}, not {asked!r}",
+                           code="priority_not_allowed", param="priority")
+        return asked
+
     def authenticate(self, request: Request) -> KeyPolicy:
         """The key's policy, or the open policy when no key is configured."""
         if not self.keys.configured:

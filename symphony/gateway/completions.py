@@ -69,7 +69,7 @@ async def chat_completions(gw, body: bytes, key, request):
     gw.check_model(r.model)
     _refuse_unsupported(r)
     req = gw.with_cache(chat_request(r, gw.cfg.images), key)
-    run = ServeRun(gw, "chat", [req], req["n"], key)
+    run = ServeRun(gw, "chat", [req], req["n"], key, gw.priority(request, key))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": r.model,
             "system_fingerprint": gw.fingerprint}
     usage_chunk = bool(r.stream_options and r.stream_options.include_usage)
@@ -155,7 +155,7 @@ async def completions(gw, body: bytes, key, request):
     gw.check_model(r.model)
     _refuse_unsupported(r)
     reqs = [gw.with_cache(x, key) for x in completion_requests(r)]
-    run = ServeRun(gw, "completions", reqs, r.n or 1, key)
+    run = ServeRun(gw, "completions", reqs, r.n or 1, key, gw.priority(request, key))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": r.model, "system_fingerprint": gw.fingerprint}
     want_lp = r.logprobs is not None

@@ -261,7 +261,7 @@ async def create(gw, body: bytes, key, request):
     req, tools, choice = serve_request(r, conversation)
     gw.with_cache(req, key)
     rid = _new_id("resp")
-    run = ServeRun(gw, "responses", [req], 1, key)
+    run = ServeRun(gw, "responses", [req], 1, key, gw.priority(request, key))
     b = Builder(r, rid, tools, choice, run)
     await gw.begin(run, request)
 

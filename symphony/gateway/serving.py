@@ -64,8 +64,9 @@ class Choice:
 class ServeRun:
     """The serving program's run(s) for one request (see the module docstring)."""
 
-    def __init__(self, gw, route: str, requests: list[dict], n: int, key):
+    def __init__(self, gw, route: str, requests: list[dict], n: int, key, priority: str = "normal"):
         self.gw, self.route, self.requests, self.n, self.key = gw, route, requests, n, key
+        self.priority = priority
         self.sessions: list[LipSession] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -94,7 +95,7 @@ class ServeRun:
             for req in self.requests:
                 s = await self.gw.link.start(
                     self.key.user, source, [orjson.dumps(req).decode()], filename=filename, grants={},
-                    limits={"timeout": self.gw.cfg.request_timeout}, priority=self.key.max_priority,
+                    limits={"timeout": self.gw.cfg.request_timeout}, priority=self.priority,
                     kv_tokens=_kv_estimate(req, self.gw.context_tokens))
                 self.sessions.append(s)
                 self.gw.metrics.lips_started.labels(self.route).inc()
