@@ -93,7 +93,7 @@ def sse(resp) -> list:
 # ---------------------------------------------------------------- OpenAI shapes, through the openai package
 def test_models_chat_and_completions_streamed_equal_plain(gw):
     c = oai(gw)
-    assert [m.id for m in c.models.list().data] == ["tiny-test"]
+    assert [m.id for m in c.models.list().data] == ["tiny", "tiny-test"]      # the file, then its general.name
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two three"}]
     r = c.chat.completions.create(model="tiny-test", messages=msgs, n=2, temperature=0)
     assert [ch.message.content for ch in r.choices] == ["one two three", "[1] one two three"]
@@ -275,6 +275,78 @@ def test_disconnect_mid_stream_kills_the_program(gw):
     assert not [x for x in kc.ps()["lips"] if x["user"] == "bob"]
     assert kc.stats()["kv_pages_used"] == before
     assert "client that ran it disconnected" in gw.read_log()
+
+
+def test_a_slow_reader_holds_back_only_its_own_program(gw):
+    """A client that stops reading a large stream: the kernel's output credit stops that program's
+    send() (bounded bytes held for it), and every other client is served as usual."""
+    big = {"model": "tiny-test", "messages": [{"role": "user", "content": "BIG 20000"}], "stream": True}
+    kc = gw.client()
+    with socket.create_connection(("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps(big).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + gw.keys["bob"].encode() + b"\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.recv(100)                                           # it started; then read nothing more
+        time.sleep(2)
+        lip = [x for x in kc.ps()["lips"] if x["user"] == "bob"]
+        assert lip and lip[0]["state"] == "running"          # blocked in send(), not finished
+        t0 = time.time()
+        with client(gw, "alice") as h:
+            r = h.post("/v1/chat/completions", json={"model": "tiny-test", "messages": [
+                {"role": "user", "content": "still served"}]})
+        assert r.json()["choices"][0]["message"]["content"] == "still served" and time.time() - t0 < 5
+        assert kc.stats()["output_queued_bytes"] <= 2 << 20      # the kernel holds at most its output bound
+    deadline = time.time() + 10                               # the reader went away: the program is killed
+    while [x for x in kc.ps()["lips"] if x["user"] == "bob"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [x for x in kc.ps()["lips"] if x["user"] == "bob"]
+
+
+def _bound_address(port: int) -> str:
+    """The local address a TCP socket of ``port`` listens on (/proc/net/tcp)."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if int(p, 16) == port and state == "0A":
+            return socket.inet_ntoa(bytes.fromhex(addr)[::-1])
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/openssl"), reason="needs openssl to make a certificate")
+def test_standalone_gateway_with_tls_and_no_keys_serves_loopback_only(gw, tmp_path):
+    """`symphony-gateway` run by hand: as root it needs --run-as (the uid the kernel trusts); with
+    no keys it binds loopback only, whatever --http says, and says so; --tls-* serve HTTPS."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    uid = int(gw.read_log().split("serving as uid ")[1].split(")")[0])
+    port = free_port()
+    base = [sys.executable, "-m", "symphony.gateway", "--http", f"0.0.0.0:{port}", "--socket", gw.socket,
+            "--keys", str(tmp_path / "none.json"), *sum((["--program", f"{r}={FAKE}"] for r in
+                                                        ("chat", "completions", "responses")), [])]
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=60, env=gw.env, cwd=REPO)
+    assert refused.returncode == 2 and "--run-as" in refused.stderr
+    p = subprocess.Popen(base + ["--run-as", str(uid), "--tls-cert", str(cert), "--tls-key", str(key)],
+                         stderr=subprocess.PIPE, text=True, env=gw.env, cwd=REPO)
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if "symphony-gateway: serving" in line:
+                break
+        out = "".join(lines)
+        assert "serving loopback only (127.0.0.1), not 0.0.0.0" in out and f"https://127.0.0.1:{port}" in out
+        assert _bound_address(port) == "127.0.0.1"
+        r = httpx.post(f"https://127.0.0.1:{port}/v1/chat/completions", verify=False,
+                       json={"model": "tiny-test", "messages": [{"role": "user", "content": "over tls"}]})
+        assert r.json()["choices"][0]["message"]["content"] is not None
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)      # plain HTTP is not spoken there
+    finally:
+        p.terminate()
+        p.wait(10)
 
 
 # ---------------------------------------------------------------- programs over HTTP

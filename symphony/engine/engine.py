@@ -25,6 +25,8 @@ calls; a lock makes concurrent misuse safe rather than fast.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import logging
 import threading
 from dataclasses import dataclass
@@ -89,9 +91,12 @@ class Engine:
     @classmethod
     def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True) -> "Engine":
         """Load a model from disk (default: the embedded SmolLM2) and build an engine."""
-        from .loader import load_model
+        from .loader import default_model_path, load_model
         weights, tok = load_model(path, progress=progress, keep_quantized=config.keep_quantized)
-        return cls(weights, tok, config)
+        engine = cls(weights, tok, config)
+        src = Path(path) if path is not None else default_model_path()
+        engine.model_id = src.stem if src.suffix == ".gguf" else src.name   # what clients call the model
+        return engine
 
     # ------------------------------------------------------------------ validation (once, at submission)
     def check_call(self, tokens: TokenArray, positions: Optional[TokenArray], *, length: int,

@@ -79,7 +79,8 @@ class Gateway:
                     raise RuntimeError(f"cannot reach the kernel: {e}") from None
                 await asyncio.sleep(0.5)
         name = st.get("model") or "default"
-        self.models = [name] + [m for m in self.cfg.model_aliases if m != name]
+        aliases = list(self.cfg.model_aliases) + ([st["model_name"]] if st.get("model_name") else [])
+        self.models = [name] + [m for m in dict.fromkeys(aliases) if m != name]
         self.context_tokens = int(st.get("context") or 2048)
         self.fingerprint = f"symphony-{st.get('instance', '0')}"
         log.info("serving model %s (context %d) for the kernel at %s; programs: %s", self.models[0],

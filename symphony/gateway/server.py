@@ -91,7 +91,12 @@ def main(argv=None) -> int:
         log.info("%d API keys from %s", len(keys.keys), cfg.keys_path)
     import uvicorn
     from .app import Gateway, build_app
-    gw = Gateway(cfg, keys)
+    from symphony.programs import ProgramError
+    try:
+        gw = Gateway(cfg, keys)
+    except (ProgramError, OSError) as e:
+        print(f"symphony-gateway: error: a serving program cannot be read: {e}", file=sys.stderr)
+        return 2
     app = build_app(gw)
     try:
         sock = _bind(cfg.host, cfg.port)

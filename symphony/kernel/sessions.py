@@ -179,7 +179,8 @@ class ClientSessions:
         d.update(served.as_stats())
         d.update(self.admission_stats())
         d["instance"] = self.instance
-        d["model"] = self.engine.model_config.name
+        d["model"] = getattr(self.engine, "model_id", None) or self.engine.model_config.name or "default"
+        d["model_name"] = self.engine.model_config.name
         d["context"] = self.engine.max_seq_len
         d["compute_threads"] = self.sys.compute_threads
         d["output_queued_bytes"] = self.queued_output_bytes()

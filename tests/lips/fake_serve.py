@@ -6,6 +6,7 @@ The last message (or the prompt) decides:
   "TOOL <name> <json>"     -> choice i calls <name> with <json>, streamed in 3 pieces
   "CRASH"                  -> an uncaught exception before any event
   "SLOW <n>"               -> n words, 0.2 s apart (for disconnects)
+  "BIG <n>"                -> n words of 1 KiB each, as fast as the kernel takes them (slow readers)
   anything else            -> its words echoed, one text event each ("[i] " before choice i > 0)
 max_tokens cuts the words (finish "length"); logprobs are -0.5 per word.
 The prompt event reports 1 token per word of every message, cached 0.
@@ -45,7 +46,10 @@ def main(request):
             send({"event": "done", "index": i, "finish_reason": "tool_calls", "completion_tokens": 3})
         return 0
     slow = last.startswith("SLOW")
-    words = [f"w{k}" for k in range(int(last.split()[1]))] if slow else last.split()
+    if slow or last.startswith("BIG"):
+        words = [(f"w{k}" if slow else "x" * 1024) for k in range(int(last.split()[1]))]
+    else:
+        words = last.split()
     limit = r.get("max_tokens") or len(words)
     for i in range(n):
         out = words[:limit]
