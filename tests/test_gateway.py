@@ -220,6 +220,26 @@ def test_bad_requests_get_openai_errors(gw, path, body, status, param):
     assert r.headers["x-request-id"].startswith("req_")
 
 
+def test_content_parts_files_and_images():
+    """Text parts join; an inline text file is read; an image or binary file becomes a line saying
+    what it was (or 400 with --attachments refuse); audio is always 400."""
+    from symphony.gateway.errors import ApiError
+    from symphony.gateway.schema import Part, text_of
+    import base64
+    txt = "data:text/plain;base64," + base64.b64encode("Title: Fixture".encode()).decode()
+    pdf = "data:application/pdf;base64," + base64.b64encode(b"%PDF-1.1 ...").decode()
+    parts = [Part("input_text", text="Read: "), Part("input_file", filename="a.txt", file_data=txt),
+             Part("input_image"), Part("input_file", filename="b.pdf", file_data=pdf)]
+    assert text_of(parts, "c", attachments="placeholder") == (
+        "Read: [file a.txt]\nTitle: Fixture\n[image][file b.pdf: application/pdf, 12 bytes, not readable as text]")
+    for bad, param in (([Part("input_image")], "c[0].type"), ([Part("input_audio")], "c[0].type"),
+                       ([Part("input_file", file_data="data:text/plain;base64,@@@")], "c[0].file_data"),
+                       ([Part("text")], "c[0].text")):
+        with pytest.raises(ApiError) as e:
+            text_of(bad, "c", attachments="refuse")
+        assert e.value.status == 400 and e.value.param == param
+
+
 def test_auth_size_method_and_program_failure(gw):
     ok = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(gw.url + "/v1/chat/completions", json=ok)

@@ -32,11 +32,11 @@ def _refuse_unsupported(r) -> None:
 
 
 # ---------------------------------------------------------------- chat
-def chat_request(r: ChatRequest, images: str) -> dict:
+def chat_request(r: ChatRequest, attachments: str) -> dict:
     """The serve contract's request for a chat completion."""
     messages = []
     for i, m in enumerate(r.messages):
-        msg = {"role": m.role, "content": text_of(m.content, f"messages[{i}].content", images=images)}
+        msg = {"role": m.role, "content": text_of(m.content, f"messages[{i}].content", attachments=attachments)}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
@@ -68,7 +68,7 @@ async def chat_completions(gw, body: bytes, key, request):
     r = decode(body, ChatRequest)
     gw.check_model(r.model)
     _refuse_unsupported(r)
-    req = gw.with_cache(chat_request(r, gw.cfg.images), key)
+    req = gw.with_cache(chat_request(r, gw.cfg.attachments), key)
     run = ServeRun(gw, "chat", [req], req["n"], key, gw.priority(request, key))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": r.model,
             "system_fingerprint": gw.fingerprint}

@@ -47,7 +47,7 @@ class GatewayConfig:
     max_stored_responses: int = 1000
     programs: dict = field(default_factory=dict)
     model_aliases: list = field(default_factory=list)
-    images: str = "placeholder"
+    attachments: str = "placeholder"
     cache: str = "user"
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
@@ -61,8 +61,8 @@ class GatewayConfig:
                 raise ConfigError(f"{what} must be >= 1")
         if not 0 < self.request_timeout <= 86400:
             raise ConfigError("--request-timeout must be in (0, 86400] seconds")
-        if self.images not in ("placeholder", "refuse"):
-            raise ConfigError("--images must be 'placeholder' or 'refuse'")
+        if self.attachments not in ("placeholder", "refuse"):
+            raise ConfigError("--attachments must be 'placeholder' or 'refuse'")
         if self.cache not in ("user", "shared", "off"):
             raise ConfigError("--prefix-cache must be 'user', 'shared' or 'off'")
         for r in self.programs:
@@ -95,9 +95,10 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                         "a LIP file (default: the stock program serve)")
     g.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may use for the model (repeatable)")
-    g.add_argument("--images", default="placeholder", choices=["placeholder", "refuse"],
-                   help="image parts in a message: replaced by the text [image] (default; the model reads "
-                        "text only) or refused with 400")
+    g.add_argument("--attachments", default="placeholder", choices=["placeholder", "refuse"],
+                   help="image, audio and binary file parts in a message: replaced by a line saying what they "
+                        "were (default; the model reads text only; inline text files are read) or refused "
+                        "with 400")
     g.add_argument("--prefix-cache", default="user", choices=["user", "shared", "off"],
                    help="prefix caching of the serving program: per user (default), shared between the "
                         "keys marked share_cache, or off")
@@ -114,7 +115,7 @@ def from_args(args, socket_path: str, host: str, port: int) -> GatewayConfig:
                          open_user=args.open_user, max_body_bytes=args.max_body_mb << 20,
                          max_active=args.max_active, request_timeout=args.request_timeout,
                          max_stored_responses=args.max_stored_responses, programs=programs,
-                         model_aliases=list(args.served_model_name), images=args.images, cache=args.prefix_cache,
+                         model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
                          tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
@@ -125,7 +126,7 @@ def to_argv(args) -> list[str]:
     for flag, v in (("--keys", args.keys), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
                     ("--open-user", args.open_user), ("--max-body-mb", args.max_body_mb),
                     ("--max-active", args.max_active), ("--request-timeout", args.request_timeout),
-                    ("--max-stored-responses", args.max_stored_responses), ("--images", args.images),
+                    ("--max-stored-responses", args.max_stored_responses), ("--attachments", args.attachments),
                     ("--prefix-cache", args.prefix_cache)):
         if v is not None:
             out += [flag, str(v)]

@@ -38,7 +38,7 @@ def _new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(16)}"
 
 
-def input_messages(r: ResponsesRequest, images: str) -> tuple[list[dict], list[dict]]:
+def input_messages(r: ResponsesRequest, attachments: str) -> tuple[list[dict], list[dict]]:
     """(serve-contract messages, the input items as stored) of a request's input."""
     if r.input is None or r.input == [] or r.input == "":
         raise ApiError(400, "input is required", param="input")
@@ -52,7 +52,7 @@ def input_messages(r: ResponsesRequest, images: str) -> tuple[list[dict], list[d
         if kind == "message":
             if it.role is None:
                 raise ApiError(400, f"{where}: a message needs a role", param=f"{where}.role")
-            text = text_of(it.content, f"{where}.content", images=images)
+            text = text_of(it.content, f"{where}.content", attachments=attachments)
             msgs.append({"role": "system" if it.role == "developer" else it.role, "content": text})
             ctype = "output_text" if it.role == "assistant" else "input_text"
             items.append({"type": "message", "role": it.role, "content": [{"type": ctype, "text": text}]})
@@ -69,7 +69,7 @@ def input_messages(r: ResponsesRequest, images: str) -> tuple[list[dict], list[d
         elif kind == "function_call_output":
             if not it.call_id or it.output is None:
                 raise ApiError(400, f"{where}: a function_call_output needs call_id and output", param=where)
-            out = it.output if isinstance(it.output, str) else text_of(it.output, f"{where}.output", images=images)
+            out = it.output if isinstance(it.output, str) else text_of(it.output, f"{where}.output", attachments=attachments)
             msgs.append({"role": "tool", "tool_call_id": it.call_id, "content": out})
             items.append({"type": "function_call_output", "call_id": it.call_id, "output": out})
         elif kind == "reasoning":
@@ -249,7 +249,7 @@ class Builder:
 async def create(gw, body: bytes, key, request):
     r = decode(body, ResponsesRequest)
     gw.check_model(r.model)
-    msgs, items = input_messages(r, gw.cfg.images)
+    msgs, items = input_messages(r, gw.cfg.attachments)
     conversation = msgs
     if r.previous_response_id:
         prev = gw.store.get(key.user, r.previous_response_id)

@@ -36,10 +36,15 @@ class Base(msgspec.Struct, omit_defaults=True):
 
 # ---------------------------------------------------------------- shared pieces
 class Part(Base):
-    """A content part: text (``text``, ``input_text``, ``output_text``) or
-    something Symphony's text models cannot read (images, audio, files)."""
+    """A content part: text (``text``, ``input_text``, ``output_text``), a file
+    (``input_file`` / ``file``: its text is read when it is a text file given
+    inline as a data URL), or something the text models cannot read (images,
+    audio, other files)."""
     type: str
     text: Optional[str] = None
+    filename: Optional[str] = None
+    file_data: Optional[str] = None
+    file: Optional[dict] = None
 
 
 Content = Union[str, list[Part], None]
@@ -237,23 +242,64 @@ def decode(body: bytes, typ):
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def text_of(content: Content, where: str, *, images: str = "refuse") -> str:
-    """One string from a message's content (a string or text parts).  A part
-    the model cannot read (an image, audio, a file) is refused (400), or with
-    ``images="placeholder"`` replaced by ``[image]``."""
+MAX_INLINE_TEXT = 1 << 20
+TEXT_TYPES = ("text/", "application/json", "application/xml", "application/x-yaml", "application/yaml")
+
+
+def text_of(content: Content, where: str, *, attachments: str = "refuse") -> str:
+    """One string from a message's content (a string or parts).  A text file
+    given inline (``file_data``: a ``data:text/...;base64,`` URL) is included
+    as ``[file NAME]`` and its text.  An image or a file the model cannot read
+    is refused (400), or with ``attachments="placeholder"`` replaced by a line
+    saying what it was (``[image]``, ``[file NAME: application/pdf, 1234
+    bytes, not readable as text]``).  Other parts (audio, ...) are refused."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     out = []
     for i, p in enumerate(content):
+        at = f"{where}[{i}]"
         if p.type in ("text", "input_text", "output_text", "refusal"):
             if p.text is None:
-                raise ApiError(400, f"{where}[{i}]: a {p.type} part needs 'text'", param=f"{where}[{i}].text")
+                raise ApiError(400, f"{at}: a {p.type} part needs 'text'", param=f"{at}.text")
             out.append(p.text)
-        elif p.type in ("image_url", "input_image") and images == "placeholder":
-            out.append("[image]")
+            continue
+        if p.type in ("input_file", "file"):
+            f = p.file if isinstance(p.file, dict) else {}
+            name = p.filename or f.get("filename") or "file"
+            data = p.file_data or f.get("file_data")
+            text, what = _inline_text(data, at)
+            if text is not None:
+                out.append(f"[file {name}]\n{text}\n")
+                continue
+        elif p.type in ("image_url", "input_image"):
+            what = "image"
         else:
-            raise ApiError(400, f"{where}[{i}]: content parts of type {p.type!r} are not supported: the "
-                                f"model reads text only", param=f"{where}[{i}].type")
+            raise ApiError(400, f"{at}: content parts of type {p.type!r} are not supported: the model reads "
+                                f"text only", param=f"{at}.type")
+        if attachments != "placeholder":
+            raise ApiError(400, f"{at}: content parts of type {p.type!r} ({what}) are not supported: the "
+                                f"model reads text only", param=f"{at}.type")
+        out.append("[image]" if what == "image" else f"[file {name}: {what}, not readable as text]")
     return "".join(out)
+
+
+def _inline_text(data: Optional[str], at: str) -> tuple[Optional[str], str]:
+    """(the text of an inline text file, or None; what the data is)."""
+    import base64
+    import binascii
+    if not isinstance(data, str) or not data.startswith("data:") or "," not in data:
+        return None, "a file that is not inline (file_data as a data: URL)"
+    head, payload = data[5:].split(",", 1)
+    mime = head.split(";")[0] or "text/plain"
+    try:
+        raw = base64.b64decode(payload, validate=True) if head.endswith(";base64") else payload.encode()
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{at}: file_data is not valid base64", param=f"{at}.file_data") from None
+    if mime.startswith(TEXT_TYPES) and len(raw) <= MAX_INLINE_TEXT:
+        try:
+            return raw.decode("utf-8"), mime
+        except UnicodeDecodeError:
+            pass
+    return None, f"{mime}, {len(raw)} bytes"
