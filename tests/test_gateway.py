@@ -240,6 +240,21 @@ def test_content_parts_files_and_images():
         assert e.value.status == 400 and e.value.param == param
 
 
+def test_response_store_is_bounded_per_user():
+    from symphony.gateway.store import ResponseStore, Stored
+    st = ResponseStore(per_user=3, max_bytes=1000)
+    one = lambda who, n: Stored(who, {}, [], [{"content": "x" * n}])  # noqa: E731
+    st.put("bob1", one("bob", 100))
+    for i in range(5):
+        assert st.put(f"r{i}", one("alice", 100))
+    assert [st.get("alice", f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert st.put("big", one("alice", 700))                   # over 1000 bytes with the rest: oldest go
+    assert st.get("alice", "r2") is None and st.get("alice", "big") is not None
+    assert not st.put("huge", one("alice", 2000))              # alone over the bound: not kept, nothing dropped
+    assert st.get("alice", "big") is not None and st.get("bob", "bob1") is not None
+    assert st.get("bob", "big") is None and st.delete("alice", "big") and not st.delete("alice", "big")
+
+
 def test_auth_size_method_and_program_failure(gw):
     ok = {"model": "tiny-test", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(gw.url + "/v1/chat/completions", json=ok)
@@ -295,6 +310,15 @@ def test_disconnect_mid_stream_kills_the_program(gw):
     assert not [x for x in kc.ps()["lips"] if x["user"] == "bob"]
     assert kc.stats()["kv_pages_used"] == before
     assert "client that ran it disconnected" in gw.read_log()
+    # a request that is not streamed: the gateway watches for the disconnect while it waits
+    with client(gw, "bob") as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post("/v1/chat/completions", json=dict(ok, stream=False), timeout=1.5)
+    deadline = time.time() + 10
+    while [x for x in kc.ps()["lips"] if x["user"] == "bob"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [x for x in kc.ps()["lips"] if x["user"] == "bob"]
+    assert gw.read_log().count("client that ran it disconnected") >= 2
 
 
 def test_a_slow_reader_holds_back_only_its_own_program(gw):

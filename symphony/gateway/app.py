@@ -56,7 +56,7 @@ class Gateway:
         self.link = link or KernelLink(cfg.socket_path)
         self.metrics = Metrics()
         self.limiter = Limiter(cfg.max_active)
-        self.store = ResponseStore(cfg.max_stored_responses)
+        self.store = ResponseStore(cfg.max_stored_responses, cfg.max_stored_bytes)
         self.lips: dict[int, tuple[str, object, dict]] = {}   # lip -> (key name, session, row)
         self.models: list[str] = []
         self.context_tokens = 2048

@@ -45,6 +45,7 @@ class GatewayConfig:
     max_active: int = 1024
     request_timeout: float = 600.0
     max_stored_responses: int = 1000
+    max_stored_bytes: int = 64 << 20
     programs: dict = field(default_factory=dict)
     model_aliases: list = field(default_factory=list)
     attachments: str = "placeholder"
@@ -56,7 +57,8 @@ class GatewayConfig:
         if not _USER_RE.fullmatch(self.open_user) or self.open_user == "root":
             raise ConfigError(f"--open-user {self.open_user!r}: a KVFS user name, not root")
         for what, v in (("--max-body-mb", self.max_body_bytes), ("--max-active", self.max_active),
-                        ("--max-stored-responses", self.max_stored_responses)):
+                        ("--max-stored-responses", self.max_stored_responses),
+                        ("--max-stored-mb", self.max_stored_bytes)):
             if v < 1:
                 raise ConfigError(f"{what} must be >= 1")
         if not 0 < self.request_timeout <= 86400:
@@ -90,6 +92,8 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                    help="wall-clock limit of one request's program, seconds (default 600)")
     g.add_argument("--max-stored-responses", type=int, default=1000,
                    help="stored /v1/responses kept per user, oldest dropped first (default 1000)")
+    g.add_argument("--max-stored-mb", type=int, default=64,
+                   help="MiB of stored /v1/responses kept per user, oldest dropped first (default 64)")
     g.add_argument("--program", action="append", default=[], metavar="ROUTE=PROGRAM",
                    help="serve ROUTE (chat, completions, responses) with PROGRAM, a stock program's name or "
                         "a LIP file (default: the stock program serve)")
@@ -114,7 +118,8 @@ def from_args(args, socket_path: str, host: str, port: int) -> GatewayConfig:
     return GatewayConfig(socket_path=socket_path, host=host, port=port, keys_path=args.keys,
                          open_user=args.open_user, max_body_bytes=args.max_body_mb << 20,
                          max_active=args.max_active, request_timeout=args.request_timeout,
-                         max_stored_responses=args.max_stored_responses, programs=programs,
+                         max_stored_responses=args.max_stored_responses,
+                         max_stored_bytes=args.max_stored_mb << 20, programs=programs,
                          model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
                          tls_cert=args.tls_cert, tls_key=args.tls_key)
 
@@ -126,7 +131,8 @@ def to_argv(args) -> list[str]:
     for flag, v in (("--keys", args.keys), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
                     ("--open-user", args.open_user), ("--max-body-mb", args.max_body_mb),
                     ("--max-active", args.max_active), ("--request-timeout", args.request_timeout),
-                    ("--max-stored-responses", args.max_stored_responses), ("--attachments", args.attachments),
+                    ("--max-stored-responses", args.max_stored_responses),
+                    ("--max-stored-mb", args.max_stored_mb), ("--attachments", args.attachments),
                     ("--prefix-cache", args.prefix_cache)):
         if v is not None:
             out += [flag, str(v)]

@@ -272,7 +272,8 @@ async def create(gw, body: bytes, key, request):
             said = {"role": "assistant", "content": "".join(c.text)}
             if c.calls:
                 said["tool_calls"] = [dict(x) for x in c.calls]
-            gw.store.put(rid, Stored(key.user, final, items, conversation + [said]))
+            if not gw.store.put(rid, Stored(key.user, final, items, conversation + [said])):
+                final["store"] = False                 # larger than the user's whole store: not kept
         return final
 
     if r.stream:
