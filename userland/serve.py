@@ -80,18 +80,25 @@ the response or tool schema; its message), 429 ``kv_quota_exceeded``, 503
 
 **Prefix caching.** With ``cache``, KV is reused across requests the way
 vLLM's automatic prefix caching does (symphony.lip.prefixcache has the
-scheme): checkpoints of the prompt's block-aligned prefixes are KV files
-named by the chained hash of their tokens in ``cache.dir`` (made if missing),
-at the block boundaries of every special token (each message's end), every
-32 blocks and the prompt's end; after the answer, at the answer's end (not
-past a stop string).  A lookup is a binary search over the prompt's
-boundaries (a few ``stat`` calls); only files owned by the user or by a
-``trust``ed user, writable by nobody else and of exactly the expected length
-are forked.  Checkpoints are ``advise("cache")`` (dropped first under memory
-pressure) and expire after ``ttl`` seconds unless used.  They are private
-(0600) unless ``trust`` names other users (0644).  Caching never fails a
-request: a full quota stops it (a full inode quota removes the user's own
-checkpoints), and a pred over the page quota is retried once after that.
+scheme): checkpoints of the prompt's block-aligned prefixes (block = the
+kernel's page size) are KV files in ``cache.dir`` (made if missing; a KVFS
+path, e.g. ``/home/alice/serve-cache``: components may not begin with a dot),
+named by the chained hash of their tokens, at the block boundary below every
+special token (so each message's end), every 32 blocks and the prompt's end;
+after the answer, at the answer's end (not past a stop string).  A lookup
+probes the prompt's boundaries from the top with ``stat`` (the next turn of
+a conversation hits within a few probes; a cold prompt costs about log2 of
+its boundaries), and forks the longest checkpoint that is trustworthy: owned
+by the user or by a ``trust``ed user, writable by nobody else, of exactly the
+expected length.  At most a block before the new tokens is recomputed, and
+never the last prompt token (its distribution is needed).  Checkpoints are
+``advise("cache")`` (deleted first under memory pressure: a later lookup
+misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
+private (0600) unless ``trust`` names other users (0644).  Caching never
+fails a request: a refused directory or a full quota stops it (a full inode
+quota removes the user's own checkpoints), and a pred over the page quota is
+retried once after removing them.  A ``cache.dir`` that is not a valid KVFS
+path is a 400 (param ``cache.dir``).
 """
 import secrets
 import sys
