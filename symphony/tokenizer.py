@@ -45,6 +45,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._template_fn: Optional[Callable[..., str]] = None
+        self._special: Optional[frozenset] = None
 
     # ------------------------------------------------------------------ public API
     def encode(self, text: str, *, add_bos: Optional[bool] = None) -> list[int]:
@@ -62,6 +63,13 @@ class Tokenizer:
         if bad:
             raise TokenizerError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
         return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    @property
+    def special_ids(self) -> frozenset:
+        """Ids of the special tokens (a chat template's markers, EOS, ...)."""
+        if self._special is None:
+            self._special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)

@@ -112,7 +112,7 @@ class Gateway:
             req["cache"] = {"dir": "/shared/serve-cache",
                             "trust": sorted({k.user for k in self.keys.keys if k.share_cache})}
         else:
-            req["cache"] = {"dir": f"/home/{key.user}/.serve-cache", "trust": []}
+            req["cache"] = {"dir": f"/home/{key.user}/serve-cache", "trust": []}
         return req
 
     async def begin(self, run, request: Request) -> dict:

@@ -68,7 +68,9 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.ipc.lip_side",
            "symphony.kernel.sandbox.lockdown", "symphony.tokenizer",
            # the LIP standard library and the libraries stock programs use
-           "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy"]
+           "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy",
+           "symphony.lip.streaming", "symphony.lip.decoding", "symphony.lip.grammar", "symphony.lip.tools",
+           "symphony.lip.prefixcache", "symphony.lip.serving"]
 
 
 class _RingStream(io.TextIOBase):

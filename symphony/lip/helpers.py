@@ -30,7 +30,8 @@ class StopChecker:
 
     ``push(text) -> (emit, stop)``: ``emit`` is the text safe to show now;
     ``stop`` is True once a stop string has appeared (``emit`` then ends right
-    before it, and later pushes return ``("", True)``).  Text that could be the
+    before it, and later pushes return ``("", True)``; `hit` is the stop string
+    found first, `rest` the text from its start on).  Text that could be the
     beginning of a stop string is held back until it is known not to be, so a
     partial stop string is never emitted; `flush()` returns what is held back
     when the stream ends without a stop.
@@ -43,15 +44,18 @@ class StopChecker:
         if not all(isinstance(s, str) and s for s in self.stops):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stops!r}")
         self.held, self.stopped = "", False
+        self.hit: Optional[str] = None
+        self.rest = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
             return "", True
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s), s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
-            self.held, self.stopped = "", True
-            return buf[:min(hits)], True
+            at, _, self.hit = min(hits)                   # the earliest; the longest there
+            self.held, self.stopped, self.rest = "", True, buf[at:]
+            return buf[:at], True
         keep = 0                                  # longest tail of buf that begins a stop string
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -1,0 +1,388 @@
+"""Serve one OpenAI-style request (chat or text completion) as the HTTP gateway asks; prefix caching as a policy.
+
+    symphony run serve '{"mode": "chat", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+
+This is the program behind every `/v1/chat/completions`, `/v1/completions` and
+`/v1/responses` request of `symphony-gateway`.  An administrator may serve a
+route with a program of their own: it must keep this contract.
+
+**Input.** `main` gets ONE argument, a JSON object (the gateway has checked
+types and ranges; the program checks again and refuses bad input with an
+``error`` event, never a traceback).  Unknown fields are refused.
+
+* ``mode``: ``"chat"`` or ``"text"``.
+* chat: ``messages``: ``[{"role": "system"|"developer"|"user"|"assistant"|"tool",
+  "content": str, "name"?: str, "tool_calls"?: [{"id", "name", "arguments": JSON
+  text}], "tool_call_id"?: str}]`` (content flattened to one string; null
+  content is ""; ``developer`` is a system message; ``name`` is ignored).
+* text: ``prompt``: a string or a list of token ids; ``echo`` (bool): the
+  answer's text starts with the prompt (its own first ``text`` event).
+* ``max_tokens``: int >= 1, or null (default): up to the end of the context.
+  ``temperature`` in [0, 2] (default 1; 0 = greedy), ``top_p`` in (0, 1],
+  ``seed``: int or null (choice i uses seed + i), ``stop``: up to 4 non-empty
+  strings, ``n``: 1..16 choices, ``logprobs`` (bool), ``top_logprobs``: 0..20
+  (needs logprobs), ``presence_penalty``, ``frequency_penalty`` in [-2, 2]
+  (logit -= presence * (count > 0) + frequency * count over the tokens the
+  choice generated so far).
+* ``response_format``: null, ``{"type": "text"}``, ``{"type": "json_object"}``
+  (the answer is a JSON object) or ``{"type": "json_schema", "schema": {...}}``
+  (the answer validates against the schema); compact JSON unless the schema's
+  ``x-guidance`` says otherwise.
+* ``tools``: ``[{"name", "description"?, "parameters"?}]`` (parameters: a JSON
+  schema, default any object; names: 1-64 of ``[A-Za-z0-9_-]``),
+  ``tool_choice``: ``"auto"`` (default with tools), ``"none"``, ``"required"``
+  or ``{"name": NAME}``; ``parallel_tool_calls`` (default true).  Tools are
+  listed in a system-prompt section (symphony.lip.tools: Hermes/Qwen
+  ``<tool_call>`` blocks; earlier calls and ``tool`` results are rendered the
+  same way).  ``required``/named: the answer is one call (several with
+  parallel_tool_calls) whose arguments validate against the tool's schema.
+  ``auto``: the model answers in text or, once it writes ``<tool_call>``, the
+  rest is constrained to calls (with ``response_format``: JSON text or calls,
+  from the first token).  ``none``: the tools stay in the prompt (so a
+  conversation's prompt does not change with tool_choice) but a call is never
+  made: the answer ends where the model begins one (finish_reason ``stop``).
+  Call markup is never sent as text.
+* ``cache``: null (no prefix caching) or ``{"dir": KVFS_DIR, "trust": [USER,
+  ...], "ttl"?: seconds (default 3600)}``: see Prefix caching.
+
+**Output** (``send``, in this order):
+
+1. ``{"event": "prompt", "prompt_tokens": N, "cached_tokens": M}`` once (M:
+   prompt tokens whose KV was forked from the cache, not computed).
+2. ``{"event": "text", "index": i, "text": str}``: choice i's next text (never
+   part of a UTF-8 character or of a stop string; the stop string is not
+   sent).  With logprobs, ``"logprobs": [{"token", "bytes", "logprob",
+   "top_logprobs": [{"token", "bytes", "logprob"}, ...]}]``: one entry per token
+   whose text the event completes (a token cut by a stop string comes with the
+   last text; tokens wholly inside it are not reported), the model's raw
+   log-softmax (before penalties, grammar and temperature), alternatives most
+   probable first; ``token`` is the bytes as UTF-8 with ``\\xNN`` escapes for
+   an incomplete character.
+3. ``{"event": "tool_call", "index": i, "call": k, "id": "call_<24 hex>",
+   "name": NAME, "arguments": str}`` when call k of choice i starts, then
+   ``{"event": "tool_call", "index": i, "call": k, "arguments": str}``; the
+   pieces concatenate to the arguments' JSON text.
+4. ``{"event": "done", "index": i, "finish_reason": "stop"|"length"|"tool_calls",
+   "completion_tokens": n}`` when choice i ends (n: tokens of the answer, an
+   end-of-sequence token included).
+
+Choices run in threads on copy-on-write forks of the prompt's KV (computed
+once); their events interleave, each choice's in order.  Greedy output is
+deterministic.  Exit status 0.
+
+**Errors**: ``{"event": "error", "status": S, "code": C, "message": str,
+"param": str|null}``, nothing after it, exit status 2.  400
+``invalid_request`` (bad fields, echo with logprobs, an empty prompt, a
+template error), 400 ``context_length_exceeded`` (the prompt, or prompt +
+max_tokens, beyond the context), 400 ``invalid_schema`` (llguidance rejects
+the response or tool schema; its message), 429 ``kv_quota_exceeded``, 503
+``kv_no_space``, 500 ``internal_error``.
+
+**Prefix caching.** With ``cache``, KV is reused across requests the way
+vLLM's automatic prefix caching does (symphony.lip.prefixcache has the
+scheme): checkpoints of the prompt's block-aligned prefixes (block = the
+kernel's page size) are KV files in ``cache.dir`` (made if missing; a KVFS
+path, e.g. ``/home/alice/serve-cache``: components may not begin with a dot),
+named by the chained hash of their tokens, at the block boundary below every
+special token (so each message's end), every 32 blocks and the prompt's end;
+after the answer, at the answer's end (not past a stop string).  A lookup
+probes the prompt's boundaries from the top with ``stat`` (the next turn of
+a conversation hits within a few probes; a cold prompt costs about log2 of
+its boundaries), and forks the longest checkpoint that is trustworthy: owned
+by the user or by a ``trust``ed user, writable by nobody else, of exactly the
+expected length.  At most a block before the new tokens is recomputed, and
+never the last prompt token (its distribution is needed).  Checkpoints are
+``advise("cache")`` (deleted first under memory pressure: a later lookup
+misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
+private (0600) unless ``trust`` names other users (0644).  Caching never
+fails a request: a refused directory or a full quota stops it (a full inode
+quota removes the user's own checkpoints), and a pred over the page quota is
+retried once after removing them.  A ``cache.dir`` that is not a valid KVFS
+path is a 400 (param ``cache.dir``).
+"""
+import secrets
+import sys
+import threading
+import traceback
+
+from symphony.lip import InvalidPath, NoSpace, QuotaExceeded, info, kv, pred, tokenizer
+from symphony.lip.decoding import Decoder
+from symphony.lip.grammar import GrammarRejected, json_schema, lark, matcher, token_bytes
+from symphony.lip.prefixcache import PrefixCache
+from symphony.lip.serving import BadRequest, Events, Request
+from symphony.lip.streaming import TextStream
+from symphony.lip.tools import MARKER, CallParser, calls_grammar, render
+from symphony.tokenizer import StreamDecoder, TokenizerError
+
+SEED_MASK = (1 << 64) - 1
+
+
+def main(*args):
+    ev = Events()
+    try:
+        if len(args) != 1:
+            raise BadRequest(f"serve takes one argument, the request as JSON ({len(args)} given)")
+        job = Job(Request.parse(args[0]), ev)
+    except BadRequest as e:
+        ev.error(400, e.code, str(e), e.param)
+        return 2
+    try:
+        job.run()
+    except BadRequest as e:
+        ev.error(400, e.code, str(e), e.param)
+    except QuotaExceeded as e:
+        ev.error(429, "kv_quota_exceeded", str(e))
+    except NoSpace as e:
+        ev.error(503, "kv_no_space", str(e))
+    except Exception as e:                                   # noqa: BLE001 - never a traceback to the client
+        traceback.print_exc(file=sys.stderr)
+        ev.error(500, "internal_error", f"{type(e).__name__}: {e}")
+    return 2 if ev.failed else 0
+
+
+class Job:
+    """One request: its prompt, grammars and cache, checked before anything is sent."""
+
+    def __init__(self, req: Request, ev: Events):
+        self.req, self.ev, self.tok = req, ev, tokenizer()
+        self.info = info()
+        self.prompt = self._prompt()
+        L, ctx = len(self.prompt), self.info["max_context"]
+        if L == 0:
+            raise BadRequest("the prompt is empty", "prompt" if req.mode == "text" else "messages")
+        if L >= ctx or (req.max_tokens or 0) + L > ctx:
+            asked = f"{L + (req.max_tokens or 0)} tokens ({L} in the prompt, {req.max_tokens or 0} in the completion)"
+            raise BadRequest(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                             f"{asked}. Please reduce the length of the prompt or completion.",
+                             "messages" if req.mode == "chat" else "prompt", "context_length_exceeded")
+        self.max_tokens = req.max_tokens or ctx - L
+        self.offered = bool(req.tools) and req.tool_choice != "none"
+        self.grammar, self.calls = self._grammars()
+        self.quota_retry = bool(req.cache)
+        self.cache, self.saved = None, 0             # saved: checkpoints up to here exist (or were tried)
+        self.failure, self.abort = None, False       # a choice thread's exception; stop the others
+
+    def _prompt(self) -> list:
+        req, tok = self.req, self.tok
+        if req.mode == "text":
+            if isinstance(req.prompt, str):
+                return tok.encode(req.prompt)
+            if any(not 0 <= t < tok.vocab_size for t in req.prompt):
+                raise BadRequest(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
+            return list(req.prompt)
+        try:
+            return tok.encode_chat(render(req.messages, req.tools or None))
+        except TokenizerError as e:
+            raise BadRequest(str(e), "messages") from None
+
+    def _grammars(self):
+        """(matcher of the whole answer or None, matcher of calls after <tool_call> or None)."""
+        req = self.req
+        named = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
+        for i, t in enumerate(req.tools if self.offered else ()):
+            try:
+                matcher(json_schema(t["parameters"]))
+            except GrammarRejected as e:
+                raise BadRequest(f"the schema of tool {t['name']!r} was rejected: {e}", f"tools[{i}].parameters",
+                                 "invalid_schema") from None
+        try:
+            if self.offered and (req.tool_choice != "auto" or req.response_format is not None):
+                g = calls_grammar(req.tools, only=named, parallel=req.parallel_tool_calls,
+                                  text_schema=req.response_format if req.tool_choice == "auto" else None)
+                return matcher(lark(g)), None
+            text = matcher(json_schema(req.response_format)) if req.response_format is not None else None
+            calls = matcher(lark(calls_grammar(req.tools, parallel=req.parallel_tool_calls))) \
+                if self.offered else None
+            return text, calls
+        except GrammarRejected as e:
+            raise BadRequest(f"the schema was rejected: {e}", "response_format", "invalid_schema") from None
+
+    # ------------------------------------------------------------ running
+    def run(self) -> None:
+        req, L = self.req, len(self.prompt)
+        hit, M = None, 0
+        if req.cache:
+            self.cache = PrefixCache(req.cache["dir"], block=int(self.info.get("page_size") or 16),
+                                     user=self.info["user"], trust=req.cache["trust"],
+                                     specials=self.tok.special_ids, ttl=req.cache["ttl"])
+            try:
+                hit, M = self.cache.lookup(self.prompt, L - 1)
+            except InvalidPath as e:
+                raise BadRequest(f"cache.dir: {e}", "cache.dir") from None
+        self.ev.send({"event": "prompt", "prompt_tokens": L, "cached_tokens": M})
+        base = hit.fork() if hit is not None else kv.create()
+        if hit is not None:
+            hit.close()
+        self.saved = M
+        with base:
+            if req.n == 1:
+                Choice(self, 0, base, self.prompt[M:]).run()
+                return
+            if L - 1 > M:
+                self.pred(base, self.prompt[M:L - 1], output="argmax")
+            self.save(base, self.prompt, len(base))
+            threads = [threading.Thread(target=self._choice, args=(i, base)) for i in range(req.n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if self.failure is not None:
+                raise self.failure
+
+    def _choice(self, i, base):
+        try:
+            with base.fork() as f:
+                Choice(self, i, f, self.prompt[-1:]).run()
+        except _Stopped:
+            pass
+        except BaseException as e:                           # noqa: BLE001 - reported by run()
+            self.failure, self.abort = self.failure or e, True
+
+    def save(self, f, tokens, upto, prompt=True):
+        """Checkpoints of ``tokens`` (held by ``f``) up to ``upto``, above those
+        already there; ``prompt``: the prompt's (later saves start above them)."""
+        upto = min(upto, len(f))
+        if self.cache is not None and upto > self.saved:
+            self.cache.save(f, tokens, after=self.saved, upto=upto)
+            if prompt:
+                self.saved = upto
+
+    def pred(self, *a, **kw):
+        """pred, retried once after removing the user's checkpoints when over the page quota."""
+        try:
+            return pred(*a, **kw)
+        except QuotaExceeded:
+            if not (self.quota_retry and self.cache is not None and self.cache.purge()):
+                raise
+            self.quota_retry = False
+            return pred(*a, **kw)
+
+
+class Choice:
+    """One choice: decode, turn the tokens into text or call events, finish."""
+
+    def __init__(self, job: "Job", index: int, f, feed: list):
+        self.job, self.i, self.f, self.feed, req = job, index, f, feed, job.req
+        seed = None if req.seed is None else (req.seed + index) & SEED_MASK
+        self.dec = Decoder(f, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                           presence=req.presence_penalty, frequency=req.frequency_penalty,
+                           top_logprobs=req.top_logprobs if req.logprobs else None,
+                           matcher=job.grammar.deep_copy() if job.grammar else None,
+                           eos_ids=job.tok.eos_ids, vocab=job.info["vocab_size"], pred=job.pred)
+        free = job.grammar is None                   # no grammar: <tool_call> in the text is a marker
+        self.text = TextStream(job.tok, list(req.stop) + ([MARKER] if req.tools and free else []))
+        self.out: list = []                          # the answer's tokens
+        self.parser = self.calldec = None            # once the answer is calls
+        self.undecided = [] if job.offered and not free and req.response_format is not None else None
+        self.reason = None
+
+    def run(self) -> None:
+        job, req = self.job, self.job.req
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else job.tok.decode(job.prompt)
+            self.send({"event": "text", "index": self.i, "text": echo})
+        if job.offered and job.grammar is not None and self.undecided is None:
+            self._calls()                                    # required / named: calls from the start
+        first = True
+        while self.reason is None:
+            budget = job.max_tokens - len(self.out)
+            if budget <= 0:
+                self.reason = "length"
+                break
+            if job.abort:
+                raise _Stopped()
+            step = self.dec.step(self.feed, budget)
+            self.feed = [step[-1][0]] if step else []
+            for t, lp in step:
+                self.out.append(t)
+                if t in job.tok.eos_ids:
+                    self.reason = "tool_calls" if self.parser else "stop"
+                    break
+                self._token(t, lp)
+                if self.reason is not None:
+                    break
+            if first and req.n == 1:
+                job.save(self.f, job.prompt, len(job.prompt))
+            first = False
+            if self.reason is None and (self.dec.done or not step):
+                self.reason = "tool_calls" if self.parser else "stop"
+        self._finish()
+
+    def _token(self, t, lp) -> None:
+        if self.undecided is not None:                       # text or calls: the first character says
+            self.undecided.append((t, lp))
+            head = self.job.tok.decode([x for x, _ in self.undecided], skip_special=True)
+            if not head.strip():
+                return
+            toks, self.undecided = self.undecided, None
+            if head.lstrip().startswith("<"):
+                self._calls()
+            for x, y in toks:
+                self._token(x, y)
+        elif self.parser is not None:
+            self._call_events(self.parser.feed(self.calldec.push(t)))
+        else:
+            self._text(*self.text.push(t, (t, lp) if lp else None))
+            if self.text.hit == MARKER and self.job.offered:
+                self._switch()
+            elif self.text.hit is not None:
+                self.reason = "stop"
+
+    def _switch(self) -> None:
+        """The model wrote <tool_call> in free text: drop the tokens from the one
+        where it began, keep the text before it, decode calls under their grammar."""
+        L, cut = len(self.job.prompt), self.text.cut
+        if len(self.f) > L + cut:
+            self.f.truncate(L + cut)
+        self.feed = self.job.tok.encode(self.text.cut_text)
+        self.out = self.out[:cut] + self.feed
+        self.dec.matcher = self.job.calls.deep_copy()
+        self._calls()
+
+    def _calls(self) -> None:
+        self.parser, self.calldec = CallParser(), StreamDecoder(self.job.tok)
+
+    def _call_events(self, events) -> None:
+        for e in events:
+            ev = {"event": "tool_call", "index": self.i, "call": e["call"]}
+            if "name" in e:
+                ev.update(id="call_" + secrets.token_hex(12), name=e["name"])
+            ev["arguments"] = e["arguments"]
+            self.send(ev)
+
+    def _text(self, text, recs) -> None:
+        if not text and not recs:
+            return
+        ev = {"event": "text", "index": self.i, "text": text}
+        if self.job.req.logprobs:
+            ev["logprobs"] = [dict(_entry(lp.logprob, t), top_logprobs=[
+                _entry(v, j) for j, v in zip(lp.top_ids, lp.top_logprobs)]) for t, lp in recs]
+        self.send(ev)
+
+    def _finish(self) -> None:
+        if self.undecided:                                    # ended before deciding: it was text
+            toks, self.undecided = self.undecided, None
+            for t, lp in toks:
+                self._token(t, lp)
+        if self.parser is not None:
+            self._call_events(self.parser.feed(self.calldec.flush()) + self.parser.finish())
+        else:
+            self._text(*self.text.finish())
+        self.send({"event": "done", "index": self.i, "finish_reason": self.reason,
+                   "completion_tokens": len(self.out)})
+        job, L = self.job, len(self.job.prompt)
+        stopped = self.parser is None and self.text.hit is not None
+        job.save(self.f, job.prompt + self.out, L + (self.text.cut if stopped else len(self.out)), prompt=False)
+
+    def send(self, ev) -> None:
+        if not self.job.ev.send(ev):
+            raise _Stopped()
+
+
+class _Stopped(Exception):
+    """Another choice failed: this one stops quietly."""
+
+
+def _entry(logprob, token) -> dict:
+    b = token_bytes(token)
+    return {"token": b.decode("utf-8", "backslashreplace"), "bytes": list(b), "logprob": logprob}
