@@ -146,8 +146,7 @@ def completion_requests(r: CompletionRequest) -> list[dict]:
         raise ApiError(400, "echo together with logprobs is not supported", param="echo")
     s = _sampling(r, r.max_tokens)
     return [{"mode": "text", "prompt": x, "echo": r.echo, **s, "logprobs": r.logprobs is not None,
-             "top_logprobs": r.logprobs or 0, "response_format": None, "tools": [], "tool_choice": "none"}
-            for x in prompts]
+             "top_logprobs": r.logprobs or 0} for x in prompts]
 
 
 async def completions(gw, body: bytes, key, request):

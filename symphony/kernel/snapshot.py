@@ -75,6 +75,7 @@ class ServingSnapshot:
     max_batch: int = 0          # most calls in one
     forward_passes: int = 0     # the engine's own counters
     pred_calls: int = 0
+    tokens_computed: int = 0    # tokens fed to the model since start (prompts and generated)
     engine_max_batch: int = 0
     kv_pages_used: int = 0      # device KV pages
     kv_pages_total: int = 0
@@ -99,6 +100,7 @@ class ServingSnapshot:
         """The `stats` fields this snapshot answers."""
         return {"batches": self.batches, "batch_calls": self.batch_calls, "max_batch": self.max_batch,
                 "forward_passes": self.forward_passes, "pred_calls": self.pred_calls,
+                "tokens_computed": self.tokens_computed,
                 "engine_max_batch": self.engine_max_batch, "kv_pages_used": self.kv_pages_used,
                 "kv_pages_total": self.kv_pages_total, "pending_reply_bytes": self.pending_reply_bytes,
                 "kv_device_free": self.kv_device_free, "kv_reclaimable": self.kv_reclaimable,

@@ -313,6 +313,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                                                         for i, l in self.lips.items()}),
             batches=self.batches, batch_calls=self.batch_calls, max_batch=self.max_batch,
             forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
+            tokens_computed=e.tokens,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
             kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
             kv_reclaimable=self.fs.reclaimable(),
