@@ -80,18 +80,19 @@ the response or tool schema; its message), 429 ``kv_quota_exceeded``, 503
 
 **Prefix caching.** With ``cache``, KV is reused across requests the way
 vLLM's automatic prefix caching does (symphony.lip.prefixcache has the
-scheme): checkpoints of the prompt's block-aligned prefixes (block = the
-kernel's page size) are KV files in ``cache.dir`` (made if missing; a KVFS
-path, e.g. ``/home/alice/serve-cache``: components may not begin with a dot),
-named by the chained hash of their tokens, at the block boundary below every
-special token (so each message's end), every 32 blocks and the prompt's end;
-after the answer, at the answer's end (not past a stop string).  A lookup
+scheme): checkpoints of the prompt's prefixes are KV files in ``cache.dir``
+(made if missing; a KVFS path, e.g. ``/home/alice/serve-cache``: components
+may not begin with a dot), named by the chained hash of their tokens (blocks
+of the kernel's page size), right before every special token (so exactly at
+each message's end), every 32 blocks and at the prompt's end; after the
+answer, at the answer's end (not past a stop string).  A lookup
 probes the prompt's boundaries from the top with ``stat`` (the next turn of
 a conversation hits within a few probes; a cold prompt costs about log2 of
 its boundaries), and forks the longest checkpoint that is trustworthy: owned
 by the user or by a ``trust``ed user, writable by nobody else, of exactly the
-expected length.  At most a block before the new tokens is recomputed, and
-never the last prompt token (its distribution is needed).  Checkpoints are
+expected length.  A repeated system prompt or a conversation's next turn
+recomputes none of its old tokens, except the last prompt token (its
+distribution is needed) when the whole prompt was cached.  Checkpoints are
 ``advise("cache")`` (deleted first under memory pressure: a later lookup
 misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
 private (0600) unless ``trust`` names other users (0644).  Caching never

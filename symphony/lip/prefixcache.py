@@ -7,23 +7,29 @@
     pc.save(f, prompt, after=n, upto=len(f))            # checkpoints of the new full blocks
 
 **Names.** A prompt is cut into blocks of ``block`` tokens (the kernel's page
-size: a checkpoint then shares whole pages).  Block k's digest is BLAKE2b-128
-of block k-1's digest and block k's tokens (the first one chains from a salt),
-so it names every token before it; a checkpoint of the first p tokens (p a
-multiple of ``block``) is ``DIR/<hex digest of block p/block - 1>``.
+size).  Block k's digest is BLAKE2b-128 of block k-1's digest and block k's
+tokens (the first one chains from a salt), so it names every token before it;
+the checkpoint of the first p tokens is ``DIR/<hex digest>``, the digest of
+block p/block - 1 when p is a multiple of the block, else of that chain and
+the p % block tokens after it.
 
 **Where checkpoints go** (a file per block would spend the 10,000 named files
-a user may have): at the block boundary at or below
+a user may have):
 
-* every special token (a chat template's message openers and closers, so the
-  end of each message, of a system prompt, of an assistant answer),
-* every ``grid`` blocks (long text without special tokens),
+* right before every special token (a chat template's message openers and
+  closers): so exactly at the end of each message, of a system prompt, of an
+  assistant answer;
+* every ``grid`` blocks (long text without special tokens);
 * the end of what is saved (the prompt; the prompt + answer).
 
-A repeated system prompt ends at a special token; a conversation's next turn
-is the previous prompt + answer (ending where the answer's closer now stands)
-+ a new message: both find a checkpoint at most a block before their new
-tokens.
+A checkpoint at a block boundary shares whole pages with the file it was cut
+from; one elsewhere also holds a copy of its last, partial page (one page
+each).  A repeated system prompt ends at a special token; a conversation's
+next turn is the previous prompt + answer (ending exactly where the answer's
+closer now stands) + a new message: both find a checkpoint right before their
+new tokens, and compute nothing of the old ones (but the answer's last token
+when it was cut by max_tokens: a lookup also probes one token before each
+special token).
 
 **Lookup** searches the prompt's candidate boundaries (the same rule) from the
 top: it probes the last, then 1, 3, 7, ... boundaries lower until a
@@ -91,7 +97,7 @@ class PrefixCache:
         InvalidPath: the directory is not a valid KVFS path."""
         self._prompt = list(tokens)
         self._chain = self._digests(self._prompt, len(self._prompt) // self.block)
-        cands = self.candidates(self._prompt, limit)
+        cands = self.candidates(self._prompt, limit, lookup=True)
         top = len(cands) - 1
         while top >= 0:
             best = self._search(cands, top)
@@ -122,19 +128,30 @@ class PrefixCache:
             made += self._checkpoint(f, self.path(tokens, p), p)
         return made
 
-    def candidates(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """The block boundaries in (0, ``limit``] where checkpoints of ``tokens`` go."""
+    def candidates(self, tokens: Sequence[int], limit: int, lookup: bool = False) -> list[int]:
+        """The prefix lengths in (0, ``limit``] where checkpoints of ``tokens`` go;
+        with ``lookup``, also one token before each special token: an answer
+        cut by max_tokens was saved without its last token (never fed), and
+        its next turn then computes just that one again."""
         B, limit = self.block, min(limit, len(tokens))
         arr = np.asarray(tokens[:limit], dtype=np.int64)
         at = np.flatnonzero(np.isin(arr, self.specials)) if self.specials.size else np.zeros(0, int)
-        ps = {int(i) // B * B for i in at}
+        ps = {int(i) for i in at}                            # right before each special token
+        if lookup:
+            ps.update(int(i) - 1 for i in at)
         ps.update(range(B * self.grid, limit + 1, B * self.grid))
-        ps.add(limit // B * B)
+        ps.add(limit)
         return sorted(p for p in ps if 0 < p <= limit)
 
     def path(self, tokens: Sequence[int], p: int) -> str:
-        """The name of the checkpoint of ``tokens[:p]`` (p a multiple of the block)."""
-        return f"{self.dir}/{self._digests(tokens, p // self.block)[-1].hex()}"
+        """The name of the checkpoint of ``tokens[:p]``."""
+        full, rest = divmod(p, self.block)
+        chain = self._digests(tokens, full)
+        digest = chain[-1] if chain else self.root
+        if rest:                                             # the chain, then the partial block
+            tail = np.asarray(tokens[full * self.block:p], dtype=np.int32).tobytes()
+            digest = hashlib.blake2b(digest + tail, digest_size=16).digest()
+        return f"{self.dir}/{digest.hex()}"
 
     def purge(self) -> int:
         """Remove the running user's checkpoints in the directory; returns how many."""
