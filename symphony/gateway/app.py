@@ -103,8 +103,12 @@ class Gateway:
                                 f"{', '.join(repr(m) for m in self.models)} (GET /v1/models)",
                            code="model_not_found", param="model")
 
-    def with_cache(self, req: dict, key: KeyPolicy) -> dict:
-        """The request with the prefix-cache policy of the key (serve contract's ``cache``)."""
+    def prepare(self, req: dict, key: KeyPolicy) -> dict:
+        """The serve request completed by the gateway's policy: the key's prefix
+        cache (the contract's ``cache``) and, when the client set no limit,
+        ``--default-max-tokens``."""
+        if req.get("max_tokens") is None:
+            req["max_tokens"] = self.cfg.default_max_tokens
         policy = self.cfg.cache
         if policy == "off":
             req["cache"] = None

@@ -68,7 +68,7 @@ async def chat_completions(gw, body: bytes, key, request):
     r = decode(body, ChatRequest)
     gw.check_model(r.model)
     _refuse_unsupported(r)
-    req = gw.with_cache(chat_request(r, gw.cfg.attachments), key)
+    req = gw.prepare(chat_request(r, gw.cfg.attachments), key)
     run = ServeRun(gw, "chat", [req], req["n"], key, gw.priority(request, key))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": r.model,
             "system_fingerprint": gw.fingerprint}
@@ -153,7 +153,7 @@ async def completions(gw, body: bytes, key, request):
     r = decode(body, CompletionRequest)
     gw.check_model(r.model)
     _refuse_unsupported(r)
-    reqs = [gw.with_cache(x, key) for x in completion_requests(r)]
+    reqs = [gw.prepare(x, key) for x in completion_requests(r)]
     run = ServeRun(gw, "completions", reqs, r.n or 1, key, gw.priority(request, key))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": r.model, "system_fingerprint": gw.fingerprint}

@@ -46,6 +46,7 @@ class GatewayConfig:
     request_timeout: float = 600.0
     max_stored_responses: int = 1000
     max_stored_bytes: int = 64 << 20
+    default_max_tokens: Optional[int] = 2048
     programs: dict = field(default_factory=dict)
     model_aliases: list = field(default_factory=list)
     attachments: str = "placeholder"
@@ -61,6 +62,8 @@ class GatewayConfig:
                         ("--max-stored-mb", self.max_stored_bytes)):
             if v < 1:
                 raise ConfigError(f"{what} must be >= 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError("--default-max-tokens must be >= 1 (0: none)")
         if not 0 < self.request_timeout <= 86400:
             raise ConfigError("--request-timeout must be in (0, 86400] seconds")
         if self.attachments not in ("placeholder", "refuse"):
@@ -92,6 +95,10 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                    help="wall-clock limit of one request's program, seconds (default 600)")
     g.add_argument("--max-stored-responses", type=int, default=1000,
                    help="stored /v1/responses kept per user, oldest dropped first (default 1000)")
+    g.add_argument("--default-max-tokens", type=int, default=2048,
+                   help="tokens a request may generate when the client sets no limit (max_tokens, "
+                        "max_completion_tokens, max_output_tokens); 0: up to the end of the context "
+                        "(default 2048)")
     g.add_argument("--max-stored-mb", type=int, default=64,
                    help="MiB of stored /v1/responses kept per user, oldest dropped first (default 64)")
     g.add_argument("--program", action="append", default=[], metavar="ROUTE=PROGRAM",
@@ -120,6 +127,7 @@ def from_args(args, socket_path: str, host: str, port: int) -> GatewayConfig:
                          max_active=args.max_active, request_timeout=args.request_timeout,
                          max_stored_responses=args.max_stored_responses,
                          max_stored_bytes=args.max_stored_mb << 20, programs=programs,
+                         default_max_tokens=args.default_max_tokens or None,
                          model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
                          tls_cert=args.tls_cert, tls_key=args.tls_key)
 
@@ -132,7 +140,8 @@ def to_argv(args) -> list[str]:
                     ("--open-user", args.open_user), ("--max-body-mb", args.max_body_mb),
                     ("--max-active", args.max_active), ("--request-timeout", args.request_timeout),
                     ("--max-stored-responses", args.max_stored_responses),
-                    ("--max-stored-mb", args.max_stored_mb), ("--attachments", args.attachments),
+                    ("--max-stored-mb", args.max_stored_mb), ("--default-max-tokens", args.default_max_tokens),
+                    ("--attachments", args.attachments),
                     ("--prefix-cache", args.prefix_cache)):
         if v is not None:
             out += [flag, str(v)]

@@ -259,7 +259,7 @@ async def create(gw, body: bytes, key, request):
                            param="previous_response_id")
         conversation = prev.conversation + msgs
     req, tools, choice = serve_request(r, conversation)
-    gw.with_cache(req, key)
+    gw.prepare(req, key)
     rid = _new_id("resp")
     run = ServeRun(gw, "responses", [req], 1, key, gw.priority(request, key))
     b = Builder(r, rid, tools, choice, run)
