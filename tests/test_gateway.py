@@ -324,7 +324,8 @@ def test_disconnect_mid_stream_kills_the_program(gw):
 def test_a_slow_reader_holds_back_only_its_own_program(gw):
     """A client that stops reading a large stream: the kernel's output credit stops that program's
     send() (bounded bytes held for it), and every other client is served as usual."""
-    big = {"model": "tiny-test", "messages": [{"role": "user", "content": "BIG 20000"}], "stream": True}
+    big = {"model": "tiny-test", "messages": [{"role": "user", "content": "BIG 20000"}], "stream": True,
+           "max_tokens": 20000}
     kc = gw.client()
     with socket.create_connection(("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
