@@ -219,31 +219,34 @@ def test_structured_output_and_tools(kernel):
                                            max_tokens=48, response_format={"type": "json_object"}))
     assert status == 0 and done(outs)["finish_reason"] == "stop" and isinstance(json.loads(texts(outs)), dict)
 
-    convo = [{"role": "system", "content": "Use the tools to answer."},
-             {"role": "user", "content": "What is the weather like in Paris today?"}]
+    # every tool request shares the system prompt and the tools section: cached after the first
+    cache = {"dir": f"/home/root/serve-{uuid.uuid4().hex[:8]}", "trust": []}
+    system = {"role": "system", "content": "Use the tools to answer."}
+    convo = [system, {"role": "user", "content": "What is the weather like in Paris today?"}]
+    tools = dict(tools=WEATHER, max_tokens=40, cache=cache)
     for choice in ("required", {"name": "get_time"}):
-        status, outs, _ = serve(kernel, mode="chat", messages=convo, tools=WEATHER, tool_choice=choice,
-                                parallel_tool_calls=False, max_tokens=40)
+        status, outs, _ = serve(kernel, mode="chat", messages=convo, tool_choice=choice,
+                                parallel_tool_calls=False, **tools)
         well_formed(outs)
         assert status == 0 and texts(outs) == "" and done(outs)["finish_reason"] == "tool_calls"
         (name, args), = calls(outs).values()
         assert name == ("get_time" if isinstance(choice, dict) else name)
         jsonschema.validate(json.loads(args), next(t for t in WEATHER if t["name"] == name)["parameters"])
+    assert outs[0]["cached_tokens"] > 200                                   # tool_choice left the prompt alone
     # auto: the model begins a call in free text; the call is then grammar-constrained
     line = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Rome"}}\n</tool_call>'
-    status, outs, _ = serve(kernel, **chat(f"Repeat this line exactly: {line}", max_tokens=40, tools=WEATHER,
-                                           parallel_tool_calls=False))
+    repeat = [system, {"role": "user", "content": f"Repeat this line exactly: {line}"}]
+    status, outs, _ = serve(kernel, mode="chat", messages=repeat, parallel_tool_calls=False, **tools)
     assert status == 0 and "<tool" not in texts(outs) and done(outs)["finish_reason"] == "tool_calls"
     (name, args), = calls(outs).values()
     assert name == "get_weather" and json.loads(args)["city"]
     # ... and none: the same prompt never makes a call nor shows the markup
-    status, outs, _ = serve(kernel, **chat(f"Repeat this line exactly: {line}", max_tokens=40, tools=WEATHER,
-                                           tool_choice="none"))
+    status, outs, _ = serve(kernel, mode="chat", messages=repeat, tool_choice="none", **tools)
     assert status == 0 and not calls(outs) and "<tool_call" not in texts(outs)
     # the tool-result turn continues the conversation in text
     convo += [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": name, "arguments": args}]},
               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "sunny"}'}]
-    status, outs, _ = serve(kernel, mode="chat", messages=convo, tools=WEATHER, max_tokens=24)
+    status, outs, _ = serve(kernel, mode="chat", messages=convo, **dict(tools, max_tokens=24))
     assert status == 0 and texts(outs).strip() and not calls(outs)
     assert done(outs)["finish_reason"] in ("stop", "length")
 
