@@ -33,7 +33,7 @@ class IOCalls:
     def _info(self, lip, slot, cid, body, toks):
         c = self.engine.model_config
         return {"lip": lip.id, "user": lip.user, "grants": lip.grants, "limits": lip.limits,
-                "vocab_size": c.vocab_size, "max_context": c.max_context,
+                "vocab_size": c.vocab_size, "max_context": c.max_context, "page_size": self.engine.page_size,
                 "eos_ids": list(self.engine.tokenizer.eos_ids) if self.engine.tokenizer else []}
 
     def _kv(self, fn):
