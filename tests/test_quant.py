@@ -271,7 +271,7 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
     """The path qlinear's automatic choice (-1 or -2) takes for m rows (csrc/cpu/qlinear.cpp).
     The AVX2 8-row tiles (10, 11) are chosen only on CPUs without AVX-512 VNNI, which this
     test cannot see on one that has it: there the forced paths 10 / 11 are what is tested."""
-    t8 = not HAS_AVX512_VNNI and HAS_AVX2 and (m > 1 or qw.kind == U4)   # an i8 weight's row: no
+    t8 = not HAS_AVX512_VNNI and HAS_AVX2
     if path == -2:
         if HAS_AVX512_VNNI:
             return 7 if m < 2 else 8

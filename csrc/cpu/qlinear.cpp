@@ -255,12 +255,13 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 // Without AVX-512 VNNI (AVX2: the 8-row tiles, paths 10 / 11), from micro-benchmarks of
 // SmolLM2-135M's matrices on the Xeon with those paths forced, one thread (README.avx2t16.md):
 //   -2: the int8 8-row tiles (path 10), 1.2-1.3x the int8 row kernels (paths 5 / 6) at one row
-//       and 1.4-1.9x at 4 rows, up to the dense GEMM's rows above; except an i8 weight (Q8_0) at
-//       one row: a tie within +-5% over three runs (the transposes cost more a byte), the row
-//       kernel kept.
+//       and 1.4-1.9x at 4 rows, up to the dense GEMM's rows above (an i8 weight (Q8_0) at one
+//       row: a tie within +-5% over three runs; the tiles still, see below).
 //   -1, AVX2 without AVX-512: the 15-bit 8-row tiles (path 11) where the float AVX2 kernel ran,
 //       below 32 rows (1.2-1.4x its speed at one row, 1.05-1.9x from 4 rows), dense from 32 as
-//       before; an i8 weight at one row keeps the float kernel (a tie). Against the dense GEMM,
+//       before. An i8 weight at one row was a tie with the float kernel; it takes the tiles too,
+//       so that a sequence's logits do not depend on how many others share its batch (the
+//       float kernel and the 15-bit tiles differ by x's rounding: ~1.5e-3 on SmolLM2's logits). Against the dense GEMM,
 //       a layer's four matrices take 14% less time at 16 rows; at 24 and 32 4% and 15% less
 //       with MKL kept to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2 CPU), 8% and 28%
 //       more with its AVX-512 code here. With AVX-512 but no VNNI the float AVX-512 kernel
@@ -273,19 +274,22 @@ void check_path(const char* op, int64_t path) {
               "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
 }
 
+// Always a concrete path (>= 0): what the kernel's log line and the tests read is the kernel
+// that runs.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
   const bool t16 = cpu_has_avx512vnni();
-  const bool t8 = !t16 && cpu_has_avx2() && (M > 1 || d.kind == kQU4);
+  const bool t8 = !t16 && cpu_has_avx2();
   if (path == kAutoQ8) {
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
-    if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18))) return t8 ? kQ8T8Avx2 : kAutoQ8;
+    if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)))
+      return t8 ? kQ8T8Avx2 : cpu_has_avxvnni() ? kQ8AvxVnni : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
     return kDense;
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
   if (t8 && !cpu_has_avx512()) return kQ15T8Avx2;
   if (t16) return kQ15T16Avx512Vnni;
-  return kAuto;
+  return cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
 }
 
 DequantFn dequant_fn() {
@@ -351,8 +355,8 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     }
     return out;
   }
-  if (eff >= kQ8Scalar || eff == kAutoQ8) {
-    qlinear_q8(x, w, eff == kAutoQ8 ? kAuto : eff, out.data_ptr<float>());
+  if (eff >= kQ8Scalar) {
+    qlinear_q8(x, w, eff, out.data_ptr<float>());
     return out;
   }
   const RowsFn fn = rows_fn(eff);
