@@ -73,9 +73,11 @@ def _umask(text: str) -> int:
 _ADMISSION_FLAGS = (   # flag, default, what it bounds (all ints >= 1)
     ("--max-queued", 1024, "LIPs waiting in the admission queue, all users"),
     ("--max-queued-per-user", 256, "LIPs waiting in the admission queue, one user"),
-    ("--max-queued-mb", 256, "MiB of program source the waiting LIPs may hold, all users"),
+    ("--max-queued-mb", 256, "MiB of program source and arguments the waiting LIPs may hold, all users"),
+    ("--max-queued-mb-per-user", 64, "MiB of program source and arguments one user's waiting LIPs may hold"),
     ("--lip-kv-tokens", 512, "KV tokens a LIP is expected to need when its client gives no hint "
-                             "(spawn kv_tokens) and no LIP of its program ran lately"))
+                             "(spawn kv_tokens) and no LIP of its program ran lately"),
+    ("--spawn-rate", 50, "LIPs one user may start a second; more wait in the admission queue"))
 
 
 def _admission_args(p: argparse.ArgumentParser) -> None:
@@ -88,11 +90,13 @@ def _admission(p: argparse.ArgumentParser, args):
     """The admission queue's bounds from the flags (argparse error if one is bad)."""
     from .sched.admission import AdmissionLimits
     try:
-        return AdmissionLimits(args.max_queued, args.max_queued_per_user, args.max_queued_mb << 20,
-                               args.lip_kv_tokens)
+        return AdmissionLimits(max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
+                               max_queued_bytes=args.max_queued_mb << 20, default_kv_tokens=args.lip_kv_tokens,
+                               max_queued_bytes_per_user=args.max_queued_mb_per_user << 20,
+                               spawns_per_s=args.spawn_rate)
     except ValueError as e:
         p.error(f"admission queue: {e} (from --max-queued, --max-queued-per-user, --max-queued-mb, "
-                f"--lip-kv-tokens)")
+                f"--max-queued-mb-per-user, --lip-kv-tokens, --spawn-rate)")
 
 
 def kernel_main(argv=None) -> int:
@@ -124,6 +128,8 @@ def kernel_main(argv=None) -> int:
     p.add_argument("--max-lips", type=int, default=256,
                    help="LIPs running at once (default 256); more wait in the admission queue")
     _admission_args(p)
+    from .kernel import bounds as client_bounds
+    client_bounds.add_cli_args(p)
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
@@ -140,6 +146,7 @@ def kernel_main(argv=None) -> int:
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
     admission = _admission(p, args)
+    bounds = client_bounds.from_args(p, args)
     try:
         policy = _policy(args)
     except ValueError as e:
@@ -153,6 +160,9 @@ def kernel_main(argv=None) -> int:
         p.error(f"--lip-uids: {e}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
+    from .kernel.escape import SafeFormatter
+    for h in logging.getLogger().handlers:       # no control character from a LIP or client in a log line
+        h.setFormatter(SafeFormatter(LOG_FORMAT))
     log = logging.getLogger("symphony.kernel")
     import torch
     compute_threads = args.threads or torch.get_num_threads()
@@ -201,7 +211,7 @@ def kernel_main(argv=None) -> int:
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
                     test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait,
-                    compute_threads=compute_threads)
+                    compute_threads=compute_threads, bounds=bounds)
     try:
         import uvloop
         uvloop.run(kernel.serve())

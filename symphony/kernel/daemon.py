@@ -50,8 +50,10 @@ from symphony.kvfs import KVFS
 from symphony.sched.admission import AdmissionLimits
 
 from .admission import AdmissionControl, new_admission_state
+from .bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
 from .capabilities import Capabilities, CapPolicy
 from .identity import UidPool
+from .inflow import InputFlow
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
 from .lifecycle import LipLifecycle
 from .limits import LimitPolicy
@@ -65,6 +67,8 @@ from .syscalls import SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 
+LISTEN_BACKLOG = 1024       # connections waiting for accept (a flood of them is refused after accept)
+
 
 class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supervision):
     """The kernel daemon (see the module docstring)."""
@@ -75,7 +79,7 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
                  admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
-                 compute_threads: Optional[int] = None):
+                 compute_threads: Optional[int] = None, bounds: Optional[ClientBounds] = None):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -86,7 +90,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         ``kv_wait_s``: how long calls may all wait for device pages that
         cannot move before one LIP gets NoSpace (kernel/residency.py).
         ``compute_threads``: torch's CPU threads for the syscall thread, the one
-        that runs the model (None: leave torch's setting as it is)."""
+        that runs the model (None: leave torch's setting as it is).
+        ``bounds``: what one client or user may make the kernel hold (bounds.py)."""
         if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
             raise ValueError("fs must be built with evict_first=served.swap_out_first and "
                              "pinned=served.running_ids (a running LIP loses pages only whole)")
@@ -101,10 +106,14 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self.waitset = WaitSet()
         self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
         self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
+        self.bounds = bounds or ClientBounds()
+        self.inflow = InputFlow(self.bounds.max_input_bytes)          # the event loop's: unread input per LIP
+        self.conns = Connections(self.bounds, 0)      # the event loop's: connections (total set in serve)
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps,
                                  max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe,
-                                 lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads)
+                                 lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads,
+                                 on_input_read=self._input_read_threadsafe)
         self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
         self.fatal: Optional[str] = None      # why the kernel is going down after a failure
         self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle
@@ -159,11 +168,17 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self._supervise("admission queue", self._watch_admission)
         self.sys.thread.start()
         self._supervise("syscall thread watchdog", self._watch_syscall_thread)
+        nofile = open_file_limit()                     # the soft limit raised to the hard one
+        total = self.bounds.max_connections or max(2 * self.bounds.root_connections,
+                                                   nofile - FD_RESERVE - 2 * self.max_lips)
+        self.conns.total = total
+        log.info("client connections: at most %d (%d per user, the last %d root's; open-file limit %d)",
+                 total, self.bounds.max_connections_per_user, self.bounds.root_connections, nofile)
         if os.path.exists(self.socket_path):
             if _socket_alive(self.socket_path):
                 raise RuntimeError(f"another kernel is serving {self.socket_path}")
             os.unlink(self.socket_path)
-        self.server = await asyncio.start_unix_server(self._client, path=self.socket_path)
+        self.server = await asyncio.start_unix_server(self._client, path=self.socket_path, backlog=LISTEN_BACKLOG)
         os.chmod(self.socket_path, 0o666)       # any local user may connect; SO_PEERCRED says who
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stopping.set)
@@ -174,6 +189,10 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         await self.shutdown()
         if self.fatal:
             raise RuntimeError(f"the kernel stopped after a failure: {self.fatal}")
+
+    def _input_read_threadsafe(self, lip_id: int, n: int) -> None:
+        """The syscall thread: LIP ``lip_id``'s recv() took ``n`` bytes of input."""
+        self.loop.call_soon_threadsafe(self.inflow.taken, lip_id, n)
 
     async def shutdown(self) -> None:
         """Stop cleanly: kill every LIP (each client gets its exit event with the

@@ -18,6 +18,7 @@ from symphony.ipc.layout import RESP_BODY_OFF
 from symphony.ipc.protocol import encode_frame
 
 from .failure import fail as _fail
+from .inflow import input_bytes
 from .proc import LipProc
 
 MAX_MESSAGE_BYTES = 1 << 20
@@ -96,7 +97,12 @@ class IOCalls:
             return
         slot, cid = lip.parked_recv
         lip.parked_recv = None
-        self._reply(lip, slot, cid, {"data": lip.inbox.popleft()} if lip.inbox else {"eof": True})
+        if not lip.inbox:
+            self._reply(lip, slot, cid, {"eof": True})
+            return
+        data = lip.inbox.popleft()
+        self.on_input_read(lip.id, input_bytes(data))     # its sender may send more (inflow.py)
+        self._reply(lip, slot, cid, {"data": data})
 
     def _cap(self, op: str):
         """A capability call: run on the capability pool (policy, per-LIP share,

@@ -75,10 +75,11 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT,
                  on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None,
-                 kv_wait_s: float = KV_WAIT_S, compute_threads: Optional[int] = None):
-        """``emit``/``kill``/``on_fatal``: how this thread tells the event loop
-        of a LIP's output, a LIP to kill, and that it cannot go on (each safe
-        from any thread).  ``lips``: the LIP set whose `swap_out_first` and
+                 kv_wait_s: float = KV_WAIT_S, compute_threads: Optional[int] = None,
+                 on_input_read: Optional[Callable[[int, int], None]] = None):
+        """``emit``/``kill``/``on_fatal``/``on_input_read``: how this thread tells
+        the event loop of a LIP's output, a LIP to kill, that it cannot go on, and
+        that a LIP's recv() took so many bytes of input (each safe from any thread).  ``lips``: the LIP set whose `swap_out_first` and
         `running_ids` KVFS was built with (``KVFS(..., evict_first=
         lips.swap_out_first, pinned=lips.running_ids)``).  ``kv_wait_s``: how
         long calls may all wait for device pages that cannot move before the
@@ -92,6 +93,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
         self.emit, self.kill = emit, kill
         self.max_queued_output = max_queued_output
         self.on_fatal = on_fatal          # the thread cannot go on: shut the kernel down (any thread)
+        self.on_input_read = on_input_read or (lambda lip_id, n: None)
         self.crashes: deque = deque(maxlen=MAX_CRASHES)
         self.vocab = engine.model_config.vocab_size
         # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
