@@ -52,6 +52,7 @@ from symphony.sched.admission import AdmissionLimits
 from .admission import AdmissionControl, new_admission_state
 from .bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
 from .capabilities import Capabilities, CapPolicy
+from .cpu import CHECK_EVERY_S, CpuGovernor
 from .identity import UidPool
 from .inflow import InputFlow
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
@@ -68,6 +69,7 @@ from .syscalls import SyscallServer
 log = logging.getLogger("symphony.kernel")
 
 LISTEN_BACKLOG = 1024       # connections waiting for accept (a flood of them is refused after accept)
+BUSY_CPU = 0.1              # a LIP computing more of a core than this is reniced to 19 (cpu.py)
 
 
 class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supervision):
@@ -79,7 +81,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
                  admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
-                 compute_threads: Optional[int] = None, bounds: Optional[ClientBounds] = None):
+                 compute_threads: Optional[int] = None, bounds: Optional[ClientBounds] = None,
+                 lip_nice: int = 0, lip_busy_cpu: float = BUSY_CPU):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -91,7 +94,9 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         cannot move before one LIP gets NoSpace (kernel/residency.py).
         ``compute_threads``: torch's CPU threads for the syscall thread, the one
         that runs the model (None: leave torch's setting as it is).
-        ``bounds``: what one client or user may make the kernel hold (bounds.py)."""
+        ``bounds``: what one client or user may make the kernel hold (bounds.py).
+        ``lip_nice``: the nice value LIP workers start with (0..19); ``lip_busy_cpu``:
+        the share of a core above which one is reniced to 19 (cpu.py; 0: never)."""
         if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
             raise ValueError("fs must be built with evict_first=served.swap_out_first and "
                              "pinned=served.running_ids (a running LIP loses pages only whole)")
@@ -107,6 +112,10 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
         self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
         self.bounds = bounds or ClientBounds()
+        if not isinstance(lip_nice, int) or not 0 <= lip_nice <= 19:
+            raise ValueError(f"lip_nice must be an int in [0, 19], got {lip_nice!r}")
+        self.lip_nice = lip_nice
+        self.cpu = CpuGovernor(lip_busy_cpu, lip_nice, can_restore=os.geteuid() == 0)   # the event loop's
         self.inflow = InputFlow(self.bounds.max_input_bytes)          # the event loop's: unread input per LIP
         self.conns = Connections(self.bounds, 0)      # the event loop's: connections (total set in serve)
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
@@ -158,7 +167,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self._chan.setblocking(False)
         self.zygote = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name, str(child.fileno()),
-            str(os.getpid()), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), env=env)
+            str(os.getpid()), str(self.lip_nice), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),),
+            env=env)
         child.close()
         first = await asyncio.wait_for(self.loop.sock_recv(self._chan, 1 << 16), 60)
         if b"ready" not in first:
@@ -166,6 +176,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self._zy_task = self._supervise("zygote reader", self._read_zygote)
         self._supervise("process table", self._process_reports)
         self._supervise("admission queue", self._watch_admission)
+        if self.cpu.busy:
+            self._supervise("LIP CPU governor", self._watch_cpu)
         self.sys.thread.start()
         self._supervise("syscall thread watchdog", self._watch_syscall_thread)
         nofile = open_file_limit()                     # the soft limit raised to the hard one
@@ -189,6 +201,14 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         await self.shutdown()
         if self.fatal:
             raise RuntimeError(f"the kernel stopped after a failure: {self.fatal}")
+
+    async def _watch_cpu(self) -> None:
+        """Every CHECK_EVERY_S: renice the LIPs that keep a core busy (cpu.py)."""
+        while True:
+            await asyncio.sleep(CHECK_EVERY_S)
+            me, served = os.geteuid(), self.sys.snapshot
+            self.cpu.check((e.id, e.pid, self.uids.held.get(e.id, me), served.counters(e.id).calls)
+                           for e in self.procs if e.state == "running" and e.pid)
 
     def _input_read_threadsafe(self, lip_id: int, n: int) -> None:
         """The syscall thread: LIP ``lip_id``'s recv() took ``n`` bytes of input."""

@@ -54,12 +54,14 @@ class LipLifecycle:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ValueError("args must be a list of strings")
+        cap = self.bounds.max_args_bytes
+        args_bytes = sum(len(a) + 1 for a in args)        # characters first: a huge one is refused uncopied
+        if args_bytes <= cap:
+            args_bytes = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in args)
+        if args_bytes > cap:
+            raise ValueError(f"the LIP's {len(args)} arguments take {args_bytes} bytes or more, more than a LIP "
+                             f"may be given ({cap} bytes: symphony-kernel --max-args-kb {cap >> 10})")
         size = len(source.encode("utf-8", "surrogatepass"))
-        args_bytes = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in args)
-        if args_bytes > self.bounds.max_args_bytes:
-            cap = self.bounds.max_args_bytes
-            raise ValueError(f"the LIP's {len(args)} arguments take {args_bytes} bytes, more than a LIP may be "
-                             f"given ({cap} bytes: symphony-kernel --max-args-kb {cap >> 10})")
         if caller_uid is not None:
             check_caller(self.uids.kernel_uid, caller_uid, self.uids.can_switch)
         priority = self.policy.priority_for(user, msg.get("priority", "normal"))

@@ -8,6 +8,8 @@ Loop (never blocks on a LIP):
     3. if pred calls are queued, find them device pages (residency.py: the
        LIPs that must wait or are suspended are held) and run the others as
        one batch (one forward pass)
+    3b. run a slice of each user's slow call (a durable sync, a large
+       listing: slowlane.py), so that no one call holds the thread
     4. publish what it serves (`snapshot`: counters, KV pages) for the event
        loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
        after every command the event loop awaits (`call_future`: a reclaim,
@@ -50,6 +52,7 @@ from .pred_calls import PredCalls, _pin
 from .proc import LipProc, ServedLips
 from .replies import truncate_message
 from .residency import KV_WAIT_S, Residency
+from .slowlane import SlowLane, Writer
 from .snapshot import LipCounters, ServingSnapshot
 
 log = logging.getLogger("symphony.syscalls")
@@ -59,6 +62,7 @@ MAX_STRIKES = 8
 MAX_CRASHES = 20        # unexpected loop errors within CRASH_WINDOW_S before the kernel gives up
 CRASH_WINDOW_S = 10.0
 PUBLISH_EVERY_S = 0.005  # while busy, `snapshot` is at most this old
+RECLAIMABLE_EVERY_S = 0.25  # its kv_reclaimable at most this old (it walks the running LIPs' pages)
 
 
 class InjectedFault(Exception):
@@ -107,10 +111,13 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                                     gather_s=0.003)
         self.caps = caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES)
         self.stop = threading.Event()
+        self.slow = SlowLane()            # syncs and listings, in slices, fairly across users
+        self.writer = Writer(self.submit)  # durable files are written and fsynced off this thread
         self.batches = 0
         self.batch_calls = 0
         self.max_batch = 0
         self._dirty = False
+        self._reclaimable_n, self._reclaimable_at, self._reclaimable_stale = 0, float("-inf"), False
         self._admitted = 0
         self._init_residency(kv_wait_s)
         self._publish()                   # the first snapshot, before the thread starts
@@ -154,6 +161,23 @@ class SyscallServer(PredCalls, IOCalls, Residency):
         except TimeoutError:
             raise TimeoutError(f"kernel syscall thread did not answer in {timeout} s") from None
 
+    def slow_call(self, user: str, make_job: Callable[[], object]) -> Future:
+        """Run the job ``make_job()`` makes (slowlane.py) in the slow lane, charged
+        to ``user``; a Future of its result.  Never blocks (the event loop awaits it)."""
+        fut: Future = Future()
+
+        def done(result, error):
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        def start():
+            try:
+                self.slow.submit(user, make_job(), done)
+            except Exception as e:               # its checks failed: the caller's error
+                done(None, e)
+        self.submit(start)
+        return fut
+
     def inject_fault(self) -> None:
         """Test hook: make the loop raise an unexpected exception once."""
         def boom():
@@ -194,7 +218,12 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             work = self._poll()
             for lip, slot in work:
                 self._handle_safely(lip, slot)
-            if work:
+            busy, lane_s = bool(work), 0.0
+            if len(self.slow):                          # a slice of each user's slow call (slowlane.py)
+                t0 = time.perf_counter()
+                if self.slow.run():
+                    lane_s = time.perf_counter() - t0
+            if busy or lane_s:
                 self._dirty = True
             if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
                 self._publish()
@@ -205,10 +234,14 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                     self._dirty = True
                     continue
                 # every queued call waits for device pages: idle until something changes
-            if not work:
+            if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
+                self.door.wait(lane_s, self._has_calls)   # LIPs (nice 19) get the CPU it leaves
+            elif not busy:
                 wait = 0.05                    # short: muted LIP bells are polled
-                if self._dirty:                # wake in time to publish what was done
-                    wait = max(0.0, PUBLISH_EVERY_S - (time.monotonic() - self.snapshot.at))
+                if self._dirty:                # wake in time to publish what was done (and to count
+                    due = (self._reclaimable_at + RECLAIMABLE_EVERY_S if self._reclaimable_stale   # the
+                           else self.snapshot.at + PUBLISH_EVERY_S)                               # reclaimable)
+                    wait = min(wait, max(0.0, due - time.monotonic()))
                 self.door.wait(wait, self._has_work)
         log.info("syscall thread stopped")
 
@@ -222,6 +255,10 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             self._condemn(lip, f"killed: the kernel could not answer a system call ({type(e).__name__}: {e})")
 
     def _has_work(self) -> bool:
+        return self.slow.busy() or self._has_calls()
+
+    def _has_calls(self) -> bool:
+        """A command or a LIP's call waits."""
         if not self.commands.empty():
             return True
         return any(l.ring.pending() for l in self.lips.values() if l.state == "running")
@@ -317,12 +354,24 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
             kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
-            kv_reclaimable=self.fs.reclaimable(),
+            kv_reclaimable=self._reclaimable(),
             lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
             user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
             suspended=MappingProxyType({i: self.fs.resume_need(i) for i, l in self.lips.items() if l.suspended}),
-            overload=MappingProxyType({**self.fs.stats(), **self.overload}))
-        self._dirty = False
+            overload=MappingProxyType({**self.fs.stats(), **self.overload, "slow_calls": len(self.slow),
+                                       "slow_slices": self.slow.slices}))
+        self._dirty = self._reclaimable_stale
+
+    def _reclaimable(self) -> int:
+        """`KVFS.reclaimable`, computed at most every RECLAIMABLE_EVERY_S: it walks
+        the pages of the running LIPs' files, too much for every publish.  A
+        publish that used an older count leaves the snapshot to publish again
+        once it may be counted anew (`_serve`), so an idle kernel's is exact."""
+        now = time.monotonic()
+        self._reclaimable_stale = now - self._reclaimable_at < RECLAIMABLE_EVERY_S
+        if not self._reclaimable_stale:
+            self._reclaimable_n, self._reclaimable_at = self.fs.reclaimable(), now
+        return self._reclaimable_n
 
     # ------------------------------------------------------------------ dispatch
     def _handle(self, lip: LipProc, slot: int) -> None:

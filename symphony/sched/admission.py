@@ -64,7 +64,7 @@ class AdmissionLimits:
     max_queued_bytes: int = 256 << 20   # source + arguments of the waiting LIPs, all users (--max-queued-mb)
     default_kv_tokens: int = 512        # expected KV of a LIP with no hint and no history (--lip-kv-tokens)
     max_queued_bytes_per_user: int = 64 << 20   # the same, one user (--max-queued-mb-per-user)
-    spawns_per_s: int = 50              # LIPs one user may start a second (--spawn-rate); more wait
+    spawns_per_s: int = 20              # LIPs one user may start a second (--spawn-rate); more wait
 
     def __post_init__(self):
         for name in ("max_queued", "max_queued_per_user", "max_queued_bytes", "default_kv_tokens",
