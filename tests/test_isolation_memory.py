@@ -62,10 +62,10 @@ def test_arguments_are_bounded(mk):
             except KernelError as e:
                 refused.append(str(e))
         grown = rss_mib(mk.proc.pid) - rss0
+        print(f"arguments: kernel RSS +{grown:.0f} MiB; {len(refused)} of 24 spawns refused")
         ps = mk.client().ps()                                   # root's: fits the client's frame limit
         check_neighbour(mk, alone, "arguments")
     _end_all(mk)
-    print(f"arguments: kernel RSS +{grown:.0f} MiB; {len(refused)} of 24 spawns refused")
     assert len(refused) == 24 and "--max-args-kb 256" in refused[0], refused[:1]
     assert grown < RSS_BOUND_MIB and isinstance(ps["lips"], list)
 
@@ -107,11 +107,11 @@ def test_unread_input_is_bounded(mk):
     in_thread(flood)
     time.sleep(3)
     grown = rss_mib(mk.proc.pid) - rss0
+    print(f"input: {len(sent)} of 40 inputs taken; kernel RSS +{grown:.0f} MiB")
     st = mk.client().stats()
     check_neighbour(mk, alone, "input")
     a.close()                                                   # its LIP goes with it
     _end_all(mk)
-    print(f"input: {len(sent)} of 40 inputs taken; kernel RSS +{grown:.0f} MiB")
     assert grown < RSS_BOUND_MIB and len(sent) < 40
     assert st["input_queued_bytes"] <= 8 << 20, st
 
@@ -138,11 +138,11 @@ def test_partial_frames_are_bounded(mk):
     try:
         time.sleep(4)
         grown = rss_mib(mk.proc.pid) - rss0
+        print(f"partial frames: kernel RSS +{grown:.0f} MiB")
         check_neighbour(mk, alone, "partial frames")
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    print(f"partial frames: kernel RSS +{grown:.0f} MiB")
     assert grown < RSS_BOUND_MIB
 
 
@@ -163,9 +163,11 @@ def test_connections_are_bounded(mk):
     """1,100 idle connections of one user took every descriptor of the kernel
     (1,024 here): every other user's connection then failed."""
     alone = neighbour(mk)
+    rss0 = rss_mib(mk.proc.pid)
     pid = fork_as(ALICE_UID, lambda: _open_connections(mk.socket, 1100))
     try:
         time.sleep(2)                                           # the flood is refused (and the backlog drains)
+        print(f"connections: kernel RSS +{rss_mib(mk.proc.pid) - rss0:.0f} MiB")
         check_neighbour(mk, alone, "connections")
         st = mk.client().stats()
     finally:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, QuietHandler, http_servers, requires_root
-from isolation import SLEEPER, check_neighbour, neighbour, rss_mib, start_kernel, wait_until
+from isolation import check_neighbour, neighbour, rss_mib, start_kernel, wait_until
 
 HOSTILE = REPO / "tests/lips/hostile"
 BOUNDS = []

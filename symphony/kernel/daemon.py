@@ -26,6 +26,9 @@ The Kernel is five mixins over the state it owns, one file each:
     sessions.py    ClientSessions: the client RPC server, ps, stats
     output.py      OutputStreams: LIP output to clients, with back-pressure
     supervisor.py  Supervision: supervised tasks, watchdogs, loud failure
+and has, on the event loop, the connection table (bounds.py: connections and
+partial frames per user), the unread input per LIP (inflow.py) and the CPU
+governor (cpu.py).
 One owner per state: the event loop owns the process table and the clients'
 streams; the syscall thread owns the engine, KVFS and what it serves of each
 LIP (proc.py).  Each reads only the snapshots the other publishes

@@ -35,22 +35,19 @@ from concurrent.futures import Future
 from types import MappingProxyType
 from typing import Callable, Optional
 
-import orjson
 import torch
 
-from symphony.engine.engine import PredError
-from symphony.engine.page_allocator import OutOfPages
 from symphony.ipc import abi, schema
-from symphony.ipc.layout import RESP_BODY_OFF, RingError
+from symphony.ipc.layout import RingError
 from symphony.kvfs import KVFS, KVFSError
 from symphony.sched import BatchScheduler
 
+from .answers import Answers
 from .capabilities import Capabilities
 from .failure import SyscallFailure, fail as _fail
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, IOCalls, handler_table
 from .pred_calls import PredCalls, _pin
 from .proc import LipProc, ServedLips
-from .replies import truncate_message
 from .residency import KV_WAIT_S, Residency
 from .slowlane import SlowLane, Writer
 from .snapshot import LipCounters, ServingSnapshot
@@ -69,7 +66,7 @@ class InjectedFault(Exception):
     """Raised in the syscall loop by the --test-hooks ``syscall_crash`` hook."""
 
 
-class SyscallServer(PredCalls, IOCalls, Residency):
+class SyscallServer(PredCalls, IOCalls, Residency, Answers):
     """The syscall thread (`thread`) and the state it owns: the engine, KVFS,
     the scheduler and the LIPs it serves (`lips`).  Other threads reach it
     only through `submit` / `call_future` / `call` and read `snapshot`."""
@@ -312,6 +309,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             return LipCounters(), 0
         lip.state = "exited"
         self.sched.drop_lip(lip.id)
+        self._page_counts.pop(lip.id, None)
         peak = self.fs.quotas.peak(lip.id)
         closed = self.fs.exit_process(lip.id)
         if self.engine.device.type == "cuda":
@@ -357,7 +355,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             kv_reclaimable=self._reclaimable(),
             lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
             user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
-            suspended=MappingProxyType({i: self.fs.resume_need(i) for i, l in self.lips.items() if l.suspended}),
+            suspended=MappingProxyType({i: self._pages_of(l)[1] for i, l in self.lips.items() if l.suspended}),
             overload=MappingProxyType({**self.fs.stats(), **self.overload, "slow_calls": len(self.slow),
                                        "slow_slices": self.slow.slices}))
         self._dirty = self._reclaimable_stale
@@ -401,60 +399,6 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             self._reply_error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", code, str(e)))
         except Exception as e:
             self._reply_error(lip, slot, req.call_id, e)
-
-    def _reply(self, lip, slot, call_id, body: dict, arena=(abi.ARENA_NONE, 0, 0)) -> None:
-        """Answer a call with ``body``.  A body larger than the slot is kept for
-        the LIP to FETCH in chunks (see replies.py); if even that fails, the
-        call is answered with the error.  Never raises."""
-        if lip.state not in ("running", "killing"):
-            return
-        try:
-            data = orjson.dumps(body)
-            room = lip.ring.slot_bytes - RESP_BODY_OFF
-            if len(data) > room:
-                if arena[0] != abi.ARENA_NONE:
-                    _fail("SyscallError", "EIO", f"a reply of {len(data)} bytes with an arena does not fit a slot")
-                try:
-                    rid = lip.replies.put(data)
-                except OverflowError as e:
-                    _fail("NoSpace", "ENOBUFS", str(e))
-                lip.ring.respond(slot, call_id, abi.CHUNKED, orjson.dumps({"chunked": rid, "size": len(data)}))
-                return
-            lip.ring.respond(slot, call_id, abi.OK, data, *arena)
-        except Exception as e:
-            self._reply_error(lip, slot, call_id, e)
-
-    def _reply_error(self, lip, slot, call_id, e: BaseException) -> None:
-        """Answer a call with the error ``e``; its message is cut to a bounded
-        size, so it always fits the slot.  Never raises."""
-        try:
-            if isinstance(e, SyscallFailure):
-                t, code, msg = e.type, e.code, str(e)
-            elif isinstance(e, KVFSError):
-                t, code, msg = type(e).__name__, e.code, str(e)
-            elif isinstance(e, PredError):
-                t, code, msg = "PredError", "EINVAL", str(e)
-            elif isinstance(e, OutOfPages):
-                t, code, msg = "NoSpace", "ENOSPC", str(e)
-            else:
-                log.error("LIP %d: system call failed unexpectedly", lip.id, exc_info=e)
-                t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"
-            if lip.state in ("running", "killing"):
-                body = {"error": str(code)[:32], "type": str(t)[:64], "message": truncate_message(str(msg))}
-                lip.ring.respond(slot, call_id, abi.ERR, orjson.dumps(body))
-        except Exception as e2:
-            self._lost(lip, slot, call_id, e2)
-
-    def _lost(self, lip, slot, call_id, e: BaseException) -> None:
-        """A call could not be answered at all: its thread would wait forever, so
-        the LIP is killed (a torn-down LIP is simply forgotten)."""
-        try:
-            if lip.state == "running":
-                log.error("LIP %d: no reply could be written to slot %s (call %s): %r", lip.id, slot, call_id, e)
-                lip.state = "killing"
-                self.kill(lip.id, "killed: a system call reply could not be written")
-        except Exception:
-            log.exception("LIP %d: could not be failed", getattr(lip, "id", -1))
 
     _handlers: dict = {}
 

@@ -179,7 +179,7 @@ class DataOps:
         self.quotas.check({(who.user, who.pid): new + cow})
         self.quotas.check_refs(inode.owner, new)
         self._make_resident([inode], extra=new + cow, protect=protect)
-        fresh = self._new_blocks(who, inode.owner, new + cow)
+        fresh = self.refs.new(who, inode.owner, new + cow)
         blocks, replaced = list(inode.blocks), None
         if cow:
             replaced = blocks[-1]
@@ -193,14 +193,14 @@ class DataOps:
         inode = p.inode
         inode.blocks = p.blocks
         if p.replaced is not None:
-            self._drop_blocks([p.replaced], inode.owner)
+            self.refs.drop([p.replaced], inode.owner)
         inode.positions.extend(p.call.positions)
         inode.mtime = inode.atime = _now()
         self._lru_touch(inode)
 
     def _undo(self, plans: list[_Plan]) -> None:
         for p in plans:
-            self._drop_blocks(p.fresh, p.inode.owner)
+            self.refs.drop(p.fresh, p.inode.owner)
 
     # ------------------------------------------------------------------ fork / truncate
     def fork(self, who: Principal, hid: int, path: Optional[str] = None, mode: Optional[int] = None) -> int:
@@ -211,7 +211,7 @@ class DataOps:
         self.quotas.check_refs(who.user, len(src.blocks))
         new = self.create(who, path, mode)
         inode = self.handles[new].inode
-        self._hold_blocks(src.blocks, inode.owner)
+        self.refs.hold(src.blocks, inode.owner)
         inode.blocks = list(src.blocks)
         inode.positions = list(src.positions)
         inode.advice = src.advice if src.advice not in ("keep", "cache") else "normal"
@@ -263,7 +263,7 @@ class DataOps:
     def _cut(self, inode: Inode, n: int) -> None:
         """Keep the first ``n`` tokens of the file."""
         keep = pages_for(n, self.page_size)
-        self._drop_blocks(inode.blocks[keep:], inode.owner)
+        self.refs.drop(inode.blocks[keep:], inode.owner)
         del inode.blocks[keep:]
         del inode.positions[n:]
         inode.mtime = _now()
@@ -313,12 +313,12 @@ class DataOps:
         missing = [b for b in sources if b.device < 0]
         self._make_room(len(missing) + fresh, protect)
         self.pager.swap_in(missing)
-        it = iter(self._new_blocks(who, who.user, fresh))
+        it = iter(self.refs.new(who, who.user, fresh))
         src_p, src_o, dst_p, dst_o = [], [], [], []
         blocks = []
         for p in plan:
             if isinstance(p, Block):
-                self._hold_blocks([p], who.user)
+                self.refs.hold([p], who.user)
                 blocks.append(p)
             else:
                 nb = next(it)
@@ -333,7 +333,7 @@ class DataOps:
         try:
             hid = self.create(who, path, mode)
         except BaseException:
-            self._drop_blocks(blocks, who.user)
+            self.refs.drop(blocks, who.user)
             raise
         inode = self.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions

@@ -29,10 +29,11 @@ from .data import DataOps
 from .memory import MemoryOps
 from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, InvalidPath,
                      IsADirectory, NotADirectory, NotFound, PermissionDenied)
-from .namespace import (ADVICE, ROOT_USER, STICKY, Block, Directory, Handle, Inode, Node, Principal,
+from .namespace import (ADVICE, ROOT_USER, STICKY, Directory, Handle, Inode, Node, Principal,
                         may, may_unlink, split_path)
 from .pager import Pager
 from .quota import Quotas
+from .refs import BlockRefs
 
 log = logging.getLogger("symphony.kvfs")
 
@@ -74,6 +75,7 @@ class KVFS(DataOps, MemoryOps):
                 raise ValueError(f"KVFSConfig.{name} must be an int in 0..0o777, got {v!r}")
         self.quotas = Quotas(config.user_page_quota, config.process_page_quota, config.per_user_quota,
                              config.user_inode_quota, config.user_ref_quota)
+        self.refs = BlockRefs(self.pager, self.quotas, engine.kv.allocator)   # references and charges of pages
         self.root = Directory("", None, ROOT_USER, 0o755)
         for name, mode in (("shared", 0o1777), ("home", 0o755), ("tmp", 0o1777)):
             self.root.children[name] = Directory(name, self.root, ROOT_USER, mode)
@@ -424,56 +426,12 @@ class KVFS(DataOps, MemoryOps):
     def _maybe_free(self, inode: Inode) -> None:
         if inode.linked or inode.handles > 0:
             return
-        self._drop_blocks(inode.blocks, inode.owner)
+        self.refs.drop(inode.blocks, inode.owner)
         inode.blocks, inode.positions = [], []
         self.inodes.pop(inode.ino, None)
         self.lru_drop.pop(inode.ino, None)
         self.lru_normal.pop(inode.ino, None)
         self.lru_cache.pop(inode.ino, None)
-
-    def _hold_blocks(self, blocks: list[Block], holder: Optional[str] = None) -> None:
-        """One reference more on each of ``blocks``: an entry of a file of user
-        ``holder`` (None: the kernel's own, a sync copying them out)."""
-        for b in blocks:
-            b.ref += 1
-            if holder is not None:
-                b.holders[holder] = b.holders.get(holder, 0) + 1
-        if holder is not None:
-            self.quotas.refs_by_user[holder] += len(blocks)
-
-    def _drop_blocks(self, blocks: list[Block], holder: Optional[str] = None) -> None:
-        """One reference less on each of ``blocks`` (``holder`` as in `_hold_blocks`).
-        A block no one references is freed and uncharged; one whose charged user
-        no longer maps it while other users' files do is charged to one of them."""
-        for b in blocks:
-            b.ref -= 1
-            if holder is not None:
-                left = b.holders.get(holder, 0) - 1
-                if left > 0:
-                    b.holders[holder] = left
-                else:
-                    b.holders.pop(holder, None)
-            if b.ref == 0:
-                self.pager.release(b)
-                self.quotas.uncharge(b.user, b.pid)
-            elif b.user not in b.holders and b.holders:
-                self._recharge(b)
-        if holder is not None:
-            self.quotas.refs_by_user[holder] -= len(blocks)
-
-    def _recharge(self, b: Block) -> None:
-        """``b``'s charged user maps it no more: charge the user whose files map it most."""
-        new = max(b.holders, key=lambda u: (b.holders[u], u))
-        self.quotas.uncharge(b.user, b.pid)
-        b.user, b.pid = new, 0
-        self.quotas.charge(new, 0)
-
-    def _new_blocks(self, who: Principal, holder: str, n: int) -> list[Block]:
-        """``n`` fresh device pages, charged to ``who``, entries of a file of ``holder``."""
-        blocks = [Block(page, who.user, who.pid, holder) for page in self.engine.kv.allocator.allocate(n)]
-        self.quotas.charge(who.user, who.pid, n)
-        self.quotas.refs_by_user[holder] += n
-        return blocks
 
     def _lru_touch(self, inode: Inode) -> None:
         self.lru_drop.pop(inode.ino, None)

@@ -88,7 +88,7 @@ class Block:
     held by that user's files (the kernel's own, a sync copying it out, are
     not anyone's).  When the charged user's last reference goes and other
     users' files still hold the page, the charge moves to one of them
-    (`KVFS._drop_blocks`): no user pays for pages only others use.
+    (`refs.BlockRefs.drop`): no user pays for pages only others use.
     """
 
     __slots__ = ("id", "ref", "device", "host", "disk", "user", "pid", "holders")

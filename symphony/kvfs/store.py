@@ -87,12 +87,12 @@ def sync_snapshot(fs, inode: Inode) -> SyncSnapshot:
         "positions": inode.positions, "dtype": str(pool.dtype).replace("torch.", ""),
         "page_shape": [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]],
         "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot})
-    fs._hold_blocks(blocks)
+    fs.refs.hold(blocks)
     return SyncSnapshot(inode.path, header, blocks, n)
 
 
 def release_snapshot(fs, snap: SyncSnapshot) -> None:
-    fs._drop_blocks(snap.blocks)
+    fs.refs.drop(snap.blocks)
     snap.blocks = []
 
 
@@ -257,7 +257,7 @@ def load_durable(fs, file: Path) -> Inode:
                 fs.quotas.add_inode(nxt.owner)
         d = nxt
     if parts[-1] in d.children:
-        fs._drop_blocks(inode.blocks, owner)
+        fs.refs.drop(inode.blocks, owner)
         raise CorruptFile(f"{file}: {path} already exists")
     fs._link(d, parts[-1], inode)
     fs.inodes[inode.ino] = inode

@@ -15,7 +15,8 @@ that order may start, so a big LIP is never starved by small ones slipping
 past it; a higher-priority LIP is always ahead of a lower one, so it is never
 stuck behind it.  A LIP is not eligible, and waits for its own user's LIPs
 without blocking another user's, while its user already runs ``max_per_user``
-LIPs, or while its user's KV quota has no room for it (`Machine.user_room`):
+LIPs, has started ``spawns_per_s`` LIPs within the last second, or while its
+user's KV quota has no room for it (`Machine.user_room`):
 
     room(u) = quota(u) - pages charged to u - sum over u's admitted LIPs of
               the pages each is expected to need and does not hold yet
@@ -29,7 +30,9 @@ room for the KV it is expected to need::
     free = device_free + reclaimable - suspended - reserved(p) + lower(p)
 
 ``reserved(p)``: for each admitted LIP of priority >= p, the pages it is
-expected to need and does not hold yet; ``lower(p)``: the pages held by
+expected to need and does not hold yet, counted for each user only up to the
+user's share of the device (``capacity`` / the users with LIPs admitted or
+asking, less what the user holds); ``lower(p)``: the pages held by
 admitted LIPs of priority < p (the level-2 memory manager suspends those when
 a higher-priority LIP needs pages; their reservations do not count either).
 When no LIP is admitted at all, the head always starts: a LIP bigger than the
