@@ -192,16 +192,17 @@ def _client_cmd(args) -> int:
             if args.cmd == "run":
                 return _run(c, args)
             if args.cmd == "ps":
+                from .kernel.escape import printable   # a LIP's name and arguments may hold control characters
                 r = c.ps()
                 print(f"{'LIP':>5} {'USER':<10} {'STATE':<9} {'PID':>7} {'PREDS':>7} {'TOKENS':>8}  PROGRAM")
                 for l in r["lips"]:                # another user's LIP comes without its arguments
-                    args_ = " ".join(l["args"]) if "args" in l else "[args hidden]"
+                    args_ = printable(" ".join(l["args"])) if "args" in l else "[args hidden]"
                     if l["state"] == "queued":     # its place in the queue instead of a pid and counters
                         pid, preds, tokens = f"#{l.get('position')}", "-", f"{l.get('waited_s', 0):.1f}s"
                     else:
                         pid, preds, tokens = l["pid"], l["preds"], l["tokens"]
-                    print(f"{l['lip']:>5} {l['user']:<10} {l['state']:<9} {pid:>7} {preds:>7} "
-                          f"{tokens:>8}  {l['file']} {args_}"[:160])
+                    print(f"{l['lip']:>5} {printable(l['user']):<10} {l['state']:<9} {pid:>7} {preds:>7} "
+                          f"{tokens:>8}  {printable(l['file'])} {args_}"[:160])
                 return 0
             if args.cmd == "kill":
                 c.kill(args.lip)

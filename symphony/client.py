@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from typing import Iterator, Optional
 
 from .ipc.protocol import recv_frame_sync, send_frame_sync
@@ -38,10 +39,18 @@ class Client:
             return
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(self.path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise ConnectionError(f"no kernel is listening on {self.path} (start one with symphony-kernel)") from None
+        deadline = time.monotonic() + (timeout or 30)
+        while True:
+            try:
+                self.sock.connect(self.path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise ConnectionError(f"no kernel is listening on {self.path} (start one with symphony-kernel)") from None
+            except BlockingIOError:            # the kernel's backlog is full for a moment: try again
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"the kernel on {self.path} accepts no connection (its backlog "
+                                          f"stayed full)") from None
+                time.sleep(0.01)
 
     def __enter__(self):
         return self

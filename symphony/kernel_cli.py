@@ -73,9 +73,11 @@ def _umask(text: str) -> int:
 _ADMISSION_FLAGS = (   # flag, default, what it bounds (all ints >= 1)
     ("--max-queued", 1024, "LIPs waiting in the admission queue, all users"),
     ("--max-queued-per-user", 256, "LIPs waiting in the admission queue, one user"),
-    ("--max-queued-mb", 256, "MiB of program source the waiting LIPs may hold, all users"),
+    ("--max-queued-mb", 256, "MiB of program source and arguments the waiting LIPs may hold, all users"),
+    ("--max-queued-mb-per-user", 64, "MiB of program source and arguments one user's waiting LIPs may hold"),
     ("--lip-kv-tokens", 512, "KV tokens a LIP is expected to need when its client gives no hint "
-                             "(spawn kv_tokens) and no LIP of its program ran lately"))
+                             "(spawn kv_tokens) and no LIP of its program ran lately"),
+    ("--spawn-rate", 20, "LIPs one user may start a second; more wait in the admission queue"))
 
 
 def _admission_args(p: argparse.ArgumentParser) -> None:
@@ -88,11 +90,13 @@ def _admission(p: argparse.ArgumentParser, args):
     """The admission queue's bounds from the flags (argparse error if one is bad)."""
     from .sched.admission import AdmissionLimits
     try:
-        return AdmissionLimits(args.max_queued, args.max_queued_per_user, args.max_queued_mb << 20,
-                               args.lip_kv_tokens)
+        return AdmissionLimits(max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
+                               max_queued_bytes=args.max_queued_mb << 20, default_kv_tokens=args.lip_kv_tokens,
+                               max_queued_bytes_per_user=args.max_queued_mb_per_user << 20,
+                               spawns_per_s=args.spawn_rate)
     except ValueError as e:
         p.error(f"admission queue: {e} (from --max-queued, --max-queued-per-user, --max-queued-mb, "
-                f"--lip-kv-tokens)")
+                f"--max-queued-mb-per-user, --lip-kv-tokens, --spawn-rate)")
 
 
 def kernel_main(argv=None) -> int:
@@ -121,9 +125,14 @@ def kernel_main(argv=None) -> int:
                    help="octal bits cleared from every KV file/directory mode a LIP asks for (default 022: "
                         "no file is writable by other users; 077: nothing can be shared)")
     p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
+    p.add_argument("--user-page-refs", type=_nonneg_int, default=None,
+                   help="pages one user's KV files may map, a fork counting every page it shares (default "
+                        "16x --user-quota); root is exempt")
     p.add_argument("--max-lips", type=int, default=256,
                    help="LIPs running at once (default 256); more wait in the admission queue")
     _admission_args(p)
+    from .kernel import bounds as client_bounds
+    client_bounds.add_cli_args(p)
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
                         "are fed in chunks of half of it")
@@ -132,6 +141,12 @@ def kernel_main(argv=None) -> int:
                         "(default 61184-65519)")
     _limit_args(p)
     _cap_args(p)
+    p.add_argument("--lip-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
+                   help="nice value LIP workers start with (default 0)")
+    p.add_argument("--lip-busy-cpu", type=float, default=0.1, metavar="FRACTION",
+                   help="share of a core above which a LIP that computes between its calls (more than 2 ms "
+                        "a call) is reniced to 19, so that it runs on the CPU the model leaves (default 0.1; "
+                        "0: never)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads the model computes with (default: torch's, one per core); only "
                         "the syscall thread computes, the others use one")
@@ -149,10 +164,13 @@ def kernel_main(argv=None) -> int:
     args = p.parse_args(argv)
     caps = _cap_policy(p, args)                  # validated before the model loads
     admission = _admission(p, args)
+    bounds = client_bounds.from_args(p, args)
     try:
         policy = _policy(args)
     except ValueError as e:
         p.error(str(e))
+    if not 0 <= args.lip_busy_cpu <= 64:
+        p.error(f"--lip-busy-cpu must be in [0, 64] (a share of a core), got {args.lip_busy_cpu}")
     gateway = None
     if args.http is not None or args.gateway_uid is not None:
         from .gateway.config import ConfigError, parse_hostport, to_argv
@@ -171,6 +189,9 @@ def kernel_main(argv=None) -> int:
         p.error(f"--lip-uids: {e}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
+    from .kernel.escape import SafeFormatter
+    for h in logging.getLogger().handlers:       # no control character from a LIP or client in a log line
+        h.setFormatter(SafeFormatter(LOG_FORMAT))
     log = logging.getLogger("symphony.kernel")
     import torch
     compute_threads = args.threads or torch.get_num_threads()
@@ -206,20 +227,22 @@ def kernel_main(argv=None) -> int:
     user_pages = args.user_quota
     if isinstance(user_pages, float):               # a share of the device + host tiers
         user_pages = int(user_pages * (engine.kv.allocator.capacity + args.host_pages))
-    log.info("KV quotas: %d pages per user, %s per LIP, %d named files per user; umask %03o", user_pages,
-             args.process_quota if args.process_quota is not None else "no limit", args.user_inodes,
-             args.kv_umask)
+    user_refs = args.user_page_refs if args.user_page_refs is not None else 16 * user_pages
+    log.info("KV quotas: %d pages per user, %s per LIP, %d named files per user, %d pages mapped per user; "
+             "umask %03o", user_pages, args.process_quota if args.process_quota is not None else "no limit",
+             args.user_inodes, user_refs, args.kv_umask)
     served = ServedLips()                           # the syscall thread's LIPs: KVFS swaps blocked ones first
     fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
                                  durable_dir=args.durable_dir, user_page_quota=user_pages,
                                  process_page_quota=args.process_quota, user_inode_quota=args.user_inodes,
-                                 umask=args.kv_umask), evict_first=served.swap_out_first,
+                                 user_ref_quota=user_refs, umask=args.kv_umask), evict_first=served.swap_out_first,
               pinned=served.running_ids)     # running LIPs lose pages only whole (kernel/residency.py)
     kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
                     token_budget=args.token_budget, policy=policy,
                     max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
                     test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait,
-                    compute_threads=compute_threads, gateway=gateway)
+                    compute_threads=compute_threads, bounds=bounds, lip_nice=args.lip_nice,
+                    lip_busy_cpu=args.lip_busy_cpu, gateway=gateway)
     try:
         import uvloop
         uvloop.run(kernel.serve())
@@ -243,6 +266,9 @@ def _cap_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cap-workers", type=int, default=4, help="capability worker threads (default 4)")
     g.add_argument("--cap-share", type=int, default=2,
                    help="capability calls one LIP may have running at once; more wait their turn (default 2)")
+    g.add_argument("--cap-share-user", type=int, default=None,
+                   help="capability calls one user's LIPs may have running at once (default: half of "
+                        "--cap-workers); a user with none running never waits for other users' calls")
     g.add_argument("--cap-timeout", type=float, default=30.0,
                    help="longest a capability call may take, seconds (default 30; http's own timeout "
                         "may be shorter)")
@@ -258,7 +284,7 @@ def _cap_policy(p: argparse.ArgumentParser, args):
         return CapPolicy.build(allow_read=args.allow_read, deny_read=args.deny_read, allow_http=args.allow_http,
                                kernel_dirs=[args.durable_dir, args.swap_dir, build],
                                socket_path=args.socket or default_socket_path(), workers=args.cap_workers,
-                               per_lip=args.cap_share, timeout_s=args.cap_timeout)
+                               per_lip=args.cap_share, timeout_s=args.cap_timeout, per_user=args.cap_share_user)
     except (ValueError, RuntimeError) as e:
         p.error(str(e))
 

@@ -56,6 +56,7 @@ def smollm_reference(smollm):
 import contextlib
 import http.server
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -144,7 +145,10 @@ def connect_as(socket_path: str, uid: int, gid: Optional[int] = None):
 class KernelProc:
     """symphony-kernel running in a subprocess on its own socket."""
 
-    def __init__(self, tmp: Path, *extra: str):
+    def __init__(self, tmp: Path, *extra: str, nofile: Optional[int] = None, session: bool = False):
+        """``nofile``: the kernel's open-file limit (soft and hard), when a test needs it low;
+        ``session``: start it in a session of its own, as a service runs (then the test's own
+        threads, acting as other users' clients, are not in its CPU scheduling group)."""
         # the socket lives in a directory every user may search (tests connect as other uids)
         self.sock_dir = tempfile.mkdtemp(prefix="symphony-test-", dir="/tmp")
         os.chmod(self.sock_dir, 0o755)
@@ -154,7 +158,9 @@ class KernelProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
              "--socket", self.socket, "--kv-memory-mb", "192", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=session,
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                               (nofile, nofile)))
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:

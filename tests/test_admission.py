@@ -157,6 +157,43 @@ def test_bounds_refuse_with_a_clear_message():
         AdmissionLimits(max_queued=0)
 
 
+def test_one_users_reservations_count_only_up_to_their_share():
+    # ann's two admitted LIPs expect 594 more pages of a 512-page device: alone she reserves the
+    # device less the 6 pages she holds, beside bob only her half less them
+    m = machine(admitted=2, device_free=500, capacity=512, holding=((0, 2, 300, "ann"), (0, 4, 300, "ann")))
+    assert m.free_for(0, "ann") == 500 - (512 - 6)
+    assert m.free_for(0, "bob") == 500 - (256 - 6)
+    q = q_with(Waiting(9, "bob", 0, pages=32, arrived=1.0))
+    assert q.next_ready(m)[0].lip == 9
+    assert machine(device_free=500, holding=((0, 2, 300),)).free_for(0) == 500 - 298   # no capacity: as before
+
+
+def test_expectations_and_hints_are_bounded_by_the_device():
+    t = PeakTable()
+    k = program_key("ann", "x")
+    t.record(k, 10 ** 6)                                             # a past peak in every tier
+    assert t.expected_pages(k, None, 16, 512, most=511) == 511
+    assert t.expected_pages(k, 1 << 30, 16, 512, most=511) == 511
+    with pytest.raises(ValueError, match=r"kv_tokens 8177 is more than the device KV pool can ever hold "
+                                         r"\(8176 tokens\).*--kv-memory-mb"):
+        check_kv_tokens(8177, 8176)
+    assert check_kv_tokens(8176, 8176) == 8176
+
+
+def test_one_user_cannot_fill_the_queues_bytes_nor_start_without_bound():
+    lim = AdmissionLimits(max_queued_bytes=100, max_queued_bytes_per_user=40, spawns_per_s=2)
+    q = q_with(Waiting(1, "ann", 0, 1, 1.0, source_bytes=40), limits=lim)
+    with pytest.raises(QueueFull, match=r"user ann's waiting LIPs' programs and arguments take 40 bytes.*"
+                                        r"--max-queued-mb-per-user"):
+        q.push(Waiting(2, "ann", 0, 1, 2.0, source_bytes=1))
+    q.push(Waiting(2, "bob", 0, 1, 2.0, source_bytes=40))             # another user still may
+    q.admitted("ann", now=10.0)
+    q.admitted("ann", now=10.5)
+    w = Waiting(3, "ann", 0, 1, 3.0)
+    assert "started 2 LIPs within the last second" in q.held_back(w, machine(now=10.9))
+    assert q.held_back(w, machine(now=11.1)) == ""                    # the oldest start is a second old
+
+
 def test_stats_count_waits_and_timeouts():
     q = AdmissionQueue()
     q.admitted("ann")                                                   # at once: not a wait

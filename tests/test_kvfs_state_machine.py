@@ -236,13 +236,23 @@ class KVFSMachine(RuleBasedStateMachine):
 
     @invariant()
     def quotas_hold(self):
+        """Charges, holders and page references match the page tables.  A user's
+        charge may pass the quota only by a recharge: a page another user made
+        that only this user's files still map."""
         fs = self.fs
-        by_user = Counter()
-        for b in {b.id: b for i in fs.inodes.values() for b in i.blocks}.values():
+        by_user, refs, held = Counter(), Counter(), {}
+        for inode in fs.inodes.values():
+            refs[inode.owner] += len(inode.blocks)
+            for b in inode.blocks:
+                held.setdefault(b.id, (b, Counter()))[1][inode.owner] += 1
+        for b, owners in held.values():
             by_user[b.user] += 1
+            assert b.holders == dict(owners), f"{b}: holders {b.holders}, its files' owners {dict(owners)}"
         for user in ("alice", "bob", "carol"):
             assert fs.quotas.by_user[user] == by_user[user]
-            assert by_user[user] <= USER_QUOTA
+            assert fs.quotas.refs_by_user[user] == refs[user]
+            made = sum(1 for b, _ in held.values() if b.user == user and b.pid != 0)
+            assert made <= USER_QUOTA
         for pid, n in fs.quotas.by_pid.items():
             assert n <= PROC_QUOTA
 

@@ -16,7 +16,8 @@ an anonymous file: a foreign file is never forked.
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from symphony.lip import AlreadyExists, NotFound, PermissionDenied, info, kv, pred, send, tokenizer
+from symphony.lip import (AlreadyExists, NotFound, PermissionDenied, SyscallError, info, kv, pred, send,
+                          tokenizer)
 
 PREFIX = "/shared/parallel-sys.kv"
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one sentence."}
@@ -29,9 +30,11 @@ def warn(msg):
 
 def cached(path, tokens, mode):
     """``path`` opened read-only if it is (or, missing, can be made) a trusted
-    copy of ``tokens``' KV; None otherwise."""
+    copy of ``tokens``' KV; None otherwise.  A copy made here is always used
+    (three tries: another user may make and remove the path between two of
+    ours, but cannot remove ours), and one half made is removed."""
     me = info()["user"]
-    for _ in range(2):
+    for _ in range(3):
         try:
             f = kv.open(path)
         except PermissionDenied:
@@ -39,13 +42,20 @@ def cached(path, tokens, mode):
             return None
         except NotFound:
             try:
-                with kv.create(path, mode=mode) as f:
-                    pred(f, tokens)
+                f = kv.create(path, mode=mode)
             except AlreadyExists:
-                pass                                         # another LIP made it first: check it
+                continue                                     # another LIP made it first: check it
             except PermissionDenied as e:
                 warn(f"cannot create {path}: {e}")
                 return None
+            try:
+                pred(f, tokens)
+            except SyscallError as e:                        # e.g. out of quota: leave nothing behind
+                f.close()
+                kv.remove(path)
+                warn(f"cannot fill {path}: {e}")
+                return None
+            f.close()
             continue
         st = f.stat()                                        # the file this handle holds, not the path
         if st["owner"] not in TRUSTED | {me} or st["mode"] & 0o022:

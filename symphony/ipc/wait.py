@@ -152,14 +152,18 @@ class WaitSet:
     it returns.  The kernel never reads a LIP's eventfd (edge-triggered epoll
     reports every write without a read), so no value a LIP stores there, nor its
     reading it, nor making it blocking, can block or confuse the kernel: it only
-    decides whether *that* LIP's bell wakes the kernel.  A bell that rings
-    ``MUTE_AFTER`` times in a row with no request in its ring and none taken since
-    its last ring is muted (left out of the epoll set) for ``MUTE_S`` seconds,
-    doubling per repeat up to ``MUTE_MAX_S``: that LIP's calls are then seen by the
-    spin and the periodic poll only, which delays nobody else.
+    decides whether *that* LIP's bell wakes the kernel.  Each ring that finds no
+    request in its ring and none taken since its last ring is a strike; each
+    request taken pays off ``RINGS_PER_CALL`` strikes.  A bell with ``MUTE_AFTER``
+    strikes (a LIP ringing far more often than it calls, whether or not it calls
+    now and then) is muted (left out of the epoll set) for ``MUTE_S`` seconds,
+    doubling per repeat up to ``MUTE_MAX_S`` until its strikes are paid off: that
+    LIP's calls are then seen by the spin and the periodic poll only, which delays
+    nobody else.
     """
 
     MUTE_AFTER = 32
+    RINGS_PER_CALL = 2
     MUTE_S = 0.02
     MUTE_MAX_S = 0.5
 
@@ -218,8 +222,13 @@ class WaitSet:
 
     def _check(self, b: _Bell, now: float) -> None:
         r = b.ring
-        if r.taken != b.seen or r.pending():
-            b.seen, b.strikes, b.level = r.taken, 0, 0
+        new, b.seen = r.taken - b.seen, r.taken
+        if r.pending():
+            return                                  # a request waits: the ring was due
+        if new:                                     # requests came with the rings: each pays for
+            b.strikes = max(0, b.strikes - self.RINGS_PER_CALL * new)   # a few rings
+            if not b.strikes:
+                b.level = 0
             return
         b.strikes += 1
         if b.strikes >= self.MUTE_AFTER:

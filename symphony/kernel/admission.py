@@ -8,8 +8,8 @@ every `ADMISSION_TICK_S` while the queue is not empty (the serving snapshot,
 whose free pages it reads, changes meanwhile).  It never blocks: a start is
 the ring and the table's transition here, and the zygote's fork in a task.
 
-While a LIP waits, its client may send it input (kept, up to
-`AdmissionLimits.max_input_bytes`, and handed over in order once it starts),
+While a LIP waits, its client may send it input (kept, up to the input
+bound of inflow.py, and handed over in order once it starts),
 kill it, or go away (it is dropped: exit event, nothing to undo); its
 ``timeout`` limit counts the wait.  What a LIP of each program held at its
 peak is remembered (`PeakTable`) as the next one's expected KV.
@@ -37,7 +37,7 @@ class PendingStart:
 
     source: Optional[str]       # the program text; None once handed to the zygote
     filename: str
-    args: list
+    args: Optional[list]        # its arguments; None once handed to the zygote
     grants: dict
     limits: dict
     owner: Optional[tuple]
@@ -45,7 +45,6 @@ class PendingStart:
     pages: int                  # KV pages it is expected to need
     queued_at: float            # time.monotonic() of the request
     inputs: list = field(default_factory=list)      # input sent while it waited, in order
-    input_bytes: int = 0
 
 
 class AdmissionControl:
@@ -57,11 +56,12 @@ class AdmissionControl:
         serving snapshot."""
         snap = self.sys.snapshot
         admitted = [e for e in self.procs if e.state != "queued" and e.id in self.pending]
-        holding = tuple((e.row.priority, snap.lip_pages.get(e.id, 0), self.pending[e.id].pages)
+        holding = tuple((e.row.priority, snap.lip_pages.get(e.id, 0), self.pending[e.id].pages, e.row.user)
                         for e in admitted)
         return Machine(self.procs.admitted, self.max_lips, self.procs.admitted_by_user(),
                        self.policy.max_lips_per_user, snap.kv_device_free, snap.kv_reclaimable,
-                       sum(snap.suspended.values()), holding, self._user_room(snap, admitted))
+                       sum(snap.suspended.values()), holding, self._user_room(snap, admitted),
+                       snap.kv_pages_total, time.monotonic())
 
     def _user_room(self, snap, admitted) -> dict:
         """{waiting user: KV pages their quota has left for one more LIP}: the quota, less the
@@ -125,22 +125,15 @@ class AdmissionControl:
             self._end_queued(w.lip, f"could not start: {e}", tell=not immediate, pump=False)
             return ""
         immediate = w.lip in self._spawning
-        self.admission.admitted(w.user, None if immediate else waited)
+        self.admission.admitted(w.user, None if immediate else waited, time.monotonic())
         if not immediate:
             log.info("LIP %d admitted after waiting %.2f s", w.lip, waited)
             self._deliver(w.lip, {"event": "started", "lip": w.lip, "waited_s": round(waited, 3)})
         return ""
 
     def _queue_input(self, lip_id: int, data: Optional[str]) -> None:
-        """Keep input for a queued LIP; ValueError beyond the bound."""
-        p = self.pending[lip_id]
-        n = len(data.encode("utf-8", "surrogatepass")) if data is not None else 0
-        cap = self.admission.limits.max_input_bytes
-        if p.input_bytes + n > cap:
-            raise ValueError(f"LIP {lip_id} is queued and holds {p.input_bytes} bytes of input already; "
-                             f"at most {cap} bytes are kept for a LIP until it starts")
-        p.inputs.append(data)
-        p.input_bytes += n
+        """Keep input for a queued LIP (bounded by the sender's back-pressure, inflow.py)."""
+        self.pending[lip_id].inputs.append(data)
 
     def _timed_out(self, lip_id: int, secs: float) -> None:
         """A LIP's wall-clock limit passed: waiting counts."""

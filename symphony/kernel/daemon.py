@@ -26,6 +26,9 @@ The Kernel is five mixins over the state it owns, one file each:
     sessions.py    ClientSessions: the client RPC server, ps, stats
     output.py      OutputStreams: LIP output to clients, with back-pressure
     supervisor.py  Supervision: supervised tasks, watchdogs, loud failure
+and has, on the event loop, the connection table (bounds.py: connections and
+partial frames per user), the unread input per LIP (inflow.py) and the CPU
+governor (cpu.py).
 One owner per state: the event loop owns the process table and the clients'
 streams; the syscall thread owns the engine, KVFS and what it serves of each
 LIP (proc.py).  Each reads only the snapshots the other publishes
@@ -50,8 +53,11 @@ from symphony.kvfs import KVFS
 from symphony.sched.admission import AdmissionLimits
 
 from .admission import AdmissionControl, new_admission_state
+from .bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
 from .capabilities import Capabilities, CapPolicy
+from .cpu import CHECK_EVERY_S, CpuGovernor
 from .identity import UidPool
+from .inflow import InputFlow
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
 from .lifecycle import LipLifecycle
 from .limits import LimitPolicy
@@ -65,6 +71,9 @@ from .syscalls import SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 
+LISTEN_BACKLOG = 1024       # connections waiting for accept (a flood of them is refused after accept)
+BUSY_CPU = 0.1              # a LIP computing more of a core than this is reniced to 19 (cpu.py)
+
 
 class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supervision):
     """The kernel daemon (see the module docstring)."""
@@ -75,7 +84,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                  max_queued_output: int = MAX_QUEUED_OUTPUT, cap_policy: Optional[CapPolicy] = None,
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
                  admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
-                 compute_threads: Optional[int] = None, gateway: Optional[dict] = None):
+                 compute_threads: Optional[int] = None, bounds: Optional[ClientBounds] = None,
+                 lip_nice: int = 0, lip_busy_cpu: float = BUSY_CPU, gateway: Optional[dict] = None):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -87,6 +97,9 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         cannot move before one LIP gets NoSpace (kernel/residency.py).
         ``compute_threads``: torch's CPU threads for the syscall thread, the one
         that runs the model (None: leave torch's setting as it is).
+        ``bounds``: what one client or user may make the kernel hold (bounds.py).
+        ``lip_nice``: the nice value LIP workers start with (0..19); ``lip_busy_cpu``:
+        the share of a core above which one is reniced to 19 (cpu.py; 0: never).
         ``gateway``: {"http": "HOST:PORT", "uid": UID or None, "argv": [...]}
         to start the HTTP gateway once ready (gateway_proc.py); ``uid``: the
         uid it serves as, trusted to act for any user but root (None: a free
@@ -105,10 +118,18 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self.waitset = WaitSet()
         self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
         self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
+        self.bounds = bounds or ClientBounds()
+        if not isinstance(lip_nice, int) or not 0 <= lip_nice <= 19:
+            raise ValueError(f"lip_nice must be an int in [0, 19], got {lip_nice!r}")
+        self.lip_nice = lip_nice
+        self.cpu = CpuGovernor(lip_busy_cpu, lip_nice, can_restore=os.geteuid() == 0)   # the event loop's
+        self.inflow = InputFlow(self.bounds.max_input_bytes)          # the event loop's: unread input per LIP
+        self.conns = Connections(self.bounds, 0)      # the event loop's: connections (total set in serve)
         self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
                                  max_batch_tokens=token_budget, caps=self.caps,
                                  max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe,
-                                 lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads)
+                                 lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads,
+                                 on_input_read=self._input_read_threadsafe)
         self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
         self.gateway_spec = gateway
         self.gateway_uid: Optional[int] = None
@@ -118,6 +139,7 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
             if uid is None:
                 uid = self.uids.allocate(-1) if self.uids.can_switch else self.uids.kernel_uid
             self.gateway_uid = uid
+            self.conns.exempt = frozenset({uid})      # one connection per LIP, for many users
         self.fatal: Optional[str] = None      # why the kernel is going down after a failure
         self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle
         self.admission, self.peaks = new_admission_state(admission or AdmissionLimits())   # the event loop's
@@ -161,7 +183,8 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self._chan.setblocking(False)
         self.zygote = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name, str(child.fileno()),
-            str(os.getpid()), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),), env=env)
+            str(os.getpid()), str(self.lip_nice), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),),
+            env=env)
         child.close()
         first = await asyncio.wait_for(self.loop.sock_recv(self._chan, 1 << 16), 60)
         if b"ready" not in first:
@@ -169,13 +192,21 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         self._zy_task = self._supervise("zygote reader", self._read_zygote)
         self._supervise("process table", self._process_reports)
         self._supervise("admission queue", self._watch_admission)
+        if self.cpu.busy:
+            self._supervise("LIP CPU governor", self._watch_cpu)
         self.sys.thread.start()
         self._supervise("syscall thread watchdog", self._watch_syscall_thread)
+        nofile = open_file_limit()                     # the soft limit raised to the hard one
+        total = self.bounds.max_connections or max(2 * self.bounds.root_connections,
+                                                   nofile - FD_RESERVE - 2 * self.max_lips)
+        self.conns.total = total
+        log.info("client connections: at most %d (%d per user, the last %d root's; open-file limit %d)",
+                 total, self.bounds.max_connections_per_user, self.bounds.root_connections, nofile)
         if os.path.exists(self.socket_path):
             if _socket_alive(self.socket_path):
                 raise RuntimeError(f"another kernel is serving {self.socket_path}")
             os.unlink(self.socket_path)
-        self.server = await asyncio.start_unix_server(self._client, path=self.socket_path)
+        self.server = await asyncio.start_unix_server(self._client, path=self.socket_path, backlog=LISTEN_BACKLOG)
         os.chmod(self.socket_path, 0o666)       # any local user may connect; SO_PEERCRED says who
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stopping.set)
@@ -193,6 +224,18 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         await self.shutdown()
         if self.fatal:
             raise RuntimeError(f"the kernel stopped after a failure: {self.fatal}")
+
+    async def _watch_cpu(self) -> None:
+        """Every CHECK_EVERY_S: renice the LIPs that keep a core busy (cpu.py)."""
+        while True:
+            await asyncio.sleep(CHECK_EVERY_S)
+            me, served = os.geteuid(), self.sys.snapshot
+            self.cpu.check((e.id, e.pid, self.uids.held.get(e.id, me), served.counters(e.id).calls)
+                           for e in self.procs if e.state == "running" and e.pid)
+
+    def _input_read_threadsafe(self, lip_id: int, n: int) -> None:
+        """The syscall thread: LIP ``lip_id``'s recv() took ``n`` bytes of input."""
+        self.loop.call_soon_threadsafe(self.inflow.taken, lip_id, n)
 
     async def shutdown(self) -> None:
         """Stop cleanly: kill every LIP (each client gets its exit event with the

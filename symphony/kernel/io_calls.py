@@ -7,6 +7,7 @@ only what depends on the kernel's state (handles, paths, permissions, sizes).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import orjson
@@ -17,8 +18,12 @@ from symphony.ipc import abi
 from symphony.ipc.layout import RESP_BODY_OFF
 from symphony.ipc.protocol import encode_frame
 
+from .durable import list_job, sync_job
 from .failure import fail as _fail
+from .inflow import input_bytes
 from .proc import LipProc
+
+log = logging.getLogger("symphony.syscalls")
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits
@@ -96,7 +101,12 @@ class IOCalls:
             return
         slot, cid = lip.parked_recv
         lip.parked_recv = None
-        self._reply(lip, slot, cid, {"data": lip.inbox.popleft()} if lip.inbox else {"eof": True})
+        if not lip.inbox:
+            self._reply(lip, slot, cid, {"eof": True})
+            return
+        data = lip.inbox.popleft()
+        self.on_input_read(lip.id, input_bytes(data))     # its sender may send more (inflow.py)
+        self._reply(lip, slot, cid, {"data": data})
 
     def _cap(self, op: str):
         """A capability call: run on the capability pool (policy, per-LIP share,
@@ -117,7 +127,41 @@ class IOCalls:
             return None
         return h
 
+    def _slow(self, lip, slot, cid, job) -> None:
+        """Run ``job`` in the slow lane, charged to the LIP's user; answer when it is done."""
+        def done(result, err):
+            if err is None:
+                self._reply(lip, slot, cid, result)
+            else:
+                self._reply_error(lip, slot, cid, err)
+        self.slow.submit(lip.user, job, done)
+
+    def _kv_sync(self, lip, slot, cid, body, toks):
+        inode = self.fs.sync_target(lip.principal, body.kv)         # its errors at once
+        self._slow(lip, slot, cid, sync_job(self.fs, self.writer, inode))
+
+    def _kv_list(self, lip, slot, cid, body, toks):
+        self._slow(lip, slot, cid, _entries(list_job(self.fs, lip.principal, body.path)))
+
+    def _kv_rename(self, lip, slot, cid, body, toks):
+        node = self.fs.rename(lip.principal, body.old, body.new, rewrite_durable=False)
+        if getattr(node, "durable", False):                          # its copy under the new path, later
+            self.slow.submit(lip.user, sync_job(self.fs, self.writer, node), _logged(node.path))
+        return {}
+
     _handlers: dict = {}
+
+
+def _entries(job):
+    """A listing job whose result is the reply {"entries": [...]}."""
+    return {"entries": (yield from job)}
+
+
+def _logged(path):
+    def done(result, err):
+        if err is not None:
+            log.error("durable copy of renamed %s not rewritten: %s: %s", path, type(err).__name__, err)
+    return done
 
 
 def _kv_create(s, who, b):
@@ -158,10 +202,6 @@ def _kv_stat(s, who, b):
     return s.fs.stat(who, b.kv if b.kv is not None else b.path)
 
 
-def _kv_list(s, who, b):
-    return {"entries": s.fs.list(who, b.path)}
-
-
 def _kv_advise(s, who, b):
     s.fs.advise(who, b.kv, b.hint, b.seconds)
     return {}
@@ -182,10 +222,9 @@ def handler_table(S) -> dict:
         abi.KV_CREATE: S._kv(S, _kv_create), abi.KV_OPEN: S._kv(S, _kv_open),
         abi.KV_CLOSE: S._kv(S, _kv_close), abi.KV_FORK: S._kv(S, _kv_fork),
         abi.KV_TRUNCATE: S._kv(S, _kv_truncate), abi.KV_EXTRACT: S._kv(S, _kv_extract),
-        abi.KV_MERGE: S._kv(S, _kv_merge), abi.KV_STAT: S._kv(S, _kv_stat), abi.KV_LIST: S._kv(S, _kv_list),
+        abi.KV_MERGE: S._kv(S, _kv_merge), abi.KV_STAT: S._kv(S, _kv_stat), abi.KV_LIST: S._kv_list,
         abi.KV_ADVISE: S._kv(S, _kv_advise), abi.KV_REMOVE: S._kv(S, _kv_simple("remove", "path")),
-        abi.KV_RENAME: S._kv(S, _kv_simple("rename", "old", "new")),
-        abi.KV_SYNC: S._kv(S, _kv_simple("sync", "kv")),
+        abi.KV_RENAME: S._kv_rename, abi.KV_SYNC: S._kv_sync,
         abi.KV_MKDIR: S._kv(S, _kv_simple("mkdir", "path", "mode")),
         abi.KV_RMDIR: S._kv(S, _kv_simple("rmdir", "path")),
         abi.SEND: S._send, abi.RECV: S._recv, abi.WRITE_STREAM: S._write_stream, abi.FETCH: S._fetch,

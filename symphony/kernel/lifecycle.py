@@ -30,9 +30,10 @@ from symphony.sched.admission import Waiting, check_kv_tokens, program_key
 
 from .admission import PendingStart
 from .capabilities import Identity
+from .escape import printable
 from .identity import check_caller
 from .proc import LipProc
-from .snapshot import LipCounters, ProcRow
+from .snapshot import LipCounters, ProcRow, shown_args
 
 log = logging.getLogger("symphony.kernel")
 
@@ -53,22 +54,34 @@ class LipLifecycle:
             raise ValueError(f"source must be a string of at most {MAX_SOURCE} bytes")
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ValueError("args must be a list of strings")
+        cap = self.bounds.max_args_bytes
+        args_bytes = sum(len(a) + 1 for a in args)        # characters first: a huge one is refused uncopied
+        if args_bytes <= cap:
+            args_bytes = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in args)
+        if args_bytes > cap:
+            raise ValueError(f"the LIP's {len(args)} arguments take {args_bytes} bytes or more, more than a LIP "
+                             f"may be given ({cap} bytes: symphony-kernel --max-args-kb {cap >> 10})")
+        size = len(source.encode("utf-8", "surrogatepass"))
         if caller_uid is not None:
             check_caller(self.uids.kernel_uid, caller_uid, self.uids.can_switch)
         priority = self.policy.priority_for(user, msg.get("priority", "normal"))
         grants = self.caps.policy.check_grants(msg.get("grants") or {}, owner)
         limits = self.policy.limits_for(msg.get("limits"))
-        kv_tokens = check_kv_tokens(msg.get("kv_tokens"))
+        device = self.engine.kv.allocator.capacity
+        kv_tokens = check_kv_tokens(msg.get("kv_tokens"), device * self.engine.page_size)
         key = program_key(user, source)
+        quota = self.fs.quotas.limit_for(user)             # fixed when KVFS was made
         pages = self.peaks.expected_pages(key, kv_tokens, self.engine.page_size,
-                                          self.admission.limits.default_kv_tokens)
+                                          self.admission.limits.default_kv_tokens,
+                                          most=device if quota is None else min(device, quota))
         lip_id = self.next_id
-        self.admission.push(Waiting(lip_id, user, priority, pages, time.monotonic(), len(source)))  # QueueFull
+        self.admission.push(Waiting(lip_id, user, priority, pages, time.monotonic(), size + args_bytes))  # QueueFull
         self.next_id += 1
-        filename = str(filename)[:200]
+        filename = printable(str(filename)[:200])
         self.pending[lip_id] = PendingStart(source, filename, args, grants, limits, owner, key, pages,
                                             time.monotonic())
-        self.procs.queue(ProcRow(lip_id, user, filename, "queued", priority, 0, time.time(), tuple(args), limits))
+        self.procs.queue(ProcRow(lip_id, user, filename, "queued", priority, 0, time.time(), shown_args(args),
+                                 limits))
         if watcher is not None:                        # before the fork: no early output is lost
             self.watchers.setdefault(lip_id, set()).add(watcher)
         if limits.get("timeout"):                      # the wait in the queue counts
@@ -101,7 +114,7 @@ class LipLifecycle:
         except BaseException:
             self.uids.release(lip_id)
             raise
-        lip = LipProc(lip_id, row.user, p.filename, p.args, ring, p.grants, p.limits)
+        lip = LipProc(lip_id, row.user, p.filename, row.args, ring, p.grants, p.limits)
         lip.priority = row.priority
         lip.owner_uid, lip.owner_gid, lip.owner_groups = p.owner or (-1, -1, ())   # file capabilities' identity
         self.procs.admit(lip_id, ring)
@@ -109,18 +122,18 @@ class LipLifecycle:
                                                        # before the zygote forks (FIFO)
         for data in p.inputs:                          # what it was sent while it waited, in order
             self.sys.submit(lambda d=data: self.sys.give_input(lip_id, d))
-        source, p.source, p.inputs = p.source, None, []
-        task = self.loop.create_task(self._fork(lip_id, source, p, ring, uid))
+        source, args, p.source, p.args, p.inputs = p.source, p.args, None, None, []   # the worker's alone now
+        task = self.loop.create_task(self._fork(lip_id, source, args, p, ring, uid))
         self._forks.add(task)
         task.add_done_callback(self._forked)
-        log.info("LIP %d spawned: %s %s (user %s)", lip_id, p.filename, " ".join(p.args)[:80], row.user)
+        log.info("LIP %d spawned: %s %s (user %s)", lip_id, p.filename, " ".join(row.args)[:80], row.user)
 
-    async def _fork(self, lip_id: int, source: str, p: PendingStart, ring, uid) -> None:
+    async def _fork(self, lip_id: int, source: str, args: list, p: PendingStart, ring, uid) -> None:
         """Ask the zygote to fork LIP ``lip_id``'s worker; the program travels
         in a memfd only the worker reads, the zygote sees ids and fds."""
         prog = os.memfd_create(f"lip{lip_id}", os.MFD_CLOEXEC)
         try:
-            data = orjson.dumps({"source": source, "filename": p.filename, "args": p.args})
+            data = orjson.dumps({"source": source, "filename": p.filename, "args": args})
             view = memoryview(data)
             while view:
                 view = view[os.write(prog, view):]

@@ -36,6 +36,7 @@ class OutputStreams:
         self.history.pop(lip_id, None)                 # a detached LIP's unread output goes with it
         self.history_bytes.pop(lip_id, None)
         self.owed.pop(lip_id, None)
+        self.inflow.forget(lip_id)                     # and its unread input; waiting senders give up
 
     def _emit_threadsafe(self, lip_id: int, event: dict) -> None:
         self.loop.call_soon_threadsafe(self._deliver, lip_id, event)

@@ -44,6 +44,7 @@ class Residency:
                                      reclaim=self._reclaim_pages, suspend=self._suspend_lip,
                                      resume=self._resume_lip)
         self.overload: Counter = Counter()      # suspensions, resumes, memory_waits, kv_wait_failures
+        self._page_counts: dict = {}            # lip -> (when, device pages, resume need, holds any): _pages_of
         self._stalled_since = None
 
     # ------------------------------------------------------------------ the plan
@@ -65,15 +66,31 @@ class Residency:
             if lip.state != "running":
                 continue
             queued = lip.id in chunks
-            mem.append(LipMem(lip.id, lip.priority, lip.admitted,
-                              0 if lip.suspended else self.fs.pid_device_pages(lip.id), needs.get(lip.id, 0),
-                              lip.suspended, self.fs.resume_need(lip.id) if lip.suspended else 0,
-                              blocked=lip.blocked and not queued, fresh=self.fs.pid_pages(lip.id) == 0))
+            device, resume, holds = self._pages_of(lip)
+            mem.append(LipMem(lip.id, lip.priority, lip.admitted, device, needs.get(lip.id, 0),
+                              lip.suspended, resume, blocked=lip.blocked and not queued, fresh=not holds))
         headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
         plan = self.planner.plan(mem, headroom, self.engine.kv.allocator.capacity)
         if plan.wait:
             self.overload["memory_waits"] += len(plan.wait)
         self.sched.held = {l.id for l in self.lips.values() if l.suspended} | set(plan.wait)
+
+    def _pages_of(self, lip) -> tuple[int, int, bool]:
+        """(device pages of its files, or 0 if suspended; device pages it needs back
+        to resume, or 0; whether its files hold any page).  Counting walks its
+        files' page tables (a LIP with thousands of forks has millions of
+        entries), so the counts are kept until the LIP makes a call or pages
+        move between tiers: a blocked or suspended LIP is counted once, not at
+        every step."""
+        st = self.fs.pager.stats
+        key = (lip.calls, lip.suspended, st.swap_outs, st.swap_ins, st.cache_drops)
+        seen = self._page_counts.get(lip.id)
+        if seen is None or seen[0] != key:
+            device = 0 if lip.suspended else self.fs.pid_device_pages(lip.id)
+            resume = self.fs.resume_need(lip.id) if lip.suspended else 0
+            seen = self._page_counts[lip.id] = (key, device, resume, bool(device or resume)
+                                                or self.fs.pid_pages(lip.id) > 0)
+        return seen[1:]
 
     def _need(self, call, n: int, suspended: bool = False) -> int:
         """Device pages a call's next ``n`` tokens need; for a suspended LIP,

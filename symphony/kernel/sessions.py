@@ -19,10 +19,14 @@ import struct
 import time
 from typing import Optional
 
-from symphony.ipc.protocol import ProtocolError, encode_frame, read_frame
+from symphony.ipc.protocol import ProtocolError, encode_frame
 from symphony.kvfs import KVFSError, Principal
 
+from .bounds import MAX_REPLY_BYTES, ConnectionRefused
 from .capabilities import identity_for
+from .durable import list_job
+from .escape import printable
+from .inflow import input_bytes
 from .snapshot import ProcRow
 
 log = logging.getLogger("symphony.kernel")
@@ -37,26 +41,45 @@ class ClientSessions:
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         uid = _peer_uid(writer)
+        try:
+            self.conns.open(uid)                       # ConnectionRefused over a bound
+        except ConnectionRefused as e:
+            if self.conns.refused == 1 or self.conns.refused % 1000 == 0:
+                log.warning("client connection of uid %d refused (%d so far): %s", uid, self.conns.refused, e)
+            writer.write(encode_frame({"error": "EMFILE", "type": "LimitExceeded", "message": str(e)}))
+            writer.close()
+            return
         attached: set[int] = set()
+        idle_s = self.bounds.idle_timeout_s or None
         try:
             while True:
                 try:
-                    msg = await read_frame(reader)
+                    msg = await self.conns.read_request(reader, uid, idle_s)
                 except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                except asyncio.TimeoutError:           # no request for idle_s
+                    if any(lip in self.procs for lip in attached):
+                        continue                       # it waits for its LIPs' events
+                    log.info("closing an idle client connection of uid %d (%g s without a request)", uid, idle_s)
+                    writer.write(encode_frame({"error": "ETIMEDOUT", "type": "IdleTimeout", "message":
+                                               f"connection closed: no request for {idle_s:g} s and no LIP "
+                                               f"attached (symphony-kernel --client-idle-timeout)"}))
                     break
                 try:
                     reply = await self._request(uid, msg, writer, attached)
                 except (ValueError, KVFSError, PermissionError, TimeoutError) as e:
-                    reply = {"error": getattr(e, "code", "EINVAL"), "type": type(e).__name__, "message": str(e)}
+                    reply = {"error": getattr(e, "code", "EINVAL"), "type": type(e).__name__,
+                             "message": printable(e)}
                 except Exception as e:                     # a kernel bug: fail this request only
                     log.exception("client request %r failed", msg.get("op") if isinstance(msg, dict) else None)
-                    reply = {"error": "EIO", "type": "InternalError", "message": f"internal error: {e!r}"}
+                    reply = {"error": "EIO", "type": "InternalError", "message": printable(f"internal error: {e!r}")}
                 if reply is not None:
-                    writer.write(encode_frame(reply))
+                    writer.write(encode_frame(fit_reply(reply)))
                     await writer.drain()
         except ProtocolError as e:
-            log.warning("client protocol error: %s", e)
+            log.warning("client protocol error (uid %d): %s", uid, e)
         finally:
+            self.conns.close(uid)
             for lip_id in attached:                        # a session's LIPs end with it
                 self._kill(lip_id, "killed: the client that ran it disconnected")
             writer.close()
@@ -79,6 +102,10 @@ class ClientSessions:
             data = None if msg.get("eof") else msg.get("data")
             if data is not None and not isinstance(data, str):
                 raise ValueError("input data must be a string")
+            n = input_bytes(data)
+            if not await self.inflow.wait_room(lip.lip, n, lambda: lip.lip in self.procs):
+                return None                            # back-pressure; it ended meanwhile: dropped
+            self.inflow.sent(lip.lip, n)
             if lip.lip in self.admission:              # kept until it starts
                 self._queue_input(lip.lip, data)
                 return None
@@ -95,8 +122,10 @@ class ClientSessions:
             await self._fresh_serving_snapshot()
             return self.stats()
         who = Principal(user, 0)
-        if op == "kv_ls":
-            return {"entries": await self.sys_call(lambda: self.fs.list(who, msg.get("path") or "/"))}
+        if op == "kv_ls":                              # in slices, charged to the user (slowlane.py)
+            path = msg.get("path") or "/"
+            return {"entries": await asyncio.wrap_future(
+                self.sys.slow_call(user, lambda: list_job(self.fs, who, path)))}
         if op == "kv_stat":
             return await self.sys_call(lambda: self.fs.stat(who, msg.get("path")))
         if op == "kv_rm":
@@ -184,11 +213,42 @@ class ClientSessions:
         d["context"] = self.engine.max_seq_len
         d["compute_threads"] = self.sys.compute_threads
         d["output_queued_bytes"] = self.queued_output_bytes()
+        d["input_queued_bytes"] = self.inflow.total()
+        d["connections"] = len(self.conns)
+        d["connections_refused"] = self.conns.refused
         return d
 
 
 
 # ---------------------------------------------------------------- helpers
+def fit_reply(reply: dict, limit: int = MAX_REPLY_BYTES) -> dict:
+    """``reply``, made to fit in ``limit`` bytes of JSON: a reply with a list too
+    long (`ps`'s LIPs, a listing's entries) keeps its first items and says how
+    many more there were (``"more": {"lips": n}``); nothing else is that large."""
+    import orjson
+    if len(orjson.dumps(reply)) <= limit:
+        return reply
+    reply = dict(reply)
+    more = {}
+    for key in ("lips", "finished", "entries"):
+        items = reply.get(key)
+        if not isinstance(items, list) or not items:
+            continue
+        sizes = [len(orjson.dumps(x)) + 1 for x in items]
+        room = limit - (len(orjson.dumps(reply)) - sum(sizes)) - 256
+        keep, used = 0, 0
+        while keep < len(items) and used + sizes[keep] <= room:
+            used += sizes[keep]
+            keep += 1
+        if keep < len(items):
+            reply[key], more[key] = items[:keep], len(items) - keep
+        if len(orjson.dumps(reply)) <= limit - 128:
+            break
+    if more:
+        reply["more"] = more
+    return reply
+
+
 def _peer_uid(writer) -> int:
     sock = writer.get_extra_info("socket")
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))

@@ -32,6 +32,8 @@ class LipCounters(NamedTuple):
 
 NO_COUNTERS = LipCounters()
 
+ARGS_SHOWN = 4096       # characters of a LIP's arguments `ps` shows (all the kernel keeps once it starts)
+
 # counters `stats` always shows (0 until they move): the residency manager's
 # (kernel/residency.py) and KVFS's own (`KVFS.stats`: drops, swap traffic)
 OVERLOAD_COUNTERS = ("suspensions", "resumes", "memory_waits", "kv_wait_failures")
@@ -48,7 +50,7 @@ class ProcRow:
     priority: int
     pid: int
     started: float              # wall clock (time.time()) of the spawn request
-    args: tuple
+    args: tuple                 # as `ps` shows them (`shown_args`)
     limits: Mapping
     final: LipCounters = NO_COUNTERS    # an exited LIP's last counters
 
@@ -62,6 +64,21 @@ class ProcRow:
         if full:
             d["args"], d["limits"] = list(self.args), dict(self.limits)
         return d
+
+
+def shown_args(args) -> tuple:
+    """A LIP's arguments as `ps` shows them: at most `ARGS_SHOWN` characters in
+    all, the one that crosses it cut with a marker, the rest counted."""
+    out, room = [], ARGS_SHOWN
+    for i, a in enumerate(args):
+        if len(a) > room:
+            out.append(f"{a[:room]}… [{len(a)} characters]")
+            if i + 1 < len(args):
+                out.append(f"[{len(args) - i - 1} more arguments]")
+            break
+        out.append(a)
+        room -= len(a)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import sys
 import time
 from collections import deque
 
+from .escape import printable
+
 log = logging.getLogger("symphony.kernel")
 
 
@@ -54,7 +56,7 @@ class Supervision:
         if self.fatal is None:
             self.fatal = why
             log.critical("FATAL: %s; shutting the kernel down", why)
-            print(f"symphony-kernel: FATAL: {why}; shutting down", file=sys.stderr, flush=True)
+            print(f"symphony-kernel: FATAL: {printable(why)}; shutting down", file=sys.stderr, flush=True)
         self.stopping.set()
 
     def _fail_threadsafe(self, why: str) -> None:

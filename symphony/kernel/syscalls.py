@@ -8,6 +8,8 @@ Loop (never blocks on a LIP):
     3. if pred calls are queued, find them device pages (residency.py: the
        LIPs that must wait or are suspended are held) and run the others as
        one batch (one forward pass)
+    3b. run a slice of each user's slow call (a durable sync, a large
+       listing: slowlane.py), so that no one call holds the thread
     4. publish what it serves (`snapshot`: counters, KV pages) for the event
        loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
        after every command the event loop awaits (`call_future`: a reclaim,
@@ -33,23 +35,21 @@ from concurrent.futures import Future
 from types import MappingProxyType
 from typing import Callable, Optional
 
-import orjson
 import torch
 
-from symphony.engine.engine import PredError
-from symphony.engine.page_allocator import OutOfPages
 from symphony.ipc import abi, schema
-from symphony.ipc.layout import RESP_BODY_OFF, RingError
+from symphony.ipc.layout import RingError
 from symphony.kvfs import KVFS, KVFSError
 from symphony.sched import BatchScheduler
 
+from .answers import Answers
 from .capabilities import Capabilities
 from .failure import SyscallFailure, fail as _fail
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, IOCalls, handler_table
 from .pred_calls import PredCalls, _pin
 from .proc import LipProc, ServedLips
-from .replies import truncate_message
 from .residency import KV_WAIT_S, Residency
+from .slowlane import SlowLane, Writer
 from .snapshot import LipCounters, ServingSnapshot
 
 log = logging.getLogger("symphony.syscalls")
@@ -59,13 +59,14 @@ MAX_STRIKES = 8
 MAX_CRASHES = 20        # unexpected loop errors within CRASH_WINDOW_S before the kernel gives up
 CRASH_WINDOW_S = 10.0
 PUBLISH_EVERY_S = 0.005  # while busy, `snapshot` is at most this old
+RECLAIMABLE_EVERY_S = 0.25  # its kv_reclaimable at most this old (it walks the running LIPs' pages)
 
 
 class InjectedFault(Exception):
     """Raised in the syscall loop by the --test-hooks ``syscall_crash`` hook."""
 
 
-class SyscallServer(PredCalls, IOCalls, Residency):
+class SyscallServer(PredCalls, IOCalls, Residency, Answers):
     """The syscall thread (`thread`) and the state it owns: the engine, KVFS,
     the scheduler and the LIPs it serves (`lips`).  Other threads reach it
     only through `submit` / `call_future` / `call` and read `snapshot`."""
@@ -75,10 +76,11 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                  chunk_tokens: Optional[int] = None, caps: Optional[Capabilities] = None,
                  max_queued_output: int = MAX_QUEUED_OUTPUT,
                  on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None,
-                 kv_wait_s: float = KV_WAIT_S, compute_threads: Optional[int] = None):
-        """``emit``/``kill``/``on_fatal``: how this thread tells the event loop
-        of a LIP's output, a LIP to kill, and that it cannot go on (each safe
-        from any thread).  ``lips``: the LIP set whose `swap_out_first` and
+                 kv_wait_s: float = KV_WAIT_S, compute_threads: Optional[int] = None,
+                 on_input_read: Optional[Callable[[int, int], None]] = None):
+        """``emit``/``kill``/``on_fatal``/``on_input_read``: how this thread tells
+        the event loop of a LIP's output, a LIP to kill, that it cannot go on, and
+        that a LIP's recv() took so many bytes of input (each safe from any thread).  ``lips``: the LIP set whose `swap_out_first` and
         `running_ids` KVFS was built with (``KVFS(..., evict_first=
         lips.swap_out_first, pinned=lips.running_ids)``).  ``kv_wait_s``: how
         long calls may all wait for device pages that cannot move before the
@@ -92,6 +94,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
         self.emit, self.kill = emit, kill
         self.max_queued_output = max_queued_output
         self.on_fatal = on_fatal          # the thread cannot go on: shut the kernel down (any thread)
+        self.on_input_read = on_input_read or (lambda lip_id, n: None)
         self.crashes: deque = deque(maxlen=MAX_CRASHES)
         self.vocab = engine.model_config.vocab_size
         # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
@@ -105,10 +108,13 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                                     gather_s=0.003)
         self.caps = caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES)
         self.stop = threading.Event()
+        self.slow = SlowLane()            # syncs and listings, in slices, fairly across users
+        self.writer = Writer(self.submit)  # durable files are written and fsynced off this thread
         self.batches = 0
         self.batch_calls = 0
         self.max_batch = 0
         self._dirty = False
+        self._reclaimable_n, self._reclaimable_at, self._reclaimable_stale = 0, float("-inf"), False
         self._admitted = 0
         self._init_residency(kv_wait_s)
         self._publish()                   # the first snapshot, before the thread starts
@@ -152,6 +158,23 @@ class SyscallServer(PredCalls, IOCalls, Residency):
         except TimeoutError:
             raise TimeoutError(f"kernel syscall thread did not answer in {timeout} s") from None
 
+    def slow_call(self, user: str, make_job: Callable[[], object]) -> Future:
+        """Run the job ``make_job()`` makes (slowlane.py) in the slow lane, charged
+        to ``user``; a Future of its result.  Never blocks (the event loop awaits it)."""
+        fut: Future = Future()
+
+        def done(result, error):
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        def start():
+            try:
+                self.slow.submit(user, make_job(), done)
+            except Exception as e:               # its checks failed: the caller's error
+                done(None, e)
+        self.submit(start)
+        return fut
+
     def inject_fault(self) -> None:
         """Test hook: make the loop raise an unexpected exception once."""
         def boom():
@@ -192,7 +215,12 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             work = self._poll()
             for lip, slot in work:
                 self._handle_safely(lip, slot)
-            if work:
+            busy, lane_s = bool(work), 0.0
+            if len(self.slow):                          # a slice of each user's slow call (slowlane.py)
+                t0 = time.perf_counter()
+                if self.slow.run():
+                    lane_s = time.perf_counter() - t0
+            if busy or lane_s:
                 self._dirty = True
             if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
                 self._publish()
@@ -203,10 +231,14 @@ class SyscallServer(PredCalls, IOCalls, Residency):
                     self._dirty = True
                     continue
                 # every queued call waits for device pages: idle until something changes
-            if not work:
+            if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
+                self.door.wait(lane_s, self._has_calls)   # LIPs (nice 19) get the CPU it leaves
+            elif not busy:
                 wait = 0.05                    # short: muted LIP bells are polled
-                if self._dirty:                # wake in time to publish what was done
-                    wait = max(0.0, PUBLISH_EVERY_S - (time.monotonic() - self.snapshot.at))
+                if self._dirty:                # wake in time to publish what was done (and to count
+                    due = (self._reclaimable_at + RECLAIMABLE_EVERY_S if self._reclaimable_stale   # the
+                           else self.snapshot.at + PUBLISH_EVERY_S)                               # reclaimable)
+                    wait = min(wait, max(0.0, due - time.monotonic()))
                 self.door.wait(wait, self._has_work)
         log.info("syscall thread stopped")
 
@@ -220,6 +252,10 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             self._condemn(lip, f"killed: the kernel could not answer a system call ({type(e).__name__}: {e})")
 
     def _has_work(self) -> bool:
+        return self.slow.busy() or self._has_calls()
+
+    def _has_calls(self) -> bool:
+        """A command or a LIP's call waits."""
         if not self.commands.empty():
             return True
         return any(l.ring.pending() for l in self.lips.values() if l.state == "running")
@@ -273,6 +309,7 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             return LipCounters(), 0
         lip.state = "exited"
         self.sched.drop_lip(lip.id)
+        self._page_counts.pop(lip.id, None)
         peak = self.fs.quotas.peak(lip.id)
         closed = self.fs.exit_process(lip.id)
         if self.engine.device.type == "cuda":
@@ -316,12 +353,24 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             tokens_computed=e.tokens,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
             kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
-            kv_reclaimable=self.fs.reclaimable(),
+            kv_reclaimable=self._reclaimable(),
             lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
             user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
-            suspended=MappingProxyType({i: self.fs.resume_need(i) for i, l in self.lips.items() if l.suspended}),
-            overload=MappingProxyType({**self.fs.stats(), **self.overload}))
-        self._dirty = False
+            suspended=MappingProxyType({i: self._pages_of(l)[1] for i, l in self.lips.items() if l.suspended}),
+            overload=MappingProxyType({**self.fs.stats(), **self.overload, "slow_calls": len(self.slow),
+                                       "slow_slices": self.slow.slices}))
+        self._dirty = self._reclaimable_stale
+
+    def _reclaimable(self) -> int:
+        """`KVFS.reclaimable`, computed at most every RECLAIMABLE_EVERY_S: it walks
+        the pages of the running LIPs' files, too much for every publish.  A
+        publish that used an older count leaves the snapshot to publish again
+        once it may be counted anew (`_serve`), so an idle kernel's is exact."""
+        now = time.monotonic()
+        self._reclaimable_stale = now - self._reclaimable_at < RECLAIMABLE_EVERY_S
+        if not self._reclaimable_stale:
+            self._reclaimable_n, self._reclaimable_at = self.fs.reclaimable(), now
+        return self._reclaimable_n
 
     # ------------------------------------------------------------------ dispatch
     def _handle(self, lip: LipProc, slot: int) -> None:
@@ -351,60 +400,6 @@ class SyscallServer(PredCalls, IOCalls, Residency):
             self._reply_error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", code, str(e)))
         except Exception as e:
             self._reply_error(lip, slot, req.call_id, e)
-
-    def _reply(self, lip, slot, call_id, body: dict, arena=(abi.ARENA_NONE, 0, 0)) -> None:
-        """Answer a call with ``body``.  A body larger than the slot is kept for
-        the LIP to FETCH in chunks (see replies.py); if even that fails, the
-        call is answered with the error.  Never raises."""
-        if lip.state not in ("running", "killing"):
-            return
-        try:
-            data = orjson.dumps(body)
-            room = lip.ring.slot_bytes - RESP_BODY_OFF
-            if len(data) > room:
-                if arena[0] != abi.ARENA_NONE:
-                    _fail("SyscallError", "EIO", f"a reply of {len(data)} bytes with an arena does not fit a slot")
-                try:
-                    rid = lip.replies.put(data)
-                except OverflowError as e:
-                    _fail("NoSpace", "ENOBUFS", str(e))
-                lip.ring.respond(slot, call_id, abi.CHUNKED, orjson.dumps({"chunked": rid, "size": len(data)}))
-                return
-            lip.ring.respond(slot, call_id, abi.OK, data, *arena)
-        except Exception as e:
-            self._reply_error(lip, slot, call_id, e)
-
-    def _reply_error(self, lip, slot, call_id, e: BaseException) -> None:
-        """Answer a call with the error ``e``; its message is cut to a bounded
-        size, so it always fits the slot.  Never raises."""
-        try:
-            if isinstance(e, SyscallFailure):
-                t, code, msg = e.type, e.code, str(e)
-            elif isinstance(e, KVFSError):
-                t, code, msg = type(e).__name__, e.code, str(e)
-            elif isinstance(e, PredError):
-                t, code, msg = "PredError", "EINVAL", str(e)
-            elif isinstance(e, OutOfPages):
-                t, code, msg = "NoSpace", "ENOSPC", str(e)
-            else:
-                log.error("LIP %d: system call failed unexpectedly", lip.id, exc_info=e)
-                t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"
-            if lip.state in ("running", "killing"):
-                body = {"error": str(code)[:32], "type": str(t)[:64], "message": truncate_message(str(msg))}
-                lip.ring.respond(slot, call_id, abi.ERR, orjson.dumps(body))
-        except Exception as e2:
-            self._lost(lip, slot, call_id, e2)
-
-    def _lost(self, lip, slot, call_id, e: BaseException) -> None:
-        """A call could not be answered at all: its thread would wait forever, so
-        the LIP is killed (a torn-down LIP is simply forgotten)."""
-        try:
-            if lip.state == "running":
-                log.error("LIP %d: no reply could be written to slot %s (call %s): %r", lip.id, slot, call_id, e)
-                lip.state = "killing"
-                self.kill(lip.id, "killed: a system call reply could not be written")
-        except Exception:
-            log.exception("LIP %d: could not be failed", getattr(lip, "id", -1))
 
     _handlers: dict = {}
 

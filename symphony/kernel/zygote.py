@@ -19,6 +19,10 @@ clean minimal environment (never the kernel's), BLAS and tokenizer parallelism
 off so that forking is safe, and PR_SET_PDEATHSIG(SIGKILL) so it dies with the
 kernel; when its channel closes it kills its workers.
 
+Each worker runs in a process group of its own but in the kernel's session,
+at the zygote's nice value (--lip-nice): a busy one is reniced by the kernel
+(cpu.py), so LIPs get only the CPU the forward pass leaves.
+
 A worker, before any user code: replaces fds 0-2 with /dev/null (so it can
 never write the zygote's channel), reads and closes its program memfd,
 attaches its shared-memory ring (opening the kernel's 0600 objects while still
@@ -122,7 +126,8 @@ def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None
     """In the forked child: read the program, lock down, run the LIP.  Never returns."""
     code = 70
     try:
-        os.setsid()
+        os.setpgid(0, 0)                # out of the kernel's process group (terminal signals), but in its
+                                        # session: no CPU scheduling group (autogroup) of its own (cpu.py)
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -173,6 +178,16 @@ def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None
         os._exit(code)
 
 
+def _set_nice(nice: int) -> None:
+    """The zygote's nice value, which its workers inherit (symphony-kernel
+    --lip-nice, default 0); the kernel renices a busy one to 19 (cpu.py)."""
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except OSError:
+            pass
+
+
 def _close(fds) -> None:
     for fd in fds:
         try:
@@ -185,9 +200,11 @@ def main() -> None:
     import ctypes
     import importlib
     tok_file, chan_fd, kernel_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    nice = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != kernel_pid:
         sys.exit("symphony zygote: the kernel is gone (or PR_SET_PDEATHSIG failed)")
+    _set_nice(nice)
     chan = socket.socket(fileno=chan_fd)
     for m in PRELOAD:
         try:

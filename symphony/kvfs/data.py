@@ -98,6 +98,7 @@ class DataOps:
                           f"{len(toks)} new at {S} tokens a page); the device pool holds {cap} pages: "
                           f"{need - cap} too many")
         self.quotas.check({(who.user, who.pid): new + cow})
+        self.quotas.check_refs(inode.owner, new)
         return toks, pos
 
     def run_preds(self, calls: Sequence[KVPred]) -> list[CallResult]:
@@ -176,9 +177,9 @@ class DataOps:
         new, cow = append_growth(inode, n, S)
         who = c.who
         self.quotas.check({(who.user, who.pid): new + cow})
+        self.quotas.check_refs(inode.owner, new)
         self._make_resident([inode], extra=new + cow, protect=protect)
-        fresh = [Block(page, who.user, who.pid) for page in self.engine.kv.allocator.allocate(new + cow)]
-        self.quotas.charge(who.user, who.pid, len(fresh))
+        fresh = self.refs.new(who, inode.owner, new + cow)
         blocks, replaced = list(inode.blocks), None
         if cow:
             replaced = blocks[-1]
@@ -192,14 +193,14 @@ class DataOps:
         inode = p.inode
         inode.blocks = p.blocks
         if p.replaced is not None:
-            self._drop_blocks([p.replaced])
+            self.refs.drop([p.replaced], inode.owner)
         inode.positions.extend(p.call.positions)
         inode.mtime = inode.atime = _now()
         self._lru_touch(inode)
 
     def _undo(self, plans: list[_Plan]) -> None:
         for p in plans:
-            self._drop_blocks(p.fresh)
+            self.refs.drop(p.fresh, p.inode.owner)
 
     # ------------------------------------------------------------------ fork / truncate
     def fork(self, who: Principal, hid: int, path: Optional[str] = None, mode: Optional[int] = None) -> int:
@@ -207,10 +208,10 @@ class DataOps:
         `create`), opened read-write.  Shares every block; costs no page until
         one side writes."""
         src = self._handle(who, hid).inode
+        self.quotas.check_refs(who.user, len(src.blocks))
         new = self.create(who, path, mode)
         inode = self.handles[new].inode
-        for b in src.blocks:
-            b.ref += 1
+        self.refs.hold(src.blocks, inode.owner)
         inode.blocks = list(src.blocks)
         inode.positions = list(src.positions)
         inode.advice = src.advice if src.advice not in ("keep", "cache") else "normal"
@@ -262,7 +263,7 @@ class DataOps:
     def _cut(self, inode: Inode, n: int) -> None:
         """Keep the first ``n`` tokens of the file."""
         keep = pages_for(n, self.page_size)
-        self._drop_blocks(inode.blocks[keep:])
+        self.refs.drop(inode.blocks[keep:], inode.owner)
         del inode.blocks[keep:]
         del inode.positions[n:]
         inode.mtime = _now()
@@ -306,25 +307,24 @@ class DataOps:
             positions.extend(inode.positions[a:e])
         fresh = sum(1 for p in plan if isinstance(p, list))
         self.quotas.check({(who.user, who.pid): fresh})
+        self.quotas.check_refs(who.user, len(plan))
         sources = list({b.id: b for p in plan if isinstance(p, list) for b, _ in p}.values())
         protect = {b.id for p in plan for b in ([p] if isinstance(p, Block) else [x for x, _ in p])}
         missing = [b for b in sources if b.device < 0]
         self._make_room(len(missing) + fresh, protect)
         self.pager.swap_in(missing)
-        pages = self.engine.kv.allocator.allocate(fresh)
+        it = iter(self.refs.new(who, who.user, fresh))
         src_p, src_o, dst_p, dst_o = [], [], [], []
-        it = iter(pages)
         blocks = []
         for p in plan:
             if isinstance(p, Block):
-                p.ref += 1
+                self.refs.hold([p], who.user)
                 blocks.append(p)
             else:
-                page = next(it)
+                nb = next(it)
                 for off, (b, o) in enumerate(p):
-                    src_p.append(b.device), src_o.append(o), dst_p.append(page), dst_o.append(off)
-                blocks.append(Block(page, who.user, who.pid))
-                self.quotas.charge(who.user, who.pid)
+                    src_p.append(b.device), src_o.append(o), dst_p.append(nb.device), dst_o.append(off)
+                blocks.append(nb)
         if src_p:
             pool = self.engine.kv.pool                      # [L, 2, pages, S, H, D]
             dev = pool.device
@@ -333,7 +333,7 @@ class DataOps:
         try:
             hid = self.create(who, path, mode)
         except BaseException:
-            self._drop_blocks(blocks)
+            self.refs.drop(blocks, who.user)
             raise
         inode = self.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions

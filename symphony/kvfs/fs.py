@@ -29,10 +29,11 @@ from .data import DataOps
 from .memory import MemoryOps
 from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, InvalidPath,
                      IsADirectory, NotADirectory, NotFound, PermissionDenied)
-from .namespace import (ADVICE, ROOT_USER, STICKY, Block, Directory, Handle, Inode, Node, Principal,
+from .namespace import (ADVICE, ROOT_USER, STICKY, Directory, Handle, Inode, Node, Principal,
                         may, may_unlink, split_path)
 from .pager import Pager
 from .quota import Quotas
+from .refs import BlockRefs
 
 log = logging.getLogger("symphony.kvfs")
 
@@ -49,6 +50,7 @@ class KVFSConfig:
     process_page_quota: Optional[int] = None
     per_user_quota: Optional[dict] = None   # {user: pages} overrides
     user_inode_quota: Optional[int] = 10000  # named files + directories a user may own; None: unlimited
+    user_ref_quota: Optional[int] = None    # pages a user's files may map (forks count each); None: unlimited
     default_file_mode: int = 0o600          # a file created without a mode
     default_dir_mode: int = 0o700           # a directory made without a mode
     umask: int = 0o022                      # bits cleared from every mode a caller asks for
@@ -72,11 +74,14 @@ class KVFS(DataOps, MemoryOps):
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 0o777:
                 raise ValueError(f"KVFSConfig.{name} must be an int in 0..0o777, got {v!r}")
         self.quotas = Quotas(config.user_page_quota, config.process_page_quota, config.per_user_quota,
-                             config.user_inode_quota)
+                             config.user_inode_quota, config.user_ref_quota)
+        self.refs = BlockRefs(self.pager, self.quotas, engine.kv.allocator)   # references and charges of pages
         self.root = Directory("", None, ROOT_USER, 0o755)
         for name, mode in (("shared", 0o1777), ("home", 0o755), ("tmp", 0o1777)):
             self.root.children[name] = Directory(name, self.root, ROOT_USER, mode)
         self.handles: dict[int, Handle] = {}
+        self._pid_handles: dict[int, dict[int, Handle]] = {}   # pid -> its open handles (a process's files
+                                                                # are found without a walk of all handles)
         self._hids = itertools.count(3)
         self.inodes: dict[int, Inode] = {}
         # eviction order: least recently used first; "keep" files are in neither
@@ -125,9 +130,7 @@ class KVFS(DataOps, MemoryOps):
 
     def close(self, who: Principal, hid: int) -> None:
         h = self._handle(who, hid)
-        h.closed = True
-        del self.handles[hid]
-        h.inode.handles -= 1
+        self._forget_handle(h)
         self._maybe_free(h.inode)
 
     def remove(self, who: Principal, path: str) -> None:
@@ -171,8 +174,11 @@ class KVFS(DataOps, MemoryOps):
         parent.mtime = time.time()
         self.quotas.drop_inode(node.owner)
 
-    def rename(self, who: Principal, old: str, new: str) -> None:
-        """Move a file or directory; ``new`` must not exist."""
+    def rename(self, who: Principal, old: str, new: str, rewrite_durable: bool = True) -> Node:
+        """Move a file or directory; ``new`` must not exist.  A durable file's copy
+        is rewritten under its new path at once, unless not ``rewrite_durable``
+        (the caller does it later: until then it is restored under the old path).
+        Returns what moved."""
         self._tick()
         op, oname = self._parent_of(old)
         node = op.children.get(oname)
@@ -192,9 +198,10 @@ class KVFS(DataOps, MemoryOps):
         del op.children[oname]
         node.name, node.parent = nname, np_
         np_.children[nname] = node
-        if isinstance(node, Inode) and node.durable:
+        if isinstance(node, Inode) and node.durable and rewrite_durable:
             from .store import rename_durable
             rename_durable(self, old, node)
+        return node
 
     def chmod(self, who: Principal, path: str, mode: int) -> None:
         """Change a mode (owner or root); ``config.umask`` applies except for root."""
@@ -225,6 +232,12 @@ class KVFS(DataOps, MemoryOps):
 
     def list(self, who: Principal, path: str = "/") -> list[dict]:
         """Entries of a directory (needs read permission on it)."""
+        node = self.listable(who, path)
+        return [list_entry(name, child) for name, child in sorted(node.children.items())]
+
+    def listable(self, who: Principal, path: str) -> Directory:
+        """The directory ``path``, if ``who`` may list it (else the error); its
+        entries are `list_entry` of each child (the kernel lists in slices)."""
         self._tick()
         if path != "/" and split_path(path)[:2] == ["home", who.user]:
             self._home(who.user)
@@ -233,14 +246,7 @@ class KVFS(DataOps, MemoryOps):
             raise NotADirectory(f"{path} is not a directory")
         if not may(who, node, "r"):
             raise PermissionDenied(f"{who.user} may not list {path}")
-        out = []
-        for name, child in sorted(node.children.items()):
-            e = {"name": name, "type": "dir" if isinstance(child, Directory) else "file",
-                 "owner": child.owner, "mode": child.mode}
-            if isinstance(child, Inode):
-                e.update(length=child.length, pages=len(child.blocks))
-            out.append(e)
-        return out
+        return node
 
     def advise(self, who: Principal, hid: int, hint: str, seconds: Optional[float] = None) -> None:
         """Pager hints: 'keep' (never evicted), 'drop_first' (swapped out before
@@ -272,29 +278,29 @@ class KVFS(DataOps, MemoryOps):
         """Write a named file to the durable directory; it is there again after
         a restart (until removed)."""
         from .store import write_durable
+        write_durable(self, self.sync_target(who, hid))
+
+    def sync_target(self, who: Principal, hid: int) -> Inode:
+        """The file handle ``hid`` names, if ``who`` may sync it (else the error)."""
         h = self._handle(who, hid)
         if h.inode.path is None:
             raise InvalidArgument("an anonymous file cannot be made durable")
         if not may(who, h.inode, "w") and who.user != h.inode.owner:
             raise PermissionDenied(f"{who.user} may not sync {h.inode.path}")
-        write_durable(self, h.inode)
+        if not self.config.durable_dir:
+            raise InvalidArgument("this kernel has no durable directory (durable_dir) configured")
+        return h.inode
 
     def exit_process(self, pid: int) -> int:
         """Close every handle of a process (its anonymous files die with it) and
         pass its page charges to its user.  Returns the handles closed."""
-        hids = [hid for hid, h in self.handles.items() if h.pid == pid]
-        for hid in hids:
-            h = self.handles.pop(hid)
-            h.closed = True
-            h.inode.handles -= 1
+        hs = list(self._pid_handles.get(pid, {}).values())
+        for h in hs:
+            self._forget_handle(h)
             self._maybe_free(h.inode)
-        for inode in self.inodes.values():
-            for b in inode.blocks:
-                if b.pid == pid:
-                    b.pid = 0                      # the user keeps the charge
-        self.quotas.by_pid.pop(pid, None)
+        self.quotas.by_pid.pop(pid, None)          # its blocks' charges are its user's alone now
         self.quotas.peak_by_pid.pop(pid, None)
-        return len(hids)
+        return len(hs)
 
     def close_all(self) -> None:
         """Shut down: release the swap file (durable files are already on disk)."""
@@ -389,14 +395,25 @@ class KVFS(DataOps, MemoryOps):
             self._maybe_free(inode)
 
     def _new_handle(self, who: Principal, inode: Inode, writable: bool) -> int:
-        n = sum(1 for h in self.handles.values() if h.pid == who.pid) if who.pid else 0
+        n = len(self._pid_handles.get(who.pid, ())) if who.pid else 0
         if who.pid and n >= self.config.max_handles_per_process:
             raise InvalidArgument(f"process {who.pid} has {n} open KV handles (limit "
                                   f"{self.config.max_handles_per_process})")
         hid = next(self._hids)
-        self.handles[hid] = Handle(hid, inode, who.pid, who.user, writable)
+        self.handles[hid] = h = Handle(hid, inode, who.pid, who.user, writable)
+        self._pid_handles.setdefault(who.pid, {})[hid] = h
         inode.handles += 1
         return hid
+
+    def _forget_handle(self, h: Handle) -> None:
+        h.closed = True
+        del self.handles[h.hid]
+        mine = self._pid_handles.get(h.pid)
+        if mine is not None:
+            mine.pop(h.hid, None)
+            if not mine:
+                del self._pid_handles[h.pid]
+        h.inode.handles -= 1
 
     def _handle(self, who: Principal, hid) -> Handle:
         if not isinstance(hid, int) or isinstance(hid, bool):
@@ -409,19 +426,12 @@ class KVFS(DataOps, MemoryOps):
     def _maybe_free(self, inode: Inode) -> None:
         if inode.linked or inode.handles > 0:
             return
-        self._drop_blocks(inode.blocks)
+        self.refs.drop(inode.blocks, inode.owner)
         inode.blocks, inode.positions = [], []
         self.inodes.pop(inode.ino, None)
         self.lru_drop.pop(inode.ino, None)
         self.lru_normal.pop(inode.ino, None)
         self.lru_cache.pop(inode.ino, None)
-
-    def _drop_blocks(self, blocks: list[Block]) -> None:
-        for b in blocks:
-            b.ref -= 1
-            if b.ref == 0:
-                self.pager.release(b)
-                self.quotas.uncharge(b.user, b.pid)
 
     def _lru_touch(self, inode: Inode) -> None:
         self.lru_drop.pop(inode.ino, None)
@@ -430,6 +440,15 @@ class KVFS(DataOps, MemoryOps):
         lru = {"drop_first": self.lru_drop, "normal": self.lru_normal, "cache": self.lru_cache}
         if inode.advice in lru:
             lru[inode.advice][inode.ino] = inode
+
+
+def list_entry(name: str, child: Node) -> dict:
+    """One entry of a listing: name, type, owner, mode (a file's length and pages too)."""
+    e = {"name": name, "type": "dir" if isinstance(child, Directory) else "file",
+         "owner": child.owner, "mode": child.mode}
+    if isinstance(child, Inode):
+        e.update(length=child.length, pages=len(child.blocks))
+    return e
 
 
 def _is_home_dir(path: str) -> bool:

@@ -83,6 +83,9 @@ class MemoryOps:
         """How many device pages `reclaim` could free now (not counting those
         already free), touching no pinned process's file and no block in
         ``protect``."""
+        idle = any(i.handles == 0 for d in (self.lru_cache, self.lru_normal) for i in d.values())
+        if not (idle or self.lru_drop or self.evict_first()):
+            return 0                                   # nothing to reclaim: no walk of the pinned files
         protect = self._guarded(protect)
         cache = [i for i in self._droppable() if not _touches(i, protect)]
         dropped = {b.id for i in cache for b in i.blocks if b.device >= 0 and b.ref == 1}
@@ -203,8 +206,8 @@ class MemoryOps:
 
     def _open_inodes(self, pids: Iterable[int]) -> list[Inode]:
         """The files ``pids`` have open, each once, in handle order."""
-        pids = set(pids)
-        return list({h.inode.ino: h.inode for h in self.handles.values() if h.pid in pids}.values())
+        return list({h.inode.ino: h.inode for pid in dict.fromkeys(pids)
+                     for h in self._pid_handles.get(pid, {}).values()}.values())
 
     def _pid_swapped(self, pid: int) -> list[Block]:
         return list({b.id: b for i in self._open_inodes([_pid(pid)])

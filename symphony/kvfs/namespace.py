@@ -83,17 +83,23 @@ class Block:
     blocks; ``ref`` counts page-table references and is THE reference count
     of the page (the engine's allocator only knows free from owned: a device
     page is owned by one block, and given back when its ``ref`` drops to 0).
-    ``user``/``pid`` are whose quota the block counts against.
+    ``user``/``pid`` are whose quota the block counts against: at first the
+    caller whose call made it; ``holders`` counts, per user, the references
+    held by that user's files (the kernel's own, a sync copying it out, are
+    not anyone's).  When the charged user's last reference goes and other
+    users' files still hold the page, the charge moves to one of them
+    (`refs.BlockRefs.drop`): no user pays for pages only others use.
     """
 
-    __slots__ = ("id", "ref", "device", "host", "disk", "user", "pid")
+    __slots__ = ("id", "ref", "device", "host", "disk", "user", "pid", "holders")
     _ids = itertools.count(1)
 
-    def __init__(self, device: int, user: str, pid: int):
+    def __init__(self, device: int, user: str, pid: int, holder: Optional[str] = None):
         self.id = next(Block._ids)
         self.ref = 1
         self.device, self.host, self.disk = device, -1, -1
         self.user, self.pid = user, pid
+        self.holders = {user if holder is None else holder: 1}
 
     @property
     def tier(self) -> str:
@@ -120,10 +126,38 @@ class Node:
         return "/" + "/".join(reversed(parts))
 
 
+class Entries(dict):
+    """A directory's entries by name; ``version`` counts its changes (so that a
+    sorted list of its names is made once per change, not once per listing)."""
+
+    version = 0
+
+    def __setitem__(self, name, node):
+        self.version += 1
+        super().__setitem__(name, node)
+
+    def __delitem__(self, name):
+        self.version += 1
+        super().__delitem__(name)
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+
 class Directory(Node):
     def __init__(self, name, parent, owner, mode):
         super().__init__(name, parent, owner, mode)
-        self.children: dict[str, Node] = {}
+        self.children: Entries = Entries()
+        self._sorted = (-1, [])
+
+    def sorted_names(self) -> list:
+        """The entries' names in order (a list never changed afterwards: do not change it)."""
+        version, names = self._sorted
+        if version != self.children.version:
+            names = sorted(self.children)
+            self._sorted = (self.children.version, names)
+        return names
 
 
 class Inode(Node):

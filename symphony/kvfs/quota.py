@@ -4,6 +4,16 @@ Pages, per user and per process: every block is charged to the (user, pid)
 whose call created it; a block is uncharged when it is freed, and a process's
 charges pass to its user alone when the process exits.
 
+Page references, per user: the entries of the page tables of a user's files
+(a fork of a 250-page file maps 250 pages, sharing every one), bounded so that
+what the kernel walks for one user stays in proportion to the pages it may
+hold: a page is counted once per file that maps it.
+
+A shared page stays charged to its maker while the maker's files map it; when
+they no longer do, the charge passes to a user whose file still does (see
+`namespace.Block`), which may put that user over their quota: their next
+allocation then fails until they free pages.
+
 Inodes, per user: every named file and directory in the namespace counts
 against its owner until it is removed (renames change nothing; /home/<user>
 itself and the top directories count for nobody).  Anonymous files are bounded
@@ -22,9 +32,10 @@ from .namespace import ROOT_USER
 
 class Quotas:
     def __init__(self, user_pages: Optional[int] = None, process_pages: Optional[int] = None,
-                 per_user: Optional[dict[str, int]] = None, user_inodes: Optional[int] = None):
+                 per_user: Optional[dict[str, int]] = None, user_inodes: Optional[int] = None,
+                 user_refs: Optional[int] = None):
         limits = {"user_pages": user_pages, "process_pages": process_pages, "user_inodes": user_inodes,
-                  **{f"per_user[{u!r}]": n for u, n in (per_user or {}).items()}}
+                  "user_refs": user_refs, **{f"per_user[{u!r}]": n for u, n in (per_user or {}).items()}}
         for name, v in limits.items():
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"quota {name} must be None or an int >= 0, got {v!r}")
@@ -34,6 +45,8 @@ class Quotas:
         self.by_pid: Counter = Counter()
         self.peak_by_pid: Counter = Counter()     # the most pages each live process held at once
         self.inodes_by_user: Counter = Counter()
+        self.user_refs = user_refs
+        self.refs_by_user: Counter = Counter()    # page-table entries of each user's files
 
     def limit_for(self, user: str) -> Optional[int]:
         """The pages ``user`` may hold in all tiers (None: no limit; root is exempt)."""
@@ -71,8 +84,17 @@ class Quotas:
 
     def uncharge(self, user: str, pid: int, n: int = 1) -> None:
         self.by_user[user] -= n
-        if pid:
+        if pid in self.by_pid:                 # (an exited process's charges are its user's alone)
             self.by_pid[pid] -= n
+
+    # ------------------------------------------------------------------ page references
+    def check_refs(self, user: str, n: int) -> None:
+        """Raise `QuotaExceeded` if ``user``'s files may not map ``n`` more pages."""
+        lim = self.user_refs
+        if n > 0 and user != ROOT_USER and lim is not None and self.refs_by_user[user] + n > lim:
+            raise QuotaExceeded(f"user {user!r}'s KV files would map {self.refs_by_user[user] + n} pages "
+                                f"(forks count every page they share), at most {lim} "
+                                f"(symphony-kernel --user-page-refs)")
 
     # ------------------------------------------------------------------ inodes
     def check_inode(self, user: str) -> None:

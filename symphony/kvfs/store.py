@@ -23,7 +23,9 @@ import logging
 import os
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISDIR, S_ISREG
 
 import orjson
 import torch
@@ -58,36 +60,119 @@ def _file_for(fs, path: str) -> Path:
     return Path(fs.config.durable_dir) / (hashlib.sha256(path.encode()).hexdigest()[:32] + ".kvf")
 
 
-def write_durable(fs, inode: Inode) -> Path:
+@dataclass
+class SyncSnapshot:
+    """A named file as `sync` found it: what its durable copy will hold.  Its
+    blocks carry one reference more until `release_snapshot`, so none of them is
+    freed, reused or written (a write copies a shared page first) while the data
+    is copied out, a slice at a time if need be."""
+
+    path: str
+    header: bytes
+    blocks: list
+    length: int
+
+
+def sync_snapshot(fs, inode: Inode) -> SyncSnapshot:
+    """Begin a sync of ``inode`` (a named file): its header now, its blocks held."""
     if not fs.config.durable_dir:
         raise InvalidArgument("this kernel has no durable directory (durable_dir) configured")
-    n = inode.length
-    if inode.blocks:
-        data = torch.cat([fs.pager.read(b) for b in inode.blocks], dim=2)[:, :, :n].contiguous()
-    else:
-        data = torch.empty(0)
-    raw = data.view(torch.uint8).numpy().tobytes() if n else b""
     pool = fs.engine.kv.pool
+    n = inode.length
+    blocks = list(inode.blocks)
+    per_slot = pool.shape[0] * 2 * pool.shape[4] * pool.shape[5] * pool.element_size()
     header = orjson.dumps({
         "version": 1, "path": inode.path, "owner": inode.owner, "mode": inode.mode,
         "ctime": inode.ctime, "mtime": inode.mtime, "advice": inode.advice, "length": n,
         "positions": inode.positions, "dtype": str(pool.dtype).replace("torch.", ""),
         "page_shape": [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]],
-        "model": model_fingerprint(fs.engine), "data_bytes": len(raw)})
-    digest = hashlib.sha256(header + raw).digest()
-    dest = _file_for(fs, inode.path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + struct.pack("<I", len(header)) + header + raw + digest)
+        "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot})
+    fs.refs.hold(blocks)
+    return SyncSnapshot(inode.path, header, blocks, n)
+
+
+def release_snapshot(fs, snap: SyncSnapshot) -> None:
+    fs.refs.drop(snap.blocks)
+    snap.blocks = []
+
+
+def write_file(durable_dir: str, snap: SyncSnapshot, pages: list, tag: int = 0) -> tuple[Path, Path]:
+    """Write ``snap`` (its pages' data: `Pager.read` copies, one per block) to a
+    temporary file beside its durable file, fsynced, private (0600); returns
+    (temporary, final path).  Touches nothing of KVFS: runs on any thread."""
+    n = snap.length
+    data = torch.cat(pages, dim=2)[:, :, :n].contiguous() if pages else torch.empty(0)
+    raw = data.view(torch.uint8).numpy().tobytes() if n else b""
+    digest = hashlib.sha256(snap.header + raw).digest()
+    dest = Path(durable_dir) / (hashlib.sha256(snap.path.encode()).hexdigest()[:32] + ".kvf")
+    tmp = dest.with_name(f"{dest.stem}.{os.getpid()}.{tag}.tmp")
+    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as f:
+        f.write(MAGIC + struct.pack("<I", len(snap.header)) + snap.header + raw + digest)
         f.flush()
         os.fsync(f.fileno())
+    return tmp, dest
+
+
+def install(fs, inode: Inode, snap: SyncSnapshot, tmp: Path, dest: Path) -> bool:
+    """Make ``tmp`` the durable copy of ``inode`` if it still is the file ``snap``
+    was taken of (named, at the same path); else throw it away.  Whether it was."""
+    if not (inode.linked and inode.path == snap.path and inode.ino in fs.inodes):
+        Path(tmp).unlink(missing_ok=True)
+        return False
     os.replace(tmp, dest)
     if inode.durable and getattr(inode, "durable_file", None) not in (None, dest):
         Path(inode.durable_file).unlink(missing_ok=True)
     inode.durable, inode.durable_file = True, dest
-    log.info("synced %s (%d tokens) to %s", inode.path, n, dest)
+    log.info("synced %s (%d tokens) to %s", inode.path, snap.length, dest)
+    return True
+
+
+def write_durable(fs, inode: Inode) -> Path:
+    """Sync ``inode`` at once (the in-process API, and shutdown; the kernel's
+    system call runs the same steps in slices, kernel/durable.py)."""
+    snap = sync_snapshot(fs, inode)
+    try:
+        pages = [fs.pager.read(b) for b in snap.blocks]
+    finally:
+        release_snapshot(fs, snap)
+    tmp, dest = write_file(fs.config.durable_dir, snap, pages)
+    install(fs, inode, snap, tmp, dest)
     return dest
+
+
+def secure_dir(d: Path, repair: bool = False) -> None:
+    """The durable directory: made 0700 if missing; with ``repair`` (at start-up),
+    an existing one is checked: owned by the kernel's user and 0700, its files
+    0600 and the kernel's; whatever is not is repaired (logged).  RuntimeError if
+    it cannot be (another user's directory, under a non-root kernel)."""
+    if not d.exists():
+        d.mkdir(mode=0o700, parents=True)
+        return
+    if not repair:
+        return
+    me = os.geteuid()
+    st = os.lstat(d)
+    if not S_ISDIR(st.st_mode):
+        raise RuntimeError(f"durable directory {d} is not a directory")
+    if st.st_uid != me:
+        if me != 0:
+            raise RuntimeError(f"durable directory {d} is owned by uid {st.st_uid}, not by the kernel's "
+                               f"user (uid {me}); KV files there could be read or planted by others")
+        os.chown(d, me, os.getegid())
+        log.warning("durable directory %s was owned by uid %d; now the kernel's (uid %d)", d, st.st_uid, me)
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+        log.warning("durable directory %s was mode %03o; now 0700 (private to the kernel)", d, st.st_mode & 0o777)
+    fixed = 0
+    for f in d.iterdir():
+        fst = os.lstat(f)
+        if S_ISREG(fst.st_mode) and fst.st_uid == me and fst.st_mode & 0o077:
+            os.chmod(f, 0o600)
+            fixed += 1
+    if fixed:
+        log.warning("durable directory %s: %d files were readable by others; now 0600", d, fixed)
 
 
 def remove_durable(fs, inode: Inode) -> None:
@@ -155,6 +240,7 @@ def load_durable(fs, file: Path) -> Inode:
     inode = Inode(owner, int(header["mode"]) & 0o777, 0)
     inode.blocks = [Block(p, owner, 0) for p in pages]
     fs.quotas.charge(owner, 0, n_pages)
+    fs.quotas.refs_by_user[owner] += n_pages
     inode.positions = list(header["positions"])
     inode.ctime, inode.mtime = header["ctime"], header["mtime"]
     advice = header.get("advice", "normal")
@@ -171,7 +257,7 @@ def load_durable(fs, file: Path) -> Inode:
                 fs.quotas.add_inode(nxt.owner)
         d = nxt
     if parts[-1] in d.children:
-        fs._drop_blocks(inode.blocks)
+        fs.refs.drop(inode.blocks, owner)
         raise CorruptFile(f"{file}: {path} already exists")
     fs._link(d, parts[-1], inode)
     fs.inodes[inode.ino] = inode
@@ -184,10 +270,16 @@ def restore_all(fs) -> dict:
     """Load every durable file; refuse (log, skip) corrupt or foreign ones."""
     d = Path(fs.config.durable_dir)
     report = {"restored": [], "refused": []}
-    if not d.is_dir():
-        return report
+    secure_dir(d, repair=True)
     t0 = time.perf_counter()
+    for f in sorted(d.glob("*.tmp")):                  # a sync the kernel did not finish
+        f.unlink(missing_ok=True)
     for f in sorted(d.glob("*.kvf")):
+        st = os.lstat(f)
+        if not S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            log.warning("refusing durable KV file: %s: not a regular file of the kernel's user", f)
+            report["refused"].append((str(f), "not a regular file of the kernel's user"))
+            continue
         try:
             inode = load_durable(fs, f)
             report["restored"].append(inode.path)

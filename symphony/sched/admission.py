@@ -15,7 +15,8 @@ that order may start, so a big LIP is never starved by small ones slipping
 past it; a higher-priority LIP is always ahead of a lower one, so it is never
 stuck behind it.  A LIP is not eligible, and waits for its own user's LIPs
 without blocking another user's, while its user already runs ``max_per_user``
-LIPs, or while its user's KV quota has no room for it (`Machine.user_room`):
+LIPs, has started ``spawns_per_s`` LIPs within the last second, or while its
+user's KV quota has no room for it (`Machine.user_room`):
 
     room(u) = quota(u) - pages charged to u - sum over u's admitted LIPs of
               the pages each is expected to need and does not hold yet
@@ -29,7 +30,9 @@ room for the KV it is expected to need::
     free = device_free + reclaimable - suspended - reserved(p) + lower(p)
 
 ``reserved(p)``: for each admitted LIP of priority >= p, the pages it is
-expected to need and does not hold yet; ``lower(p)``: the pages held by
+expected to need and does not hold yet, counted for each user only up to the
+user's share of the device (``capacity`` / the users with LIPs admitted or
+asking, less what the user holds); ``lower(p)``: the pages held by
 admitted LIPs of priority < p (the level-2 memory manager suspends those when
 a higher-priority LIP needs pages; their reservations do not count either).
 When no LIP is admitted at all, the head always starts: a LIP bigger than the
@@ -61,13 +64,14 @@ class AdmissionLimits:
 
     max_queued: int = 1024              # LIPs waiting, all users (--max-queued)
     max_queued_per_user: int = 256      # LIPs waiting, one user (--max-queued-per-user)
-    max_queued_bytes: int = 256 << 20   # source text of the waiting LIPs, all users (--max-queued-mb)
+    max_queued_bytes: int = 256 << 20   # source + arguments of the waiting LIPs, all users (--max-queued-mb)
     default_kv_tokens: int = 512        # expected KV of a LIP with no hint and no history (--lip-kv-tokens)
-    max_input_bytes: int = 1 << 20      # input kept for one waiting LIP until it starts
+    max_queued_bytes_per_user: int = 64 << 20   # the same, one user (--max-queued-mb-per-user)
+    spawns_per_s: int = 20              # LIPs one user may start a second (--spawn-rate); more wait
 
     def __post_init__(self):
         for name in ("max_queued", "max_queued_per_user", "max_queued_bytes", "default_kv_tokens",
-                     "max_input_bytes"):
+                     "max_queued_bytes_per_user", "spawns_per_s"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -96,15 +100,30 @@ class Machine:
     device_free: int = 0                        # device KV pages free
     reclaimable: int = 0                        # freeable without suspending a running LIP
     suspended: int = 0                          # pages suspended LIPs need back to resume
-    holding: tuple = ()                         # (priority, pages held, pages still expected) per admitted LIP
+    holding: tuple = ()                         # (priority, pages held, pages expected, user) per admitted LIP
     user_room: Mapping[str, int] = field(default_factory=dict)   # pages left in a waiting user's KV quota
                                                                  # (absent: no quota, root included)
+    capacity: int = 0                           # device KV pages in all (0: reservations are not shared out)
+    now: float = 0.0                            # time.monotonic(), for the per-user start rate
 
-    def free_for(self, priority: int) -> int:
-        """Device pages a new LIP of ``priority`` may count on."""
+    def free_for(self, priority: int, user: Optional[str] = None) -> int:
+        """Device pages a new LIP of ``priority`` (of ``user``) may count on.  What
+        one user's admitted LIPs reserve (expected, not yet held) counts only up to
+        that user's share of the device, ``capacity`` / the users with LIPs admitted
+        or asking: one user's big expectations never reserve the device for all."""
         free = self.device_free + self.reclaimable - self.suspended
-        for p, held, expected in self.holding:
-            free += held if p < priority else -max(0, expected - held)
+        reserved, held_by = Counter(), Counter()
+        for p, held, expected, *who in self.holding:
+            u = who[0] if who else None
+            if p < priority:
+                free += held
+            else:
+                reserved[u] += max(0, expected - held)
+                held_by[u] += held
+        users = {who[0] if who else None for _, _, _, *who in self.holding} | {user}
+        share = self.capacity // len(users) if self.capacity else None
+        for u, r in reserved.items():
+            free -= r if share is None or u is None else min(r, max(0, share - held_by[u]))
         return free
 
 
@@ -118,6 +137,8 @@ class AdmissionQueue:
         self._waiting: dict[int, Waiting] = {}
         self._by_user: Counter = Counter()
         self._bytes = 0
+        self._bytes_by_user: Counter = Counter()
+        self._starts: dict[str, deque] = {}                 # user -> time.monotonic() of its last starts
         self._recent: deque = deque(maxlen=RECENT_KEPT)     # users of the last admissions
         self._waits: deque = deque(maxlen=WAITS_KEPT)       # seconds waited by the last admitted after waiting
         self.waits = 0                  # LIPs admitted after waiting
@@ -147,13 +168,16 @@ class AdmissionQueue:
         """The users with LIPs waiting."""
         return set(self._by_user)
 
-    @staticmethod
-    def held_back(w: Waiting, m: Machine) -> str:
+    def held_back(self, w: Waiting, m: Machine) -> str:
         """Why ``w``'s own user keeps it from starting ("" when nothing does)."""
         mine = m.per_user.get(w.user, 0)
         if m.max_per_user is not None and mine >= m.max_per_user:
             return (f"user {w.user} runs {mine} LIPs, the most one user may (symphony-kernel "
                     f"--max-lips-per-user {m.max_per_user})")
+        starts, rate = self._starts.get(w.user), self.limits.spawns_per_s
+        if starts and len(starts) >= rate and m.now - starts[0] < 1.0:
+            return (f"user {w.user} started {len(starts)} LIPs within the last second, the most one user "
+                    f"may (symphony-kernel --spawn-rate {rate})")
         room = m.user_room.get(w.user)
         if room is not None and mine and w.pages > room:
             return (f"user {w.user}'s KV quota: the user's files and {mine} running LIPs leave room for "
@@ -176,7 +200,7 @@ class AdmissionQueue:
             return None, first_why
         if m.admitted == 0:
             return head, ""
-        ok, why = admit(m.admitted, m.max_lips, m.free_for(head.priority), head.pages)
+        ok, why = admit(m.admitted, m.max_lips, m.free_for(head.priority, head.user), head.pages)
         return (head, "") if ok else (None, why)
 
     def why_waiting(self, lip: int, m: Machine) -> str:
@@ -205,15 +229,22 @@ class AdmissionQueue:
             raise QueueFull(f"admission queue full: user {w.user} has {self._by_user[w.user]} LIPs waiting, "
                             f"the most one user may (symphony-kernel --max-queued-per-user "
                             f"{lim.max_queued_per_user})")
+        mine = self._bytes_by_user[w.user]
+        if mine + w.source_bytes > lim.max_queued_bytes_per_user:
+            raise QueueFull(f"admission queue full: user {w.user}'s waiting LIPs' programs and arguments take "
+                            f"{mine} bytes and this one {w.source_bytes}, beyond the {lim.max_queued_bytes_per_user}"
+                            f" bytes one user may (symphony-kernel --max-queued-mb-per-user "
+                            f"{lim.max_queued_bytes_per_user >> 20})")
         if self._bytes + w.source_bytes > lim.max_queued_bytes:
-            raise QueueFull(f"admission queue full: the waiting LIPs' programs take {self._bytes} bytes and "
-                            f"this one {w.source_bytes}, beyond {lim.max_queued_bytes} bytes "
+            raise QueueFull(f"admission queue full: the waiting LIPs' programs and arguments take {self._bytes} "
+                            f"bytes and this one {w.source_bytes}, beyond {lim.max_queued_bytes} bytes "
                             f"(symphony-kernel --max-queued-mb {lim.max_queued_bytes >> 20})")
         if w.lip in self._waiting:
             raise ValueError(f"LIP {w.lip} is already queued")
         self._waiting[w.lip] = w
         self._by_user[w.user] += 1
         self._bytes += w.source_bytes
+        self._bytes_by_user[w.user] += w.source_bytes
 
     def remove(self, lip: int) -> Optional[Waiting]:
         """Take ``lip`` out of the queue (None if it is not there)."""
@@ -223,11 +254,21 @@ class AdmissionQueue:
             if not self._by_user[w.user]:
                 del self._by_user[w.user]
             self._bytes -= w.source_bytes
+            self._bytes_by_user[w.user] -= w.source_bytes
+            if self._bytes_by_user[w.user] <= 0:
+                del self._bytes_by_user[w.user]
         return w
 
-    def admitted(self, user: str, waited_s: Optional[float] = None) -> None:
-        """A LIP of ``user`` starts (after waiting ``waited_s`` seconds, or at once: None)."""
+    def admitted(self, user: str, waited_s: Optional[float] = None, now: float = 0.0) -> None:
+        """A LIP of ``user`` starts (after waiting ``waited_s`` seconds, or at once: None)
+        at ``now`` (time.monotonic(): counted for its user's start rate)."""
         self._recent.append(user)
+        starts = self._starts.get(user)
+        if starts is None or starts.maxlen != self.limits.spawns_per_s:
+            starts = self._starts[user] = deque(starts or (), maxlen=self.limits.spawns_per_s)
+        starts.append(now)
+        for u in [u for u, d in self._starts.items() if now - d[-1] >= 1.0]:   # forget users idle for a second
+            del self._starts[u]
         if waited_s is not None:
             self.waits += 1
             self._waits.append(waited_s)
@@ -255,16 +296,19 @@ class PeakTable:
         while len(self._table) > self._kept:
             self._table.popitem(last=False)
 
-    def expected_pages(self, key: str, kv_tokens: Optional[int], page_size: int, default_tokens: int) -> int:
+    def expected_pages(self, key: str, kv_tokens: Optional[int], page_size: int, default_tokens: int,
+                       most: Optional[int] = None) -> int:
         """Pages a new LIP is expected to need: the client's hint (``kv_tokens``),
-        else the largest of the program's last peaks, else ``default_tokens``."""
+        else the largest of the program's last peaks, else ``default_tokens``;
+        never more than ``most`` (what it could ever hold: the device, its user's quota)."""
         if kv_tokens is not None:
-            return math.ceil(kv_tokens / page_size)
-        d = self._table.get(key)
-        if d:
+            pages = math.ceil(kv_tokens / page_size)
+        elif self._table.get(key):
             self._table.move_to_end(key)
-            return max(d)
-        return math.ceil(default_tokens / page_size)
+            pages = max(self._table[key])
+        else:
+            pages = math.ceil(default_tokens / page_size)
+        return pages if most is None else max(1, min(pages, most))
 
 
 def program_key(user: str, source: str) -> str:
@@ -272,11 +316,15 @@ def program_key(user: str, source: str) -> str:
     return f"{user}:{hashlib.sha256(source.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
 
 
-def check_kv_tokens(v) -> Optional[int]:
-    """A spawn's ``kv_tokens`` hint: None or an int > 0 (ValueError otherwise)."""
+def check_kv_tokens(v, device_tokens: Optional[int] = None) -> Optional[int]:
+    """A spawn's ``kv_tokens`` hint: None or an int > 0, at most ``device_tokens``
+    (what the device KV pool can ever hold; ValueError otherwise)."""
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 1 << 30:
         raise ValueError(f"kv_tokens must be an int in [1, {1 << 30}], got {v!r}")
+    if device_tokens is not None and v > device_tokens:
+        raise ValueError(f"kv_tokens {v} is more than the device KV pool can ever hold ({device_tokens} tokens); "
+                         f"a LIP that needs that much cannot run on this kernel (symphony-kernel --kv-memory-mb)")
     return v
 

@@ -4,7 +4,7 @@
     identity.py  Identity of the submitting user; per-thread file credentials
     files.py     read_file / list_dir: opened as that user, checked by real path
     http.py      http: every hop and resolved address checked against the grants
-    pool.py      CapPool: worker threads, a per-LIP share, per-call deadlines
+    pool.py      CapPool: worker threads, a per-user and a per-LIP share, per-call deadlines
 
 ``Capabilities`` is what the syscall server holds: the policy, the pool, and one
 entry point per capability system call.
@@ -30,7 +30,7 @@ class Capabilities:
     def __init__(self, policy: Optional[CapPolicy] = None, max_bytes: int = 1 << 20):
         self.policy = policy or CapPolicy.build()
         self.max_bytes = max_bytes
-        self.pool = CapPool(self.policy.workers, self.policy.per_lip)
+        self.pool = CapPool(self.policy.workers, self.policy.per_lip, per_user=self.policy.per_user)
 
     def submit(self, lip, op: str, body: dict,
                done: Callable[[Optional[dict], Optional[BaseException]], None]) -> None:
@@ -57,7 +57,7 @@ class Capabilities:
                 return files.list_dir(pol, who, grants, body)
         else:
             raise ValueError(f"unknown capability {op!r}")
-        self.pool.submit(lip.id, fn, done, timeout, alive=lambda: lip.state in ("running", "starting"))
+        self.pool.submit(lip.id, fn, done, timeout, alive=lambda: lip.state in ("running", "starting"), user=lip.user)
 
     def close(self) -> None:
         self.pool.close()

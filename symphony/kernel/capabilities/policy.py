@@ -75,8 +75,8 @@ class CapPolicy:
     ``allow_read``: real paths under which read grants may be given (None = anywhere);
     ``deny_read``: real paths no capability may open, built-ins included;
     ``deny_globs``: fnmatch patterns of denied files (the kernel's temporary files);
-    ``allow_http``: admitted hosts (None = any); ``workers``/``per_lip``: the pool and
-    one LIP's share of it; ``timeout_s``: the longest a call may take."""
+    ``allow_http``: admitted hosts (None = any); ``workers``/``per_lip``/``per_user``: the
+    pool, one LIP's share of it and one user's; ``timeout_s``: the longest a call may take."""
     allow_read: Optional[tuple] = None
     deny_read: tuple = BUILTIN_DENY
     deny_globs: tuple = ()
@@ -84,12 +84,14 @@ class CapPolicy:
     workers: int = 4
     per_lip: int = 2
     timeout_s: float = 30.0
+    per_user: int = 2
     creds: Credentials = field(default_factory=Credentials, compare=False, repr=False)
 
     @classmethod
     def build(cls, allow_read: Optional[Iterable[str]] = None, deny_read: Iterable[str] = (),
               allow_http: Optional[Iterable[str]] = None, kernel_dirs: Iterable[Optional[str]] = (),
-              socket_path: Optional[str] = None, workers: int = 4, per_lip: int = 2, timeout_s: float = 30.0) -> "CapPolicy":
+              socket_path: Optional[str] = None, workers: int = 4, per_lip: int = 2, timeout_s: float = 30.0,
+              per_user: Optional[int] = None) -> "CapPolicy":
         """Validate the administrator's settings (ValueError on a bad one).
 
         ``allow_read``/``allow_http`` None mean any (the user's own permissions
@@ -120,12 +122,14 @@ class CapPolicy:
         if allow_http is not None:
             allow_http = list(allow_http)
             http = () if allow_http == ["none"] else tuple(parse_host(h, "--allow-http entry") for h in allow_http)
-        for n, name, lo, hi in ((workers, "--cap-workers", 1, 256), (per_lip, "--cap-share", 1, 256)):
+        per_user = max(1, workers // 2) if per_user is None else per_user
+        for n, name, lo, hi in ((workers, "--cap-workers", 1, 256), (per_lip, "--cap-share", 1, 256),
+                                (per_user, "--cap-share-user", 1, 256)):
             if not isinstance(n, int) or isinstance(n, bool) or not lo <= n <= hi:
                 raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {n!r}")
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0.1 <= timeout_s <= 3600:
             raise ValueError(f"--cap-timeout must be in [0.1, 3600] seconds, got {timeout_s!r}")
-        return cls(allow, tuple(dict.fromkeys(deny)), globs, http, workers, per_lip, float(timeout_s))
+        return cls(allow, tuple(dict.fromkeys(deny)), globs, http, workers, per_lip, float(timeout_s), per_user)
 
     # ------------------------------------------------------------------ checks
     def denied(self, real: str) -> Optional[str]:

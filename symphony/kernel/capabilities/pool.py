@@ -1,10 +1,14 @@
 """The capability pool: worker threads shared fairly between LIPs, calls with deadlines.
 
-    submit(owner, fn, done, timeout)
-        -> queued on the owner's FIFO; owners with queued work wait in a
-           round-robin ring; a worker takes the next owner below its share
-           (at most ``per_lip`` calls of one owner run at once); more are
-           queued, never refused
+    submit(owner, fn, done, timeout, user=...)
+        -> queued on the owner's (a LIP's) FIFO; users with queued work take
+           turns, and within a user its LIPs; a worker takes the next call of
+           a user below the user's share (``per_user`` calls of one user's
+           LIPs at once) and of a LIP below its share (``per_lip``); more are
+           queued, never refused.  A user with no call running whose call
+           finds every worker busy gets a thread of its own for it (up to
+           ``max_threads`` in all): one user's slow calls never hold another
+           user's first call
     a worker runs fn(ctx); done(result, None) or done(None, exc) exactly once
     the watchdog answers a call past its deadline with TimedOut, runs its
         cancel hooks (an http socket is shut down) and, while the stuck thread
@@ -33,6 +37,7 @@ log = logging.getLogger("symphony.capabilities")
 class Job:
     """One call.  ``deadline`` (time.monotonic) is set when it starts to run."""
     owner: int
+    user: object
     fn: Callable[["Job"], dict]
     done: Callable[[Optional[dict], Optional[BaseException]], None]
     timeout: float
@@ -48,14 +53,17 @@ class Job:
 
 class CapPool:
     def __init__(self, workers: int = 4, per_lip: int = 2, grace_s: float = 0.5,
-                 max_threads: Optional[int] = None, name: str = "symphony-cap"):
+                 max_threads: Optional[int] = None, name: str = "symphony-cap", per_user: Optional[int] = None):
         self.workers, self.per_lip, self.grace_s = workers, per_lip, grace_s
+        self.per_user = per_user or workers
         self.max_threads = max_threads or 4 * workers
         self.name = name
         self._cv = threading.Condition()
         self._queues: dict[int, deque] = {}
-        self._ring: deque = deque()           # owners with queued calls, round-robin
+        self._users: dict = {}                # user -> deque of its owners with queued calls, round-robin
+        self._ring: deque = deque()           # users with queued calls, round-robin
         self._busy: dict[int, int] = {}       # owner -> calls running (stuck ones included)
+        self._busy_user: dict = {}            # user -> calls running
         self._running: set = set()
         self._threads = 0
         self._stuck = 0
@@ -69,18 +77,26 @@ class CapPool:
     # ------------------------------------------------------------------ public
     def submit(self, owner: int, fn: Callable[[Job], dict],
                done: Callable[[Optional[dict], Optional[BaseException]], None],
-               timeout: float, alive: Callable[[], bool] = lambda: True) -> Job:
-        """Queue ``fn`` for ``owner``; ``done`` is called exactly once (unless the
-        owner is gone by the time the call is reached: then it is dropped)."""
-        job = Job(owner, fn, done, float(timeout), alive)
+               timeout: float, alive: Callable[[], bool] = lambda: True, user=None) -> Job:
+        """Queue ``fn`` for ``owner`` (a LIP) of ``user``; ``done`` is called exactly
+        once (unless the owner is gone by the time the call is reached: then it is
+        dropped)."""
+        job = Job(owner, user, fn, done, float(timeout), alive)
         with self._cv:
             if self._closed:
                 raise RuntimeError("capability pool is closed")
             q = self._queues.get(owner)
             if q is None:
                 q = self._queues[owner] = deque()
-                self._ring.append(owner)
+                owners = self._users.get(user)
+                if owners is None:
+                    owners = self._users[user] = deque()
+                    self._ring.append(user)
+                owners.append(owner)
             q.append(job)
+            if (user is not None and not self._busy_user.get(user) and len(self._running) >= self._threads
+                    and self._threads < self.max_threads):
+                self._spawn()                  # every worker is busy with others' calls
             self._cv.notify_all()
         return job
 
@@ -89,8 +105,15 @@ class CapPool:
         with self._cv:
             q = self._queues.pop(owner, None)
             if q is not None:
-                self._ring.remove(owner)
+                self._unqueue(q[0].user, owner)
             return len(q or ())
+
+    def _unqueue(self, user, owner: int) -> None:
+        owners = self._users[user]
+        owners.remove(owner)
+        if not owners:
+            del self._users[user]
+            self._ring.remove(user)
 
     def stats(self) -> dict:
         with self._cv:
@@ -109,19 +132,25 @@ class CapPool:
         threading.Thread(target=self._work, name=f"{self.name}-{self._threads}", daemon=True).start()
 
     def _next(self) -> Optional[Job]:
-        """The next runnable call, round-robin over owners below their share (lock held)."""
+        """The next runnable call, round-robin over users below their share, then
+        over their owners below theirs (lock held)."""
         for _ in range(len(self._ring)):
-            owner = self._ring.popleft()
-            q = self._queues[owner]
-            if self._busy.get(owner, 0) >= self.per_lip:
-                self._ring.append(owner)
+            user = self._ring[0]
+            self._ring.rotate(-1)
+            if user is not None and self._busy_user.get(user, 0) >= self.per_user:
                 continue
-            job = q.popleft()
-            if q:
-                self._ring.append(owner)
-            else:
-                del self._queues[owner]
-            return job
+            owners = self._users[user]
+            for _ in range(len(owners)):
+                owner = owners[0]
+                owners.rotate(-1)
+                if self._busy.get(owner, 0) >= self.per_lip:
+                    continue
+                q = self._queues[owner]
+                job = q.popleft()
+                if not q:
+                    del self._queues[owner]
+                    self._unqueue(user, owner)
+                return job
         return None
 
     def _work(self) -> None:
@@ -141,6 +170,7 @@ class CapPool:
                 if not job.alive():
                     continue                           # its LIP is gone: drop
                 self._busy[job.owner] = self._busy.get(job.owner, 0) + 1
+                self._busy_user[job.user] = self._busy_user.get(job.user, 0) + 1
                 job.deadline = time.monotonic() + job.timeout
                 self._running.add(job)
                 self._cv.notify_all()                  # the watchdog learns the new deadline
@@ -154,6 +184,9 @@ class CapPool:
                 self._busy[job.owner] -= 1
                 if not self._busy[job.owner]:
                     del self._busy[job.owner]
+                self._busy_user[job.user] -= 1
+                if not self._busy_user[job.user]:
+                    del self._busy_user[job.user]
                 late = job.answered
                 if late:
                     self._stuck -= 1

@@ -249,6 +249,7 @@ def apply_rlimits(address_space_bytes: int | None, cpu_seconds: int | None,
     if file_size_bytes is not None:
         setl(resource.RLIMIT_FSIZE, file_size_bytes, file_size_bytes, "RLIMIT_FSIZE")
     setl(resource.RLIMIT_CORE, 0, 0, "RLIMIT_CORE")
+    setl(resource.RLIMIT_NICE, 0, 0, "RLIMIT_NICE")      # no way back from the worker's nice 19
 
 
 def drop_capabilities() -> None:
