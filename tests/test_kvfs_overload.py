@@ -112,6 +112,27 @@ def test_a_pred_deletes_cache_files_before_swapping_and_an_open_one_is_only_swap
         fs.advise(ALICE, fs.create(ALICE), "discard")
 
 
+def test_cache_files_that_share_pages_are_free_memory_too(weights):
+    """Prefix checkpoints (cache files cut from one another by extract) share their pages: a
+    page only such files hold is reclaimable, and reclaim frees it by deleting them all (LRU),
+    never a page a file outside the cache still maps."""
+    fs = make_fs(weights, 9, host_pages=0)                    # 8 device pages, no host tier to swap to
+    h = fs.create(ALICE, "/tmp/conv")
+    fs.pred(ALICE, h, toks(6 * S, 1))
+    for n in (2, 4, 6):                                       # checkpoints of 2, 4 and 6 pages
+        c = fs.extract(ALICE, h, [[0, n * S]], path=f"/tmp/ck{n}")
+        fs.advise(ALICE, c, "cache")
+        fs.close(ALICE, c)
+    keep = fs.extract(ALICE, h, [[0, S]], path="/tmp/keep")   # a plain file shares page 1
+    fs.close(ALICE, keep)
+    fs.remove(ALICE, "/tmp/conv")
+    fs.close(ALICE, h)
+    assert free(fs) == 2 and fs.reclaimable() == 5            # pages 2-6: every holder is a cache file
+    assert fs.reclaim(8) == 7                                 # all three go; page 1 stays (the plain file)
+    assert not any(exists(fs, f"/tmp/ck{n}") for n in (2, 4, 6)) and exists(fs, "/tmp/keep")
+    assert fs.stats()["cache_drops"] == 3 and fs.reclaimable() == 0
+
+
 def test_reclaim_skips_what_host_and_disk_cannot_take_and_make_room_says_so(weights):
     fs = make_fs(weights, pages=9, host_pages=2)              # 8 device pages, 2 host slots, no disk
     p = file_of(fs, BOB, 2, "/tmp/p", seed=2, keep_open=True)

@@ -96,8 +96,8 @@ distribution is needed) when the whole prompt was cached.  Checkpoints are
 ``advise("cache")`` (deleted first under memory pressure: a later lookup
 misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
 private (0600) unless ``trust`` names other users (0644).  Caching never
-fails a request: a refused directory or a full quota stops it (a full inode
-quota removes the user's own checkpoints), and a pred over the page quota is
+fails a request: a refused directory or a full quota stops it (a full quota
+removes the user's own checkpoints), and a pred over the page quota is
 retried once after removing them.  A ``cache.dir`` that is not a valid KVFS
 path is a 400 (param ``cache.dir``).
 """

@@ -87,9 +87,9 @@ class MemoryOps:
         if not (idle or self.lru_drop or self.evict_first()):
             return 0                                   # nothing to reclaim: no walk of the pinned files
         protect = self._guarded(protect)
-        cache = [i for i in self._droppable() if not _touches(i, protect)]
-        dropped = {b.id for i in cache for b in i.blocks if b.device >= 0 and b.ref == 1}
-        slots = sum(1 for i in cache for b in i.blocks if b.device < 0 and b.ref == 1)
+        freed = _cache_only([i for i in self._droppable() if not _touches(i, protect)])
+        dropped = {b.id for b in freed if b.device >= 0}
+        slots = sum(1 for b in freed if b.device < 0)
         swappable = {b.id for b in self._reclaim_victims(protect)} - dropped
         return len(dropped) + min(len(swappable), self.pager.free_slots() + slots)
 
@@ -218,22 +218,27 @@ class MemoryOps:
         return [i for i in self.lru_cache.values() if i.linked and i.handles == 0]
 
     def _drop_cache(self, n: int, protect: set[int]) -> None:
-        """Delete unopened cache files holding device pages, LRU first, until
-        ``n`` device pages are free."""
-        for inode in self._droppable():
+        """Delete unopened cache files holding device pages that only such files
+        hold (a page several checkpoints share is freed with the last of them),
+        LRU first, until ``n`` device pages are free."""
+        cache = [i for i in self._droppable() if not _touches(i, protect)]
+        freed = {b.id for b in _cache_only(cache) if b.device >= 0}
+        for inode in cache:
             if self.pager.alloc.num_free >= n:
                 return
-            if not _touches(inode, protect) and any(b.device >= 0 and b.ref == 1 for b in inode.blocks):
+            if any(b.id in freed for b in inode.blocks):
                 self._drop_cache_file(inode)
 
     def _slot_room(self, k: int, protect: set[int]) -> None:
         """Delete unopened cache files holding host/disk slots, LRU first,
         until ``k`` more slots are free (or none is left to delete)."""
         goal = self.pager.free_slots() + k
-        for inode in self._droppable():
+        cache = [i for i in self._droppable() if not _touches(i, protect)]
+        freed = {b.id for b in _cache_only(cache) if b.device < 0}
+        for inode in cache:
             if self.pager.free_slots() >= goal:
                 return
-            if not _touches(inode, protect) and any(b.device < 0 and b.ref == 1 for b in inode.blocks):
+            if any(b.id in freed for b in inode.blocks):
                 self._drop_cache_file(inode)
 
     def _drop_cache_file(self, inode: Inode) -> None:
@@ -252,6 +257,21 @@ def _blocks(inodes: Iterable[Inode], protect: set[int]) -> Iterator[Block]:
             for b in inode.blocks:
                 if b.device >= 0 and b.id not in protect:
                     yield b
+
+
+def _cache_only(cache: list[Inode]) -> list[Block]:
+    """The blocks that only the files ``cache`` reference: deleting them all frees
+    these (files that share pages, such as prefix checkpoints, each hold a
+    reference: a page is free with the last of them)."""
+    seen: dict[int, list] = {}                   # block id -> [block, references from cache]
+    for inode in cache:
+        for b in inode.blocks:
+            e = seen.get(b.id)
+            if e is None:
+                seen[b.id] = [b, 1]
+            else:
+                e[1] += 1
+    return [b for b, n in seen.values() if n == b.ref]
 
 
 def _touches(inode: Inode, protect: set[int]) -> bool:

@@ -53,8 +53,9 @@ a later lookup misses) and ``advise("expire", ttl)``, renewed on each hit of
 one's own file, so that unused checkpoints leave the namespace.  Two requests
 making the same checkpoint at once is fine (AlreadyExists); a full quota or a
 refused directory stops saving for this request (the request itself never
-fails); on a full inode quota the user's own checkpoints in the directory are
-removed (`purge`) so the cache cannot keep the user from naming files.
+fails); on a full quota (named files, pages or page references) the user's own
+checkpoints in the directory are removed (`purge`) so that the cache cannot
+keep the user from working.
 """
 from __future__ import annotations
 
@@ -217,11 +218,10 @@ class PrefixCache:
                     self.saving = False
                     return 0
                 continue
-            except QuotaExceeded as e:
+            except QuotaExceeded:
                 self.saving = False
-                if "named" in str(e):                        # the inode quota: make room for others
-                    self.purge()
-                return 0
+                self.purge()                                 # any quota (files, pages, page references):
+                return 0                                     # the cache must not keep the user from working
             except (NoSpace, PermissionDenied, InvalidPath, InvalidArgument, NotADirectory):
                 self.saving = False
                 return 0
