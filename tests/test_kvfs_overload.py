@@ -133,6 +133,22 @@ def test_cache_files_that_share_pages_are_free_memory_too(weights):
     assert fs.stats()["cache_drops"] == 3 and fs.reclaimable() == 0
 
 
+def test_a_users_own_cache_files_make_room_in_their_quota(weights):
+    """Over her page quota, Alice's unopened cache files are deleted before her pred is refused
+    (the memory manager may delete them at any time anyway); Bob's are not hers to spend."""
+    fs = make_fs(weights, 33, user_page_quota=6)
+    file_of(fs, BOB, 2, "/tmp/bob-cache", "cache", seed=3)
+    for n in (1, 2):
+        file_of(fs, ALICE, 2, f"/tmp/c{n}", "cache", seed=n)
+    assert fs.cache_pages_by_user() == {"alice": 4, "bob": 2}
+    h = fs.create(ALICE)
+    fs.pred(ALICE, h, toks(4 * S, 9))                         # 4 + 4 > 6: the oldest cache file goes
+    assert not exists(fs, "/tmp/c1") and exists(fs, "/tmp/c2") and exists(fs, "/tmp/bob-cache")
+    with pytest.raises(QuotaExceeded):
+        fs.pred(ALICE, h, toks(3 * S, 8))                     # c2 too would not make room for 3 more
+    assert exists(fs, "/tmp/bob-cache")
+
+
 def test_reclaim_skips_what_host_and_disk_cannot_take_and_make_room_says_so(weights):
     fs = make_fs(weights, pages=9, host_pages=2)              # 8 device pages, 2 host slots, no disk
     p = file_of(fs, BOB, 2, "/tmp/p", seed=2, keep_open=True)

@@ -65,7 +65,8 @@ class AdmissionControl:
 
     def _user_room(self, snap, admitted) -> dict:
         """{waiting user: KV pages their quota has left for one more LIP}: the quota, less the
-        pages charged to the user (the snapshot's) and what each of the user's admitted LIPs
+        pages charged to the user (the snapshot's) but those only their unopened cache files
+        hold (deleted first when the quota is short), and what each of the user's admitted LIPs
         is expected to need and does not hold yet.  Users without a quota (root) are absent.
         The quota limits are fixed when KVFS is made, so reading them here is safe; the
         charges, which the syscall thread owns, come from its snapshot."""
@@ -81,7 +82,8 @@ class AdmissionControl:
         for user in users:
             limit = self.fs.quotas.limit_for(user)
             if limit is not None:
-                room[user] = limit - snap.user_pages.get(user, 0) - to_come.get(user, 0)
+                held = snap.user_pages.get(user, 0) - snap.user_cache_pages.get(user, 0)   # cache: room
+                room[user] = limit - held - to_come.get(user, 0)
         return room
 
     def _pump_admission(self) -> None:

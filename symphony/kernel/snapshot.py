@@ -102,6 +102,7 @@ class ServingSnapshot:
                                 # (unopened cache/idle files, blocked LIPs' files)
     lip_pages: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> KV pages charged (all tiers)
     user_pages: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # user -> KV pages charged (all tiers)
+    user_cache_pages: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # of which only unopened cache files hold
     suspended: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> pages it needs back to resume
     overload: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))    # preemptions, resumes, drops, swap bytes, ...
 

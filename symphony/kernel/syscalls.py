@@ -115,6 +115,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self.max_batch = 0
         self._dirty = False
         self._reclaimable_n, self._reclaimable_at, self._reclaimable_stale = 0, float("-inf"), False
+        self._cache_by_user = MappingProxyType({})     # user -> pages only unopened cache files hold
         self._admitted = 0
         self._init_residency(kv_wait_s)
         self._publish()                   # the first snapshot, before the thread starts
@@ -356,6 +357,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             kv_reclaimable=self._reclaimable(),
             lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
             user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
+            user_cache_pages=self._cache_by_user,
             suspended=MappingProxyType({i: self._pages_of(l)[1] for i, l in self.lips.items() if l.suspended}),
             overload=MappingProxyType({**self.fs.stats(), **self.overload, "slow_calls": len(self.slow),
                                        "slow_slices": self.slow.slices}))
@@ -370,6 +372,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self._reclaimable_stale = now - self._reclaimable_at < RECLAIMABLE_EVERY_S
         if not self._reclaimable_stale:
             self._reclaimable_n, self._reclaimable_at = self.fs.reclaimable(), now
+            self._cache_by_user = MappingProxyType(self.fs.cache_pages_by_user())
         return self._reclaimable_n
 
     # ------------------------------------------------------------------ dispatch

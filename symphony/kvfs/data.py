@@ -28,7 +28,7 @@ import torch
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import pages_for
 from symphony.engine.runner import CallResult, ModelStep, StepCall, Want
-from .errors import InvalidArgument, NoSpace, ReadOnlyHandle
+from .errors import InvalidArgument, NoSpace, QuotaExceeded, ReadOnlyHandle
 from .namespace import Block, Inode, Principal
 
 
@@ -83,7 +83,10 @@ class DataOps:
         writable), tokens against the vocabulary, positions against the
         context, the file's length limit and the caller's quota.  Returns
         (tokens, positions) as lists (positions None: continue the file); a
-        long prompt is then fed in chunks by `run_preds` without re-checking."""
+        long prompt is then fed in chunks by `run_preds` without re-checking.
+        Over the user's page quota, their unopened cache files are deleted
+        first (`make_quota_room`), as the memory manager may delete them at
+        any time."""
         h = self._handle(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only (fork it to write)")
@@ -97,7 +100,12 @@ class DataOps:
             raise NoSpace(f"pred needs {need} device KV pages (the file's {inode.length} tokens + "
                           f"{len(toks)} new at {S} tokens a page); the device pool holds {cap} pages: "
                           f"{need - cap} too many")
-        self.quotas.check({(who.user, who.pid): new + cow})
+        try:
+            self.quotas.check({(who.user, who.pid): new + cow})
+        except QuotaExceeded:                      # the user's own cache files go first
+            if not self.make_quota_room(who.user, new + cow):
+                raise
+            self.quotas.check({(who.user, who.pid): new + cow})
         self.quotas.check_refs(inode.owner, new)
         return toks, pos
 

@@ -93,7 +93,32 @@ class MemoryOps:
         swappable = {b.id for b in self._reclaim_victims(protect)} - dropped
         return len(dropped) + min(len(swappable), self.pager.free_slots() + slots)
 
+    def cache_pages_by_user(self) -> dict[str, int]:
+        """{user: pages charged to them that only unopened cache files hold}: room
+        in their quota, since those files go before anything of theirs would."""
+        out: dict[str, int] = {}
+        for b in _cache_only(self._droppable()):
+            out[b.user] = out.get(b.user, 0) + 1
+        return out
+
     # ================================================================== actions
+    def make_quota_room(self, user: str, n: int) -> int:
+        """Delete ``user``'s unopened cache files (LRU) whose pages only such
+        files hold and are charged to ``user``, until ``n`` more pages fit in
+        their quota (or none is left); returns the pages freed."""
+        lim = self.quotas.limit_for(user)
+        if lim is None:
+            return 0
+        cache = [i for i in self._droppable() if i.owner == user]
+        mine = {b.id for b in _cache_only(cache) if b.user == user}
+        before = self.quotas.by_user[user]
+        for inode in cache:
+            if self.quotas.by_user[user] + n <= lim:
+                break
+            if any(b.id in mine for b in inode.blocks):
+                self._drop_cache_file(inode)
+        return before - self.quotas.by_user[user]
+
     def reclaim(self, n: int, protect: Iterable[int] = frozenset()) -> int:
         """Try to make ``n`` device pages free without touching the files of
         pinned processes or blocks in ``protect`` (block ids): delete unopened

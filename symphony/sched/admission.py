@@ -18,14 +18,16 @@ without blocking another user's, while its user already runs ``max_per_user``
 LIPs, has started ``spawns_per_s`` LIPs within the last second, or while its
 user's KV quota has no room for it (`Machine.user_room`):
 
-    room(u) = quota(u) - pages charged to u - sum over u's admitted LIPs of
-              the pages each is expected to need and does not hold yet
+    room(u) = quota(u) - pages charged to u (but those only u's unopened cache
+              files hold: they are deleted first) - sum over u's admitted
+              LIPs of the pages each is expected to need and does not hold yet
 
 (a user with no LIP admitted is always eligible: nothing of theirs would free
 pages, and a LIP bigger than the quota gets to run and fails honestly).
 
 When the head may start (`Machine`): a LIP slot is free, and the device has
-room for the KV it is expected to need::
+room for the KV it is expected to need (``reclaimable`` counts every page
+only unopened cache files hold: cached prefixes are free memory)::
 
     free = device_free + reclaimable - suspended - reserved(p) + lower(p)
 
