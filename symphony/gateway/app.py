@@ -60,6 +60,7 @@ class Gateway:
         self.lips: dict[int, tuple[str, object, dict]] = {}   # lip -> (key name, session, row)
         self.models: list[str] = []
         self.context_tokens = 2048
+        self.kv_tokens_max = 2048
         self.fingerprint = "symphony"
         # every program is read now: a gateway started as root reads them before it drops privileges
         self.stock = _stock_programs()
@@ -82,6 +83,9 @@ class Gateway:
         aliases = list(self.cfg.model_aliases) + ([st["model_name"]] if st.get("model_name") else [])
         self.models = [name] + [m for m in dict.fromkeys(aliases) if m != name]
         self.context_tokens = int(st.get("context") or 2048)
+        # a kv_tokens hint above what the device pool can ever hold is refused by the kernel
+        pool = int(st.get("kv_pages_total") or 0) * int(st.get("page_size") or 0)
+        self.kv_tokens_max = min(self.context_tokens, pool) if pool else self.context_tokens
         self.fingerprint = f"symphony-{st.get('instance', '0')}"
         log.info("serving model %s (context %d) for the kernel at %s; programs: %s", self.models[0],
                  self.context_tokens, self.cfg.socket_path,

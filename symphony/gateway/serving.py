@@ -96,7 +96,7 @@ class ServeRun:
                 s = await self.gw.link.start(
                     self.key.user, source, [orjson.dumps(req).decode()], filename=filename, grants={},
                     limits={"timeout": self.gw.cfg.request_timeout}, priority=self.priority,
-                    kv_tokens=_kv_estimate(req, self.gw.context_tokens))
+                    kv_tokens=_kv_estimate(req, self.gw.kv_tokens_max))
                 self.sessions.append(s)
                 self.gw.metrics.lips_started.labels(self.route).inc()
         except (KernelRefused, KernelUnavailable) as e:
@@ -232,7 +232,7 @@ def _int(v) -> int:
 def _kv_estimate(req: dict, context: int) -> int:
     """KV tokens to tell admission this request needs: its text at ~3
     characters a token plus what it may generate, per choice (forks share the
-    prompt's pages), at most the context."""
+    prompt's pages), at most the context and what the device pool holds."""
     if req.get("mode") == "chat":
         prompt = sum(len(m.get("content") or "") for m in req.get("messages", [])) // 3
     elif isinstance(req.get("prompt"), list):

@@ -210,6 +210,7 @@ class ClientSessions:
         d["instance"] = self.instance
         d["model"] = getattr(self.engine, "model_id", None) or self.engine.model_config.name or "default"
         d["model_name"] = self.engine.model_config.name
+        d["page_size"] = self.engine.page_size
         d["context"] = self.engine.max_seq_len
         d["compute_threads"] = self.sys.compute_threads
         d["output_queued_bytes"] = self.queued_output_bytes()
