@@ -179,10 +179,21 @@ def test_a_repeated_system_prompt_and_a_response_chain_compute_only_new_tokens(g
 
 
 def test_100_concurrent_streams_each_get_what_they_get_alone(gm):
-    questions = ["What is 2+2?", "Name a colour.", "Say hello.", "What is the capital of Italy?", "Name a fruit."]
+    """100 streams at once (20 of each question) get the greedy text each gets alone.  Alone,
+    the kernel computes a short prompt with the 15-bit kernels; in a batch of 32 rows or more it
+    takes the dense float32 GEMM, which rounds differently (~1e-3 of the logits), so an answer
+    with a near-tie between its two best tokens could flip: the questions are ones whose answers
+    have none (checked here, from the answer's own logprobs)."""
+    questions = ["What is 2+2?", "What is the capital of Italy?", "What is the capital of France?",
+                 "Name a fruit.", "What colour is the sky?"]
     c = oai(gm)
-    alone = {q: c.chat.completions.create(model=gm.model, messages=ask(q), temperature=0,
-                                          max_tokens=8).choices[0].message.content for q in questions}
+    alone = {}
+    for q in questions:
+        r = c.chat.completions.create(model=gm.model, messages=ask(q), temperature=0, max_tokens=8, logprobs=True,
+                                      top_logprobs=2)
+        alone[q] = r.choices[0].message.content
+        margins = [e.top_logprobs[0].logprob - e.top_logprobs[1].logprob for e in r.choices[0].logprobs.content]
+        assert min(margins) > 0.02, (q, margins)
 
     async def run():
         limits = httpx.Limits(max_connections=120)

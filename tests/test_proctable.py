@@ -150,7 +150,7 @@ def test_serving_snapshot_stats_fields():
                         kv_pages_total=10)
     st = s.as_stats()
     assert st["pending_reply_bytes"] == 123 and st["kv_pages_used"] == 4 and st["kv_pages_total"] == 10
-    assert set(st) == {"batches", "batch_calls", "max_batch", "forward_passes", "pred_calls",
+    assert set(st) == {"batches", "batch_calls", "max_batch", "forward_passes", "pred_calls", "tokens_computed",
                        "engine_max_batch", "kv_pages_used", "kv_pages_total", "pending_reply_bytes",
                        "kv_device_free", "kv_reclaimable", "suspended_lips", "suspended_pages",
                        "suspensions", "resumes", "memory_waits", "kv_wait_failures"}
