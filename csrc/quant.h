@@ -21,6 +21,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include "check.h"
 
 namespace symphony {
 
@@ -33,42 +34,42 @@ struct QDims {
 };
 
 inline void check_qkind(const char* op, int64_t kind) {
-  TORCH_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
+  SYM_CHECK(kind == kQU4 || kind == kQI8, op, ": kind must be 0 (u4) or 1 (i8), got ", kind);
 }
 
 inline QDims check_qweight(const char* op, const at::Tensor& qs, const at::Tensor& scales,
                            const at::Tensor& mins, int64_t kind, int64_t group) {
   check_qkind(op, kind);
-  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D [N, packed K], got shape ", qs.sizes());
-  TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), op,
+  SYM_CHECK(qs.dim() == 2, op, ": qs must be 2-D [N, packed K], got shape ", qs.sizes());
+  SYM_CHECK(qs.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), op,
               ": qs, scales and mins must be contiguous");
   const int64_t N = qs.size(0);
   int64_t K;
   if (kind == kQU4) {
-    TORCH_CHECK(qs.scalar_type() == at::kByte, op, ": u4 qs must be uint8, got ", qs.scalar_type());
-    TORCH_CHECK(group == 32, op, ": u4 weights have groups of 32, got ", group);
+    SYM_CHECK(qs.scalar_type() == at::kByte, op, ": u4 qs must be uint8, got ", qs.scalar_type());
+    SYM_CHECK(group == 32, op, ": u4 weights have groups of 32, got ", group);
     K = qs.size(1) * 2;
   } else {
-    TORCH_CHECK(qs.scalar_type() == at::kChar, op, ": i8 qs must be int8, got ", qs.scalar_type());
-    TORCH_CHECK(group == 16 || group == 32, op, ": i8 groups must be 16 or 32, got ", group);
+    SYM_CHECK(qs.scalar_type() == at::kChar, op, ": i8 qs must be int8, got ", qs.scalar_type());
+    SYM_CHECK(group == 16 || group == 32, op, ": i8 groups must be 16 or 32, got ", group);
     K = qs.size(1);
   }
-  TORCH_CHECK(K > 0 && K % 32 == 0, op, ": K must be a positive multiple of 32, got ", K);
+  SYM_CHECK(K > 0 && K % 32 == 0, op, ": K must be a positive multiple of 32, got ", K);
   const int64_t G = K / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
+  SYM_CHECK(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
               scales.scalar_type());
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G, op,
+  SYM_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G, op,
               ": scales must be [N, K/group] = [", N, ", ", G, "], got ", scales.sizes());
   const bool has_min = mins.numel() > 0;
-  TORCH_CHECK(has_min || kind != kQU4, op, ": u4 weights need mins (Q4_0's are -8 * scale), got an "
+  SYM_CHECK(has_min || kind != kQU4, op, ": u4 weights need mins (Q4_0's are -8 * scale), got an "
               "empty mins tensor");
   if (has_min) {
-    TORCH_CHECK(mins.scalar_type() == at::kFloat, op, ": mins must be float32, got ",
+    SYM_CHECK(mins.scalar_type() == at::kFloat, op, ": mins must be float32, got ",
                 mins.scalar_type());
-    TORCH_CHECK(mins.sizes() == scales.sizes(), op, ": mins shape ", mins.sizes(),
+    SYM_CHECK(mins.sizes() == scales.sizes(), op, ": mins shape ", mins.sizes(),
                 " differs from scales shape ", scales.sizes());
   }
-  TORCH_CHECK(scales.device() == qs.device() && mins.device() == qs.device(), op,
+  SYM_CHECK(scales.device() == qs.device() && mins.device() == qs.device(), op,
               ": qs, scales and mins must be on one device");
   return {N, K, group, G, static_cast<QKind>(kind), has_min};
 }

@@ -419,6 +419,36 @@ def test_bad_write_kv_input_raises():
     assert kc.abs().sum() == 0 and vc.abs().sum() == 0  # nothing written on failure
 
 
+def test_error_messages_spell_numbers_and_shapes():
+    """The checks build their messages without iostreams (csrc/check.h): numbers, shapes, dtypes
+    and devices still read as TORCH_CHECK would have written them."""
+    with pytest.raises(RuntimeError) as e:
+        ops.rms_norm(torch.randn(64), torch.rand(64), 1e-6)
+    assert "symphony::rms_norm: x must be 2-D [T, H], got shape [64]" in str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.rand(8), 1e-6)
+    assert "x and r shapes differ: [2, 8] vs [3, 8]" in str(e.value)
+    a = _good_args()
+    a["q"] = a["q"].double()
+    with pytest.raises(RuntimeError, match=r"q must be float32, float16 or bfloat16, got Double|"
+                                           r"q dtype Double must equal the cache dtype Float"):
+        _attn(a)
+    a = _good_args()
+    a["page_table"][1, 4] = -7
+    with pytest.raises(RuntimeError, match=r"page_table\[1, 4\] = -7 is out of range \[0, \d+\)"):
+        _attn(a)
+
+
+def test_every_check_goes_through_sym_check():
+    """No TORCH_CHECK outside csrc/check.h: a stray one would format its numbers through an
+    ostringstream again (see check.h for the machine where that crashed)."""
+    root = ops.csrc_dir()
+    stray = [f"{p.relative_to(root)}:{i + 1}" for p in sorted(root.rglob("*"))
+             if p.suffix in (".h", ".cpp", ".cu", ".inc") and p.name != "check.h"
+             for i, line in enumerate(p.read_text().splitlines()) if "TORCH_CHECK(" in line]
+    assert not stray, f"use SYM_CHECK (csrc/check.h) instead of TORCH_CHECK at {stray}"
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA compile check (no GPU needed)
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ from symphony.engine.weights import random_weights
 ULP = 2.0 ** -23          # float32 relative spacing at 1
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _ops_loaded():
+    """Some tests call torch.ops.symphony.* directly, which exists only once the library is
+    loaded: load it first, so that any test here also runs alone (pytest FILE::TEST)."""
+    ops.load()
+
+
 def rope_table(positions: int, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
     """float32 [positions, head_dim/2, 2] (cos, sin) table, as PagedLlama builds it."""
     cfg = tiny_config(head_dim=head_dim, rope_theta=theta)

@@ -33,6 +33,13 @@ from symphony.engine.quant import I8, U4, QuantError, QWeight
 TYPES = quant.GGUF_QUANT_TYPES
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _ops_loaded():
+    """Some tests call torch.ops.symphony.* directly, which exists only once the library is
+    loaded: load it first, so that any test here also runs alone (pytest FILE::TEST)."""
+    ops.load()
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include "../check.h"
 
 namespace symphony {
 namespace {
@@ -60,12 +61,12 @@ inline void silu_mul_row(const float* __restrict g, const float* __restrict u, f
 
 at::Tensor silu_mul_cpu(const at::Tensor& gu) {
   constexpr const char* op = "symphony::silu_mul";
-  TORCH_CHECK(gu.dim() == 2, op, ": gu must be 2-D [T, 2 * I], got shape ", gu.sizes());
-  TORCH_CHECK(gu.scalar_type() == at::kFloat, op, ": gu must be float32, got ", gu.scalar_type());
-  TORCH_CHECK(gu.device().is_cpu(), op, ": gu must be a CPU tensor, got ", gu.device());
-  TORCH_CHECK(gu.size(1) % 2 == 0, op, ": gu's last dimension must be even (gate, up), got ",
+  SYM_CHECK(gu.dim() == 2, op, ": gu must be 2-D [T, 2 * I], got shape ", gu.sizes());
+  SYM_CHECK(gu.scalar_type() == at::kFloat, op, ": gu must be float32, got ", gu.scalar_type());
+  SYM_CHECK(gu.device().is_cpu(), op, ": gu must be a CPU tensor, got ", gu.device());
+  SYM_CHECK(gu.size(1) % 2 == 0, op, ": gu's last dimension must be even (gate, up), got ",
               gu.size(1));
-  TORCH_CHECK(gu.size(1) <= 1 || gu.stride(1) == 1, op,
+  SYM_CHECK(gu.size(1) <= 1 || gu.stride(1) == 1, op,
               ": the rows of gu must be contiguous (stride(1) == 1), got strides ", gu.strides());
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({T, I}, gu.options());
@@ -93,27 +94,27 @@ inline void rope_head(float* __restrict x, const float* __restrict cs, int64_t h
 
 void rope_inplace(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table, int64_t heads) {
   constexpr const char* op = "symphony::rope_";
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [T, N], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && table.scalar_type() == at::kFloat, op,
+  SYM_CHECK(x.dim() == 2, op, ": x must be 2-D [T, N], got shape ", x.sizes());
+  SYM_CHECK(x.scalar_type() == at::kFloat && table.scalar_type() == at::kFloat, op,
               ": x and table must be float32, got ", x.scalar_type(), " and ", table.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && table.device().is_cpu() && positions.device().is_cpu(), op,
+  SYM_CHECK(x.device().is_cpu() && table.device().is_cpu() && positions.device().is_cpu(), op,
               ": CPU tensors expected");
-  TORCH_CHECK(table.dim() == 3 && table.size(2) == 2 && table.is_contiguous(), op,
+  SYM_CHECK(table.dim() == 3 && table.size(2) == 2 && table.is_contiguous(), op,
               ": table must be a contiguous [max_positions, head_dim / 2, 2] (cos, sin) table, "
               "got shape ", table.sizes());
   const int64_t T = x.size(0), half = table.size(1), head_dim = 2 * half;
-  TORCH_CHECK(heads >= 0 && heads * head_dim <= x.size(1), op, ": ", heads, " heads of ", head_dim,
+  SYM_CHECK(heads >= 0 && heads * head_dim <= x.size(1), op, ": ", heads, " heads of ", head_dim,
               " values do not fit in rows of ", x.size(1));
-  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op,
+  SYM_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op,
               ": the rows of x must be contiguous (stride(1) == 1), got strides ", x.strides());
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T, op,
+  SYM_CHECK(positions.dim() == 1 && positions.size(0) == T, op,
               ": positions must be 1-D [T] with T = ", T, ", got shape ", positions.sizes());
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), op,
+  SYM_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), op,
               ": positions must be contiguous int64, got ", positions.scalar_type());
   const int64_t* pp = positions.data_ptr<int64_t>();
   const int64_t P = table.size(0);
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, op, ": positions[", t, "] = ", pp[t],
+    SYM_CHECK(pp[t] >= 0 && pp[t] < P, op, ": positions[", t, "] = ", pp[t],
                 " is outside the table's [0, ", P, ")");
   float* xp = x.data_ptr<float>();
   const float* tp = table.data_ptr<float>();

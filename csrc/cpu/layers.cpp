@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include "../check.h"
 
 namespace symphony {
 
@@ -83,7 +84,7 @@ struct Mats {
     if (kinds[j] < 0) return at::linear(x, a, bias);
     at::Tensor y = qlinear(x, a, mats[3 * j + 1], mats[3 * j + 2], kinds[j], groups[j], path);
     if (!bias) return y;
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(1), "symphony::llama_layers: bias of matrix ",
+    SYM_CHECK(bias->dim() == 1 && bias->size(0) == y.size(1), "symphony::llama_layers: bias of matrix ",
                 j, " must be [", y.size(1), "], got ", bias->sizes());
     return y.add_(*bias);
   }
@@ -97,21 +98,21 @@ at::Tensor llama_layers_cpu(const at::Tensor& x0, const at::Tensor& positions, c
                             int64_t n_kv_heads, double scale, double eps, int64_t qpath) {
   constexpr const char* op = "symphony::llama_layers";
   const int64_t L = kv_pool.dim() == 6 ? kv_pool.size(0) : -1;
-  TORCH_CHECK(L >= 0 && kv_pool.size(1) == 2, op,
+  SYM_CHECK(L >= 0 && kv_pool.size(1) == 2, op,
               ": kv_pool must be [L, 2, num_pages, page_size, n_kv_heads, head_dim], got shape ",
               kv_pool.sizes());
-  TORCH_CHECK(int64_t(norms.size()) == 2 * L && int64_t(mats.size()) == 12 * L &&
+  SYM_CHECK(int64_t(norms.size()) == 2 * L && int64_t(mats.size()) == 12 * L &&
                   int64_t(kinds.size()) == 4 * L && int64_t(groups.size()) == 4 * L &&
                   int64_t(biases.size()) == L,
               op, ": for ", L, " layers expected 2L norms, 12L mats, 4L kinds and groups and L biases; "
               "got ", norms.size(), ", ", mats.size(), ", ", kinds.size(), ", ", groups.size(), ", ",
               biases.size());
-  TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat && x0.device().is_cpu(), op,
+  SYM_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat && x0.device().is_cpu(), op,
               ": x must be a float32 CPU tensor [T, H], got ", x0.scalar_type(), " ", x0.sizes());
-  TORCH_CHECK(kv_pool.scalar_type() == at::kFloat, op, ": kv_pool must be float32, got ",
+  SYM_CHECK(kv_pool.scalar_type() == at::kFloat, op, ": kv_pool must be float32, got ",
               kv_pool.scalar_type());
   const int64_t T = x0.size(0), head_dim = kv_pool.size(5);
-  TORCH_CHECK(kv_pool.size(4) == n_kv_heads && n_heads > 0, op, ": kv_pool holds ", kv_pool.size(4),
+  SYM_CHECK(kv_pool.size(4) == n_kv_heads && n_heads > 0, op, ": kv_pool holds ", kv_pool.size(4),
               " kv heads, n_kv_heads is ", n_kv_heads, " (n_heads ", n_heads, ")");
   const int64_t q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
   const Mats W{mats, kinds, groups, qpath};
@@ -120,7 +121,7 @@ at::Tensor llama_layers_cpu(const at::Tensor& x0, const at::Tensor& positions, c
   at::Tensor h = rms_norm(x, norms[0], eps);
   for (int64_t i = 0; i < L; ++i) {
     at::Tensor qkv = W.linear(h, 4 * i, biases.get(i));                 // [T, q_size + 2 kv_size]
-    TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.is_contiguous(), op,
+    SYM_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size && qkv.is_contiguous(), op,
                 ": layer ", i, ": wqkv gives ", qkv.sizes(), ", expected [T, ", q_size + 2 * kv_size, "]");
     rope_inplace(qkv, positions, rope_table, n_heads + n_kv_heads);     // q and k rotated
     const at::Tensor heads = qkv.view({T, n_heads + 2 * n_kv_heads, head_dim});

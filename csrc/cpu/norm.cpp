@@ -13,18 +13,19 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include "../check.h"
 
 namespace symphony {
 namespace {
 
 void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [T, H], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, op,
+  SYM_CHECK(x.dim() == 2, op, ": x must be 2-D [T, H], got shape ", x.sizes());
+  SYM_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, op,
               ": x and w must be float32, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1), op, ": w must be [H] = [", x.size(1),
+  SYM_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
+  SYM_CHECK(w.dim() == 1 && w.size(0) == x.size(1), op, ": w must be [H] = [", x.size(1),
               "], got ", w.sizes());
-  TORCH_CHECK(w.is_contiguous() && (x.size(1) <= 1 || x.stride(1) == 1), op,
+  SYM_CHECK(w.is_contiguous() && (x.size(1) <= 1 || x.stride(1) == 1), op,
               ": w and the rows of x must be contiguous");
 }
 
@@ -59,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
                                                     const at::Tensor& w, double eps) {
   check_norm_args("symphony::add_rms_norm", x, w);
   check_norm_args("symphony::add_rms_norm", r, w);
-  TORCH_CHECK(r.sizes() == x.sizes(), "symphony::add_rms_norm: x and r shapes differ: ",
+  SYM_CHECK(r.sizes() == x.sizes(), "symphony::add_rms_norm: x and r shapes differ: ",
               x.sizes(), " vs ", r.sizes());
   const int64_t T = x.size(0), H = x.size(1);
   at::Tensor sum = at::empty({T, H}, x.options());

@@ -35,6 +35,7 @@
 
 #include "../quant.h"
 #include "qkernels.h"
+#include "../check.h"
 
 namespace symphony {
 namespace qcpu {
@@ -130,7 +131,7 @@ bool cpu_has_avx512vnni() { return cpu_features().avx512vnni; }
 // fn, if this CPU has what path `path` needs; a clear error otherwise
 template <class Fn>
 Fn require(bool has, Fn fn, int64_t path, const char* name, const char* needs) {
-  TORCH_CHECK(has, "symphony::qlinear: path ", path, " (", name, ") asked for, but this CPU lacks ",
+  SYM_CHECK(has, "symphony::qlinear: path ", path, " (", name, ") asked for, but this CPU lacks ",
               needs);
   return fn;
 }
@@ -141,7 +142,7 @@ RowsFn rows_fn(int64_t path) {
   if (path == kAvx2) return require(cpu_has_avx2(), rows_avx2, path, "AVX2", "avx2/fma");
   if (path == kAuto) return cpu_has_avx512() ? rows_avx512 : cpu_has_avx2() ? rows_avx2 : rows_scalar;
 #else
-  TORCH_CHECK(path == kAuto || path == kScalar, "symphony::qlinear: path ", path,
+  SYM_CHECK(path == kAuto || path == kScalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
 #endif
   return rows_scalar;
@@ -160,7 +161,7 @@ RowsQ8Fn rows_q8_fn(int64_t path) {
     return require(cpu_has_avxvnni(), rows_q8_avxvnni, path, "int8, AVX-VNNI", "avx_vnni");
   if (path == kQ8Avx2) return require(cpu_has_avx2(), rows_q8_avx2, path, "int8, AVX2", "avx2/fma");
 #else
-  TORCH_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
+  SYM_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
 #endif
   return rows_q8_scalar;
@@ -267,7 +268,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //       more with its AVX-512 code here. With AVX-512 but no VNNI the float AVX-512 kernel
 //       (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
 void check_path(const char* op, int64_t path) {
-  TORCH_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
+  SYM_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
               "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
               "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
               "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
@@ -310,7 +311,7 @@ QView view_of(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& 
 at::Tensor qdequant_cpu(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
                         int64_t kind, int64_t group) {
   const QDims d = check_qweight("symphony::qdequant", qs, scales, mins, kind, group);
-  TORCH_CHECK(qs.device().is_cpu(), "symphony::qdequant: CPU tensors expected");
+  SYM_CHECK(qs.device().is_cpu(), "symphony::qdequant: CPU tensors expected");
   at::Tensor out = at::empty({d.N, d.K}, scales.options());
   if (d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
@@ -326,11 +327,11 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
   check_path(op, path);
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
-  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu(), op, ": CPU tensors expected");
-  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x rows must be contiguous");
+  SYM_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
+  SYM_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  SYM_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
+  SYM_CHECK(x.device().is_cpu() && qs.device().is_cpu(), op, ": CPU tensors expected");
+  SYM_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x rows must be contiguous");
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, d.N}, x.options());
   if (M == 0 || d.N == 0) return out;
@@ -379,7 +380,7 @@ int64_t qlinear_path_for(int64_t path, int64_t M, int64_t N, int64_t K, int64_t 
   constexpr const char* op = "symphony::qlinear_path_for";
   check_path(op, path);
   check_qkind(op, kind);
-  TORCH_CHECK(M >= 1 && N >= 1 && K >= 1, op, ": M, N and K must be >= 1, got ", M, ", ", N,
+  SYM_CHECK(M >= 1 && N >= 1 && K >= 1, op, ": M, N and K must be >= 1, got ", M, ", ", N,
               ", ", K);
   QDims d{};
   d.N = N;

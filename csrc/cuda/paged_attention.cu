@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "../checks.h"
+#include "../check.h"
 
 namespace symphony {
 namespace {
@@ -220,7 +221,7 @@ void dispatch_float_types(at::ScalarType st, const char* op, F&& f) {
     case at::kFloat: f(float{}); break;
     case at::kHalf: f(at::Half{}); break;
     case at::kBFloat16: f(at::BFloat16{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", st);
+    default: SYM_CHECK(false, op, ": unsupported dtype ", st);
   }
 }
 
@@ -229,8 +230,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
                                 double scale) {
   const AttnDims d = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
-  TORCH_CHECK(q.is_cuda(), "symphony::paged_attention: expected CUDA tensors");
-  TORCH_CHECK(d.T < (int64_t(1) << 31) && d.n_kv_heads <= 65535 && d.B < (int64_t(1) << 31) &&
+  SYM_CHECK(q.is_cuda(), "symphony::paged_attention: expected CUDA tensors");
+  SYM_CHECK(d.T < (int64_t(1) << 31) && d.n_kv_heads <= 65535 && d.B < (int64_t(1) << 31) &&
                   d.max_pages < (int64_t(1) << 31) && d.page_size < (int64_t(1) << 31),
               "symphony::paged_attention: problem too large for the CUDA kernel");
   const c10::cuda::CUDAGuard guard(q.device());
@@ -242,7 +243,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     int optin = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                           q.device().index()));
-    TORCH_CHECK(smem <= int64_t(optin), "symphony::paged_attention: head_dim ", d.head_dim,
+    SYM_CHECK(smem <= int64_t(optin), "symphony::paged_attention: head_dim ", d.head_dim,
                 " with ", d.group, " query heads per kv head needs ", smem,
                 " bytes of shared memory; the device allows ", optin);
   }
@@ -284,8 +285,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
 void write_kv_cuda(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slots) {
   const WriteKvDims d = check_write_kv_args(k, v, k_cache, v_cache, slots);
-  TORCH_CHECK(k_cache.is_cuda(), "symphony::write_kv: expected CUDA tensors");
-  TORCH_CHECK(d.T < (int64_t(1) << 31), "symphony::write_kv: too many tokens");
+  SYM_CHECK(k_cache.is_cuda(), "symphony::write_kv: expected CUDA tensors");
+  SYM_CHECK(d.T < (int64_t(1) << 31), "symphony::write_kv: too many tokens");
   if (d.T == 0) return;
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const int64_t row = d.n_kv_heads * d.head_dim;

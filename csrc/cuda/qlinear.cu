@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "../quant.h"
+#include "../check.h"
 
 namespace symphony {
 namespace {
@@ -131,13 +132,13 @@ at::Tensor qlinear_cuda(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                         const at::Tensor& mins, int64_t kind, int64_t group, int64_t path) {
   constexpr const char* op = "symphony::qlinear";
   const QDims d = check_qweight(op, qs, scales, mins, kind, group);
-  TORCH_CHECK(path >= -1 && path <= 3, op, ": path must be in -1..3, got ", path);
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
-  TORCH_CHECK(x.device() == qs.device(), op, ": x is on ", x.device(), " but the weight on ",
+  SYM_CHECK(path >= -1 && path <= 3, op, ": path must be in -1..3, got ", path);
+  SYM_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
+  SYM_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  SYM_CHECK(x.size(1) == d.K, op, ": x has ", x.size(1), " columns but the weight has K = ", d.K);
+  SYM_CHECK(x.device() == qs.device(), op, ": x is on ", x.device(), " but the weight on ",
               qs.device());
-  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x rows must be contiguous");
+  SYM_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, ": x rows must be contiguous");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, d.N}, x.options());
