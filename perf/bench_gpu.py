@@ -246,6 +246,63 @@ def sym_decode(eng, prompts, steps, sync, step_times=None):
     return len(prompts) * steps / dt
 
 
+def _dev_time(e) -> float:
+    """An event's self time on the device, microseconds (the name changed across torch versions)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(e, name):
+            return float(getattr(e, name))
+    return 0.0
+
+
+@torch.inference_mode()
+def profile_decode(label, eng, prompts, steps, sync):
+    """Where one decode step's time goes: ``steps`` steps of len(prompts) sequences, timed
+    plainly first, then under torch.profiler; prints the wall time a step, the device's
+    busy time a step (the sum of every kernel's self time) and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+    seqs = [eng.new_sequence() for _ in prompts]
+    try:
+        outs = eng.pred_batch([PredRequest(s, p) for s, p in zip(seqs, prompts)])
+        nxt = torch.stack(outs).argmax(-1).tolist()
+
+        def step():
+            nonlocal nxt
+            o = eng.pred_batch([PredRequest(s, [t]) for s, t in zip(seqs, nxt)])
+            nxt = torch.stack(o).argmax(-1).tolist()
+        for _ in range(3):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        wall = (time.perf_counter() - t0) / steps
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                step()
+            sync()
+    finally:
+        for s in seqs:
+            eng.release(s)
+    ev = prof.key_averages()
+    kernels = [e for e in ev if _dev_time(e) > 0 and e.key and not e.key.startswith("aten::")
+               and not e.key.startswith("symphony::")]
+    dev = sum(_dev_time(e) for e in kernels) / steps / 1e3
+    print(f"\n### profile: {label}, batch {len(prompts)}, {steps} decode steps", flush=True)
+    print(f"  wall {wall * 1e3:.3f} ms a step (unprofiled); device busy {dev:.3f} ms a step "
+          f"({dev / (wall * 1e3) * 100:.0f}% of the wall); the rest is host work and launch gaps", flush=True)
+    top = sorted(kernels, key=_dev_time, reverse=True)[:12]
+    for e in top:
+        print(f"  {_dev_time(e) / steps / 1e3:8.3f} ms/step  {e.count // steps:4d}x  {e.key[:110]}", flush=True)
+    cpu = sorted((e for e in ev if e.key.startswith(("aten::", "symphony::"))),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    print("  host (self CPU time a step, profiled):", flush=True)
+    for e in cpu:
+        print(f"  {e.self_cpu_time_total / steps / 1e3:8.3f} ms/step  {e.count // steps:4d}x  {e.key[:110]}",
+              flush=True)
+
+
 def sym_ttft(eng, prompt, sync):
     seq = eng.new_sequence()
     try:
@@ -365,6 +422,9 @@ def parse_args():
                     help="CPU: also run cuda_graphs=True (the static padded decode path, eagerly) vs False")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF timings (the model is still built with transformers)")
     ap.add_argument("--model-dir", default=None, help="save the model here (kept) instead of a temporary directory")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after the timings, profile STEPS decode steps at batch 16 of each engine "
+                         "(torch.profiler, CPU + CUDA) and print where the time goes")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args()
     gpu = torch.device(args.device).type == "cuda"
@@ -606,7 +666,7 @@ def main():
         f"* Batch-1 decode step: {sb['total'] / 1e6:.1f} MB to read ({sb['weights'] / 1e6:.1f} MB of "
         f"weights, {sb['kv'] / 1e6:.2f} MB of KV at context {ctx:.0f}); {first} moves "
         f"{o['b1_bytes_per_s'] / 1e9:.1f} GB/s: "
-        + (f"**{pct(o['mbu_peak'])}** of the {peak / 1e9:.0f} GB/s peak (target >= 60%), "
+        + (f"**{pct(o['mbu_peak'])}** of the {peak / 1e9:.0f} GB/s peak (target >= 70%), "
            if o["mbu_peak"] is not None else "device peak unknown, ")
         + f"{pct(o['mbu_copy'])} of the {copy_bw / 1e9:.0f} GB/s copy bandwidth measured in the run.")
     lines.append("* Logits vs transformers float32 (max |diff| / logit std, prefill and decode rows): "
@@ -615,6 +675,10 @@ def main():
                     if half else "") + ".")
     print("\n----- for perf/RESULTS.md -----\n" + "\n".join(lines) + "\n-------------------------------",
           flush=True)
+
+    if args.profile:
+        for label, eng in engines:
+            profile_decode(label, eng, dec_lists[:min(16, maxb)], args.profile, sync)
 
     if args.json:
         Path(args.json).write_text(json.dumps(dict(

@@ -394,6 +394,8 @@ def main():
     ap.add_argument("--many", type=int, default=200, help="LIPs spawned at once in part 4 (default 200)")
     ap.add_argument("--kv-memory-mb", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=300, help="per-LIP client timeout, seconds")
+    ap.add_argument("--gpus", default=None, metavar="N",
+                    help="run both contenders on GPU N (the kernel with --gpus N; default: the CPU)")
     ap.add_argument("--parts", default="1234", help="which parts to run, e.g. 14 (default 1234)")
     args = ap.parse_args()
     parts = set(args.parts)
@@ -403,16 +405,21 @@ def main():
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
-    print(f"# SmolLM2-135M-Instruct (float32), CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+    device = f"cuda:{args.gpus}" if args.gpus is not None else "cpu"
+    where = (f"GPU {torch.cuda.get_device_name(int(args.gpus))} (bfloat16)" if args.gpus is not None
+             else "CPU (float32)")
+    print(f"# SmolLM2-135M-Instruct, {where}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch threads per process", flush=True)
     t_load = time.perf_counter()
-    eng = Engine.load(config=EngineConfig(page_size=16, kv_memory_bytes=256 * 2**20), progress=False)
+    eng = Engine.load(config=EngineConfig(device=device, page_size=16, kv_memory_bytes=256 * 2**20),
+                      progress=False)
     ids = eng.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     print(f"# in-process engine loaded in {time.perf_counter() - t_load:.1f} s; prompt {len(ids)} tokens",
           flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-kernel-"))
     t_load = time.perf_counter()
-    k = KernelProc(tmp, "--kv-memory-mb", str(args.kv_memory_mb), "--max-lips", "256", "--max-lips-per-user", "256")
+    k = KernelProc(tmp, "--kv-memory-mb", str(args.kv_memory_mb), "--max-lips", "256", "--max-lips-per-user", "256",
+                   *(["--gpus", str(args.gpus)] if args.gpus is not None else []))
     print(f"# kernel started in {time.perf_counter() - t_load:.1f} s (log: {k.log_path})", flush=True)
     watch = CpuWatch(k.proc.pid, *_children(k.proc.pid))          # the kernel and its zygote
     others: dict[str, list[float]] = {}

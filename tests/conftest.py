@@ -56,6 +56,7 @@ def smollm_reference(smollm):
 import contextlib
 import http.server
 import os
+import shlex
 import resource
 import subprocess
 import sys
@@ -142,6 +143,11 @@ def connect_as(socket_path: str, uid: int, gid: Optional[int] = None):
     return _socket.socket(fileno=fds[0])
 
 
+# Flags every test kernel gets, before the test's own (which win): e.g.
+# SYMPHONY_TEST_KERNEL_ARGS="--gpus 0" runs the kernel tests' LIPs on a GPU.
+_EXTRA_KERNEL_ARGS = shlex.split(os.environ.get("SYMPHONY_TEST_KERNEL_ARGS", ""))
+
+
 class KernelProc:
     """symphony-kernel running in a subprocess on its own socket."""
 
@@ -157,7 +163,7 @@ class KernelProc:
         self.env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
-             "--socket", self.socket, "--kv-memory-mb", "192", *extra],
+             "--socket", self.socket, "--kv-memory-mb", "192", *_EXTRA_KERNEL_ARGS, *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO, start_new_session=session,
             preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
                                                                                (nofile, nofile)))

