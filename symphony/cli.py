@@ -227,6 +227,21 @@ def _client_cmd(args) -> int:
     return 2
 
 
+def _grants(specs):
+    """--grant http:HOST[:PORT] / read:DIR options as {"http": [...], "read": [...]} (read
+    directories made absolute: a key's grants are read by a gateway with another working
+    directory), or None after saying which one is bad."""
+    import os
+    grants = {"http": [], "read": []}
+    for g in specs:
+        kind, _, val = g.partition(":")
+        if kind not in grants or not val:
+            print(f"symphony: bad --grant {g!r} (http:HOST[:PORT] or read:DIR)", file=sys.stderr)
+            return None
+        grants[kind].append(os.path.abspath(val) if kind == "read" else val)
+    return grants
+
+
 def _run_request(args):
     """(source, grants, limits) of ``symphony run``'s arguments, or an exit status after saying why."""
     import os
@@ -236,13 +251,9 @@ def _run_request(args):
     except OSError as e:
         print(f"symphony: cannot read {path}: {e}", file=sys.stderr)
         return 2
-    grants = {"http": [], "read": []}
-    for g in args.grant:
-        kind, _, val = g.partition(":")
-        if kind not in grants or not val:
-            print(f"symphony: bad --grant {g!r} (http:HOST[:PORT] or read:DIR)", file=sys.stderr)
-            return 2
-        grants[kind].append(os.path.abspath(val) if kind == "read" else val)
+    grants = _grants(args.grant)
+    if grants is None:
+        return 2
     limits = {}
     if args.timeout:
         limits["timeout"] = args.timeout
@@ -350,13 +361,9 @@ def _keys_cmd(args) -> int:
     path = args.file or default_key_file()
     try:
         if args.keys_cmd == "add":
-            grants = {"http": [], "read": []}
-            for g in args.grant:
-                kind, _, val = g.partition(":")
-                if kind not in grants or not val:
-                    print(f"symphony: bad --grant {g!r} (http:HOST[:PORT] or read:DIR)", file=sys.stderr)
-                    return 2
-                grants[kind].append(val)
+            grants = _grants(args.grant)
+            if grants is None:
+                return 2
             key, entry = add_key(path, args.name, args.user, max_priority=args.max_priority, grants=grants,
                                  rpm=args.rpm, max_concurrent=args.max_concurrent, share_cache=args.share_cache)
             print(key)
