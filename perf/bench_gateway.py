@@ -275,7 +275,8 @@ def main() -> int:
     levels = [int(x) for x in a.clients.split(",")]
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)                    # a root kernel's gateway runs as another uid
         sym = Symphony(Path(tmp))
         llama = None
         try:

@@ -99,6 +99,19 @@ def _admission(p: argparse.ArgumentParser, args):
                 f"--max-queued-mb-per-user, --lip-kv-tokens, --spawn-rate)")
 
 
+def _closed_dir(d: str):
+    """The first directory from / down to ``d`` that other users may not search, or None."""
+    path = "/"
+    for part in [x for x in d.split("/") if x]:
+        path = os.path.join(path, part)
+        try:
+            if not os.stat(path).st_mode & 0o001:
+                return path
+        except OSError:
+            return None                     # not there yet: the kernel creates it (or fails) later
+    return None
+
+
 def kernel_main(argv=None) -> int:
     """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
     warm up, then serve until stopped; returns the exit status."""
@@ -180,6 +193,14 @@ def kernel_main(argv=None) -> int:
             except ConfigError as e:
                 p.error(f"--http: {e}")
         gateway = {"http": args.http, "uid": args.gateway_uid, "argv": to_argv(args)}
+        if args.http is not None and os.geteuid() == 0:
+            from .ipc.protocol import default_socket_path
+            sock = os.path.abspath(args.socket or default_socket_path())
+            closed = _closed_dir(os.path.dirname(sock))
+            if closed:
+                p.error(f"--http: the gateway gives up root and runs as another uid, which cannot reach the "
+                        f"socket {sock}: {closed} is not searchable by other users (chmod o+x {closed}, or "
+                        "put the socket in a directory every user may search)")
     if not 0 < args.kv_wait <= 86400:
         p.error(f"--kv-wait must be in (0, 86400] seconds, got {args.kv_wait}")
     from .kernel.identity import DEFAULT_RANGE, parse_range

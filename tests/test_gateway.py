@@ -462,3 +462,16 @@ def test_metrics_logs_privilege_and_key_reload(gw):
     while httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {new}"}).status_code != 200:
         assert time.time() < deadline, "SIGHUP did not load the new key"
         time.sleep(0.1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the gateway drops to another uid only under a root kernel")
+def test_http_refuses_a_socket_the_gateway_could_not_reach(public_tmp):
+    """A root kernel's gateway runs as another uid: a socket in a directory other users may not
+    search would leave it restarting forever. The kernel says so at start, before loading anything."""
+    private = Path(public_tmp) / "private"
+    private.mkdir(mode=0o700)
+    r = subprocess.run([sys.executable, "-m", "symphony.kernel", "--socket", str(private / "k.sock"),
+                        "--http", "127.0.0.1:1"], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 2
+    assert f"{private} is not searchable by other users" in r.stderr
