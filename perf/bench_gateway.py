@@ -140,9 +140,11 @@ class LlamaCpp:
 
 # ---------------------------------------------------------------- the workloads
 async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int):
-    """One streamed chat request: (time to first token, generated tokens, text)."""
+    """One streamed chat request: (time to first token, generated tokens, text). Tokens are the
+    final usage chunk's count; a server that sends none (llama-cpp-python's ignores
+    stream_options) is counted one token per content chunk, which is how it streams."""
     t0 = time.perf_counter()
-    ttft, text, tokens = None, [], 0
+    ttft, text, tokens, chunks = None, [], None, 0
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -160,7 +162,9 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages,
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     text.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - t0), tokens, "".join(text)
+                    chunks += 1
+    return (ttft if ttft is not None else time.perf_counter() - t0), \
+        (tokens if tokens is not None else chunks), "".join(text)
 
 
 async def conversations(url: str, model: str, clients: int, turns: int, max_tokens: int, tag: str):

@@ -289,8 +289,12 @@ def stage_kernel(p: Pass) -> None:
         "time python3 -m symphony.cli run complete 'The three primary colors are'; "
         "python3 -m symphony.cli ps; kill $KP; wait $KP; echo kernel exit $?; tail -40 /tmp/gk/kernel.log")
     p.run("kernel_demo", demo, 90, shell=True, tail=30)
+    prof = str(p.logs / "syscalls.prof")           # where the kernel's host time goes at 64 LIPs
     p.run("bench_kernel", [sys.executable, "perf/bench_kernel.py", "--gpus", "0", "--parts", "12", "--rounds", "3",
-                           "--lips", "64", "--lip-steps", "32", "--conc-rounds", "2"], 90, tail=30)
+                           "--lips", "64", "--lip-steps", "32", "--conc-rounds", "2"], 90,
+          env=dict(p.env, SYMPHONY_PROFILE_SYSCALLS=prof), tail=30)
+    p.run("syscalls_profile", [sys.executable, "-c", "import pstats, sys; pstats.Stats(sys.argv[1])"
+                               ".sort_stats('tottime').print_stats(30)", prof], 30, tail=45)
     p.run("kernel_tests", [sys.executable, "-m", "pytest", "-v", "-n", "14", "-p", "no:cacheprovider", "-rfE",
                            "--timeout", "100",
                            "tests/test_cli_programs.py", "tests/test_userland_basic.py",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import os
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -191,6 +192,21 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             torch.set_num_threads(self.compute_threads)   # per thread (OpenMP): this one runs the model
         self.compute_threads = torch.get_num_threads()
         log.info("syscall thread running (%d compute threads)", self.compute_threads)
+        profile_to = os.environ.get("SYMPHONY_PROFILE_SYSCALLS")
+        if profile_to:                      # a diagnosis aid: cProfile of this thread, written at stop
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                self._supervise()
+            finally:
+                prof.disable()
+                prof.dump_stats(profile_to)
+                log.info("syscall thread profile written to %s", profile_to)
+            return
+        self._supervise()
+
+    def _supervise(self) -> None:
         while not self.stop.is_set():
             try:
                 self._serve()
