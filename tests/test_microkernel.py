@@ -205,3 +205,21 @@ def test_threads_flag_is_checked(capsys):
         with pytest.raises(SystemExit):
             kernel_main(["--threads", bad])
         assert "--threads" in (err := capsys.readouterr().err) and "expected an int" in err, err
+
+
+def test_syscall_thread_profile_is_written_at_stop(tmp_path, monkeypatch):
+    """SYMPHONY_PROFILE_SYSCALLS=FILE: the syscall thread's cProfile, readable by pstats once the
+    kernel stops, with the model's forward in it."""
+    import pstats
+    from modelfiles import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path)
+    prof = tmp_path / "syscalls.prof"
+    monkeypatch.setenv("SYMPHONY_PROFILE_SYSCALLS", str(prof))
+    k = KernelProc(tmp_path, "--model", str(model))
+    try:
+        r = k.run(str(REPO / "userland" / "complete.py"), "hello", "--max-tokens", "4")
+        assert r.returncode == 0, r.stderr
+    finally:
+        assert k.stop() == 0
+    stats = pstats.Stats(str(prof))
+    assert any("_serve" in name for _, _, name in stats.stats), "the loop is not in the profile"
