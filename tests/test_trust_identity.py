@@ -274,7 +274,8 @@ def _exists(pid: int) -> bool:
 
 @requires_root
 def test_workers_die_with_the_kernel(tmp_path):
-    k = KernelProc(tmp_path)
+    from modelfiles import write_tiny_gguf
+    k = KernelProc(tmp_path, "--model", str(write_tiny_gguf(tmp_path)))     # no pred: any model will do
     pids, zygote = [], []
     try:
         alice, bob = k.client_as(ALICE_UID), k.client_as(BOB_UID)
