@@ -145,16 +145,18 @@ def connect_as(socket_path: str, uid: int, gid: Optional[int] = None):
 class KernelProc:
     """symphony-kernel running in a subprocess on its own socket."""
 
-    def __init__(self, tmp: Path, *extra: str, nofile: Optional[int] = None, session: bool = False):
+    def __init__(self, tmp: Path, *extra: str, nofile: Optional[int] = None, session: bool = False,
+                 env: Optional[dict] = None):
         """``nofile``: the kernel's open-file limit (soft and hard), when a test needs it low;
         ``session``: start it in a session of its own, as a service runs (then the test's own
-        threads, acting as other users' clients, are not in its CPU scheduling group)."""
+        threads, acting as other users' clients, are not in its CPU scheduling group);
+        ``env``: variables set in its environment besides the test's own."""
         # the socket lives in a directory every user may search (tests connect as other uids)
         self.sock_dir = tempfile.mkdtemp(prefix="symphony-test-", dir="/tmp")
         os.chmod(self.sock_dir, 0o755)
         self.socket = os.path.join(self.sock_dir, "kernel.sock")
         self.log = open(tmp / "kernel.log", "w+")
-        self.env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
+        self.env = dict(os.environ, **(env or {}), SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
              "--socket", self.socket, "--kv-memory-mb", "192", *extra],

@@ -3,6 +3,7 @@ import http.server
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -171,7 +172,7 @@ def test_kernel_rejects_an_unknown_dtype(capsys):
     assert "invalid choice: 'float64'" in capsys.readouterr().err
 
 
-def test_only_the_syscall_thread_computes_with_several_threads(tmp_path, monkeypatch):
+def test_only_the_syscall_thread_computes_with_several_threads(tmp_path):
     """The kernel's model runs in its syscall thread with --threads N; its main thread (which
     loads the model and runs the warm-up pass) computes with one, so the process has exactly one
     OpenMP team.  A second team (the main thread's, at torch's default) made libgomp let its
@@ -183,18 +184,25 @@ def test_only_the_syscall_thread_computes_with_several_threads(tmp_path, monkeyp
 
     def tasks(k):
         return len(os.listdir(f"/proc/{k.proc.pid}/task"))
-    counts = {}
-    for omp in ("1", "4"):
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)      # torch's default in the kernel's threads
+
+    def start(omp):                                     # torch's default in the kernel's threads
         (tmp_path / f"omp{omp}").mkdir()
-        k = KernelProc(tmp_path / f"omp{omp}", "--kv-memory-mb", "64", "--threads", "2")
-        try:
+        return KernelProc(tmp_path / f"omp{omp}", "--kv-memory-mb", "64", "--threads", "2",
+                          env={"OMP_NUM_THREADS": omp})
+    with ThreadPoolExecutor(2) as pool:                 # both load the model at once
+        starting = {omp: pool.submit(start, omp) for omp in ("1", "4")}
+    try:
+        counts = {}
+        for omp, f in starting.items():
+            k = f.result()
             before = tasks(k)
             r = k.run(repo / "userland/generate.py", "Hi", "4")
             assert r.returncode == 0, r.stderr
             counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
-        finally:
-            k.stop()
+    finally:
+        for f in starting.values():
+            if f.exception() is None:
+                f.result().stop()
     assert counts["1"][0] == counts["4"][0], counts     # no team in the main thread at any default
     assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts
 
