@@ -228,10 +228,17 @@ def public_tmp():
     shutil.rmtree(d, ignore_errors=True)
 
 
+# a secret in the session kernel's environment: no LIP may see it (tests/test_trust_identity.py)
+SECRET_ENV = "SYMPHONY_TEST_SECRET"
+
+
 @pytest.fixture(scope="session")
 def kernel(tmp_path_factory):
+    import secrets
+    secret = "envsecret-" + secrets.token_hex(8)
     k = KernelProc(tmp_path_factory.mktemp("kernel"), "--process-quota", "128",
-                   "--durable-dir", str(tmp_path_factory.mktemp("durable")))
+                   "--durable-dir", str(tmp_path_factory.mktemp("durable")), env={SECRET_ENV: secret})
+    k.secret = secret
     yield k
     k.stop()
     assert k.proc.returncode == 0, k.read_log()[-3000:]
