@@ -4,6 +4,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -149,19 +150,39 @@ def test_token_mask_applies_in_the_kernel(kernel):
     assert json.loads(r.stdout) == {"argmax_in_mask": True, "logits_masked": True, "sample_in_mask": True}
 
 
-def test_kernel_in_bfloat16_runs_a_stock_lip(tmp_path):
+@pytest.fixture(scope="module")
+def own_kernels(tmp_path_factory):
+    """This module's own kernels (not the session's), started at once: each loads the model,
+    one core each.  "bf16": --dtype bfloat16; "omp1", "omp4": --threads 2 with torch's
+    default (OMP_NUM_THREADS in their environment) at 1 and at 4."""
+    specs = {"bf16": (["--dtype", "bfloat16"], None),
+             "omp1": (["--kv-memory-mb", "64", "--threads", "2"], {"OMP_NUM_THREADS": "1"}),
+             "omp4": (["--kv-memory-mb", "64", "--threads", "2"], {"OMP_NUM_THREADS": "4"})}
+    with ThreadPoolExecutor(len(specs)) as pool:
+        starting = {name: pool.submit(KernelProc, tmp_path_factory.mktemp(name), *flags, env=env)
+                    for name, (flags, env) in specs.items()}
+    started = {name: f.result() for name, f in starting.items() if f.exception() is None}
+    try:
+        for f in starting.values():
+            f.result()                                  # raises the first start's failure
+        yield started
+    finally:
+        with ThreadPoolExecutor(len(specs)) as pool:                # and stopped at once
+            codes = dict(zip(started, pool.map(KernelProc.stop, started.values())))
+    assert codes == {name: 0 for name in specs}, \
+        {name: Path(k.log.name).read_text()[-3000:] for name, k in started.items() if codes[name] != 0}
+    assert all(k.shm_names() == [] for k in started.values())
+
+
+def test_kernel_in_bfloat16_runs_a_stock_lip(own_kernels):
     """symphony-kernel --dtype bfloat16: the engine really runs bfloat16 and a LIP still gets
     the answer (a question whose first token is no near-tie; see test_smollm2.py)."""
-    k = KernelProc(tmp_path, "--dtype", "bfloat16")
-    try:
-        assert "on cpu/torch.bfloat16" in k.read_log()             # Engine's start-up line
-        r = k.run(REPO / "userland/generate.py",
-                  "What is the capital of France? Answer in one sentence.", "16")
-        assert r.returncode == 0, r.stderr
-        assert "Paris" in r.stdout, r.stdout
-    finally:
-        assert k.stop() == 0, k.read_log()[-3000:]
-    assert k.shm_names() == []
+    k = own_kernels["bf16"]
+    assert "on cpu/torch.bfloat16" in k.read_log()             # Engine's start-up line
+    r = k.run(REPO / "userland/generate.py",
+              "What is the capital of France? Answer in one sentence.", "16")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout, r.stdout
 
 
 def test_kernel_rejects_an_unknown_dtype(capsys):
@@ -172,7 +193,7 @@ def test_kernel_rejects_an_unknown_dtype(capsys):
     assert "invalid choice: 'float64'" in capsys.readouterr().err
 
 
-def test_only_the_syscall_thread_computes_with_several_threads(tmp_path):
+def test_only_the_syscall_thread_computes_with_several_threads(own_kernels):
     """The kernel's model runs in its syscall thread with --threads N; its main thread (which
     loads the model and runs the warm-up pass) computes with one, so the process has exactly one
     OpenMP team.  A second team (the main thread's, at torch's default) made libgomp let its
@@ -185,24 +206,13 @@ def test_only_the_syscall_thread_computes_with_several_threads(tmp_path):
     def tasks(k):
         return len(os.listdir(f"/proc/{k.proc.pid}/task"))
 
-    def start(omp):                                     # torch's default in the kernel's threads
-        (tmp_path / f"omp{omp}").mkdir()
-        return KernelProc(tmp_path / f"omp{omp}", "--kv-memory-mb", "64", "--threads", "2",
-                          env={"OMP_NUM_THREADS": omp})
-    with ThreadPoolExecutor(2) as pool:                 # both load the model at once
-        starting = {omp: pool.submit(start, omp) for omp in ("1", "4")}
-    try:
-        counts = {}
-        for omp, f in starting.items():
-            k = f.result()
-            before = tasks(k)
-            r = k.run(repo / "userland/generate.py", "Hi", "4")
-            assert r.returncode == 0, r.stderr
-            counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
-    finally:
-        for f in starting.values():
-            if f.exception() is None:
-                f.result().stop()
+    counts = {}
+    for omp in ("1", "4"):
+        k = own_kernels[f"omp{omp}"]
+        before = tasks(k)
+        r = k.run(repo / "userland/generate.py", "Hi", "4")
+        assert r.returncode == 0, r.stderr
+        counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
     assert counts["1"][0] == counts["4"][0], counts     # no team in the main thread at any default
     assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts
 
