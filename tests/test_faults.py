@@ -26,8 +26,8 @@ from symphony.client import KernelError
 
 WORKER = (REPO / "tests/lips/fault_worker.py").read_text()
 KEEPER = (REPO / "tests/lips/fault_keeper.py").read_text()
-# > the old 30 s call timeout, with room for the test's steps after its 35 s mark (~5 s)
-STALL_S = float(os.environ.get("SYMPHONY_STALL_S", "50"))
+# > the old 30 s call timeout, with room for the test's steps after its 35 s mark (~4 s)
+STALL_S = float(os.environ.get("SYMPHONY_STALL_S", "45"))
 CHAOS_KILLS = int(os.environ.get("SYMPHONY_CHAOS_KILLS", "300"))
 
 
