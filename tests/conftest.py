@@ -215,6 +215,51 @@ class KernelProc:
         return self.proc.returncode
 
 
+def start_kernels(specs: dict) -> dict:
+    """``{name: KernelProc(*args, **kw)}`` for ``specs`` = ``{name: (args, kw)}``, started at once:
+    each loads its model on a core of its own (SmolLM2's GGUF metadata alone takes ~6 s of one
+    core).  If one fails to start, the others are stopped and its error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(specs)) as pool:
+        starting = {name: pool.submit(KernelProc, *args, **kw) for name, (args, kw) in specs.items()}
+    started = {name: f.result() for name, f in starting.items() if f.exception() is None}
+    failed = [f.exception() for f in starting.values() if f.exception() is not None]
+    if failed:
+        stop_kernels(started)
+        raise failed[0]
+    return started
+
+
+def stop_kernels(kernels: dict) -> dict:
+    """Stop ``kernels`` (a dict of KernelProc) at once; ``{name: exit status}``."""
+    from concurrent.futures import ThreadPoolExecutor
+    if not kernels:
+        return {}
+    with ThreadPoolExecutor(len(kernels)) as pool:
+        return dict(zip(kernels, pool.map(KernelProc.stop, kernels.values())))
+
+
+def stopped_cleanly(kernels: dict, codes: dict) -> None:
+    """Each of ``kernels`` exited 0 (``codes`` from stop_kernels) and left no shared memory."""
+    bad = {name: Path(k.log.name).read_text()[-3000:] for name, k in kernels.items() if codes[name] != 0}
+    assert not bad, (codes, bad)
+    left = {name: k.shm_names() for name, k in kernels.items() if k.shm_names()}
+    assert not left, f"shared memory left behind after shutdown: {left}"
+
+
+@pytest.fixture(scope="session")
+def trust_kernels(tmp_path_factory):
+    """The kernels of tests/test_trust_kvfs.py ("kvfs") and tests/test_trust_limits.py
+    ("limits"), each with its module's KERNEL_FLAGS, started at once: the two modules run one
+    after the other, and each kernel loads SmolLM2.  Each module stops its own at its end."""
+    from test_trust_kvfs import KERNEL_FLAGS as kvfs
+    from test_trust_limits import KERNEL_FLAGS as limits
+    ks = start_kernels({"kvfs": ((tmp_path_factory.mktemp("trust"), *kvfs), {}),
+                        "limits": ((tmp_path_factory.mktemp("limits"), *limits), {})})
+    yield ks
+    stop_kernels(ks)
+
+
 @pytest.fixture
 def public_tmp():
     """A temporary directory every user may read (pytest's tmp_path is 0700 under

@@ -3,12 +3,10 @@ import http.server
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, KernelProc
+from conftest import REPO, start_kernels, stop_kernels, stopped_cleanly
 
 
 def test_generate_answers_paris(kernel):
@@ -152,26 +150,18 @@ def test_token_mask_applies_in_the_kernel(kernel):
 
 @pytest.fixture(scope="module")
 def own_kernels(tmp_path_factory):
-    """This module's own kernels (not the session's), started at once: each loads the model,
-    one core each.  "bf16": --dtype bfloat16; "omp1", "omp4": --threads 2 with torch's
-    default (OMP_NUM_THREADS in their environment) at 1 and at 4."""
-    specs = {"bf16": (["--dtype", "bfloat16"], None),
-             "omp1": (["--kv-memory-mb", "64", "--threads", "2"], {"OMP_NUM_THREADS": "1"}),
-             "omp4": (["--kv-memory-mb", "64", "--threads", "2"], {"OMP_NUM_THREADS": "4"})}
-    with ThreadPoolExecutor(len(specs)) as pool:
-        starting = {name: pool.submit(KernelProc, tmp_path_factory.mktemp(name), *flags, env=env)
-                    for name, (flags, env) in specs.items()}
-    started = {name: f.result() for name, f in starting.items() if f.exception() is None}
+    """This module's own kernels (not the session's), started and stopped at once.  "bf16":
+    --dtype bfloat16; "omp1", "omp4": --threads 2 with torch's default (OMP_NUM_THREADS in
+    their environment) at 1 and at 4."""
+    threads = ("--kv-memory-mb", "64", "--threads", "2")
+    ks = start_kernels({"bf16": ((tmp_path_factory.mktemp("bf16"), "--dtype", "bfloat16"), {}),
+                        "omp1": ((tmp_path_factory.mktemp("omp1"), *threads), {"env": {"OMP_NUM_THREADS": "1"}}),
+                        "omp4": ((tmp_path_factory.mktemp("omp4"), *threads), {"env": {"OMP_NUM_THREADS": "4"}})})
     try:
-        for f in starting.values():
-            f.result()                                  # raises the first start's failure
-        yield started
+        yield ks
     finally:
-        with ThreadPoolExecutor(len(specs)) as pool:                # and stopped at once
-            codes = dict(zip(started, pool.map(KernelProc.stop, started.values())))
-    assert codes == {name: 0 for name in specs}, \
-        {name: Path(k.log.name).read_text()[-3000:] for name, k in started.items() if codes[name] != 0}
-    assert all(k.shm_names() == [] for k in started.values())
+        codes = stop_kernels(ks)
+    stopped_cleanly(ks, codes)
 
 
 def test_kernel_in_bfloat16_runs_a_stock_lip(own_kernels):
