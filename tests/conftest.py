@@ -278,11 +278,22 @@ SECRET_ENV = "SYMPHONY_TEST_SECRET"
 
 
 @pytest.fixture(scope="session")
-def kernel(tmp_path_factory):
+def kernel(tmp_path_factory, request):
+    """The session's kernel on SmolLM2.  While it starts, the in-process model (the smollm
+    fixture, which the suite needs too) loads on the other core: each takes a core for seconds."""
     import secrets
+    from concurrent.futures import ThreadPoolExecutor
     secret = "envsecret-" + secrets.token_hex(8)
-    k = KernelProc(tmp_path_factory.mktemp("kernel"), "--process-quota", "128",
-                   "--durable-dir", str(tmp_path_factory.mktemp("durable")), env={SECRET_ENV: secret})
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(KernelProc, tmp_path_factory.mktemp("kernel"), "--process-quota", "128",
+                               "--durable-dir", str(tmp_path_factory.mktemp("durable")), env={SECRET_ENV: secret})
+        try:
+            request.getfixturevalue("smollm")
+        except BaseException:
+            if starting.exception() is None:
+                starting.result().stop()
+            raise
+        k = starting.result()
     k.secret = secret
     yield k
     k.stop()
