@@ -69,6 +69,21 @@ def settle(k, baseline_pages, baseline_shm, timeout=30, lips=0):
     raise AssertionError(f"not settled: {k.client().stats()}, shm {sorted(set(k.shm_names()) - baseline_shm)}")
 
 
+def until(cond, timeout: float) -> bool:
+    """Whether ``cond()`` became true within ``timeout`` seconds (polled every 20 ms)."""
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def preds(k, lip) -> int:
+    """LIP ``lip``'s pred calls so far (0 while it has not started)."""
+    return next((l["preds"] for l in k.client().ps()["lips"] if l["lip"] == lip), 0)
+
+
 # ---------------------------------------------------------------- EOS (regression 3)
 def test_eos_is_the_models_eos_inside_a_lip(fk):
     c, lip = spawn(fk, "eos")
@@ -141,16 +156,14 @@ def test_syscall_thread_survives_an_unexpected_error(fk):
     base_pages = fk.client().stats()["kv_pages_used"]
     base_shm = set(fk.shm_names())
     c, lip = spawn(fk, "decode")
-    time.sleep(1)
+    assert until(lambda: preds(fk, lip) > 0, 30)
+    faults = fk.read_log().count("InjectedFault")
     fk.client().request({"op": "test_hook", "hook": "syscall_crash"})
-    time.sleep(1)
-    assert fk.client().ps()["lips"][0]["preds"] > 0
-    before = fk.client().ps()["lips"][0]["preds"]
-    time.sleep(1)
-    assert fk.client().ps()["lips"][0]["preds"] > before, "the syscall loop did not go on"
+    assert until(lambda: fk.read_log().count("InjectedFault") > faults, 30)    # the loop raised, and logged it
+    before = preds(fk, lip)
+    assert until(lambda: preds(fk, lip) > before, 1), "the syscall loop did not go on"
     fk.client().kill(lip)
     assert exits(c)[0]["reason"].startswith("killed by")
-    assert "InjectedFault" in fk.read_log()
     settle(fk, base_pages, base_shm)
 
 
@@ -244,7 +257,7 @@ def test_kernel_crash_and_restart(tmp_path, tiny_gguf):
         hashes = _kvf_hashes(durable)
         assert len(hashes) == 3
         watchers = [spawn(k, "decode") for _ in range(3)]
-        time.sleep(1.5)                                # mid-step: the decoders keep it busy
+        assert until(lambda: all(preds(k, lip) > 0 for _, lip in watchers), 30)    # mid-step: they keep it busy
         k.proc.send_signal(signal.SIGKILL)
         k.proc.wait(10)
         t0 = time.time()
@@ -321,8 +334,7 @@ def test_stale_build_lock_is_cleared_before_ready(tmp_path, tiny_gguf, built_ops
         assert log.index("removing stale build lock") < log.index("ready on")
         assert log.index("warm-up forward pass") < log.index("ready on")
         c, lip = spawn(k, "decode", timeout=30)
-        time.sleep(1)
-        assert k.client().ps()["lips"][0]["preds"] > 0
+        assert until(lambda: preds(k, lip) > 0, 1)
         k.client().kill(lip)
         assert exits(c, 30)[0]["reason"].startswith("killed")
     finally:
@@ -407,7 +419,7 @@ def test_zygote_death_shuts_the_kernel_down_loudly(tmp_path, tiny_gguf):
     k = KernelProc(tmp_path, "--model", str(tiny_gguf))
     try:
         c, lip = spawn(k, "decode")
-        time.sleep(1)
+        assert until(lambda: preds(k, lip) > 0, 30)                  # running, in a worker of the zygote
         pid = k.client().ps()["lips"][0]["pid"]
         zygote = [p for p in _children(k.proc.pid) if pid in _children(p)]
         assert len(zygote) == 1, (zygote, _children(k.proc.pid))
