@@ -1,6 +1,8 @@
-"""KVFS on the embedded SmolLM2: prefix reuse (time to first token) and tier swap-in cost.
+"""KVFS on the embedded SmolLM2: prefix reuse (time to first token), tier swap-in cost and
+fork sharing.
 
     python perf/bench_kvfs.py [--rounds 5] [--prefix 1500] [--chunk 512] [--swap-dir DIR]
+                              [--fork-tokens 2000] [--forks 64]
 
 Measures, in interleaved rounds (A B C D E A B C D E ...) so machine noise hits every
 contender alike, and reports medians:
@@ -18,6 +20,10 @@ contender alike, and reports medians:
         posix_fadvise(DONTNEED) drop the swap file from the page cache
     reported as median microseconds per page and MB/s (10^6 bytes) of swap-in.
 A reuse result is checked against the logits before any swapping (max |diff| printed).
+  * fork sharing, in device pages (asserted): a --fork-tokens file (a multiple of the page
+    size) forked --forks times, then one token appended to each fork; again with the file
+    truncated by 10 tokens (its last page partial, shared until each fork copies it).
+    tests/test_kvfs_smollm2.py checks the same accounting, and the logits, on a smaller file.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from symphony.engine.config import EngineConfig                       # noqa: E402
 from symphony.engine.engine import Engine                             # noqa: E402
-from symphony.kvfs import KVFS, KVFSConfig, Principal          # noqa: E402
+from symphony.kvfs import KVFS, KVFSConfig, KVPred, Principal  # noqa: E402
 from symphony.engine.loader import load_model                         # noqa: E402
 
 ME = Principal("bench", 1)
@@ -100,6 +106,34 @@ def swap_cycle(fs, h, cold=False):
     return t_out, t_in, len(blocks)
 
 
+def fork_sharing(weights, tok, n_tokens, n_forks, chunk, S=16):
+    """[(file tokens, file pages, device pages added by the forks, and by one token appended
+    to each fork)] for the whole file, then the file truncated by 10 tokens."""
+    assert n_tokens % S == 0, "the first file ends on a page boundary"
+    eng = Engine(weights, tok, EngineConfig(page_size=S, num_pages=n_tokens // S + n_forks + 16))
+    fs = KVFS(eng, KVFSConfig(host_pages=0), restore=False)
+    used = lambda: eng.kv.allocator.num_used          # noqa: E731
+    start = used()
+    h = build_file(fs, document(tok, n_tokens), chunk)
+    rows = []
+    for n in (n_tokens, n_tokens - 10):
+        fs.truncate(ME, h, n)
+        file_pages = -(-n // S)
+        assert used() - start == file_pages
+        forks = [fs.fork(ME, h) for _ in range(n_forks)]
+        after_fork = used() - start - file_pages
+        fs.pred_batch([KVPred(ME, f, [100 + i]) for i, f in enumerate(forks)])
+        after_append = used() - start - file_pages
+        for f in forks:
+            fs.close(ME, f)
+        rows.append((n, file_pages, after_fork, after_append))
+        assert after_fork == 0 and after_append == n_forks, rows[-1]     # no page; one page per fork
+    fs.close(ME, h)
+    fs.close_all()
+    assert used() == start
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -107,6 +141,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=512, help="pred chunk size when building the file")
     ap.add_argument("--swap-dir", default=None, help="directory of the disk tier's swap file "
                     "(default: a fresh temporary directory)")
+    ap.add_argument("--fork-tokens", type=int, default=2000, help="tokens of the forked file (a multiple of 16)")
+    ap.add_argument("--forks", type=int, default=64, help="forks of that file")
     args = ap.parse_args()
     threads = torch.get_num_threads()
     print(f"# SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), CPU, {threads} threads, "
@@ -178,6 +214,10 @@ def main():
         fs.close_all()
     if args.swap_dir is None:
         os.rmdir(swap_dir)                   # the swap file itself was anonymous (unlinked)
+    for n, pages, forked, appended in fork_sharing(weights, tok, args.fork_tokens, args.forks, args.chunk):
+        print(f"fork sharing: a {n}-token file ({pages} pages) forked {args.forks} times: +{forked} device "
+              f"pages; one token appended to each fork: +{appended} (vs {args.forks * pages} for "
+              f"{args.forks} copies)")
 
 
 if __name__ == "__main__":

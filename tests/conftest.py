@@ -151,16 +151,18 @@ _EXTRA_KERNEL_ARGS = shlex.split(os.environ.get("SYMPHONY_TEST_KERNEL_ARGS", "")
 class KernelProc:
     """symphony-kernel running in a subprocess on its own socket."""
 
-    def __init__(self, tmp: Path, *extra: str, nofile: Optional[int] = None, session: bool = False):
+    def __init__(self, tmp: Path, *extra: str, nofile: Optional[int] = None, session: bool = False,
+                 env: Optional[dict] = None):
         """``nofile``: the kernel's open-file limit (soft and hard), when a test needs it low;
         ``session``: start it in a session of its own, as a service runs (then the test's own
-        threads, acting as other users' clients, are not in its CPU scheduling group)."""
+        threads, acting as other users' clients, are not in its CPU scheduling group);
+        ``env``: variables set in its environment besides the test's own."""
         # the socket lives in a directory every user may search (tests connect as other uids)
         self.sock_dir = tempfile.mkdtemp(prefix="symphony-test-", dir="/tmp")
         os.chmod(self.sock_dir, 0o755)
         self.socket = os.path.join(self.sock_dir, "kernel.sock")
         self.log = open(tmp / "kernel.log", "w+")
-        self.env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
+        self.env = dict(os.environ, **(env or {}), SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
              "--socket", self.socket, "--kv-memory-mb", "192", *_EXTRA_KERNEL_ARGS, *extra],
@@ -219,6 +221,51 @@ class KernelProc:
         return self.proc.returncode
 
 
+def start_kernels(specs: dict) -> dict:
+    """``{name: KernelProc(*args, **kw)}`` for ``specs`` = ``{name: (args, kw)}``, started at once:
+    each loads its model on a core of its own (SmolLM2's GGUF metadata alone takes ~6 s of one
+    core).  If one fails to start, the others are stopped and its error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(specs)) as pool:
+        starting = {name: pool.submit(KernelProc, *args, **kw) for name, (args, kw) in specs.items()}
+    started = {name: f.result() for name, f in starting.items() if f.exception() is None}
+    failed = [f.exception() for f in starting.values() if f.exception() is not None]
+    if failed:
+        stop_kernels(started)
+        raise failed[0]
+    return started
+
+
+def stop_kernels(kernels: dict) -> dict:
+    """Stop ``kernels`` (a dict of KernelProc) at once; ``{name: exit status}``."""
+    from concurrent.futures import ThreadPoolExecutor
+    if not kernels:
+        return {}
+    with ThreadPoolExecutor(len(kernels)) as pool:
+        return dict(zip(kernels, pool.map(KernelProc.stop, kernels.values())))
+
+
+def stopped_cleanly(kernels: dict, codes: dict) -> None:
+    """Each of ``kernels`` exited 0 (``codes`` from stop_kernels) and left no shared memory."""
+    bad = {name: Path(k.log.name).read_text()[-3000:] for name, k in kernels.items() if codes[name] != 0}
+    assert not bad, (codes, bad)
+    left = {name: k.shm_names() for name, k in kernels.items() if k.shm_names()}
+    assert not left, f"shared memory left behind after shutdown: {left}"
+
+
+@pytest.fixture(scope="session")
+def trust_kernels(tmp_path_factory):
+    """The kernels of tests/test_trust_kvfs.py ("kvfs") and tests/test_trust_limits.py
+    ("limits"), each with its module's KERNEL_FLAGS, started at once: the two modules run one
+    after the other, and each kernel loads SmolLM2.  Each module stops its own at its end."""
+    from test_trust_kvfs import KERNEL_FLAGS as kvfs
+    from test_trust_limits import KERNEL_FLAGS as limits
+    ks = start_kernels({"kvfs": ((tmp_path_factory.mktemp("trust"), *kvfs), {}),
+                        "limits": ((tmp_path_factory.mktemp("limits"), *limits), {})})
+    yield ks
+    stop_kernels(ks)
+
+
 @pytest.fixture
 def public_tmp():
     """A temporary directory every user may read (pytest's tmp_path is 0700 under
@@ -232,10 +279,28 @@ def public_tmp():
     shutil.rmtree(d, ignore_errors=True)
 
 
+# a secret in the session kernel's environment: no LIP may see it (tests/test_trust_identity.py)
+SECRET_ENV = "SYMPHONY_TEST_SECRET"
+
+
 @pytest.fixture(scope="session")
-def kernel(tmp_path_factory):
-    k = KernelProc(tmp_path_factory.mktemp("kernel"), "--process-quota", "128",
-                   "--durable-dir", str(tmp_path_factory.mktemp("durable")))
+def kernel(tmp_path_factory, request):
+    """The session's kernel on SmolLM2.  While it starts, the in-process model (the smollm
+    fixture, which the suite needs too) loads on the other core: each takes a core for seconds."""
+    import secrets
+    from concurrent.futures import ThreadPoolExecutor
+    secret = "envsecret-" + secrets.token_hex(8)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(KernelProc, tmp_path_factory.mktemp("kernel"), "--process-quota", "128",
+                               "--durable-dir", str(tmp_path_factory.mktemp("durable")), env={SECRET_ENV: secret})
+        try:
+            request.getfixturevalue("smollm")
+        except BaseException:
+            if starting.exception() is None:
+                starting.result().stop()
+            raise
+        k = starting.result()
+    k.secret = secret
     yield k
     k.stop()
     assert k.proc.returncode == 0, k.read_log()[-3000:]

@@ -124,14 +124,6 @@ def test_the_build_dir_depends_on_the_sources_bytes_not_their_location(tmp_path,
     assert build._build_dir(False) != here                                 # other bytes: another build
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    from conftest import KernelProc
-    k = KernelProc(tmp_path_factory.mktemp("kernel"))
-    yield k
-    k.stop()
-
-
 def test_a_stock_program_by_name_runs_the_same_as_by_path(kernel):
     by_name = kernel.run("generate", "What is the capital of France?", "16")
     by_path = kernel.run(REPO / "userland" / "generate.py", "What is the capital of France?", "16")

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from symphony.client import KernelError
 
 WORKER = (REPO / "tests/lips/fault_worker.py").read_text()
 KEEPER = (REPO / "tests/lips/fault_keeper.py").read_text()
-STALL_S = float(os.environ.get("SYMPHONY_STALL_S", "120"))       # > the old 30 s call timeout
+# > the old 30 s call timeout, with room for the test's steps after its 35 s mark (~4 s)
+STALL_S = float(os.environ.get("SYMPHONY_STALL_S", "45"))
 CHAOS_KILLS = int(os.environ.get("SYMPHONY_CHAOS_KILLS", "300"))
 
 
@@ -65,6 +67,21 @@ def settle(k, baseline_pages, baseline_shm, timeout=30, lips=0):
             return st
         time.sleep(0.1)
     raise AssertionError(f"not settled: {k.client().stats()}, shm {sorted(set(k.shm_names()) - baseline_shm)}")
+
+
+def until(cond, timeout: float) -> bool:
+    """Whether ``cond()`` became true within ``timeout`` seconds (polled every 20 ms)."""
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def preds(k, lip) -> int:
+    """LIP ``lip``'s pred calls so far (0 while it has not started)."""
+    return next((l["preds"] for l in k.client().ps()["lips"] if l["lip"] == lip), 0)
 
 
 # ---------------------------------------------------------------- EOS (regression 3)
@@ -139,16 +156,14 @@ def test_syscall_thread_survives_an_unexpected_error(fk):
     base_pages = fk.client().stats()["kv_pages_used"]
     base_shm = set(fk.shm_names())
     c, lip = spawn(fk, "decode")
-    time.sleep(1)
+    assert until(lambda: preds(fk, lip) > 0, 30)
+    faults = fk.read_log().count("InjectedFault")
     fk.client().request({"op": "test_hook", "hook": "syscall_crash"})
-    time.sleep(1)
-    assert fk.client().ps()["lips"][0]["preds"] > 0
-    before = fk.client().ps()["lips"][0]["preds"]
-    time.sleep(1)
-    assert fk.client().ps()["lips"][0]["preds"] > before, "the syscall loop did not go on"
+    assert until(lambda: fk.read_log().count("InjectedFault") > faults, 30)    # the loop raised, and logged it
+    before = preds(fk, lip)
+    assert until(lambda: preds(fk, lip) > before, 1), "the syscall loop did not go on"
     fk.client().kill(lip)
     assert exits(c)[0]["reason"].startswith("killed by")
-    assert "InjectedFault" in fk.read_log()
     settle(fk, base_pages, base_shm)
 
 
@@ -242,7 +257,7 @@ def test_kernel_crash_and_restart(tmp_path, tiny_gguf):
         hashes = _kvf_hashes(durable)
         assert len(hashes) == 3
         watchers = [spawn(k, "decode") for _ in range(3)]
-        time.sleep(1.5)                                # mid-step: the decoders keep it busy
+        assert until(lambda: all(preds(k, lip) > 0 for _, lip in watchers), 30)    # mid-step: they keep it busy
         k.proc.send_signal(signal.SIGKILL)
         k.proc.wait(10)
         t0 = time.time()
@@ -281,11 +296,13 @@ def test_kernel_crash_and_restart(tmp_path, tiny_gguf):
 
 
 # ---------------------------------------------------------------- stale build lock (regression 2)
-def _build_copy(tmp_path) -> Path:
-    """A private copy of this checkout's ops build directory, loaded once."""
+@pytest.fixture(scope="module")
+def built_ops(tmp_path_factory) -> Path:
+    """A private copy of this checkout's ops build directory, loaded once (built if it
+    was not): each test copies it, which needs no build and no load."""
     from symphony.engine.ops import build
     src = build._build_dir(False)
-    dst = tmp_path / "ops"
+    dst = tmp_path_factory.mktemp("built") / "ops"
     if src.is_dir():
         shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("lock", "build.flock"))
     else:
@@ -296,11 +313,18 @@ def _build_copy(tmp_path) -> Path:
     return dst
 
 
-def test_stale_build_lock_is_cleared_before_ready(tmp_path, tiny_gguf, monkeypatch):
+def _build_copy(tmp_path, built_ops) -> Path:
+    """A copy of ``built_ops`` of the test's own (no lock file in it)."""
+    dst = tmp_path / "ops"
+    shutil.copytree(built_ops, dst, symlinks=True, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    return dst
+
+
+def test_stale_build_lock_is_cleared_before_ready(tmp_path, tiny_gguf, built_ops, monkeypatch):
     """A cpp_extension lock left by a killed builder: the kernel clears it
     before it says ready, and a LIP's first pred answers (the old kernel said
     ready, then hung at the first pred for up to 30 minutes)."""
-    d = _build_copy(tmp_path)
+    d = _build_copy(tmp_path, built_ops)
     (d / "lock").touch()                                # what a killed builder leaves
     monkeypatch.setenv("SYMPHONY_BUILD_DIR", str(d))
     k = KernelProc(tmp_path, "--model", str(tiny_gguf))
@@ -310,8 +334,7 @@ def test_stale_build_lock_is_cleared_before_ready(tmp_path, tiny_gguf, monkeypat
         assert log.index("removing stale build lock") < log.index("ready on")
         assert log.index("warm-up forward pass") < log.index("ready on")
         c, lip = spawn(k, "decode", timeout=30)
-        time.sleep(1)
-        assert k.client().ps()["lips"][0]["preds"] > 0
+        assert until(lambda: preds(k, lip) > 0, 1)
         k.client().kill(lip)
         assert exits(c, 30)[0]["reason"].startswith("killed")
     finally:
@@ -319,37 +342,60 @@ def test_stale_build_lock_is_cleared_before_ready(tmp_path, tiny_gguf, monkeypat
     assert not (d / "lock").exists()
 
 
-HOLD = """import fcntl, os, sys, time
+HOLD = """import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
 if sys.argv[2] == "flock":
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, b"%d " % os.getpid() + open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19].encode())
 print("held", flush=True)
-time.sleep(float(sys.argv[3]))
+sys.stdin.readline()                       # held until the test says the build is done
 if sys.argv[2] == "open":
     os.unlink(sys.argv[1])                 # as cpp_extension's builder does when it is done
 """
 
 
 @pytest.mark.parametrize("kind", ["flock", "open"])
-def test_live_build_lock_is_waited_for_with_a_message(tmp_path, kind):
+def test_live_build_lock_is_waited_for_with_a_message(tmp_path, built_ops, kind):
     """A live builder (ours: it holds build.flock; an older one: it keeps
     cpp_extension's lock file open) is waited for with progress, and past
     the timeout the error names the lock and the holder's pid."""
-    d = _build_copy(tmp_path)
+    d = _build_copy(tmp_path, built_ops)
     lock = d / ("build.flock" if kind == "flock" else "lock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock), kind, "15"], stdout=subprocess.PIPE,
-                              text=True)
-    assert holder.stdout.readline().strip() == "held"
-    env = dict(os.environ, SYMPHONY_BUILD_DIR=str(d), PYTHONPATH=str(REPO))
-    load = [sys.executable, "-c", "from symphony.engine import ops; ops.load(); print('loaded')"]
-    r = subprocess.run(load, env=dict(env, SYMPHONY_BUILD_LOCK_TIMEOUT="1"), capture_output=True, text=True,
-                       timeout=120, cwd=REPO)
-    assert r.returncode != 0 and f"build lock {lock}" in r.stderr and f"pid {holder.pid}" in r.stderr, r.stderr
-    r = subprocess.run(load, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr
-    assert "waiting for another process building the C++ ops" in r.stderr, r.stderr
-    assert holder.wait(10) == 0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock), kind], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        env = dict(os.environ, SYMPHONY_BUILD_DIR=str(d), PYTHONPATH=str(REPO))
+        load = [sys.executable, "-c", "from symphony.engine import ops; ops.load(); print('loaded')"]
+        r = subprocess.run(load, env=dict(env, SYMPHONY_BUILD_LOCK_TIMEOUT="1"), capture_output=True, text=True,
+                           timeout=120, cwd=REPO)
+        assert r.returncode != 0 and f"build lock {lock}" in r.stderr and f"pid {holder.pid}" in r.stderr, r.stderr
+        # no timeout: it says it waits, and it does, until the builder is done
+        loader = subprocess.Popen(load, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+        said, err = threading.Event(), []
+
+        def read_stderr():
+            for line in loader.stderr:
+                err.append(line)
+                if "waiting for another process building the C++ ops" in line:
+                    said.set()
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        assert said.wait(120), "".join(err)
+        time.sleep(0.5)
+        assert loader.poll() is None, "".join(err)      # still waiting for the holder
+        holder.stdin.write("done\n")
+        holder.stdin.flush()
+        assert holder.wait(10) == 0
+        out = loader.stdout.read()                       # its stderr is the reader's
+        loader.wait(300)
+        reader.join(10)
+        assert loader.returncode == 0 and "loaded" in out, "".join(err)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
 
 
 # ---------------------------------------------------------------- the zygote dies: loud, clean shutdown
@@ -373,7 +419,7 @@ def test_zygote_death_shuts_the_kernel_down_loudly(tmp_path, tiny_gguf):
     k = KernelProc(tmp_path, "--model", str(tiny_gguf))
     try:
         c, lip = spawn(k, "decode")
-        time.sleep(1)
+        assert until(lambda: preds(k, lip) > 0, 30)                  # running, in a worker of the zygote
         pid = k.client().ps()["lips"][0]["pid"]
         zygote = [p for p in _children(k.proc.pid) if pid in _children(p)]
         assert len(zygote) == 1, (zygote, _children(k.proc.pid))

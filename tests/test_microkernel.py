@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import REPO, KernelProc
+from conftest import REPO, start_kernels, stop_kernels, stopped_cleanly
 
 
 def test_generate_answers_paris(kernel):
@@ -148,19 +148,31 @@ def test_token_mask_applies_in_the_kernel(kernel):
     assert json.loads(r.stdout) == {"argmax_in_mask": True, "logits_masked": True, "sample_in_mask": True}
 
 
-def test_kernel_in_bfloat16_runs_a_stock_lip(tmp_path):
+@pytest.fixture(scope="module")
+def own_kernels(tmp_path_factory):
+    """This module's own kernels (not the session's), started and stopped at once.  "bf16":
+    --dtype bfloat16; "omp1", "omp4": --threads 2 with torch's default (OMP_NUM_THREADS in
+    their environment) at 1 and at 4."""
+    threads = ("--kv-memory-mb", "64", "--threads", "2")
+    ks = start_kernels({"bf16": ((tmp_path_factory.mktemp("bf16"), "--dtype", "bfloat16"), {}),
+                        "omp1": ((tmp_path_factory.mktemp("omp1"), *threads), {"env": {"OMP_NUM_THREADS": "1"}}),
+                        "omp4": ((tmp_path_factory.mktemp("omp4"), *threads), {"env": {"OMP_NUM_THREADS": "4"}})})
+    try:
+        yield ks
+    finally:
+        codes = stop_kernels(ks)
+    stopped_cleanly(ks, codes)
+
+
+def test_kernel_in_bfloat16_runs_a_stock_lip(own_kernels):
     """symphony-kernel --dtype bfloat16: the engine really runs bfloat16 and a LIP still gets
     the answer (a question whose first token is no near-tie; see test_smollm2.py)."""
-    k = KernelProc(tmp_path, "--dtype", "bfloat16")
-    try:
-        assert "on cpu/torch.bfloat16" in k.read_log()             # Engine's start-up line
-        r = k.run(REPO / "userland/generate.py",
-                  "What is the capital of France? Answer in one sentence.", "16")
-        assert r.returncode == 0, r.stderr
-        assert "Paris" in r.stdout, r.stdout
-    finally:
-        assert k.stop() == 0, k.read_log()[-3000:]
-    assert k.shm_names() == []
+    k = own_kernels["bf16"]
+    assert "on cpu/torch.bfloat16" in k.read_log()             # Engine's start-up line
+    r = k.run(REPO / "userland/generate.py",
+              "What is the capital of France? Answer in one sentence.", "16")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout, r.stdout
 
 
 def test_kernel_rejects_an_unknown_dtype(capsys):
@@ -171,7 +183,7 @@ def test_kernel_rejects_an_unknown_dtype(capsys):
     assert "invalid choice: 'float64'" in capsys.readouterr().err
 
 
-def test_only_the_syscall_thread_computes_with_several_threads(tmp_path, monkeypatch):
+def test_only_the_syscall_thread_computes_with_several_threads(own_kernels):
     """The kernel's model runs in its syscall thread with --threads N; its main thread (which
     loads the model and runs the warm-up pass) computes with one, so the process has exactly one
     OpenMP team.  A second team (the main thread's, at torch's default) made libgomp let its
@@ -183,18 +195,14 @@ def test_only_the_syscall_thread_computes_with_several_threads(tmp_path, monkeyp
 
     def tasks(k):
         return len(os.listdir(f"/proc/{k.proc.pid}/task"))
+
     counts = {}
     for omp in ("1", "4"):
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)      # torch's default in the kernel's threads
-        (tmp_path / f"omp{omp}").mkdir()
-        k = KernelProc(tmp_path / f"omp{omp}", "--kv-memory-mb", "64", "--threads", "2")
-        try:
-            before = tasks(k)
-            r = k.run(repo / "userland/generate.py", "Hi", "4")
-            assert r.returncode == 0, r.stderr
-            counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
-        finally:
-            k.stop()
+        k = own_kernels[f"omp{omp}"]
+        before = tasks(k)
+        r = k.run(repo / "userland/generate.py", "Hi", "4")
+        assert r.returncode == 0, r.stderr
+        counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
     assert counts["1"][0] == counts["4"][0], counts     # no team in the main thread at any default
     assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import KernelProc
+from conftest import start_kernels, stop_kernels, stopped_cleanly
 
 POOL_PAGES = 32             # --kv-memory-mb 1 at 32 KiB a page (the config below; the kernel may keep one back)
 HOST_PAGES = 64
@@ -51,18 +51,25 @@ def tiny_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ok(tmp_path_factory, tiny_gguf):
+def kernels(tmp_path_factory, tiny_gguf):
+    """The module's two kernels (``ok`` and ``quota_kernel`` below), started and stopped at once."""
+    model = ("--model", str(tiny_gguf), "--kv-memory-mb", "1", "--host-pages", str(HOST_PAGES), "--token-budget", "64")
+    ks = start_kernels({
+        "ok": ((tmp_path_factory.mktemp("overload"), *model, "--max-lips", "80", "--max-lips-per-user", "80",
+                "--max-priority", "interactive",
+                "--lip-kv-tokens", "16"), {}),     # admission lets everything in: the memory manager copes
+        "quota": ((tmp_path_factory.mktemp("userquota"), *model, "--user-quota", str(USER_QUOTA),
+                   "--lip-kv-tokens", "80"), {})})
+    yield ks
+    stopped_cleanly(ks, stop_kernels(ks))
+
+
+@pytest.fixture(scope="module")
+def ok(kernels):
     """A kernel whose pool holds 32 pages, with a 64-page host tier and no disk.
     Admission expects 1 page a LIP, so it starts far more LIPs than fit and the
     memory manager must cope (tests/test_admission.py covers the queue)."""
-    k = KernelProc(tmp_path_factory.mktemp("overload"), "--model", str(tiny_gguf), "--kv-memory-mb", "1",
-                   "--host-pages", str(HOST_PAGES), "--max-lips", "80", "--max-lips-per-user", "80",
-                   "--token-budget", "64", "--max-priority", "interactive",
-                   "--lip-kv-tokens", "16")     # admission lets everything in: the memory manager copes
-    yield k
-    k.stop()
-    assert k.proc.returncode == 0, k.read_log()[-3000:]
-    assert k.shm_names() == [], "shared memory left behind after shutdown"
+    return kernels["ok"]
 
 
 @pytest.fixture(scope="module")
@@ -246,15 +253,10 @@ USER_QUOTA = 12             # pages; each LIP below needs 5 (80 tokens), so two 
 
 
 @pytest.fixture(scope="module")
-def quota_kernel(tmp_path_factory, tiny_gguf):
+def quota_kernel(kernels):
     """A kernel whose users may hold 12 KV pages each (the pool has 32), and which expects
     a LIP with no history to need 80 tokens (5 pages)."""
-    k = KernelProc(tmp_path_factory.mktemp("userquota"), "--model", str(tiny_gguf), "--kv-memory-mb", "1",
-                   "--host-pages", str(HOST_PAGES), "--user-quota", str(USER_QUOTA), "--token-budget", "64",
-                   "--lip-kv-tokens", "80")
-    yield k
-    k.stop()
-    assert k.proc.returncode == 0, k.read_log()[-3000:]
+    return kernels["quota"]
 
 
 GATED = GREEDY.replace("    rnd = random.Random(int(seed))", "    recv()                                      # wait for 'go'\n"

@@ -138,7 +138,14 @@ def test_output_to_a_client_that_never_reads_is_bounded(kernel):
     # a client that leaves without reading: its LIP is killed and the buffers go
     c = Client(kernel.socket, user="mallory")
     lip = c.spawn((HOSTILE / "bound_flood_out.py").read_text(), ["200"], filename="bound_flood_out.py")
-    time.sleep(3)
+    last, still = None, 0
+    deadline = time.time() + 30
+    while time.time() < deadline and still < 2:              # until its send()s wait: the buffers are full
+        time.sleep(0.25)
+        calls = _lip_calls(kernel, lip)
+        still = still + 1 if calls and calls == last else 0
+        last = calls
+    assert still == 2 and kernel.client().stats()["output_queued_bytes"] > 0
     c.close()
     deadline = time.time() + 30
     while time.time() < deadline and _lip_calls(kernel, lip) is not None:

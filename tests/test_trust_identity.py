@@ -16,10 +16,9 @@ import time
 
 import pytest
 
-from conftest import ALICE_UID, BOB_UID, REPO, KernelProc, requires_root
+from conftest import ALICE_UID, BOB_UID, REPO, SECRET_ENV, KernelProc, requires_root
 
 HOSTILE = REPO / "tests/lips/hostile"
-SECRET_ENV = "SYMPHONY_TEST_SECRET"
 LIP_MAX_THREADS = 64            # the kernel's default threads limit (--lip-threads), RLIMIT_NPROC of the LIP's uid
 LIP_UIDS = (61184, 65519)        # the kernel's default --lip-uids
 
@@ -28,20 +27,10 @@ def src(name: str) -> str:
     return (HOSTILE / f"{name}.py").read_text()
 
 
-@pytest.fixture(scope="module")
-def tkernel(tmp_path_factory):
-    """A kernel of its own, started with a secret in its environment."""
-    secret = "envsecret-" + secrets.token_hex(8)
-    os.environ[SECRET_ENV] = secret
-    try:
-        k = KernelProc(tmp_path_factory.mktemp("tkernel"))
-    finally:
-        del os.environ[SECRET_ENV]
-    k.secret = secret
-    yield k
-    k.stop()
-    assert k.proc.returncode == 0, k.read_log()[-3000:]
-    assert k.shm_names() == [], "shared memory left behind after shutdown"
+@pytest.fixture
+def tkernel(kernel):
+    """The session kernel: it was started with a secret (``kernel.secret``) in its environment."""
+    return kernel
 
 
 def collect(client, timeout=120) -> tuple[str, dict]:
@@ -274,7 +263,8 @@ def _exists(pid: int) -> bool:
 
 @requires_root
 def test_workers_die_with_the_kernel(tmp_path):
-    k = KernelProc(tmp_path)
+    from modelfiles import write_tiny_gguf
+    k = KernelProc(tmp_path, "--model", str(write_tiny_gguf(tmp_path)))     # no pred: any model will do
     pids, zygote = [], []
     try:
         alice, bob = k.client_as(ALICE_UID), k.client_as(BOB_UID)

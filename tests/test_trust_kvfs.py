@@ -8,22 +8,22 @@ import re
 
 import pytest
 
-from conftest import ALICE_UID, BOB_UID, REPO, KernelProc, connect_as, requires_root
+from conftest import ALICE_UID, BOB_UID, REPO, connect_as, requires_root, stop_kernels, stopped_cleanly
 
 LIPS = REPO / "tests/lips"
 HOSTILE = LIPS / "hostile"
 HOST_PAGES = 64
+KERNEL_FLAGS = ("--kv-memory-mb", "64", "--host-pages", str(HOST_PAGES))
 
 
 @pytest.fixture(scope="module")
-def kern(tmp_path_factory):
+def kern(trust_kernels):
     """A kernel of its own (a clean /shared, no per-LIP quota, a small pool)
-    with the default per-user quotas."""
-    k = KernelProc(tmp_path_factory.mktemp("trust"), "--kv-memory-mb", "64", "--host-pages", str(HOST_PAGES))
+    with the default per-user quotas: KERNEL_FLAGS (conftest.trust_kernels
+    starts it beside test_trust_limits.py's)."""
+    k = trust_kernels["kvfs"]
     yield k
-    k.stop()
-    assert k.proc.returncode == 0, k.read_log()[-3000:]
-    assert k.shm_names() == [], "shared memory left behind"
+    stopped_cleanly({"kvfs": k}, stop_kernels({"kvfs": k}))
 
 
 def spawn(client, path, *args):

@@ -7,23 +7,24 @@ import time
 
 import pytest
 
-from conftest import ALICE_UID, BOB_UID, REPO, KernelProc, requires_root
+from conftest import ALICE_UID, BOB_UID, REPO, requires_root, stop_kernels, stopped_cleanly
 
 HOSTILE = REPO / "tests/lips/hostile"
 SLEEPER = "import time\n\ndef main(*args):\n    time.sleep(60)\n"
 GOOD_FLAGS = ["--timeout", "300", "--cpu", "300"]           # the neighbour asks for more than the defaults
 
 
+KERNEL_FLAGS = ("--lip-memory-mb", "1024", "--lip-cpu", "600", "--lip-timeout", "600", "--default-lip-timeout", "4",
+                "--default-lip-cpu", "2", "--max-lips-per-user", "3", "--user-priority", f"uid{ALICE_UID}=interactive",
+                "--user-priority", "carol=interactive")
+
+
 @pytest.fixture(scope="module")
-def lk(tmp_path_factory):
-    k = KernelProc(tmp_path_factory.mktemp("limits"), "--lip-memory-mb", "1024", "--lip-cpu", "600",
-                   "--lip-timeout", "600", "--default-lip-timeout", "4", "--default-lip-cpu", "2",
-                   "--max-lips-per-user", "3", "--user-priority", f"uid{ALICE_UID}=interactive",
-                   "--user-priority", "carol=interactive")
+def lk(trust_kernels):
+    """The module's kernel: KERNEL_FLAGS (conftest.trust_kernels starts it beside test_trust_kvfs.py's)."""
+    k = trust_kernels["limits"]
     yield k
-    k.stop()
-    assert k.proc.returncode == 0, k.read_log()[-3000:]
-    assert k.shm_names() == []
+    stopped_cleanly({"limits": k}, stop_kernels({"limits": k}))
 
 
 def _beside_good(k, name, limits=None, user="mallory", source=None):

@@ -43,28 +43,28 @@ def run_many(kernel, jobs, timeout=180):
 
 
 # ---------------------------------------------------------------- constrained decoding
-def test_json_schema_100_of_100_seeds_validate(kernel):
-    """Seeds 0..99 at temperature 1.0: four LIPs of 25 samples each, at once (each
-    sample has its own matcher, KV fork and seed; the kernel batches them)."""
+def test_json_schema_every_seed_validates(kernel):
+    """Seeds 0..31 at temperature 1.0: four LIPs of 8 samples each, at once (each
+    sample has its own matcher, KV fork and seed; the kernel batches them: 32 rows)."""
     t0 = time.time()
     results = run_many(kernel, [(CONSTRAINED, "--json-schema", json.dumps(SCHEMA), "Describe a person as JSON.",
-                                 "--temperature", "1.0", "--seed", s, "--n", "25", "--max-tokens", "128")
-                                for s in (0, 25, 50, 75)])
+                                 "--temperature", "1.0", "--seed", s, "--n", "8", "--max-tokens", "128")
+                                for s in (0, 8, 16, 24)])
     elapsed = time.time() - t0
     samples = []
     for status, outs, err in results:
         assert status == 0, err
         samples += outs
-    assert sorted(s["seed"] for s in samples) == list(range(100))
+    assert sorted(s["seed"] for s in samples) == list(range(32))
     objs = []
     for s in samples:
         assert s["complete"], s
         obj = json.loads(s["text"])                       # parses ...
         jsonschema.validate(obj, SCHEMA)                  # ... and validates
         objs.append(obj)
-    assert len({s["text"] for s in samples}) >= 50        # the seeds really sample
+    assert len({s["text"] for s in samples}) >= 16        # the seeds really sample
     assert len({o["color"] for o in objs}) >= 2
-    print(f"\n100 schema-constrained samples in {elapsed:.1f} s")
+    print(f"\n32 schema-constrained samples in {elapsed:.1f} s")
 
 
 def test_json_schema_single_run_streams(kernel):
