@@ -38,7 +38,7 @@ Rounds are interleaved (round 1: every contender, every N; round 2: ...); each c
 gets a fresh kernel or server each round, warmed up by one short untimed request (for the
 kernel a small LIP of its own, so that admission does not learn generate.py's KV need from it).  With
 --repeat R > 1 the table gives the median over rounds and the per-round spread (min..max).
-The last lines check issue 19's goals for each contender: 100% completion at every N, and
+The last lines check the overload goals for each contender: 100% completion at every N, and
 output tok/s at the largest N >= 0.9x that of the best N (no collapse under overload).
 
 --quick: N = 2, 4 and 200-token prompts (a smoke run).  Ctrl-C or SIGTERM stops the run and
@@ -532,7 +532,7 @@ def report(results: dict, ns: list, skipped: dict) -> None:
               f"{same} of {runs} prompts run more than once gave the same text every time")
     for c, why in skipped.items():
         print(f"\n{CONTENDERS[c]}: not run: {why}")
-    print(f"\nGoals (issue 19): 100% completion at every N; output tok/s at N={max(ns)} >= 0.9x the best N.")
+    print(f"\nGoals: 100% completion at every N; output tok/s at N={max(ns)} >= 0.9x the best N.")
     for c, per in results.items():
         got = [n for n in ns if per[n]]
         if not got:

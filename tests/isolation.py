@@ -88,6 +88,18 @@ def in_thread(fn, *args) -> threading.Thread:
     return t
 
 
+def end_all(k: KernelProc) -> None:
+    """Kill every LIP left (root may) and wait until none is live."""
+    from symphony.client import KernelError
+    with k.client() as root:
+        for l in root.ps()["lips"]:
+            try:
+                root.kill(l["lip"])
+            except KernelError:                                 # it ended meanwhile
+                pass
+        assert wait_until(lambda: root.ps()["lips"] == [], 30), root.ps()
+
+
 def wait_until(cond, timeout: float = 30, every: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

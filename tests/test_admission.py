@@ -1,4 +1,4 @@
-"""The admission queue (issue 19): a LIP that cannot start now waits its turn
+"""The admission queue: a LIP that cannot start now waits its turn
 instead of being refused.
 
   * the policy alone (sched/admission.py): order by priority class, fair

@@ -1,4 +1,4 @@
-"""Fault tests: the kernel never loses a LIP (issue 11).
+"""Fault tests: the kernel never loses a LIP.
 
 Real kernels on the tiny random model, real LIPs (tests/lips/fault_*.py):
   * stall: the syscall thread is held (test hook) while LIPs spawn, exit and

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, requires_root
-from isolation import (SLEEPER, check_neighbour, fork_as, in_thread, neighbour, rss_mib, start_kernel,
+from isolation import (end_all, SLEEPER, check_neighbour, fork_as, in_thread, neighbour, rss_mib, start_kernel,
                        wait_until)
 
 BOUNDS = ("--max-args-kb 256 --max-queued-mb-per-user 4 --max-input-kb 256 --max-partial-mb-per-user 16 "
@@ -37,18 +37,6 @@ def mk(tmp_path_factory):
     assert k.shm_names() == []
 
 
-def _end_all(k):
-    """Kill every LIP left (root may) and wait until none is live."""
-    from symphony.client import KernelError
-    with k.client() as root:
-        for l in root.ps()["lips"]:
-            try:
-                root.kill(l["lip"])
-            except KernelError:                                 # it ended meanwhile
-                pass
-        assert wait_until(lambda: root.ps()["lips"] == [], 30), root.ps()
-
-
 def test_arguments_are_bounded(mk):
     """24 LIPs with 8 MiB of arguments each grew the kernel by hundreds of MiB, and
     root's `ps` failed: its reply passed the client's 16 MiB frame limit."""
@@ -66,7 +54,7 @@ def test_arguments_are_bounded(mk):
         print(f"arguments: kernel RSS +{grown:.0f} MiB; {len(refused)} of 24 spawns refused")
         ps = mk.client().ps()                                   # root's: fits the client's frame limit
         check_neighbour(mk, alone, "arguments")
-    _end_all(mk)
+    end_all(mk)
     assert len(refused) == 24 and "--max-args-kb 256" in refused[0], refused[:1]
     assert grown < RSS_BOUND_MIB and isinstance(ps["lips"], list)
 
@@ -86,7 +74,7 @@ def test_one_user_cannot_fill_the_queue(mk):
                 why = str(e)
                 break
         check_neighbour(mk, alone, "queue")
-    _end_all(mk)
+    end_all(mk)
     assert why and "--max-queued-mb-per-user 4" in why, why
 
 
@@ -112,7 +100,7 @@ def test_unread_input_is_bounded(mk):
     st = mk.client().stats()
     check_neighbour(mk, alone, "input")
     a.close()                                                   # its LIP goes with it
-    _end_all(mk)
+    end_all(mk)
     assert grown < RSS_BOUND_MIB and len(sent) < 40
     assert st["input_queued_bytes"] <= 8 << 20, st
 
@@ -190,4 +178,4 @@ def test_a_kv_tokens_hint_cannot_reserve_the_device(mk):
         for _ in range(3):                                      # the whole device, three times over
             assert a.launch(SLEEPER, kv_tokens=8176, attach=False)["event"] in ("started", "queued")
         check_neighbour(mk, alone, "kv_tokens")
-    _end_all(mk)
+    end_all(mk)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, QuietHandler, http_servers, requires_root
-from isolation import check_neighbour, neighbour, rss_mib, start_kernel, wait_until
+from isolation import end_all, check_neighbour, neighbour, rss_mib, start_kernel, wait_until
 
 HOSTILE = REPO / "tests/lips/hostile"
 BOUNDS = []
@@ -38,18 +38,6 @@ def _spawn(client, name, *args, **kw):
     return client.events(timeout=120)
 
 
-def _end_all(k):
-    """Kill every LIP left (root may) and wait until none is live."""
-    from symphony.client import KernelError
-    with k.client() as root:
-        for l in root.ps()["lips"]:
-            try:
-                root.kill(l["lip"])
-            except KernelError:                                 # it ended meanwhile
-                pass
-        assert wait_until(lambda: root.ps()["lips"] == [], 30), root.ps()
-
-
 def test_syncs_do_not_stall_others(tk):
     """A loop of f.sync() on large files held the syscall thread for each whole
     copy, hash, write and fsync."""
@@ -59,7 +47,7 @@ def test_syncs_do_not_stall_others(tk):
         assert next(events)["data"] == "ready\n"
         time.sleep(0.5)
         check_neighbour(tk, alone, "sync")
-    _end_all(tk)
+    end_all(tk)
 
 
 def test_large_listings_do_not_stall_others(tk):
@@ -86,7 +74,7 @@ def test_large_listings_do_not_stall_others(tk):
                 t.join(60)
             for c in conns:
                 c.close()
-    _end_all(tk)
+    end_all(tk)
 
 
 def test_forks_of_a_large_file_do_not_stall_others(tk):
@@ -105,7 +93,7 @@ def test_forks_of_a_large_file_do_not_stall_others(tk):
     finally:
         for c in clients:
             c.close()
-    _end_all(tk)
+    end_all(tk)
 
 
 def test_a_spawn_flood_does_not_starve_others(tk):
@@ -134,7 +122,7 @@ def test_a_spawn_flood_does_not_starve_others(tk):
         for c in conns:
             c.close()
     print(f"spawns: {len(started)} LIPs ran")
-    _end_all(tk)
+    end_all(tk)
 
 
 def test_busy_lips_do_not_take_the_cpu_from_the_model(tk):
@@ -150,7 +138,7 @@ def test_busy_lips_do_not_take_the_cpu_from_the_model(tk):
     finally:
         for c in clients:
             c.close()
-    _end_all(tk)
+    end_all(tk)
 
 
 def _drive_bell(db, ring, rings_per_call: int, n: int = 320) -> int:
@@ -240,4 +228,4 @@ def test_slow_capability_calls_do_not_hold_the_pool(tk, public_tmp):
                 c.close()
     print(f"capabilities: read_file {alone:.2f} s alone, {t:.2f} s beside the slow calls")
     assert t <= 3 * alone + 1, (t, alone)
-    _end_all(tk)
+    end_all(tk)

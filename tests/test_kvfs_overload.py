@@ -1,4 +1,4 @@
-"""KVFS under memory pressure (issue 19), on a tiny random model with a small
+"""KVFS under memory pressure, on a tiny random model with a small
 pool: cache files the pager deletes before anything else, running (pinned)
 LIPs never page-evicted, reclaim / suspend / swap_in_pid for the kernel's
 memory manager, device_need that agrees with what a pred takes, and NoSpace

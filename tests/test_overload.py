@@ -1,11 +1,11 @@
-"""Overload is queued, never refused (issue 19), on a real kernel.
+"""Overload is queued, never refused, on a real kernel.
 
 A tiny random model whose device KV pool holds 32 pages (512 tokens) and a
 host tier of 64 pages: far more work than fits.  Every LIP must finish with
 the output it has alone (greedy, compared with an in-process engine on the
 same weights), the kernel must suspend whole LIPs rather than fail calls,
 and the pages must be back to the baseline afterwards.  On the kernel before
-issue 19 these LIPs failed with NoSpace (the pager moved pages until the host
+admission control these LIPs failed with NoSpace (the pager moved pages until the host
 tier was full).
 """
 from __future__ import annotations

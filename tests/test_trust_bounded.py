@@ -1,4 +1,4 @@
-"""Bounded everything (issue 10): replies larger than a ring slot travel in
+"""Bounded everything: replies larger than a ring slot travel in
 chunks, error messages are cut, one LIP's output is bounded by back-pressure,
 sampling parameters are checked.  Each hostile LIP (tests/lips/hostile/bound_*)
 runs beside a well-behaved one that must still answer."""

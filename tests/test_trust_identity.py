@@ -1,4 +1,4 @@
-"""The trust boundary between users (issue 10): every LIP runs as a uid of its own,
+"""The trust boundary between users: every LIP runs as a uid of its own,
 cannot signal the kernel or anyone else's processes (not even through
 fcntl(F_SETOWN)), sees no root-only path and none of the kernel's environment, finds
 no other user's program in its memory, dies with the kernel, cannot disturb the

@@ -1,4 +1,4 @@
-"""Administrator limits are ceilings (issue 10): a client may ask for less,
+"""Administrator limits are ceilings: a client may ask for less,
 never more; defaults apply when it asks for nothing; priority classes above a
 user's grant are refused; one user cannot take every LIP slot.  One kernel with
 small ceilings serves this module."""
@@ -130,7 +130,7 @@ def test_priority_as_unix_users(lk):
 def test_one_user_cannot_take_every_lip_slot(lk):
     c = lk.client(user="mallory")
     lips = [c.spawn(SLEEPER, attach=False, limits={"timeout": 30}) for _ in range(3)]
-    r4 = c.launch(SLEEPER, attach=False, limits={"timeout": 30})        # over her share: it waits (issue 19)
+    r4 = c.launch(SLEEPER, attach=False, limits={"timeout": 30})        # over her share: it waits
     assert r4["event"] == "queued" and "mallory runs 3 LIPs, the most one user may" in r4["waiting_for"], r4
     r = lk.run(HOSTILE / "well_behaved.py", user="bob", extra=GOOD_FLAGS)     # another user still can
     assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
