@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import REPO, start_kernels, stop_kernels, stopped_cleanly
+from conftest import REPO, KernelProc, start_kernels, stop_kernels, stopped_cleanly
 
 
 def test_generate_answers_paris(kernel):
