@@ -269,6 +269,10 @@ def test_auth_size_method_and_program_failure(gw):
         r = h.post("/v1/chat/completions", json=dict(ok, messages=[{"role": "user", "content": "CRASH"}]))
         assert r.status_code == 500 and r.json()["error"]["code"] == "program_failed"
         assert "Traceback" not in r.text                 # the program's stderr goes to the log, not the client
+    # the gateway logs the program's stderr as its lines arrive, which may be after the reply
+    deadline = time.monotonic() + 15
+    while "fake_serve crashed on purpose" not in gw.read_log() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert "fake_serve crashed on purpose" in gw.read_log()
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
 
