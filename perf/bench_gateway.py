@@ -98,6 +98,10 @@ class Symphony:
         deadline = time.time() + timeout
         while what not in self.text():
             if self.proc.poll() is not None or time.time() > deadline:
+                for p in (self.proc, getattr(self, "nocache", None)):   # none left running behind us
+                    if p is not None and p.poll() is None:
+                        p.kill()
+                        p.wait()
                 raise SystemExit("symphony did not start:\n" + self.text()[-3000:])
             time.sleep(0.2)
 
@@ -129,6 +133,9 @@ class LlamaCpp:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
                 self.log.flush()
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                    self.proc.wait()
                 raise SystemExit("llama.cpp's server did not start:\n" + Path(self.log.name).read_text()[-2000:])
             time.sleep(0.5)
         self.model = "llamacpp"
