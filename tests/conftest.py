@@ -148,6 +148,24 @@ def connect_as(socket_path: str, uid: int, gid: Optional[int] = None):
 _EXTRA_KERNEL_ARGS = shlex.split(os.environ.get("SYMPHONY_TEST_KERNEL_ARGS", ""))
 
 
+def _kernel_device(args) -> str:
+    """The device a test kernel's engine runs on under those flags ("cpu" or "cuda:N")."""
+    for i, a in enumerate(args):
+        value = args[i + 1] if a == "--gpus" and i + 1 < len(args) else (
+            a.split("=", 1)[1] if a.startswith("--gpus=") else None)
+        if value is not None:
+            return f"cuda:{value.split(',')[0]}"
+    return "cpu"
+
+
+KERNEL_DEVICE = _kernel_device(_EXTRA_KERNEL_ARGS)
+# For tests that compare a test kernel with the in-process CPU engine token for token (or to
+# 1e-3 in log-probabilities), or count its CPU threads: not meaningful on a GPU kernel.
+cpu_kernel_only = pytest.mark.skipif(
+    KERNEL_DEVICE != "cpu", reason="compares the test kernel with the in-process CPU engine; "
+                                   "SYMPHONY_TEST_KERNEL_ARGS puts it on " + KERNEL_DEVICE)
+
+
 class KernelProc:
     """symphony-kernel running in a subprocess on its own socket."""
 

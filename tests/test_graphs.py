@@ -239,3 +239,32 @@ def test_cuda_graph_replay_matches_eager(dtype, atol):
         for g, w_ in zip(got, want):
             torch.testing.assert_close(g, w_, atol=atol, rtol=0)
     assert graphed.stats.graph_steps - steps0 == 5 and graphed.graphs.replays - replays0 == 5
+
+
+def test_head_float32_output_is_cuda_only():
+    from symphony.engine.model import _mm_float32_out
+    assert not _mm_float32_out(torch.device("cpu"), torch.bfloat16)
+    eng = Engine(random_weights(tiny_config()), None, EngineConfig(num_pages=16, dtype=torch.bfloat16))
+    assert not eng.model.head_f32_out
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_16bit_head_returns_unrounded_float32_logits(dtype):
+    """A 16-bit lm_head on CUDA writes float32 logits (not the dtype's rounded steps, which tie
+    close candidates), graphs on and off, within the dtype's noise of the float32 model."""
+    if not ops.cuda_available():
+        pytest.skip("the CUDA kernels were not built")
+    graphed, eager, w = engines(device="cuda", dtype=dtype, max_batch=8)
+    assert graphed.model.head_f32_out and eager.model.head_f32_out
+    ref = Engine(w, None, EngineConfig(page_size=4, num_pages=64, device="cuda", dtype=torch.float32,
+                                       cuda_graphs=False))
+    for eng in (graphed, eager, ref):
+        s = eng.new_sequence()
+        eng.pred(s, toks(9, 1))
+        eng._last = eng.pred(s, toks(1, 2))          # a decode step (a graph replay on `graphed`)
+    for eng in (graphed, eager):
+        lg = torch.as_tensor(eng._last).float()
+        assert lg.dtype == torch.float32
+        assert not torch.equal(lg, lg.to(dtype).float()), "logits were rounded to the 16-bit dtype"
+        torch.testing.assert_close(lg, torch.as_tensor(ref._last).float(), atol=5e-2, rtol=0)

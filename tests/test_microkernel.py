@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import REPO, KernelProc, start_kernels, stop_kernels, stopped_cleanly
+from conftest import KERNEL_DEVICE, REPO, KernelProc, cpu_kernel_only, start_kernels, stop_kernels, stopped_cleanly
 
 
 def test_generate_answers_paris(kernel):
@@ -168,7 +168,7 @@ def test_kernel_in_bfloat16_runs_a_stock_lip(own_kernels):
     """symphony-kernel --dtype bfloat16: the engine really runs bfloat16 and a LIP still gets
     the answer (a question whose first token is no near-tie; see test_smollm2.py)."""
     k = own_kernels["bf16"]
-    assert "on cpu/torch.bfloat16" in k.read_log()             # Engine's start-up line
+    assert f"on {KERNEL_DEVICE}/torch.bfloat16" in k.read_log()   # Engine's start-up line
     r = k.run(REPO / "userland/generate.py",
               "What is the capital of France? Answer in one sentence.", "16")
     assert r.returncode == 0, r.stderr
@@ -183,6 +183,7 @@ def test_kernel_rejects_an_unknown_dtype(capsys):
     assert "invalid choice: 'float64'" in capsys.readouterr().err
 
 
+@cpu_kernel_only
 def test_only_the_syscall_thread_computes_with_several_threads(own_kernels):
     """The kernel's model runs in its syscall thread with --threads N; its main thread (which
     loads the model and runs the warm-up pass) computes with one, so the process has exactly one

@@ -67,6 +67,31 @@ MIXED = dict(  # decodes, prefill chunks, an empty sequence, kv_len not a multip
 )
 
 
+def shaped_batch(case, device, dtype=torch.float32):
+    """The batches of the shape tests. On CUDA, decode batches split each sequence's keys
+    among blocks; "unaligned_cache" (head_dim 30, caches starting off a 16-byte boundary)
+    takes the kernel's scalar-load path."""
+    kw = dict(n_heads=9, n_kv_heads=3, head_dim=64, page_size=16, device=device, dtype=dtype)
+    if case == "decode_batch":
+        return make_batch([1] * 12, [1, 2, 15, 16, 17, 100, 255, 256, 257, 500, 31, 64], seed=2, **kw)
+    if case == "single_prefill":
+        return make_batch([300], [300], seed=3, **kw)
+    if case == "long_decode":
+        return make_batch([1, 3], [3000, 1500], seed=4, **kw)
+    if case == "odd_dims":  # head_dim not a multiple of 16 bytes in float32, GQA group 10, page size 1
+        kw.update(n_heads=20, n_kv_heads=2, head_dim=40, page_size=1)
+        return make_batch([1, 9, 2], [10, 40, 2], seed=5, **kw)
+    assert case == "unaligned_cache"
+    kw.update(n_heads=6, n_kv_heads=2, head_dim=30, page_size=8)
+    q, kc, vc, pt, cu, kvl = make_batch([1, 1, 4, 1], [700, 3, 90, 129], seed=8, **kw)
+
+    def shifted(x):  # the same values, one element past the allocation's start
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        buf[1:] = x.flatten()
+        return buf[1:].view(x.shape)
+    return q, shifted(kc), shifted(vc), pt, cu, kvl
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (9, 3)])
 @pytest.mark.parametrize("head_dim", [64, 32])
@@ -84,21 +109,12 @@ def test_paged_attention_matches_reference(device, n_heads, n_kv_heads, head_dim
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["decode_batch", "single_prefill", "long_decode", "odd_dims"])
+@pytest.mark.parametrize("case", ["decode_batch", "single_prefill", "long_decode", "odd_dims",
+                                  "unaligned_cache"])
 def test_paged_attention_shapes(device, case):
     """Decode batches, one long prefill, a lone long decode (split keys), unusual dims."""
     _device_ok(device)
-    kw = dict(n_heads=9, n_kv_heads=3, head_dim=64, page_size=16, device=device)
-    if case == "decode_batch":
-        batch = make_batch([1] * 12, [1, 2, 15, 16, 17, 100, 255, 256, 257, 500, 31, 64], seed=2, **kw)
-    elif case == "single_prefill":
-        batch = make_batch([300], [300], seed=3, **kw)
-    elif case == "long_decode":
-        batch = make_batch([1, 3], [3000, 1500], seed=4, **kw)
-    else:  # head_dim not a multiple of the vector width, large GQA group, page size 1
-        kw.update(n_heads=20, n_kv_heads=2, head_dim=40, page_size=1)
-        batch = make_batch([1, 9, 2], [10, 40, 2], seed=5, **kw)
-    q, kc, vc, pt, cu, kvl = batch
+    q, kc, vc, pt, cu, kvl = shaped_batch(case, device)
     scale = 0.125
     out = ops.paged_attention(q, kc, vc, pt, cu, kvl, scale)
     ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, scale)
@@ -125,10 +141,14 @@ def test_paged_attention_strided_q_and_threads(device):
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention_half_cuda(device, dtype):
+@pytest.mark.parametrize("case", ["mixed", "decode_batch", "long_decode", "unaligned_cache"])
+def test_paged_attention_half_cuda(device, dtype, case):
     _device_ok(device)
-    q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=9, n_kv_heads=3, head_dim=64, seed=7,
-                                        device=device, dtype=dtype)
+    if case == "mixed":
+        q, kc, vc, pt, cu, kvl = make_batch(**MIXED, n_heads=9, n_kv_heads=3, head_dim=64, seed=7,
+                                            device=device, dtype=dtype)
+    else:
+        q, kc, vc, pt, cu, kvl = shaped_batch(case, device, dtype)
     out = ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.125)
     ref = ops.paged_attention_reference(q, kc, vc, pt, cu, kvl, 0.125)
     assert out.dtype == dtype

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import REPO, KernelProc
+from conftest import REPO, KernelProc, cpu_kernel_only
 from symphony.lip.helpers import StopChecker
 from symphony.lip.sampling import Sampler, log_softmax
 
@@ -157,6 +157,7 @@ def engine_greedy(engine, prompt, n):
     return tok.decode(ids, skip_special=True)
 
 
+@cpu_kernel_only
 def test_complete_greedy_matches_engine_and_stops(kernel, smollm):
     want = engine_greedy(smollm, PROMPT, 16)
     r = kernel.run(REPO / "userland/complete.py", PROMPT, "--max-tokens", "16", "--temperature", "0")
@@ -236,6 +237,7 @@ def predicted(lp1, lp2, eos, beams, alpha=0.0):
     return max(hyps, key=lambda h: h[1] / len(h[0]) ** alpha)
 
 
+@cpu_kernel_only
 def test_beam_search_is_exact_where_it_must_be(tiny_model):
     engine, k = tiny_model
     eos = engine.tokenizer.eos_id

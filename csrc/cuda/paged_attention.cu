@@ -1,11 +1,15 @@
 // CUDA kernels of the symphony ops: write_kv and paged_attention (float32, float16, bfloat16).
 //
-// paged_attention: one thread block per (query token, kv head). The block stages the query
-// rows of every query head of the GQA group in shared memory (as float, pre-scaled), then walks
-// the sequence's visible keys in tiles of 32: the whole block loads a K/V tile (converted to
-// float) into shared memory once, and each warp runs the online-softmax update for its query
-// heads: lane j computes the score of key j of the tile, warp shuffles give the tile max and
-// sum, and the lanes then accumulate P V over head_dim. All accumulation is float32.
+// paged_attention (flash-decoding): one thread block per (query token, kv head, split). When
+// there are too few (query token, kv head) pairs to fill the device (decode batches), each
+// sequence's visible keys are shared among up to 32 blocks; each writes a partial output and its
+// softmax (max, sum), and a second kernel merges them. The number of splits follows from the
+// shapes only, so a captured CUDA graph stays valid for any lengths; each block takes its share
+// of the sequence's actual keys (at least 64). Inside a block the keys go in tiles of 128: one
+// thread per key looks up its row and scores it against every query head of the GQA group
+// (16-byte loads, q pre-scaled in shared memory), a warp per head runs the online softmax, and
+// the threads then read V in column pairs with the tile's keys shared among key groups. All
+// accumulation is float32.
 //
 // Table values are not validated on the host (that would need a device sync): the kernels
 // clamp every index they derive from them, treat an out-of-range page id as an empty key and
@@ -20,6 +24,7 @@
 #include <c10/macros/Macros.h>
 #include <torch/library.h>
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -32,13 +37,72 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kKeyTile = 32;  // keys per tile: one per lane
+constexpr int kTile = 128;       // keys per tile: one per thread in the score pass
+constexpr int kHeadBlock = 8;    // query heads a thread accumulates at once, in registers
+constexpr int kMinChunk = 64;    // the fewest keys one split of a sequence takes
+constexpr int kMaxSplits = 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Loads of one element, two neighbours, or one 16-byte vector, widened to float.
 template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kVec = 4;
+  __device__ static float one(const float* p) { return *p; }
+  __device__ static float2 two(const float* p) { return *reinterpret_cast<const float2*>(p); }
+  __device__ static void vec(const float* p, float* f) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
+  }
+};
+
+__device__ __forceinline__ float half_bits(uint32_t h) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
+
+template <>
+struct Elem<at::Half> {
+  static constexpr int kVec = 8;
+  __device__ static float one(const at::Half* p) {
+    return half_bits(*reinterpret_cast<const unsigned short*>(p));
+  }
+  __device__ static float2 two(const at::Half* p) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    return make_float2(half_bits(w & 0xffffu), half_bits(w >> 16));
+  }
+  __device__ static void vec(const at::Half* p, float* f) {
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = half_bits(w[i] & 0xffffu);
+      f[2 * i + 1] = half_bits(w[i] >> 16);
+    }
+  }
+};
+
+template <>
+struct Elem<at::BFloat16> {  // bfloat16 is the top half of a float32
+  static constexpr int kVec = 8;
+  __device__ static float one(const at::BFloat16* p) {
+    return __uint_as_float(uint32_t(*reinterpret_cast<const unsigned short*>(p)) << 16);
+  }
+  __device__ static float2 two(const at::BFloat16* p) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  __device__ static void vec(const at::BFloat16* p, float* f) {
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+};
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x) {
@@ -62,36 +126,71 @@ struct AttnParams {
   const void* k_cache;
   const void* v_cache;
   void* out;
+  float* part_o;   // [T, n_heads, splits, D] unnormalised partial outputs (splits > 1)
+  float* part_ml;  // [T, n_heads, splits, 2] their running max (base 2) and sum
   const int32_t* page_table;
   const int32_t* cu_q_lens;
   const int32_t* kv_lens;
   int64_t q_stride;  // elements between tokens of q
   int64_t num_pages;
-  int B, n_heads, n_kv_heads, group, head_dim, page_size, max_pages;
+  int B, n_heads, n_kv_heads, group, head_dim, page_size, max_pages, splits;
   float scale_log2;  // scale * log2(e)
 };
 
-// Shared memory (floats): q_s [G][D], o_s [G][D], k_s [32][D + 1], v_s [32][D], p_s [G][32],
-// m_s [G], l_s [G].
-__host__ __device__ inline int64_t attn_smem_floats(int G, int D) {
-  return int64_t(2) * G * D + int64_t(kKeyTile) * (2 * D + 1) + int64_t(G) * kKeyTile + 2 * G;
+// Key groups of the P.V pass: the threads that read one V column set split the tile's keys.
+__host__ __device__ inline int attn_key_groups(int D, bool vec) {
+  const int ncol = vec ? D / 2 : D;
+  return ncol >= kThreads ? 1 : kThreads / ncol;
 }
 
-template <typename scalar_t>
+// Shared memory, in floats: q [G][D], o [G][D], s [G][kTile], red [KG][kHeadBlock][D],
+// m, l, alpha [G], then kTile int64 K/V row offsets (8-byte aligned).
+struct SmemLayout {
+  int64_t o, s, red, m, l, a, off, bytes;
+};
+
+__host__ __device__ inline SmemLayout attn_smem(int G, int D, int KG) {
+  SmemLayout L;
+  L.o = int64_t(G) * D;
+  L.s = L.o + int64_t(G) * D;
+  L.red = L.s + int64_t(G) * kTile;
+  L.m = L.red + int64_t(KG) * kHeadBlock * D;
+  L.l = L.m + G;
+  L.a = L.l + G;
+  L.off = (L.a + G + 1) & ~int64_t(1);
+  L.bytes = L.off * int64_t(sizeof(float)) + int64_t(kTile) * int64_t(sizeof(int64_t));
+  return L;
+}
+
+// One block per (query token, kv head, split). The block walks its split's keys in tiles of
+// kTile: every thread finds one key's row from the page table, then scores that key against
+// all G query heads of the group (16-byte loads on the vector path); each warp turns its heads'
+// scores into probabilities (online softmax, base 2); then the threads read V column pairs,
+// the tile's keys shared among KG groups, and the block folds the group sums into the running
+// output. With one split the block writes the normalised output; with several it writes an
+// unnormalised partial and its (max, sum), which paged_attention_combine merges.
+template <typename scalar_t, bool kVecPath>
 __global__ void __launch_bounds__(kThreads)
     paged_attention_kernel(const AttnParams p) {
+  using E = Elem<scalar_t>;
   extern __shared__ float smem[];
-  const int G = p.group, D = p.head_dim, Dp = D + 1;
+  const int G = p.group, D = p.head_dim;
+  constexpr int CW = kVecPath ? 2 : 1;
+  const int ncol = D / CW;
+  const int KG = attn_key_groups(D, kVecPath);
+  const SmemLayout L = attn_smem(G, D, KG);
   float* q_s = smem;
-  float* o_s = q_s + G * D;
-  float* k_s = o_s + G * D;
-  float* v_s = k_s + kKeyTile * Dp;
-  float* p_s = v_s + kKeyTile * D;
-  float* m_s = p_s + G * kKeyTile;
-  float* l_s = m_s + G;
+  float* o_s = smem + L.o;
+  float* s_s = smem + L.s;
+  float* red = smem + L.red;
+  float* m_s = smem + L.m;
+  float* l_s = smem + L.l;
+  float* a_s = smem + L.a;
+  int64_t* off_s = reinterpret_cast<int64_t*>(smem + L.off);
 
   const int64_t t = blockIdx.x;  // query token
   const int g = blockIdx.y;      // kv head
+  const int split = blockIdx.z, S = p.splits;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   // Sequence of token t: the largest b with cu_q_lens[b] <= t (skips empty sequences).
@@ -110,9 +209,32 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t max_keys = int64_t(p.max_pages) * p.page_size;
   n_keys = n_keys < 0 ? 0 : (n_keys > max_keys ? max_keys : n_keys);
 
+  // This split's keys: the sequence's actual length shared evenly, at least kMinChunk each.
+  int64_t k_begin = 0, k_end = n_keys;
+  if (S > 1) {
+    int64_t chunk = (n_keys + S - 1) / S;
+    chunk = (chunk + kMinChunk - 1) / kMinChunk * kMinChunk;
+    k_begin = int64_t(split) * chunk;
+    k_end = k_begin + chunk < n_keys ? k_begin + chunk : n_keys;
+  }
+  const int64_t head0 = t * p.n_heads + int64_t(g) * G;  // first query head of the group
+  if (k_begin >= k_end) {  // no keys: an empty output, or an empty partial
+    if (S == 1) {
+      scalar_t* out = static_cast<scalar_t*>(p.out) + head0 * D;
+      for (int idx = tid; idx < G * D; idx += kThreads) out[idx] = from_float<scalar_t>(0.0f);
+    } else {
+      for (int h = tid; h < G; h += kThreads) {
+        float* ml = p.part_ml + ((head0 + h) * S + split) * 2;
+        ml[0] = -INFINITY;
+        ml[1] = 0.0f;
+      }
+    }
+    return;
+  }
+
   const scalar_t* q = static_cast<const scalar_t*>(p.q) + t * p.q_stride + int64_t(g) * G * D;
   for (int idx = tid; idx < G * D; idx += kThreads) {
-    q_s[idx] = to_float(q[idx]) * p.scale_log2;
+    q_s[idx] = static_cast<float>(q[idx]) * p.scale_log2;
     o_s[idx] = 0.0f;
   }
   for (int h = tid; h < G; h += kThreads) {
@@ -124,76 +246,182 @@ __global__ void __launch_bounds__(kThreads)
   const scalar_t* vc = static_cast<const scalar_t*>(p.v_cache);
   const int32_t* pt = p.page_table + int64_t(b) * p.max_pages;
   const int64_t slot_stride = int64_t(p.n_kv_heads) * D;
-  __syncthreads();
+  // P.V thread roles: column set c (CW elements) and key group kg.
+  const int kg = ncol >= kThreads ? 0 : tid / ncol;
+  const int c_first = ncol >= kThreads ? tid : tid % ncol;
+  const int c_step = ncol >= kThreads ? kThreads : ncol;
 
-  for (int64_t j0 = 0; j0 < n_keys; j0 += kKeyTile) {
-    const int nk = int(n_keys - j0 < kKeyTile ? n_keys - j0 : kKeyTile);
-    // Stage the K/V tile: one warp per key row, lanes along head_dim (coalesced).
-    for (int jj = warp; jj < kKeyTile; jj += kWarps) {
-      const int64_t j = j0 + jj;
-      const scalar_t* kr = nullptr;
-      const scalar_t* vr = nullptr;
-      if (jj < nk) {
-        const int32_t page = pt[j / p.page_size];
-        if (page >= 0 && page < p.num_pages) {
-          const int64_t e = (int64_t(page) * p.page_size + j % p.page_size) * slot_stride + int64_t(g) * D;
-          kr = kc + e;
-          vr = vc + e;
-        } else {
-          CUDA_KERNEL_ASSERT(false && "symphony::paged_attention: page id out of range");
-        }
+  for (int64_t j0 = k_begin; j0 < k_end; j0 += kTile) {
+    const int nk = int(k_end - j0 < kTile ? k_end - j0 : kTile);
+    __syncthreads();  // the previous tile is done with off_s / s_s / red
+    if (tid < nk) {   // kThreads == kTile: one key per thread
+      const int64_t j = j0 + tid;
+      const int32_t page = pt[j / p.page_size];
+      int64_t off = -1;
+      if (page >= 0 && page < p.num_pages) {
+        off = (int64_t(page) * p.page_size + j % p.page_size) * slot_stride + int64_t(g) * D;
+      } else {
+        CUDA_KERNEL_ASSERT(false && "symphony::paged_attention: page id out of range");
       }
-      for (int d = lane; d < D; d += 32) {
-        k_s[jj * Dp + d] = kr ? to_float(kr[d]) : 0.0f;
-        v_s[jj * D + d] = vr ? to_float(vr[d]) : 0.0f;
+      off_s[tid] = off;
+      // Scores against every query head of the group (an unusable row scores 0, adds no V).
+      for (int h0 = 0; h0 < G; h0 += kHeadBlock) {
+        const int nh = G - h0 < kHeadBlock ? G - h0 : kHeadBlock;
+        float acc[kHeadBlock];
+#pragma unroll
+        for (int hh = 0; hh < kHeadBlock; ++hh) acc[hh] = 0.0f;
+        if (off >= 0) {
+          const scalar_t* kr = kc + off;
+          if constexpr (kVecPath) {
+            for (int d0 = 0; d0 < D; d0 += E::kVec) {
+              float kf[E::kVec];
+              E::vec(kr + d0, kf);
+#pragma unroll
+              for (int hh = 0; hh < kHeadBlock; ++hh) {
+                if (hh < nh) {
+                  const float* qh = q_s + (h0 + hh) * D + d0;
+#pragma unroll
+                  for (int e = 0; e < E::kVec; ++e) acc[hh] = fmaf(qh[e], kf[e], acc[hh]);
+                }
+              }
+            }
+          } else {
+            for (int d = 0; d < D; ++d) {
+              const float kf = E::one(kr + d);
+#pragma unroll
+              for (int hh = 0; hh < kHeadBlock; ++hh)
+                if (hh < nh) acc[hh] = fmaf(q_s[(h0 + hh) * D + d], kf, acc[hh]);
+            }
+          }
+        }
+#pragma unroll
+        for (int hh = 0; hh < kHeadBlock; ++hh)
+          if (hh < nh) s_s[(h0 + hh) * kTile + tid] = acc[hh];
       }
     }
     __syncthreads();
 
+    // Online softmax: one warp per query head.
     for (int h = warp; h < G; h += kWarps) {
-      float s = -INFINITY;
-      if (lane < nk) {
-        const float* qh = q_s + h * D;
-        const float* kr = k_s + lane * Dp;
-        // Four independent accumulators break the FMA dependency chain.
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        int d = 0;
-        for (; d + 4 <= D; d += 4) {
-          a0 = fmaf(qh[d], kr[d], a0);
-          a1 = fmaf(qh[d + 1], kr[d + 1], a1);
-          a2 = fmaf(qh[d + 2], kr[d + 2], a2);
-          a3 = fmaf(qh[d + 3], kr[d + 3], a3);
-        }
-        for (; d < D; ++d) a0 = fmaf(qh[d], kr[d], a0);
-        s = (a0 + a1) + (a2 + a3);
-      }
+      float* sh = s_s + h * kTile;
+      float mx = -INFINITY;
+      for (int jj = lane; jj < nk; jj += 32) mx = fmaxf(mx, sh[jj]);
+      mx = warp_max(mx);
       const float m_old = m_s[h];
-      const float m_new = fmaxf(m_old, warp_max(s));  // finite: lane 0 always holds a key
-      const float pj = lane < nk ? exp2f(s - m_new) : 0.0f;
-      const float sum = warp_sum(pj);
-      const float alpha = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
-      p_s[h * kKeyTile + lane] = pj;
-      __syncwarp();
-      for (int d = lane; d < D; d += 32) {
-        float o = o_s[h * D + d] * alpha;
-        for (int jj = 0; jj < nk; ++jj) o = fmaf(p_s[h * kKeyTile + jj], v_s[jj * D + d], o);
-        o_s[h * D + d] = o;
+      const float m_new = fmaxf(m_old, mx);  // finite: the tile holds at least one key
+      float sum = 0.0f;
+      for (int jj = lane; jj < nk; jj += 32) {
+        const float pj = exp2f(sh[jj] - m_new);
+        sh[jj] = pj;
+        sum += pj;
       }
-      __syncwarp();
+      sum = warp_sum(sum);
       if (lane == 0) {
+        const float alpha = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+        a_s[h] = alpha;
         m_s[h] = m_new;
         l_s[h] = l_s[h] * alpha + sum;
       }
-      __syncwarp();
     }
-    __syncthreads();  // the next tile overwrites k_s / v_s
+    __syncthreads();
+
+    // P.V, kHeadBlock query heads at a time.
+    for (int h0 = 0; h0 < G; h0 += kHeadBlock) {
+      const int nh = G - h0 < kHeadBlock ? G - h0 : kHeadBlock;
+      if (kg < KG) {
+        for (int c = c_first; c < ncol; c += c_step) {
+          float acc0[kHeadBlock], acc1[kHeadBlock];
+#pragma unroll
+          for (int hh = 0; hh < kHeadBlock; ++hh) acc0[hh] = acc1[hh] = 0.0f;
+#pragma unroll 4
+          for (int jj = kg; jj < nk; jj += KG) {
+            const int64_t off = off_s[jj];
+            if (off < 0) continue;
+            float v0, v1 = 0.0f;
+            if constexpr (kVecPath) {
+              const float2 v = E::two(vc + off + 2 * c);
+              v0 = v.x;
+              v1 = v.y;
+            } else {
+              v0 = E::one(vc + off + c);
+            }
+#pragma unroll
+            for (int hh = 0; hh < kHeadBlock; ++hh) {
+              if (hh < nh) {
+                const float pj = s_s[(h0 + hh) * kTile + jj];
+                acc0[hh] = fmaf(pj, v0, acc0[hh]);
+                if constexpr (kVecPath) acc1[hh] = fmaf(pj, v1, acc1[hh]);
+              }
+            }
+          }
+#pragma unroll
+          for (int hh = 0; hh < kHeadBlock; ++hh) {
+            if (hh < nh) {
+              float* r = red + (int64_t(kg) * kHeadBlock + hh) * D + c * CW;
+              r[0] = acc0[hh];
+              if constexpr (kVecPath) r[1] = acc1[hh];
+            }
+          }
+        }
+      }
+      __syncthreads();
+      for (int idx = tid; idx < nh * D; idx += kThreads) {
+        const int hh = idx / D, d = idx - hh * D, h = h0 + hh;
+        float sum = 0.0f;
+        for (int k = 0; k < KG; ++k) sum += red[(int64_t(k) * kHeadBlock + hh) * D + d];
+        o_s[h * D + d] = fmaf(o_s[h * D + d], a_s[h], sum);
+      }
+      __syncthreads();
+    }
+  }
+
+  if (S == 1) {
+    scalar_t* out = static_cast<scalar_t*>(p.out) + head0 * D;
+    for (int idx = tid; idx < G * D; idx += kThreads) {
+      const float l = l_s[idx / D];
+      out[idx] = from_float<scalar_t>(l > 0.0f ? o_s[idx] / l : 0.0f);
+    }
+  } else {
+    for (int idx = tid; idx < G * D; idx += kThreads) {
+      const int h = idx / D, d = idx - h * D;
+      p.part_o[((head0 + h) * S + split) * D + d] = o_s[idx];
+    }
+    for (int h = tid; h < G; h += kThreads) {
+      float* ml = p.part_ml + ((head0 + h) * S + split) * 2;
+      ml[0] = m_s[h];
+      ml[1] = l_s[h];
+    }
+  }
+}
+
+// Merges the splits of one (query token, head): out = sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    paged_attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                            scalar_t* __restrict__ out, int S, int D) {
+  __shared__ float w_s[kMaxSplits];
+  __shared__ float inv_l;
+  const int64_t th = blockIdx.x;  // token * n_heads + head
+  const float* ml = part_ml + th * S * 2;
+  if (threadIdx.x == 0) {
+    float M = -INFINITY;
+    for (int s = 0; s < S; ++s)
+      if (ml[2 * s + 1] > 0.0f) M = fmaxf(M, ml[2 * s]);
+    float L = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float w = ml[2 * s + 1] > 0.0f ? exp2f(ml[2 * s] - M) : 0.0f;
+      w_s[s] = w;
+      L = fmaf(ml[2 * s + 1], w, L);
+    }
+    inv_l = L > 0.0f ? 1.0f / L : 0.0f;
   }
   __syncthreads();
-
-  scalar_t* out = static_cast<scalar_t*>(p.out) + (t * p.n_heads + int64_t(g) * G) * D;
-  for (int idx = tid; idx < G * D; idx += kThreads) {
-    const float l = l_s[idx / D];
-    out[idx] = from_float<scalar_t>(l > 0.0f ? o_s[idx] / l : 0.0f);
+  const float* po = part_o + th * S * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s)
+      if (w_s[s] != 0.0f) acc = fmaf(po[int64_t(s) * D + d], w_s[s], acc);
+    out[th * D + d] = from_float<scalar_t>(acc * inv_l);
   }
 }
 
@@ -225,6 +453,31 @@ void dispatch_float_types(at::ScalarType st, const char* op, F&& f) {
   }
 }
 
+int device_sm_count(int device) {
+  static int counts[64] = {0};
+  if (device < 0 || device >= 64) return 132;
+  if (counts[device] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    counts[device] = n > 0 ? n : 1;
+  }
+  return counts[device];
+}
+
+// Splits of each sequence's keys: enough blocks for about four per SM, from the shapes alone
+// (a CUDA graph replays the same grid whatever the lengths); each block then takes its share
+// of its sequence's actual keys.
+int attn_splits(const AttnDims& d, int sms) {
+  const int64_t blocks = d.T * d.n_kv_heads;
+  const int64_t want = int64_t(4) * sms;
+  if (blocks >= want) return 1;
+  int64_t s = (want + blocks - 1) / blocks;
+  const int64_t by_keys = (d.max_pages * d.page_size + kMinChunk - 1) / kMinChunk;
+  s = s < kMaxSplits ? s : kMaxSplits;
+  s = s < by_keys ? s : by_keys;
+  return s > 1 ? int(s) : 1;
+}
+
 at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& page_table,
                                 const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
@@ -238,21 +491,13 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor out = at::empty({d.T, d.n_heads, d.head_dim}, q.options());
   if (d.T == 0) return out;
 
-  const int64_t smem = attn_smem_floats(int(d.group), int(d.head_dim)) * int64_t(sizeof(float));
-  if (smem > 48 * 1024) {
-    int optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                          q.device().index()));
-    SYM_CHECK(smem <= int64_t(optin), "symphony::paged_attention: head_dim ", d.head_dim,
-                " with ", d.group, " query heads per kv head needs ", smem,
-                " bytes of shared memory; the device allows ", optin);
-  }
-
   AttnParams p;
   p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.out = out.data_ptr();
+  p.part_o = nullptr;
+  p.part_ml = nullptr;
   p.page_table = page_table.data_ptr<int32_t>();
   p.cu_q_lens = cu_q_lens.data_ptr<int32_t>();
   p.kv_lens = kv_lens.data_ptr<int32_t>();
@@ -266,18 +511,46 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   p.page_size = int(d.page_size);
   p.max_pages = int(d.max_pages);
   p.scale_log2 = float(scale) * kLog2e;
+  p.splits = attn_splits(d, device_sm_count(q.device().index()));
+  at::Tensor part_o, part_ml;
+  if (p.splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    part_o = at::empty({d.T, d.n_heads, p.splits, d.head_dim}, f32);
+    part_ml = at::empty({d.T, d.n_heads, p.splits, 2}, f32);
+    p.part_o = part_o.data_ptr<float>();
+    p.part_ml = part_ml.data_ptr<float>();
+  }
 
-  const dim3 grid(unsigned(d.T), unsigned(d.n_kv_heads));
+  const dim3 grid(unsigned(d.T), unsigned(d.n_kv_heads), unsigned(p.splits));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_types(q.scalar_type(), "symphony::paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    auto kernel = paged_attention_kernel<scalar_t>;
+    // 16-byte loads of K when every row starts on a 16-byte boundary.
+    const bool vec = d.head_dim % Elem<scalar_t>::kVec == 0 &&
+                     reinterpret_cast<uintptr_t>(p.k_cache) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.v_cache) % 16 == 0;
+    const int KG = attn_key_groups(int(d.head_dim), vec);
+    const int64_t smem = attn_smem(int(d.group), int(d.head_dim), KG).bytes;
+    if (smem > 48 * 1024) {
+      int optin = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                            q.device().index()));
+      SYM_CHECK(smem <= int64_t(optin), "symphony::paged_attention: head_dim ", d.head_dim,
+                  " with ", d.group, " query heads per kv head needs ", smem,
+                  " bytes of shared memory; the device allows ", optin);
+    }
+    auto kernel = vec ? paged_attention_kernel<scalar_t, true> : paged_attention_kernel<scalar_t, false>;
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           int(smem)));
     }
     kernel<<<grid, kThreads, size_t(smem), stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (p.splits > 1) {
+      paged_attention_combine<scalar_t><<<unsigned(d.T * d.n_heads), kThreads, 0, stream>>>(
+          p.part_o, p.part_ml, static_cast<scalar_t*>(p.out), p.splits, int(d.head_dim));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
   return out;
 }

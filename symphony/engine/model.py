@@ -52,6 +52,19 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
     return inv.to(torch.float32)
 
 
+def _mm_float32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm gives float32 output from ``dtype`` inputs on ``device`` (CUDA, torch
+    2.8 and later)."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 8, device=device, dtype=dtype)
+        out = torch.mm(a, a.t(), out_dtype=torch.float32)
+        return out.dtype == torch.float32 and float(out[0, 0]) == 8.0
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 class PagedLlama:
     """A Llama-family decoder whose attention reads and writes the paged KV pool."""
 
@@ -68,6 +81,11 @@ class PagedLlama:
         # (a quantized lm_head computes in float32 anyway: no copy)
         self.lm_head = (self.w.lm_head if self.head_dtype == dtype or isinstance(self.w.lm_head, QWeight)
                         else weights.lm_head.to(device, self.head_dtype))
+        # A 16-bit head on CUDA still returns float32 logits: cuBLAS accumulates in float32
+        # and writes float32 (torch.mm's out_dtype), so no rounding to 0.125 steps and no extra
+        # weight bytes. Where torch lacks it, the head's output is rounded and widened.
+        self.head_f32_out = (self.head_dtype != torch.float32 and not isinstance(self.lm_head, QWeight)
+                             and _mm_float32_out(device, self.head_dtype))
         c = self.config
         inv = rope_inv_freq(c, weights.rope_freq_factors)
         angles = torch.outer(torch.arange(c.max_context, dtype=torch.float32), inv)
@@ -102,6 +120,8 @@ class PagedLlama:
             x = self._layers(x, meta, kv)
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
         x = self._norm(x.to(self.head_dtype), w.norm)
+        if self.head_f32_out:
+            return torch.mm(x, self.lm_head.t(), out_dtype=torch.float32)   # [R, vocab]
         return linear(x, self.lm_head).float()                      # [R, vocab]
 
     def _layers(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
