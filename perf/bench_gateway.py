@@ -122,7 +122,10 @@ class LlamaCpp:
         self.log = open(tmp / "llamacpp.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", model_path,
                                       "--port", str(self.port), "--n_ctx", "8192", "--cache", "true",
-                                      "--n_threads", str(threads), "--model_alias", "llamacpp"],
+                                      "--n_threads", str(threads), "--model_alias", "llamacpp",
+                                      # its default cuts the stream in flight whenever another
+                                      # request arrives; concurrent clients queue instead
+                                      "--interrupt_requests", "false"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while True:
@@ -157,7 +160,7 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages,
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
+        async for line in _lines(r, url):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             d = json.loads(line[6:])
@@ -172,6 +175,15 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages,
                     chunks += 1
     return (ttft if ttft is not None else time.perf_counter() - t0), \
         (tokens if tokens is not None else chunks), "".join(text)
+
+
+async def _lines(r, url: str):
+    """The response's lines; a stream the server cuts names the server."""
+    try:
+        async for line in r.aiter_lines():
+            yield line
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"{url}: the stream broke: {e}") from e
 
 
 async def conversations(url: str, model: str, clients: int, turns: int, max_tokens: int, tag: str):
@@ -270,6 +282,9 @@ def bench_c(sym: Symphony, rounds: int, clients: int, turns: int, max_tokens: in
     print(f"(c) prefix caching, {clients} clients x {turns} turns: on {spread([x[0] for x in on])} tok/s "
           f"(TTFT p50 {spread([x[1] for x in on])} s), off {spread([x[0] for x in off])} tok/s (TTFT p50 "
           f"{spread([x[1] for x in off])} s): ratio {spread(ratio)}")
+    if computed["on"] and computed["off"]:
+        print(f"    tokens the kernel computed (prompts and outputs): on {spread(computed['on'])}, "
+              f"off {spread(computed['off'])}")
 
 
 def main() -> int:
@@ -298,13 +313,21 @@ def main() -> int:
                     llama = LlamaCpp(Path(tmp), str(default_model_path()), os.cpu_count() or 1)
                 except ImportError:
                     print("llama-cpp-python[server] is not installed: (b) runs Symphony alone")
-            print(f"model {sym.model}; system prompt {len(SYSTEM)} characters")
+            print(f"model {sym.model}; system prompt {len(SYSTEM)} characters; symphony on ports {sym.port} "
+                  f"(prefix cache) and {sym.port_nocache} (none)" + (f", llama.cpp on {llama.port}" if llama else ""))
             if "a" in only:
                 bench_a(sym, a.rounds, a.max_tokens_a)
             if "b" in only:
                 bench_b(sym, llama, a.rounds, levels, a.turns, a.max_tokens)
             if "c" in only:
                 bench_c(sym, a.rounds, 16 if 16 in levels else levels[-1], a.turns, a.max_tokens)
+        except BaseException:
+            keep = Path("/tmp/bench-gateway-logs")          # the servers' logs outlive a failed run
+            keep.mkdir(exist_ok=True)
+            for f in Path(tmp).glob("*.log"):
+                f.replace(keep / f.name)
+            print(f"the servers' logs are in {keep}", file=sys.stderr)
+            raise
         finally:
             if llama:
                 llama.stop()

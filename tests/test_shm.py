@@ -635,3 +635,28 @@ def test_a_bell_rung_without_requests_is_muted():
         rings[0]._mm[shm.STATES_OFF:shm.STATES_OFF + 4] = struct.pack("<I", REQUEST)
         assert db.wait(1.0, rings[0].pending) is True
         os.close(evil)
+
+
+def test_detach_closes_the_ring_at_once_and_unmaps_when_finished():
+    """The kernel's side of an exited LIP's ring: `detach` stops polling and closes the
+    doorbell on the syscall thread; the returned job, run on another thread (the kernel's
+    ring thread, RingThread), unmaps the segment and closes the semaphores."""
+    from symphony.kernel.slowlane import RingThread
+    db = WaitSet()
+    k = KernelSide.create(_prefix(), n_slots=2, arena_bytes=4096, waitset=db)
+    mm, bell = k._mm, k.bell_fd
+    k.unlink()
+    finish = k.detach()
+    assert k.closed and k.bell_fd == -1 and not k.pending() and k.poll() == []
+    with pytest.raises(OSError):
+        os.fstat(bell)                                 # the doorbell is closed already
+    assert not mm.closed                               # ... the mapping not yet
+    rings, order = RingThread("test-rings"), []
+    rings.submit(lambda: order.append("pin"))          # jobs run in the order given
+    done = rings.submit(lambda: (finish(), order.append("unmapped")))
+    rings.submit(lambda: 1 / 0)                        # a failing job is logged, the thread goes on
+    done.result(5)
+    assert mm.closed and order == ["pin", "unmapped"]
+    assert rings.submit(lambda: order.append("after")).result(5) is None and order[-1] == "after"
+    rings.shutdown()
+    db.close()

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Callable
 
 import numpy as np
 import posix_ipc
@@ -280,6 +281,12 @@ class KernelSide:
 
     def close(self) -> None:
         """Unmap the segment, close the semaphores and the doorbell (this process only)."""
+        self.detach()()
+
+    def detach(self) -> Callable[[], None]:
+        """The quick part of `close`: the ring is closed to this side (no more polling, its
+        doorbell closed and out of the wait set); returns the slow part, unmapping the
+        segment and closing the semaphores, for any thread to run once."""
         self._closed = True
         if self._waitset is not None:
             self._waitset.discard(self)
@@ -292,9 +299,12 @@ class KernelSide:
             self.bell_fd = -1
         self._states = None
         self._u8 = None
-        unmap(self._mm)
-        self._mm = None
-        close_sems(self._sems)
+        mm, sems, self._mm, self._sems = self._mm, self._sems, None, []
+
+        def finish() -> None:
+            unmap(mm)
+            close_sems(sems)
+        return finish
 
     def unlink(self) -> None:
         """Remove the segment and the slot semaphores' names.  Idempotent; never raises."""

@@ -114,6 +114,7 @@ class LipLifecycle:
         except BaseException:
             self.uids.release(lip_id)
             raise
+        pinned = self.sys.pin_ring(ring)               # CUDA: its arena pinned, on the ring thread
         lip = LipProc(lip_id, row.user, p.filename, row.args, ring, p.grants, p.limits)
         lip.priority = row.priority
         lip.owner_uid, lip.owner_gid, lip.owner_groups = p.owner or (-1, -1, ())   # file capabilities' identity
@@ -123,14 +124,16 @@ class LipLifecycle:
         for data in p.inputs:                          # what it was sent while it waited, in order
             self.sys.submit(lambda d=data: self.sys.give_input(lip_id, d))
         source, args, p.source, p.args, p.inputs = p.source, p.args, None, None, []   # the worker's alone now
-        task = self.loop.create_task(self._fork(lip_id, source, args, p, ring, uid))
+        task = self.loop.create_task(self._fork(lip_id, source, args, p, ring, uid, pinned))
         self._forks.add(task)
         task.add_done_callback(self._forked)
         log.info("LIP %d spawned: %s %s (user %s)", lip_id, p.filename, " ".join(row.args)[:80], row.user)
 
-    async def _fork(self, lip_id: int, source: str, args: list, p: PendingStart, ring, uid) -> None:
-        """Ask the zygote to fork LIP ``lip_id``'s worker; the program travels
-        in a memfd only the worker reads, the zygote sees ids and fds."""
+    async def _fork(self, lip_id: int, source: str, args: list, p: PendingStart, ring, uid, pinned) -> None:
+        """Ask the zygote to fork LIP ``lip_id``'s worker once its arena is pinned
+        (``pinned``, a Future); the program travels in a memfd only the worker
+        reads, the zygote sees ids and fds."""
+        await asyncio.wrap_future(pinned)              # never raises (pinning is an optimisation)
         prog = os.memfd_create(f"lip{lip_id}", os.MFD_CLOEXEC)
         try:
             data = orjson.dumps({"source": source, "filename": p.filename, "args": args})

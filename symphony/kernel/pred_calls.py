@@ -179,13 +179,17 @@ class PredCalls:
         return reply_tokens
 
 
-def _pin(ring: KernelSide, on: bool) -> None:
+def arena_range(ring: KernelSide) -> tuple[int, int]:
+    """(address, bytes) of a LIP's arenas in this process."""
+    return ring._u8.ctypes.data + ring._arena_off, ring.n_slots * ring.arena_bytes
+
+
+def pin_arena(base: int, size: int, on: bool) -> None:
     """Register (or unregister) a LIP's arena as pinned host memory, so the
-    device-to-host copy of logits is a DMA straight into the LIP's view."""
+    device-to-host copy of logits is a DMA straight into the LIP's view. Slow
+    (some milliseconds): the kernel runs it on its ring thread (RingThread)."""
     try:
         cudart = torch.cuda.cudart()
-        base = ring._u8.ctypes.data + ring._arena_off
-        size = ring.n_slots * ring.arena_bytes
         rc = cudart.cudaHostRegister(base, size, 0) if on else cudart.cudaHostUnregister(base)
         if int(rc) != 0:
             log.warning("cudaHost%sregister of a LIP arena failed (%s)", "" if on else "Un", rc)

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable, Generator, Optional
 
 log = logging.getLogger("symphony.syscalls")
@@ -136,3 +137,40 @@ class Writer:
             except BaseException as e:              # handed to the syscall thread
                 result, error = None, e
             self.deliver(lambda: finish(result, error))
+
+
+class RingThread:
+    """One thread for the slow ends of LIP rings, kept off the syscall thread: registering a
+    new LIP's arena as pinned memory (CUDA, some milliseconds) before its worker is forked,
+    and unregistering and unmapping an exited LIP's ring (unmapping a segment a LIP touched
+    costs about a millisecond). Jobs run one at a time in the order given, so a ring's
+    registration always ends before its release starts."""
+
+    def __init__(self, name: str = "symphony-rings"):
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()                 # at once: the kernel's threads are all there from its start
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        """Run ``fn`` there; its Future (an error is logged, never raised)."""
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            if fn is None:
+                fut.set_result(None)
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("ring thread: a job failed")
+            fut.set_result(None)
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs, then end the thread."""
+        done: Future = Future()
+        self._q.put((None, done))
+        done.result()

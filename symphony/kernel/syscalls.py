@@ -47,10 +47,10 @@ from .answers import Answers
 from .capabilities import Capabilities
 from .failure import SyscallFailure, fail as _fail
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, IOCalls, handler_table
-from .pred_calls import PredCalls, _pin
+from .pred_calls import PredCalls, arena_range, pin_arena
 from .proc import LipProc, ServedLips
 from .residency import KV_WAIT_S, Residency
-from .slowlane import SlowLane, Writer
+from .slowlane import RingThread, SlowLane, Writer
 from .snapshot import LipCounters, ServingSnapshot
 
 log = logging.getLogger("symphony.syscalls")
@@ -111,6 +111,8 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self.stop = threading.Event()
         self.slow = SlowLane()            # syncs and listings, in slices, fairly across users
         self.writer = Writer(self.submit)  # durable files are written and fsynced off this thread
+        self.rings = RingThread()          # arena pinning and ring unmapping, off this thread
+        self.pin_arenas = engine.device.type == "cuda"
         self.batches = 0
         self.batch_calls = 0
         self.max_batch = 0
@@ -193,18 +195,21 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self.compute_threads = torch.get_num_threads()
         log.info("syscall thread running (%d compute threads)", self.compute_threads)
         profile_to = os.environ.get("SYMPHONY_PROFILE_SYSCALLS")
-        if profile_to:                      # a diagnosis aid: cProfile of this thread, written at stop
-            import cProfile
-            prof = cProfile.Profile()
-            prof.enable()
-            try:
-                self._supervise()
-            finally:
-                prof.disable()
-                prof.dump_stats(profile_to)
-                log.info("syscall thread profile written to %s", profile_to)
-            return
-        self._supervise()
+        try:
+            if profile_to:                  # a diagnosis aid: cProfile of this thread, written at stop
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
+                try:
+                    self._supervise()
+                finally:
+                    prof.disable()
+                    prof.dump_stats(profile_to)
+                    log.info("syscall thread profile written to %s", profile_to)
+                return
+            self._supervise()
+        finally:
+            self.rings.shutdown()           # the exited LIPs' rings unmapped before the thread ends
 
     def _supervise(self) -> None:
         while not self.stop.is_set():
@@ -307,14 +312,22 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         return out
 
     # ------------------------------------------------------------------ LIP lifecycle (syscall thread)
+    def pin_ring(self, ring) -> Future:
+        """Register a new LIP's arena as pinned memory on the ring thread (any thread; a
+        no-op off CUDA). Asked before the LIP is added, so it runs before the ring's release."""
+        if not self.pin_arenas:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        base, size = arena_range(ring)
+        return self.rings.submit(lambda: pin_arena(base, size, True))
+
     def add(self, lip: LipProc) -> None:
         """Take over ``lip`` (built on the event loop) and start serving it."""
         lip.state = "running"
         lip.admitted = self._admitted
         self._admitted += 1
-        self.lips[lip.id] = lip
-        if self.engine.device.type == "cuda":
-            _pin(lip.ring, True)
+        self.lips[lip.id] = lip           # (its arena was pinned before its worker forked: pin_ring)
         self._publish()
 
     def remove(self, lip_id: int) -> tuple[LipCounters, int]:
@@ -329,10 +342,11 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self._page_counts.pop(lip.id, None)
         peak = self.fs.quotas.peak(lip.id)
         closed = self.fs.exit_process(lip.id)
-        if self.engine.device.type == "cuda":
-            _pin(lip.ring, False)
-        lip.ring.unlink()
-        lip.ring.close()
+        ring = lip.ring
+        ring.unlink()
+        arena = arena_range(ring) if self.pin_arenas and not ring.closed else None
+        finish = ring.detach()                        # no more polling: the rest on the ring thread
+        self.rings.submit(lambda: (arena and pin_arena(*arena, False), finish()))
         log.info("LIP %d (%s) reclaimed: %d KV handles closed", lip.id, lip.filename, closed)
         return lip.counters, peak
 
