@@ -58,8 +58,12 @@ def make_docs(n: int, sentences: int, seed: int = 0) -> dict[str, tuple[str, str
 
 class Kernel:
     def __init__(self, tmp: Path, kv_memory_mb: int):
-        self.socket = str(tmp / "kernel.sock")
-        self.log = open(tmp / "kernel.log", "w+")
+        # the kernel's own directory, beside the documents': a kernel refuses read grants under
+        # the directory of its socket
+        home = tmp / "kernel"
+        home.mkdir(exist_ok=True)
+        self.socket = str(home / "kernel.sock")
+        self.log = open(home / "kernel.log", "w+")
         env = dict(os.environ, SYMPHONY_SOCKET=self.socket, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())",
@@ -116,7 +120,7 @@ def main() -> int:
     common = ["--k", str(a.k), "--max-tokens", str(a.max_tokens)]
     modes = {"KV policy (kept modules)": common, "--no-cache (recompute)": common + ["--no-cache"]}
 
-    print(f"starting the kernel ({tmp}/kernel.log) ...", file=sys.stderr)
+    print(f"starting the kernel ({tmp}/kernel/kernel.log) ...", file=sys.stderr)
     k = Kernel(tmp, a.kv_memory_mb)
     try:
         cold = []
