@@ -280,10 +280,15 @@ def stage_model(p: Pass) -> bool:
     return ok
 
 
+def _kernel_test_env(p: Pass) -> dict:
+    """The tests' environment: their kernels on GPU 0, 2 torch threads a worker (14 workers at
+    torch's default of 16 threads on 16 cores ran ten in-process real-model tests past their
+    100 s timeout)."""
+    return dict(p.env, SYMPHONY_TEST_KERNEL_ARGS="--gpus 0", OMP_NUM_THREADS="2")
+
+
 def stage_kernel(p: Pass) -> None:
-    # 6 workers with 2 threads each: 14 workers at torch's default of 16 threads on 16 cores
-    # ran ten of the in-process real-model tests past their 100 s timeout
-    env = dict(p.env, SYMPHONY_TEST_KERNEL_ARGS="--gpus 0", OMP_NUM_THREADS="2")
+    env = _kernel_test_env(p)
     demo = (
         "set -x; S=/tmp/gk/k.sock; mkdir -p /tmp/gk; chmod 755 /tmp/gk; "
         "python3 -c 'import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())' --gpus 0 "
@@ -329,7 +334,7 @@ def main():
     elif args.phase == "tests":                  # chosen tests (ids one a line in --ids) with tracebacks
         if stage_model(p):
             ids = [l.strip() for l in Path(args.ids).read_text().splitlines() if l.strip()]
-            env = dict(p.env, SYMPHONY_TEST_KERNEL_ARGS="--gpus 0", OMP_NUM_THREADS="2")
+            env = _kernel_test_env(p)
             p.run("chosen_tests", [sys.executable, "-m", "pytest", "-v", "-n", str(args.workers), "-p",
                                    "no:cacheprovider", "-rfE", "--tb=short", "--timeout", "120",
                                    "--durations=20", *ids], p.left() - 10, env=env, tail=60)

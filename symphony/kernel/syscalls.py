@@ -346,7 +346,12 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         ring.unlink()
         arena = arena_range(ring) if self.pin_arenas and not ring.closed else None
         finish = ring.detach()                        # no more polling: the rest on the ring thread
-        self.rings.submit(lambda: (arena and pin_arena(*arena, False), finish()))
+
+        def release() -> None:
+            if arena is not None:
+                pin_arena(*arena, False)
+            finish()
+        self.rings.submit(release)
         log.info("LIP %d (%s) reclaimed: %d KV handles closed", lip.id, lip.filename, closed)
         return lip.counters, peak
 
