@@ -4,7 +4,7 @@
                                   [--repeat R] [--configs default,swap,llamacpp] [--quick]
                                   [--model PATH.gguf] [--llama-threads T] [--timeout S] [--json FILE]
 
-Issue 19's benchmark: does every honest request finish when more work arrives than fits,
+The overload benchmark: does every honest request finish when more work arrives than fits,
 and does throughput hold up?  For each N in --ns, N clients start at once (a barrier), each
 with its own deterministic ~--prompt-tokens-token prompt (numbered paragraphs of invented
 but real-looking notes, measured with the model's tokenizer after the chat template), and
