@@ -80,7 +80,8 @@ setup(
         "httptools",
         "prometheus-client",    # GET /metrics
     ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "httpx"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "httpx"],
+                    "docs": ["mkdocs>=1.6"]},     # mkdocs build --strict (docs/, mkdocs.yml)
     entry_points={"console_scripts": [
         "symphony=symphony.cli:main",
         "symphony-kernel=symphony.kernel_cli:kernel_main",

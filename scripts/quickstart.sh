@@ -18,13 +18,16 @@ if ! $PY -c "import torch" 2>/dev/null; then
     step "installing torch==2.13.0 (CPU build)"
     $PY -m pip install -q "torch==2.13.0"
 fi
-if ! $PY -c "import symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema, starlette, uvicorn, httptools, prometheus_client, openai, httpx" 2>/dev/null \
+# the test suite also builds the docs (tests/test_docs.py: mkdocs build --strict)
+extras=test; modules="symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema, starlette, uvicorn, httptools, prometheus_client, openai, httpx"
+if [ "$mode" = test ]; then extras=test,docs; modules="$modules, mkdocs"; fi
+if ! $PY -c "import $modules" 2>/dev/null \
    || [ "$($PY -c 'import symphony,os;print(os.path.dirname(os.path.dirname(symphony.__file__)))')" != "$PWD" ]; then
     step "installing symphony and its dependencies"
     $PY -c "import setuptools, wheel" 2>/dev/null || $PY -m pip install -q "setuptools>=64" wheel
-    $PY -m pip install -q --no-build-isolation -e ".[test]"
+    $PY -m pip install -q --no-build-isolation -e ".[$extras]"
 fi
-# pip wheel (the packaging test, README "Installing the package") needs a bdist_wheel:
+# pip wheel (the packaging test, docs/guide/installing.md) needs a bdist_wheel:
 # setuptools >= 70.1 has one, older ones (a fresh virtualenv's) need the wheel package.
 if ! $PY -c "import setuptools.command.bdist_wheel" 2>/dev/null && ! $PY -c "import wheel.bdist_wheel" 2>/dev/null; then
     step "installing wheel (bdist_wheel, for building the package)"
