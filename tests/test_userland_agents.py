@@ -1,4 +1,4 @@
-"""Stock LIPs on the real kernel: speculative decoding, a ReAct agent, graph of thoughts."""
+"""Stock LIPs on the real kernel: speculative decoding, a ReAct agent, graph of thoughts, SWARM agents."""
 import http.server
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO
 
-SPEC, REACT, GOT = (REPO / "userland" / n for n in ("speculative.py", "react.py", "got.py"))
+SPEC, REACT, GOT, SWARM = (REPO / "userland" / n for n in ("speculative.py", "react.py", "got.py", "swarm.py"))
 
 
 def finished(kernel, args):
@@ -97,6 +97,38 @@ def test_react_calculator_is_safe():
     for bad in ("__import__('os')", "open('x')", "2 ** 10 ** 10", "a + 1", "(1).real", "[1] * 9"):
         with pytest.raises((ValueError, SyntaxError)):
             react.calc(bad)
+
+
+# ---------------------------------------------------------------- SWARM agents
+def test_swarm_hands_off_and_computes_the_conversation_once(kernel):
+    args = ["What is 37 * 91?", "And what is 12 * 12?", "--max-steps", "2"]
+    r = run_ok(kernel, SWARM, *args)
+    out = json.loads(r.stdout.splitlines()[-1])
+    agents = [t["agent"] for t in out["turns"]]
+    # each user message starts with Triage, which can only hand off; each ends with an answer
+    assert len(out["answers"]) == 2 and agents.count("Triage") == 2 and agents[0] == "Triage"
+    assert out["handoffs"] == [[a, b] for a, b, t in zip(agents, agents[1:], out["turns"])
+                               if t["moves"][-1].startswith("transfer to ")]
+    assert len(out["handoffs"]) >= 2
+    for t in out["turns"]:
+        assert t["moves"] and t["moves"][-1].startswith(("transfer to ", "answer: ")), t
+        assert f"[{t['agent']}] " + "\n".join(t["moves"]) in r.stdout
+    # the shared conversation: every token computed once, and each turn forked it as it stood
+    # (a fork fed only the agent's instructions and its own moves, never the conversation)
+    assert out["conversation_fed"] == out["conversation_tokens"]
+    lengths = [t["conversation_len"] for t in out["turns"]]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+    assert all(t["fed"] < t["conversation_len"] for t in out["turns"]), out["turns"]
+    assert out["conversation_recomputed_without_forks"] == sum(lengths) > out["conversation_tokens"]
+    # the kernel's own count of this LIP's pred input agrees with the program's
+    assert out["tokens_fed"] == out["conversation_fed"] + out["fork_fed"] == finished(kernel, args)["tokens"]
+
+
+def test_swarm_refuses_bad_options(kernel):
+    r = kernel.run(SWARM, "What is 2 + 2?", "--max-steps", "99")
+    assert r.returncode != 0 and "--max-steps in [0, 8]" in r.stderr
+    r = kernel.run(SWARM)
+    assert r.returncode != 0 and "messages" in r.stderr
 
 
 # ---------------------------------------------------------------- graph of thoughts

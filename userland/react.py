@@ -25,10 +25,8 @@ Sends the transcript line by line, then one JSON line: the answer, the
 actions with their observations, the KV length after each step and the
 tokens fed to pred.
 """
-import ast
-import operator
-
-from symphony.lip import SyscallError, http, info, kv, list_dir, pred, read_file, send, tokenizer
+from symphony.lip import SyscallError, kv, send, tokenizer
+from symphony.lip.agents import Writer, calc, http_get, search_files
 
 FEW_SHOT = """You answer questions with tools. Tools:
 calc[expression]: computes arithmetic
@@ -59,111 +57,13 @@ Answer: The page says: Rain expected tomorrow.
 """
 MAX_ACTIONS = 4
 
-# ---------------------------------------------------------------- the tools
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
-def calc(expr):
-    """Arithmetic on numbers only: + - * / // % ** and parentheses."""
-    def ev(n):
-        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
-            return n.value
-        if isinstance(n, ast.BinOp) and type(n.op) in _OPS:
-            a, b = ev(n.left), ev(n.right)
-            if isinstance(n.op, ast.Pow) and abs(b) > 64:
-                raise ValueError("exponent too large")
-            return _OPS[type(n.op)](a, b)
-        if isinstance(n, ast.UnaryOp) and type(n.op) in _OPS:
-            return _OPS[type(n.op)](ev(n.operand))
-        raise ValueError("not arithmetic")
-    expr = expr.replace("^", "**").replace("×", "*").replace("÷", "/").replace(",", "").rstrip("= ")
-    v = ev(ast.parse(expr, mode="eval").body)
-    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
-
-
-def search(term):
-    """Lines of the granted files that contain the most words of `term`."""
-    words = [w for w in term.lower().replace('"', " ").split() if len(w) > 2] or [term.lower()]
-    hits, todo, seen = [], list(info()["grants"].get("read", [])), 0
-    while todo and seen < 200:
-        path = todo.pop(0)
-        for name in list_dir(path):
-            full = path.rstrip("/") + "/" + name
-            if name.endswith("/"):
-                todo.append(full)
-                continue
-            seen += 1
-            for line in read_file(full, max_bytes=1 << 16).splitlines():
-                score = sum(w in line.lower() for w in words)
-                if score:
-                    hits.append((-score, f"{name}: {line.strip()}"))
-    return "; ".join(h for _, h in sorted(hits)[:3]) or f"no file mentions {term}"
-
-
-def fetch(url):
-    r = http(url.strip().strip("'\""))
-    body = " ".join(r["body"].split())[:300]
-    return body if r["status"] == 200 else f"HTTP {r['status']}: {body}"
-
-
-TOOLS = {"calc": calc, "search": search, "http": fetch}
-
-
-# ---------------------------------------------------------------- generation helpers
-class Agent:
-    """One KV file, and the tokens not yet fed to it (`pending`)."""
-
-    def __init__(self, f, tok, prompt):
-        self.f, self.tok, self.eos = f, tok, set(tok.eos_ids)
-        self.pending, self.fed = tok.encode(prompt), 0
-
-    def _pred(self, **kw):
-        t = pred(self.f, self.pending, output="argmax", **kw)
-        self.fed, self.pending = self.fed + len(self.pending), []
-        return t
-
-    def write(self, text):
-        """Append forced text (an observation, a line opening)."""
-        self.pending = self.pending + self.tok.encode(text)
-
-    def until(self, stop, limit, close=""):
-        """Greedy text up to the first character of `stop` (or EOS or `limit`
-        tokens); the file gets that text + `close`, whatever the model wrote after."""
-        ids = []
-        while len(ids) < limit:
-            t = self._pred()
-            if t in self.eos:
-                break
-            ids.append(t)
-            self.pending = [t]                               # generated, not yet in the KV
-            text = self.tok.decode(ids)
-            cut = min((text.index(c) for c in stop if c in text), default=-1)
-            if cut >= 0:
-                head = self.tok.decode(ids[:-1])             # already in the KV
-                kept = text[:cut] + close
-                self.pending = self.tok.encode(kept[len(head):]) if kept.startswith(head) else [t]
-                return text[:cut]
-        self.write(close)
-        return self.tok.decode(ids)
-
-    def choose(self, options):
-        """The model picks one of `options`, constrained token by token with a mask."""
-        seqs = [self.tok.encode(o) for o in options]
-        done = []
-        while True:
-            live = [s for s in seqs if s[:len(done)] == done]
-            done.append(self._pred(mask=sorted({s[len(done)] for s in live})))
-            self.pending = [done[-1]]
-            if done in seqs:
-                return options[seqs.index(done)]
+TOOLS = {"calc": calc, "search": search_files, "http": http_get}
 
 
 def main(question, *_):
     tok = tokenizer()
     with kv.create() as f:
-        a = Agent(f, tok, FEW_SHOT + f"Question: {question}\nThought:")
+        a = Writer(f, tok, FEW_SHOT + f"Question: {question}\nThought:")
         actions, lengths, answer = [], [], ""
         send(f"Question: {question}\n")
         while True:

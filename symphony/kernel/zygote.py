@@ -74,7 +74,7 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            # the LIP standard library and the libraries stock programs use
            "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy",
            "symphony.lip.streaming", "symphony.lip.decoding", "symphony.lip.grammar", "symphony.lip.tools",
-           "symphony.lip.prefixcache", "symphony.lip.serving"]
+           "symphony.lip.prefixcache", "symphony.lip.serving", "symphony.lip.agents"]
 
 
 class _RingStream(io.TextIOBase):
