@@ -71,14 +71,14 @@ def pct(xs, p) -> float:
 
 # ---------------------------------------------------------------- the servers
 class Symphony:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, kv_memory_mb: int = 512):
         self.sock = str(tmp / "k.sock")
         self.port, self.port_nocache = free_port(), free_port()
         self.log = open(tmp / "kernel.log", "w+")
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.env = env
         self.proc = subprocess.Popen([sys.executable, "-m", "symphony.kernel", "--socket", self.sock,
-                                      "--http", f"127.0.0.1:{self.port}", "--kv-memory-mb", "512"],
+                                      "--http", f"127.0.0.1:{self.port}", "--kv-memory-mb", str(kv_memory_mb)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self._wait("symphony-gateway: serving", 300)
         uid = int(self.text().split("serving as uid ")[1].split(")")[0])
