@@ -1,4 +1,4 @@
-"""Helpers of the isolation tests (tests/test_isolation_*.py): one user attacks,
+"""Helpers of the isolation tests (tests/security/test_isolation_*.py): one user attacks,
 another (the neighbour) runs a well-behaved LIP, timed alone and during the attack.
 
 The model is a tiny random Llama (the output text does not matter, only that

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 
-HOSTILE = REPO / "tests/lips/hostile"
+HOSTILE = REPO / "tests/security/lips/hostile"
 
 CASES = {
     # name: (limits, expected exit-reason substring or None, expected stderr/out substring)
@@ -60,7 +60,7 @@ def test_hostile_lip(kernel, name):
 
 def test_reading_another_users_kv_file(kernel):
     owner = kernel.client(user="alice")
-    holder = owner.spawn((REPO / "tests/lips/holder.py").read_text(), ["secret.kv"], filename="holder.py")
+    holder = owner.spawn((REPO / "tests/e2e/lips/holder.py").read_text(), ["secret.kv"], filename="holder.py")
     assert next(owner.events(timeout=60)) == {"event": "out", "data": "ready\n"}
     r = kernel.run(HOSTILE / "snoop.py", "/home/alice/secret.kv", user="mallory")
     assert r.returncode == 0, r.stderr

@@ -3,7 +3,7 @@
 Alice (an ordinary Unix user) attacks with what a client controls: huge
 arguments, input a LIP never reads, frames she never finishes, thousands of
 connections, queued programs, an impossible KV hint.  Bob's well-behaved LIP
-is timed alone and during each attack (tests/isolation.py): same answer,
+is timed alone and during each attack (tests/security/isolation.py): same answer,
 within 3x + 1 s, never refused; the kernel's RSS stays within the bound each
 test states.  The bounds are set small here (``BOUNDS``) so that the attacks
 stay short; the kernel's open-file limit is 1024."""
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, requires_root
-from isolation import (end_all, SLEEPER, check_neighbour, fork_as, in_thread, neighbour, rss_mib, start_kernel,
+from .isolation import (end_all, SLEEPER, check_neighbour, fork_as, in_thread, neighbour, rss_mib, start_kernel,
                        wait_until)
 
 BOUNDS = ("--max-args-kb 256 --max-queued-mb-per-user 4 --max-input-kb 256 --max-partial-mb-per-user 16 "

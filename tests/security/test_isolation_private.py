@@ -2,7 +2,7 @@
 another pay for pages only they use.
 
 A root kernel whose durable directory was left open (0755, a 0644 file in it)
-before it started; Alice and Bob are ordinary Unix users (tests/isolation.py)."""
+before it started; Alice and Bob are ordinary Unix users (tests/security/isolation.py)."""
 import os
 import re
 import stat
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, requires_root
-from isolation import start_kernel, wait_until
+from .isolation import start_kernel, wait_until
 
 BOUNDS = []
 QUOTA = 300                 # pages per user (--user-quota)

@@ -5,7 +5,7 @@ Alice's LIPs and clients attack with work that is legitimate one call at a
 time: durable syncs of large files, listings of a large directory, thousands
 of forks of a large file, back-to-back spawns, busy threads, slow granted HTTP
 calls, a doorbell rung without calls.  Bob's well-behaved LIP is timed alone
-and during each attack (tests/isolation.py): the same answer, within 3x + 1 s.
+and during each attack (tests/security/isolation.py): the same answer, within 3x + 1 s.
 Attacks are scaled down to show the effect in a few seconds."""
 import os
 import threading
@@ -14,9 +14,9 @@ import time
 import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, QuietHandler, http_servers, requires_root
-from isolation import end_all, check_neighbour, neighbour, rss_mib, start_kernel, wait_until
+from .isolation import end_all, check_neighbour, neighbour, rss_mib, start_kernel, wait_until
 
-HOSTILE = REPO / "tests/lips/hostile"
+HOSTILE = REPO / "tests/security/lips/hostile"
 BOUNDS = []
 LONG = 1200                 # the neighbour's preds where an attack costs it CPU time rather than waits
 

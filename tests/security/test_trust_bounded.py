@@ -1,6 +1,6 @@
 """Bounded everything: replies larger than a ring slot travel in
 chunks, error messages are cut, one LIP's output is bounded by back-pressure,
-sampling parameters are checked.  Each hostile LIP (tests/lips/hostile/bound_*)
+sampling parameters are checked.  Each hostile LIP (tests/security/lips/hostile/bound_*)
 runs beside a well-behaved one that must still answer."""
 import hashlib
 import threading
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import BOB_UID, REPO, requires_root
 
-HOSTILE = REPO / "tests/lips/hostile"
+HOSTILE = REPO / "tests/security/lips/hostile"
 SLEEPER = "import time\n\ndef main(*args):\n    time.sleep(60)\n"
 
 

@@ -16,7 +16,7 @@ from conftest import ALICE_UID, BOB_UID, REPO, QuietHandler, http_servers, requi
 from symphony.client import KernelError
 
 pytestmark = requires_root
-HOSTILE = REPO / "tests/lips/hostile"
+HOSTILE = REPO / "tests/security/lips/hostile"
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ class Neighbour:
     def __init__(self, kernel, path: Path):
         self.c = kernel.client_as(ALICE_UID)
         _open_clients.append(self.c)
-        self.lip = self.c.spawn((REPO / "tests/lips/cap_reader.py").read_text(), [str(path)],
+        self.lip = self.c.spawn((REPO / "tests/security/lips/cap_reader.py").read_text(), [str(path)],
                                 filename="cap_reader.py", grants={"read": [str(path.parent)]})
         self.events = self.c.events(timeout=60)
         self.first = self._next_out()

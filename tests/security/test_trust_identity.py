@@ -4,7 +4,7 @@ fcntl(F_SETOWN)), sees no root-only path and none of the kernel's environment, f
 no other user's program in its memory, dies with the kernel, cannot disturb the
 kernel's wake-ups through its doorbell and cannot start unbounded threads.
 
-Each hostile program (tests/lips/hostile/id_*.py) runs as one user (a client
+Each hostile program (tests/security/lips/hostile/id_*.py) runs as one user (a client
 connected by a process of Unix uid ALICE_UID or BOB_UID) beside a well-behaved LIP
 that must still answer "Paris"; the kernel must keep running."""
 import os
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, SECRET_ENV, KernelProc, requires_root
 
-HOSTILE = REPO / "tests/lips/hostile"
+HOSTILE = REPO / "tests/security/lips/hostile"
 LIP_MAX_THREADS = 64            # the kernel's default threads limit (--lip-threads), RLIMIT_NPROC of the LIP's uid
 LIP_UIDS = (61184, 65519)        # the kernel's default --lip-uids
 

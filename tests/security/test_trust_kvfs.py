@@ -1,7 +1,7 @@
 """KVFS on the real kernel, across users: files are private by default, a file
 planted in /shared does not fool a stock program, a flood of empty files stops
 at the inode quota, and one user holding KV pages cannot lock others out.
-Each hostile LIP (tests/lips/hostile/kv_*.py) runs beside a well-behaved one
+Each hostile LIP (tests/security/lips/hostile/kv_*.py) runs beside a well-behaved one
 that must still answer; the kernel keeps running."""
 import json
 import re
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, connect_as, requires_root, stop_kernels, stopped_cleanly
 
-LIPS = REPO / "tests/lips"
+LIPS = REPO / "tests/security/lips"
 HOSTILE = LIPS / "hostile"
 HOST_PAGES = 64
 KERNEL_FLAGS = ("--kv-memory-mb", "64", "--host-pages", str(HOST_PAGES))

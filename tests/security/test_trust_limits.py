@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ALICE_UID, BOB_UID, REPO, requires_root, stop_kernels, stopped_cleanly
 
-HOSTILE = REPO / "tests/lips/hostile"
+HOSTILE = REPO / "tests/security/lips/hostile"
 SLEEPER = "import time\n\ndef main(*args):\n    time.sleep(60)\n"
 GOOD_FLAGS = ["--timeout", "300", "--cpu", "300"]           # the neighbour asks for more than the defaults
 
@@ -163,7 +163,7 @@ def test_policy_validates_itself():
             p.limits_for(bad)
     with pytest.raises(LimitExceeded):
         p.limits_for({"memory_bytes": 5 << 30})
-    assert p.max_lips_per_user == 2        # admission applies it (sched/admission.py, tests/test_admission.py)
+    assert p.max_lips_per_user == 2        # admission applies it (sched/admission.py, tests/e2e/kernel/test_admission.py)
     assert p.priority_for("u", "batch") == -1 and p.priority_for("u", None) == 0
     with pytest.raises(LimitExceeded):
         p.priority_for("u", "interactive")

@@ -12,7 +12,7 @@ import pytest
 from symphony import programs
 from symphony.engine.ops import build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _cli(*args, cwd=REPO, timeout=60):

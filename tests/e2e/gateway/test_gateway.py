@@ -1,7 +1,7 @@
 """The HTTP gateway against a real kernel, with a serving program whose answers are known.
 
 `symphony-kernel --http` starts the gateway (as a child that drops root for a
-uid of its own); every OpenAI route is served by tests/lips/fake_serve.py (the
+uid of its own); every OpenAI route is served by tests/e2e/lips/fake_serve.py (the
 serve contract without a model: it echoes words, calls tools, refuses or
 crashes on command), so these tests check the gateway itself: shapes as the
 `openai` package parses them, streamed == not streamed, statuses and error
@@ -24,7 +24,7 @@ import pytest
 
 from conftest import REPO, KernelProc
 
-FAKE = str(REPO / "tests" / "lips" / "fake_serve.py")
+FAKE = str(REPO / "tests" / "e2e" / "lips" / "fake_serve.py")
 HELLO = '''from symphony.lip import send, recv
 def main(*args):
     send("hello " + " ".join(args) + "\\n")

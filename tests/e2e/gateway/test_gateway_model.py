@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 
 from conftest import REPO, KernelProc
-from test_gateway import free_port, wait_for_gateway
+from .test_gateway import free_port, wait_for_gateway
 
 SYSTEM = ("You are a helpful assistant for a public library. " +
           " ".join(f"Rule {i}: be polite, be brief, and recommend a book about topic number {i} when asked."

@@ -16,7 +16,7 @@ import pytest
 from conftest import KernelProc
 from symphony.sched.admission import (AdmissionLimits, AdmissionQueue, Machine, PeakTable, QueueFull, Waiting,
                                       check_kv_tokens, program_key)
-from test_faults import tiny_gguf  # noqa: F401  (fixture)
+from .test_faults import tiny_gguf  # noqa: F401  (fixture)
 
 WAITER = ("from symphony.lip import recv, send\n\n"
           "def main(*args):\n"

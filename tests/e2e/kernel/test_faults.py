@@ -1,6 +1,6 @@
 """Fault tests: the kernel never loses a LIP.
 
-Real kernels on the tiny random model, real LIPs (tests/lips/fault_*.py):
+Real kernels on the tiny random model, real LIPs (tests/e2e/lips/fault_*.py):
   * stall: the syscall thread is held (test hook) while LIPs spawn, exit and
     are killed; every client still gets its exit event, ps stays right;
   * chaos: 32 LIPs at a time killed at random points, >= 300 kills;
@@ -24,8 +24,8 @@ import pytest
 from conftest import REPO, KernelProc
 from symphony.client import KernelError
 
-WORKER = (REPO / "tests/lips/fault_worker.py").read_text()
-KEEPER = (REPO / "tests/lips/fault_keeper.py").read_text()
+WORKER = (REPO / "tests/e2e/lips/fault_worker.py").read_text()
+KEEPER = (REPO / "tests/e2e/lips/fault_keeper.py").read_text()
 # > the old 30 s call timeout, with room for the test's steps after its 35 s mark (~4 s alone, more
 # beside the module's other tests)
 STALL_S = float(os.environ.get("SYMPHONY_STALL_S", "50"))
@@ -218,7 +218,7 @@ def test_kernel_crash_and_restart(tmp_path, tiny_gguf):
             assert ev[-1]["event"] == "exit" and ev[-1].get("lost"), ev[-3:]
             assert "kernel" in ev[-1]["reason"]
         assert time.time() - t0 < 20
-        r = k.run(REPO / "tests/lips/hostile/well_behaved.py", timeout=30)
+        r = k.run(REPO / "tests/security/lips/hostile/well_behaved.py", timeout=30)
         assert r.returncode != 0 and "no kernel" in r.stderr, (r.returncode, r.stderr)
     finally:
         k.stop()

@@ -34,7 +34,7 @@ def test_parallel_threads_share_batches(kernel):
 
 def test_sibling_threads_are_batched_not_serialized(kernel):
     before = kernel.client().stats()
-    r = kernel.run(REPO / "tests/lips/siblings.py", "4", "10")
+    r = kernel.run(REPO / "tests/e2e/lips/siblings.py", "4", "10")
     assert r.returncode == 0, r.stderr
     after = kernel.client().stats()
     calls = after["batch_calls"] - before["batch_calls"]
@@ -44,7 +44,7 @@ def test_sibling_threads_are_batched_not_serialized(kernel):
 
 
 def test_syscall_errors_are_typed(kernel):
-    r = kernel.run(REPO / "tests/lips/errors.py")
+    r = kernel.run(REPO / "tests/e2e/lips/errors.py")
     assert r.returncode == 0, r.stderr
     got = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
     assert got["open missing"] == "NotFound ENOENT"
@@ -62,7 +62,7 @@ def test_syscall_errors_are_typed(kernel):
 
 def test_ps_kv_ls_input_and_kill(kernel):
     c = kernel.client(user="dora")
-    lip = c.spawn((REPO / "tests/lips/holder.py").read_text(), ["notes.kv"], filename="holder.py")
+    lip = c.spawn((REPO / "tests/e2e/lips/holder.py").read_text(), ["notes.kv"], filename="holder.py")
     ev = next(c.events(timeout=60))
     assert ev == {"event": "out", "data": "ready\n"}
     ps = kernel.client().ps()["lips"]
@@ -86,7 +86,7 @@ def test_ps_kv_ls_input_and_kill(kernel):
 
 
 def test_stdin_reaches_recv(kernel):
-    r = kernel.run(REPO / "tests/lips/holder.py", "stdin.kv", stdin="one\ntwo\n")
+    r = kernel.run(REPO / "tests/e2e/lips/holder.py", "stdin.kv", stdin="one\ntwo\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["ready", "echo: one", "echo: two"]
     kernel.client().kv_rm(f"/home/{_me()}/stdin.kv")
@@ -110,7 +110,7 @@ def test_capabilities_read_and_http(kernel, tmp_path):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
     try:
-        r = kernel.run(REPO / "tests/lips/caps.py", str(d), f"http://127.0.0.1:{port}/x",
+        r = kernel.run(REPO / "tests/e2e/lips/caps.py", str(d), f"http://127.0.0.1:{port}/x",
                        extra=["--grant", f"read:{d}", "--grant", f"http:127.0.0.1:{port}"])
     finally:
         srv.shutdown()
@@ -143,7 +143,7 @@ def _me():
 
 
 def test_token_mask_applies_in_the_kernel(kernel):
-    r = kernel.run(REPO / "tests/lips/masked.py")
+    r = kernel.run(REPO / "tests/e2e/lips/masked.py")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"argmax_in_mask": True, "logits_masked": True, "sample_in_mask": True}
 

@@ -68,7 +68,7 @@ def kernels(tmp_path_factory, tiny_gguf):
 def ok(kernels):
     """A kernel whose pool holds 32 pages, with a 64-page host tier and no disk.
     Admission expects 1 page a LIP, so it starts far more LIPs than fit and the
-    memory manager must cope (tests/test_admission.py covers the queue)."""
+    memory manager must cope (tests/e2e/kernel/test_admission.py covers the queue)."""
     return kernels["ok"]
 
 

@@ -22,7 +22,7 @@ from symphony.kernel.proc import LipProc, ServedLips
 from symphony.kernel.proctable import FINISHED_KEPT, LIVE, ProcessTable, TransitionError, exit_reason
 from symphony.kernel.snapshot import LipCounters, ProcRow, ServingSnapshot
 
-from test_faults import WORKER, fk, tiny_gguf  # noqa: F401  (fixtures)
+from .test_faults import WORKER, fk, tiny_gguf  # noqa: F401  (fixtures)
 
 
 def row(lip, user="alice", **kw):

@@ -35,7 +35,7 @@ from symphony.engine.loader import load_model
 from symphony.engine import model as model_mod
 from symphony.engine import ops
 from symphony.engine.quant import QWeight, force_qlinear_path
-from test_quant import AUTO_15BIT, HAS_AVX2, HAS_AVX512, HAS_AVX512_VNNI, Q8_BEST
+from unit.engine.test_quant import AUTO_15BIT, HAS_AVX2, HAS_AVX512, HAS_AVX512_VNNI, Q8_BEST
 
 FLOAT_PATH = 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0      # the fastest float-activation kernel
 AUTO_TOL = 1e-3 if AUTO_15BIT else 1e-4                    # the automatic choice: 15-bit x or float
@@ -194,7 +194,7 @@ def perplexity(eng: Engine, ids: list[int]) -> float:
 
 
 def test_embedded_model_quantized_paris_and_perplexity(smollm):
-    from test_smollm2 import greedy
+    from .test_smollm2 import greedy
     w = smollm.model.w
     assert isinstance(w.embed, QWeight) and w.embed.source == "Q8_0"       # the default on a CPU
     assert isinstance(w.layers[0].wqkv, QWeight) and w.layers[0].wqkv.source == "Q4_1"

@@ -16,7 +16,7 @@ from symphony.ipc import abi, layout, schema
 from symphony.ipc.kernel_side import KernelSide
 from symphony.ipc.lip_side import LipSide
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # one good body per op: every op of the ABI
 GOOD = {
