@@ -273,11 +273,11 @@ def stopped_cleanly(kernels: dict, codes: dict) -> None:
 
 @pytest.fixture(scope="session")
 def trust_kernels(tmp_path_factory):
-    """The kernels of tests/test_trust_kvfs.py ("kvfs") and tests/test_trust_limits.py
+    """The kernels of tests/security/test_trust_kvfs.py ("kvfs") and tests/security/test_trust_limits.py
     ("limits"), each with its module's KERNEL_FLAGS, started at once: the two modules run one
     after the other, and each kernel loads SmolLM2.  Each module stops its own at its end."""
-    from test_trust_kvfs import KERNEL_FLAGS as kvfs
-    from test_trust_limits import KERNEL_FLAGS as limits
+    from security.test_trust_kvfs import KERNEL_FLAGS as kvfs
+    from security.test_trust_limits import KERNEL_FLAGS as limits
     ks = start_kernels({"kvfs": ((tmp_path_factory.mktemp("trust"), *kvfs), {}),
                         "limits": ((tmp_path_factory.mktemp("limits"), *limits), {})})
     yield ks
@@ -297,7 +297,7 @@ def public_tmp():
     shutil.rmtree(d, ignore_errors=True)
 
 
-# a secret in the session kernel's environment: no LIP may see it (tests/test_trust_identity.py)
+# a secret in the session kernel's environment: no LIP may see it (tests/security/test_trust_identity.py)
 SECRET_ENV = "SYMPHONY_TEST_SECRET"
 
 

@@ -1,0 +1,1 @@
+"""Security tests: the sandbox, hostile LIPs (lips/hostile/) and isolation between users."""

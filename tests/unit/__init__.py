@@ -1,0 +1,1 @@
+"""Unit tests, one folder per package: no kernel process, no real model; marked ``unit``."""
