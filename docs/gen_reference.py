@@ -12,7 +12,7 @@
   errno-style codes KVFS declares for them (``symphony.kvfs.errors``), and every (type, code)
   pair the kernel's code answers calls with (found by reading the sources, not by running them).
 
-tests/test_docs.py runs ``generate()`` and compares with the committed pages, so a change to a
+tests/e2e/docs/test_docs.py runs ``generate()`` and compares with the committed pages, so a change to a
 schema, a flag or an error that is not regenerated fails the suite.  The pages are plain
 Markdown; the output depends only on the code (sorted, no dates, no terminal width).
 """

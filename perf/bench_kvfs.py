@@ -23,7 +23,7 @@ A reuse result is checked against the logits before any swapping (max |diff| pri
   * fork sharing, in device pages (asserted): a --fork-tokens file (a multiple of the page
     size) forked --forks times, then one token appended to each fork; again with the file
     truncated by 10 tokens (its last page partial, shared until each fork copies it).
-    tests/test_kvfs_smollm2.py checks the same accounting, and the logits, on a smaller file.
+    tests/e2e/model/test_kvfs_smollm2.py checks the same accounting, and the logits, on a smaller file.
 """
 from __future__ import annotations
 

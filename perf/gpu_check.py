@@ -168,7 +168,7 @@ def stage_build(p: Pass) -> None:
 
 def _ids(p: Pass) -> list[str]:
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "tests/test_ops.py", "tests/test_ops_fused.py", "tests/test_quant.py",
+                        "tests/unit/engine/test_ops.py", "tests/unit/engine/test_ops_fused.py", "tests/unit/engine/test_quant.py",
                         "-k", "bad or raise or unsupported"], capture_output=True, text=True, env=p.env,
                        cwd=REPO, timeout=120)
     return [l.strip() for l in r.stdout.splitlines() if "::" in l]
@@ -251,9 +251,9 @@ def _symbolize(out: str) -> str:
 
 def stage_cuda_tests(p: Pass) -> None:
     p.run("cuda_tests", [sys.executable, "-m", "pytest", "-v", "-n", "8", "-p", "no:cacheprovider", "-rs",
-                         "tests/test_ops.py", "tests/test_ops_fused.py", "tests/test_graphs.py", "tests/test_quant.py",
-                         "tests/test_quant_engine.py", "tests/test_engine.py", "tests/test_runner.py",
-                         "tests/test_kvfs.py"], 150, tail=25)
+                         "tests/unit/engine/test_ops.py", "tests/unit/engine/test_ops_fused.py", "tests/unit/engine/test_graphs.py", "tests/unit/engine/test_quant.py",
+                         "tests/e2e/model/test_quant_engine.py", "tests/unit/engine/test_engine.py", "tests/unit/engine/test_runner.py",
+                         "tests/unit/kvfs/test_kvfs.py"], 150, tail=25)
 
 
 def stage_benches(p: Pass) -> None:
@@ -301,10 +301,10 @@ def stage_kernel(p: Pass) -> None:
     p.run("kernel_demo", demo, 90, shell=True, tail=30)
     p.run("kernel_tests", [sys.executable, "-m", "pytest", "-v", "-n", "6", "-p", "no:cacheprovider", "-rfE",
                            "--tb=short", "--timeout", "100", "--junitxml", str(p.logs / "kernel_tests.xml"),
-                           "tests/test_cli_programs.py", "tests/test_userland_basic.py",
-                           "tests/test_userland_constrained.py", "tests/test_userland_agents.py",
-                           "tests/test_microkernel.py", "tests/test_kvfs_smollm2.py", "tests/test_smollm2.py",
-                           "tests/test_userland_rag.py"], 220, env=env, tail=40)
+                           "tests/e2e/cli/test_cli_programs.py", "tests/e2e/userland/test_userland_basic.py",
+                           "tests/e2e/userland/test_userland_constrained.py", "tests/e2e/userland/test_userland_agents.py",
+                           "tests/e2e/kernel/test_microkernel.py", "tests/e2e/model/test_kvfs_smollm2.py", "tests/e2e/model/test_smollm2.py",
+                           "tests/e2e/userland/test_userland_rag.py"], 220, env=env, tail=40)
     prof = str(p.logs / "syscalls.prof")           # where the kernel's host time goes at 64 LIPs
     p.run("bench_kernel", [sys.executable, "perf/bench_kernel.py", "--gpus", "0", "--parts", "12", "--rounds", "3",
                            "--lips", "64", "--lip-steps", "32", "--conc-rounds", "2"], 90,

@@ -18,7 +18,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
     step "installing torch==2.13.0 (CPU build)"
     $PY -m pip install -q "torch==2.13.0"
 fi
-# the test suite also builds the docs (tests/test_docs.py: mkdocs build --strict)
+# the test suite also builds the docs (tests/e2e/docs/test_docs.py: mkdocs build --strict)
 extras=test; modules="symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema, starlette, uvicorn, httptools, prometheus_client, openai, httpx"
 if [ "$mode" = test ]; then extras=test,docs; modules="$modules, mkdocs"; fi
 if ! $PY -c "import $modules" 2>/dev/null \

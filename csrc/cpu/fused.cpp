@@ -22,7 +22,7 @@ namespace {
 
 // exp(x) for x in [-87, 88] (the caller clamps), Cephes' expf: x = n ln2 + r with |r| <= ln2/2
 // (Cody-Waite split of ln2), exp(r) by a degree-7 polynomial, 2^n from the exponent bits.
-// Relative error <= 2 ulp on that range (tests/test_ops_fused.py checks against float64).
+// Relative error <= 2 ulp on that range (tests/unit/engine/test_ops_fused.py checks against float64).
 // Branch-free, so that a loop over it vectorizes.
 inline float exp_clamped(float x) {
   constexpr float kRound = 12582912.f;                       // 1.5 * 2^23: round to nearest

@@ -4,7 +4,7 @@ Who owns it, and why the event loop.  Every event that moves a LIP through
 its life arrives on the event loop: a client's spawn and kill, the zygote's
 "spawned" (pid) and "exited" reports, a client disconnecting, the wall-clock
 timer.  And `ps`, `kill` and admission must keep answering while the syscall
-thread is busy in a long forward pass or stalled (tests/test_faults.py holds
+thread is busy in a long forward pass or stalled (tests/e2e/kernel/test_faults.py holds
 it for 40 s while LIPs spawn, exit and are killed).  A table owned by the
 syscall thread would go stale exactly then.  So the table lives on the event
 loop, and is the only writer of a LIP's lifecycle state; the syscall thread

@@ -2,7 +2,7 @@
 
 `symphony.kernel.sandbox.lockdown` turns this into a BPF program (see its docstring for what
 each rule means to a LIP).  The numbers are checked against the kernel headers by
-tests/test_sandbox.py.
+tests/security/test_sandbox.py.
 """
 from __future__ import annotations
 
