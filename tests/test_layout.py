@@ -68,6 +68,75 @@ def _files(sub: str = "") -> list[Path]:
     return [root] if root.suffix == ".py" else sorted(root.rglob("*.py"))
 
 
+def _modules() -> dict[str, Path]:
+    """Every module of the package, by name."""
+    return {_module_name(f): f for f in _files()}
+
+
+def _edges(path: Path, mods: dict[str, Path]) -> set[str]:
+    """The modules of the package that ``path`` imports, wherever the import stands.  ``from X
+    import y`` counts as X.y where that is a module, as X otherwise (a name X's ``__init__``
+    defines or re-exports); ``import X.Y`` counts as X.Y (its parent packages are run first, but
+    a submodule needs nothing of them)."""
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                                + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names)
+    return {m for m in out if m in mods and m != mod}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports (`_edges`)."""
+    mods = _modules()
+    return {name: _edges(path, mods) for name, path in mods.items()}
+
+
+def import_cycles(graph=None) -> list[list[str]]:
+    """The import cycles of ``graph``: each strongly connected component of more than one module
+    (Tarjan's algorithm), sorted."""
+    graph = import_graph() if graph is None else graph
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
 def _violations(files, forbidden) -> list[str]:
     return [f"{f.relative_to(REPO)} imports {name}" for f in files for name in sorted(_imports(f))
             if forbidden(name)]
@@ -150,6 +219,21 @@ def test_the_rules_see_what_they_check():
     assert "symphony.engine" in engine and all(_under(n, "symphony.engine") or not _under(n, "symphony")
                                                for n in engine if n.startswith("symphony"))
     assert sys.version_info >= (3, 9)                       # Path.is_relative_to
+
+
+def test_no_import_cycle_among_the_modules():
+    """No module imports, directly or round about, a module that imports it back: every
+    strongly connected component of the import graph is one module."""
+    graph = import_graph()
+    assert {"symphony.cli", "symphony.ipc.kernel_side", "symphony.kvfs.fs"} <= graph.keys()
+    assert "symphony.ipc.wait" in graph["symphony.ipc.kernel_side"]       # the graph sees imports
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set(), "c": {"d"}, "d": {"c"}}) == [["c", "d"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}}) == []
 
 
 def test_no_file_under_symphony_is_over_500_lines():

@@ -488,7 +488,7 @@ def test_names_unique_and_cleanup():
         obj.close()
         obj.unlink()
         obj.unlink()                  # idempotent
-    assert k1.bell_fd == k2.bell_fd == -1 and not db._bells
+    assert k1.bell_fd == k2.bell_fd == -1 and db.watching() == 0
     for fd in bells:
         with pytest.raises(OSError):
             os.fstat(fd)              # closed with the ring

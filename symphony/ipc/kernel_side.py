@@ -128,7 +128,7 @@ class KernelSide:
         self._req_room = slot_bytes - REQ_BODY_OFF
         self._resp_room = slot_bytes - RESP_BODY_OFF
         if waitset is not None:
-            waitset.add(self)
+            waitset.add(self.bell_fd, self._taken, self.pending)
             self._waitset = waitset
         return self
 
@@ -154,6 +154,9 @@ class KernelSide:
         raise IndexError(f"slot {slot!r} out of range [0, {self.n_slots})")
 
     # ------------------------------------------------------------ polling
+    def _taken(self) -> int:
+        return self.taken
+
     def pending(self) -> bool:
         """Cheap check: is some slot in REQUEST that the kernel has not taken?"""
         if self._closed:
@@ -289,7 +292,7 @@ class KernelSide:
         segment and closing the semaphores, for any thread to run once."""
         self._closed = True
         if self._waitset is not None:
-            self._waitset.discard(self)
+            self._waitset.discard(self.bell_fd)
             self._waitset = None
         if self.bell_fd >= 0:
             try:
