@@ -205,19 +205,44 @@ def test_the_lip_library_builds_bodies_with_the_schema_and_raises_invalid_argume
 
 
 # ---------------------------------------------------------------- arenas: declared once, top-k round trip
+def _assigned(path: Path) -> set[str]:
+    """The names ``path`` assigns anywhere (``X = ...``, ``X, Y = ...``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            names.update(e.id for t in node.targets if isinstance(t, ast.Tuple) for e in t.elts
+                         if isinstance(e, ast.Name))
+    return names
+
+
 def test_arena_kinds_are_declared_once_in_abi():
     kinds = {abi.ARENA_NONE, abi.ARENA_F32, abi.ARENA_I32, abi.ARENA_TOPK}
     assert len(kinds) == 4 and abi.ARENA_LOGITS == abi.ARENA_F32
     assert set(layout.ARENA_DTYPES) == set(abi.ARENA_DTYPES) == kinds - {abi.ARENA_NONE}
     for path in (REPO / "symphony").rglob("*.py"):                      # nobody else assigns an ARENA_ name
-        if path.name == "abi.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign):
-                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-                names += [e.id for t in node.targets if isinstance(t, ast.Tuple) for e in t.elts
-                          if isinstance(e, ast.Name)]
-                assert not [n for n in names if n.startswith("ARENA_") and n != "ARENA_DTYPES"], path
+        if path.name != "abi.py":
+            assert not [n for n in _assigned(path) if n.startswith("ARENA_") and n != "ARENA_DTYPES"], path
+
+
+def test_abi_constants_are_declared_again_only_in_the_engine_and_equal():
+    """abi.py is the one home of the ABI's numbers.  Only the engine, which may import nothing of
+    ipc (tests/test_layout.py), declares some of them again (the sampler's temperature bounds); each
+    copy must hold the ABI's value (a tuple: the same members)."""
+    import importlib
+    consts = {n for n in vars(abi) if n.isupper()}
+    copies = {}
+    for path in sorted((REPO / "symphony").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith("symphony/ipc/") and (names := _assigned(path) & consts):
+            copies[rel] = names
+    assert all(rel.startswith("symphony/engine/") for rel in copies), copies
+    assert copies["symphony/engine/sampler.py"] == {"MIN_TEMPERATURE", "MAX_TEMPERATURE"}   # the check sees them
+    for rel, names in copies.items():
+        mod = importlib.import_module(rel[:-3].replace("/", "."))
+        for n in names:
+            mine, ours = getattr(mod, n), getattr(abi, n)
+            assert (set(mine) == set(ours) if isinstance(ours, tuple) else mine == ours), (rel, n, mine, ours)
 
 
 @pytest.fixture
