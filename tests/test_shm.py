@@ -415,6 +415,9 @@ def test_arena_bounds(ring):
     _, db, k, lip = ring
     a = k.arena(3, 4, 256)           # exactly 4096 bytes
     assert a.shape == (4, 256) and a.flags.writeable and a.ctypes.data % 64 == 0
+    start, size = k.arena_range()    # every slot's arena, one block
+    assert size == k.n_slots * k.arena_bytes and a.ctypes.data == start + 3 * k.arena_bytes
+    assert k.arena(0, 1, 1).ctypes.data == start
     with pytest.raises(ValueError):
         k.arena(0, 5, 256)
     with pytest.raises(ValueError):

@@ -234,6 +234,10 @@ class KernelSide:
         return np.ndarray((int(rows), int(cols)), dtype=dt, buffer=self._mm,
                           offset=self._arena_off + slot * self.arena_bytes)
 
+    def arena_range(self) -> tuple[int, int]:
+        """(address, bytes) of all the slots' arenas in this process's mapping, one block."""
+        return self._u8.ctypes.data + self._arena_off, self.n_slots * self.arena_bytes
+
     def topk_arena(self, slot: int, rows: int, k: int) -> TopK:
         """Writable views for a top-k reply in slot's arena: ids int32 [rows, k] and
         logprobs float32 [rows, k]; answer with ``respond(..., abi.ARENA_TOPK, 2 * rows, k)``."""
