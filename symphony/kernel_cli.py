@@ -14,9 +14,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from .engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    from .engine.config import EngineConfig
+    from .kernel.bounds import ClientBounds
+    from .kernel.capabilities import CapPolicy
+    from .kernel.limits import LimitPolicy
+    from .sched.admission import AdmissionLimits
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -213,7 +220,7 @@ class KernelConfig:
     on the model (``--host-pages auto``, a ``--user-quota`` in %) are resolved by `build`."""
 
     engine: EngineArgs
-    engine_config: Any                  # engine.config.EngineConfig
+    engine_config: EngineConfig
     verbose: bool
     socket: str
     threads: Optional[int]              # None: torch's default
@@ -228,12 +235,12 @@ class KernelConfig:
     kv_wait_s: float
     max_lips: int
     token_budget: Optional[int]
-    policy: Any                         # kernel.limits.LimitPolicy
+    policy: LimitPolicy
     max_queued_output: int              # bytes
-    caps: Any                           # kernel.capabilities.CapPolicy
-    admission: Any                      # sched.admission.AdmissionLimits
-    bounds: Any                         # kernel.bounds.ClientBounds
-    lip_uids: Any                       # range of uids
+    caps: CapPolicy
+    admission: AdmissionLimits
+    bounds: ClientBounds
+    lip_uids: tuple[int, int]           # (first, last) uid LIPs run as (a root kernel)
     lip_nice: int
     lip_busy_cpu: float
     gateway: Optional[dict]             # {"http", "uid", "argv"} with --http or --gateway-uid
