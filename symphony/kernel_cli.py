@@ -28,103 +28,6 @@ if TYPE_CHECKING:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return n
-
-
-def _positive_int(text: str) -> int:
-    n = _nonneg_int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return n
-
-
-def _pages_or_percent(text: str):
-    """'N' pages (an int) or 'N%' of the pool (a float in (0, 1])."""
-    if text.endswith("%"):
-        try:
-            pct = float(text[:-1])
-        except ValueError:
-            pct = -1.0
-        if not 0 < pct <= 100:
-            raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
-        return pct / 100
-    return _nonneg_int(text)
-
-
-def _host_pages(text: str):
-    return "auto" if text == "auto" else _nonneg_int(text)
-
-
-def auto_host_pages(engine) -> int:
-    """The host tier's default ceiling: 4x the device pool, at most a quarter
-    of the RAM.  Its pages are made only as they are needed (64 at a time), so
-    the ceiling costs nothing until LIPs are suspended or files evicted."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = 8 << 30
-    return max(0, min(4 * engine.kv.allocator.capacity, ram // 4 // engine.kv.page_bytes))
-
-
-def _umask(text: str) -> int:
-    try:
-        m = int(text, 8)
-    except ValueError:
-        m = -1
-    if not 0 <= m <= 0o777:
-        raise argparse.ArgumentTypeError(f"expected an octal umask 000..777, got {text!r}")
-    return m
-
-
-_ADMISSION_FLAGS = (   # flag, default, what it bounds (all ints >= 1)
-    ("--max-queued", 1024, "LIPs waiting in the admission queue, all users"),
-    ("--max-queued-per-user", 256, "LIPs waiting in the admission queue, one user"),
-    ("--max-queued-mb", 256, "MiB of program source and arguments the waiting LIPs may hold, all users"),
-    ("--max-queued-mb-per-user", 64, "MiB of program source and arguments one user's waiting LIPs may hold"),
-    ("--lip-kv-tokens", 512, "KV tokens a LIP is expected to need when its client gives no hint "
-                             "(spawn kv_tokens) and no LIP of its program ran lately"),
-    ("--spawn-rate", 20, "LIPs one user may start a second; more wait in the admission queue"))
-
-
-def _admission_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("admission queue (a LIP that cannot start now waits its turn)")
-    for flag, default, what in _ADMISSION_FLAGS:
-        g.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
-
-
-def _admission(p: argparse.ArgumentParser, args):
-    """The admission queue's bounds from the flags (argparse error if one is bad)."""
-    from .sched.admission import AdmissionLimits
-    try:
-        return AdmissionLimits(max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
-                               max_queued_bytes=args.max_queued_mb << 20, default_kv_tokens=args.lip_kv_tokens,
-                               max_queued_bytes_per_user=args.max_queued_mb_per_user << 20,
-                               spawns_per_s=args.spawn_rate)
-    except ValueError as e:
-        p.error(f"admission queue: {e} (from --max-queued, --max-queued-per-user, --max-queued-mb, "
-                f"--max-queued-mb-per-user, --lip-kv-tokens, --spawn-rate)")
-
-
-def _closed_dir(d: str):
-    """The first directory from / down to ``d`` that other users may not search, or None."""
-    path = "/"
-    for part in [x for x in d.split("/") if x]:
-        path = os.path.join(path, part)
-        try:
-            if not os.stat(path).st_mode & 0o001:
-                return path
-        except OSError:
-            return None                     # not there yet: the kernel creates it (or fails) later
-    return None
-
-
 def kernel_main(argv=None) -> int:
     """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
     warm up, then serve until stopped; returns the exit status."""
@@ -334,6 +237,7 @@ class StartupError(RuntimeError):
     """The C++ ops could not be built or loaded, or the warm-up forward pass failed."""
 
 
+# ---------------------------------------------------------------- helpers
 def _start_logging(verbose: bool) -> logging.Logger:
     """Log to stderr, DEBUG with -v, every line escaped (no control character from a LIP or a
     client reaches the log); the kernel's logger."""
@@ -363,6 +267,103 @@ def _gateway(p: argparse.ArgumentParser, args) -> Optional[dict]:
                     f"socket {sock}: {closed} is not searchable by other users (chmod o+x {closed}, or "
                     "put the socket in a directory every user may search)")
     return {"http": args.http, "uid": args.gateway_uid, "argv": to_argv(args)}
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return n
+
+
+def _positive_int(text: str) -> int:
+    n = _nonneg_int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return n
+
+
+def _pages_or_percent(text: str):
+    """'N' pages (an int) or 'N%' of the pool (a float in (0, 1])."""
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
+        return pct / 100
+    return _nonneg_int(text)
+
+
+def _host_pages(text: str):
+    return "auto" if text == "auto" else _nonneg_int(text)
+
+
+def auto_host_pages(engine) -> int:
+    """The host tier's default ceiling: 4x the device pool, at most a quarter
+    of the RAM.  Its pages are made only as they are needed (64 at a time), so
+    the ceiling costs nothing until LIPs are suspended or files evicted."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 << 30
+    return max(0, min(4 * engine.kv.allocator.capacity, ram // 4 // engine.kv.page_bytes))
+
+
+def _umask(text: str) -> int:
+    try:
+        m = int(text, 8)
+    except ValueError:
+        m = -1
+    if not 0 <= m <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected an octal umask 000..777, got {text!r}")
+    return m
+
+
+_ADMISSION_FLAGS = (   # flag, default, what it bounds (all ints >= 1)
+    ("--max-queued", 1024, "LIPs waiting in the admission queue, all users"),
+    ("--max-queued-per-user", 256, "LIPs waiting in the admission queue, one user"),
+    ("--max-queued-mb", 256, "MiB of program source and arguments the waiting LIPs may hold, all users"),
+    ("--max-queued-mb-per-user", 64, "MiB of program source and arguments one user's waiting LIPs may hold"),
+    ("--lip-kv-tokens", 512, "KV tokens a LIP is expected to need when its client gives no hint "
+                             "(spawn kv_tokens) and no LIP of its program ran lately"),
+    ("--spawn-rate", 20, "LIPs one user may start a second; more wait in the admission queue"))
+
+
+def _admission_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admission queue (a LIP that cannot start now waits its turn)")
+    for flag, default, what in _ADMISSION_FLAGS:
+        g.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+
+
+def _admission(p: argparse.ArgumentParser, args):
+    """The admission queue's bounds from the flags (argparse error if one is bad)."""
+    from .sched.admission import AdmissionLimits
+    try:
+        return AdmissionLimits(max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
+                               max_queued_bytes=args.max_queued_mb << 20, default_kv_tokens=args.lip_kv_tokens,
+                               max_queued_bytes_per_user=args.max_queued_mb_per_user << 20,
+                               spawns_per_s=args.spawn_rate)
+    except ValueError as e:
+        p.error(f"admission queue: {e} (from --max-queued, --max-queued-per-user, --max-queued-mb, "
+                f"--max-queued-mb-per-user, --lip-kv-tokens, --spawn-rate)")
+
+
+def _closed_dir(d: str):
+    """The first directory from / down to ``d`` that other users may not search, or None."""
+    path = "/"
+    for part in [x for x in d.split("/") if x]:
+        path = os.path.join(path, part)
+        try:
+            if not os.stat(path).st_mode & 0o001:
+                return path
+        except OSError:
+            return None                     # not there yet: the kernel creates it (or fails) later
+    return None
 
 
 def _cap_args(p: argparse.ArgumentParser) -> None:
