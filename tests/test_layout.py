@@ -39,16 +39,15 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module name ``path`` imports (absolute; for ``from X import y``, both X and X.y,
-    since y may be a submodule)."""
+def _import_statements(path: Path):
+    """(module, names) of each import statement in ``path``, wherever it stands, relative
+    imports resolved: ``import X`` -> (X, []), ``from X import y, z`` -> (X, [y, z])."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     mod = _module_name(path) if path.is_relative_to(PKG) else path.stem
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            yield from ((a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
@@ -57,8 +56,16 @@ def _imports(path: Path) -> set[str]:
                 base_name = ".".join(base + ([node.module] if node.module else []))
             else:
                 base_name = node.module or ""
-            out.add(base_name)
-            out.update(f"{base_name}.{a.name}" for a in node.names if a.name != "*")
+            yield base_name, [a.name for a in node.names if a.name != "*"]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module name ``path`` imports (absolute; for ``from X import y``, both X and X.y,
+    since y may be a submodule)."""
+    out: set[str] = set()
+    for base, names in _import_statements(path):
+        out.add(base)
+        out.update(f"{base}.{n}" for n in names)
     return out
 
 
@@ -77,24 +84,16 @@ def _modules() -> dict[str, Path]:
 
 
 def _edges(path: Path, mods: dict[str, Path]) -> set[str]:
-    """The modules of the package that ``path`` imports, wherever the import stands.  ``from X
-    import y`` counts as X.y where that is a module, as X otherwise (a name X's ``__init__``
-    defines or re-exports); ``import X.Y`` counts as X.Y (its parent packages are run first, but
-    a submodule needs nothing of them)."""
-    mod = _module_name(path)
-    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                                + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names)
-    return {m for m in out if m in mods and m != mod}
+    """The modules of the package ``path`` imports.  ``from X import y`` counts as X.y where that
+    is a module, as X otherwise (a name X's ``__init__`` defines or re-exports); ``import X.Y``
+    as X.Y (its parent packages run first, but it needs nothing of them).  So a submodule's
+    ``from . import sibling`` is an edge to the sibling, not to its package, and a package whose
+    ``__init__`` imports its own submodules is no cycle; a submodule taking a name from its
+    package's ``__init__`` that imports it back is one."""
+    out = set()
+    for base, names in _import_statements(path):
+        out.update({f"{base}.{n}" if f"{base}.{n}" in mods else base for n in names} if names else {base})
+    return {m for m in out if m in mods and m != _module_name(path)}
 
 
 def import_graph() -> dict[str, set[str]]:
