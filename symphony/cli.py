@@ -13,52 +13,7 @@ import logging
 import sys
 import time
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face safetensors directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--gpus", default=None, help="GPU index to run on, e.g. 0 (default: CPU)")
-    p.add_argument("--kv-memory-mb", type=int, default=256, help="KV page pool size in MiB (default 256)")
-    p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights, activations and KV pool (default float32 on a CPU, bfloat16 on a GPU)")
-    p.add_argument("--weights", default="auto", choices=["auto", "quantized", "float"],
-                   help="quantized GGUF tensors: keep them quantized in memory and compute on their "
-                        "bits, or dequantize them to --dtype at load (default auto: quantized on a CPU, "
-                        "float on a GPU)")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="quantize float weights (safetensors, F16/F32 GGUF) at load, groups of 32")
-    p.add_argument("--activations", default="auto", choices=["auto", "int8"],
-                   help="what quantized weights multiply on a CPU: auto (x rounded to 15 bits per block "
-                        "of 16 on CPUs with AVX-512 VNNI or AVX2 without AVX-512, float32 otherwise: logits within ~1/2000 of "
-                        "their scale) or int8 (faster for batches, but logits move by ~4%% of their "
-                        "scale, as llama.cpp's do)")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-
-
-def _build_engine(args):
-    from .engine.config import DTYPES, ConfigError, EngineConfig
-    from .engine.engine import Engine
-    device = "cpu"
-    if args.gpus:
-        ids = [g.strip() for g in args.gpus.split(",") if g.strip()]
-        if len(ids) != 1 or not ids[0].isdigit():
-            raise SystemExit(f"--gpus: one GPU index is supported for now, got {args.gpus!r}")
-        device = f"cuda:{ids[0]}"
-    try:
-        cfg = EngineConfig(device=device, dtype=DTYPES[args.dtype] if args.dtype else None,
-                           page_size=args.page_size, kv_memory_bytes=args.kv_memory_mb * 2**20,
-                           cuda_graphs=False if args.no_cuda_graphs else None,
-                           weights=args.weights, quantize=args.quantize)
-    except ConfigError as e:
-        raise SystemExit(f"symphony: {e}") from None
-    from .engine.quant import set_int8_activations
-    set_int8_activations(args.activations == "int8")
-    return Engine.load(args.model, cfg)
+from .engine.args import EngineArgs
 
 
 def _sample(logits, temperature: float, gen):
@@ -107,7 +62,8 @@ def main(argv=None) -> int:
         s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--system", default=None, help="system message (chat)")
-        _engine_args(s)
+        EngineArgs.add_cli_args(s)
+        s.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     _add_client_cmds(sub)
     args = p.parse_args(argv)
     if args.cmd == "programs" or (args.cmd == "run" and args.list):
@@ -122,13 +78,20 @@ def main(argv=None) -> int:
         return _client_cmd(args)
     if args.cmd == "keys":
         return _keys_cmd(args)
+    from .kernel_cli import LOG_FORMAT
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
                         stream=sys.stderr)
     if args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
+    from .engine.config import ConfigError
     from .engine.loader import ModelLoadError
+    eargs = EngineArgs.from_cli_args(args)
     try:
-        engine = _build_engine(args)
+        cfg = eargs.to_config()
+    except ConfigError as e:
+        raise SystemExit(f"symphony: {e}") from None
+    try:
+        engine = eargs.load(cfg)
     except ModelLoadError as e:
         print(f"symphony: {e}", file=sys.stderr)
         return 2

@@ -1,18 +1,272 @@
 """The kernel daemon's command line: ``symphony-kernel`` (== ``python -m symphony.kernel``).
 
-Its flags (engine, KV tiers and quotas, LIP limits, capabilities), their validation, and the
-startup: build/load the C++ ops, warm up one forward pass, then serve. The engine flags
-(``--model``, ``--dtype``, ...) are shared with ``symphony chat|generate`` (symphony/cli.py).
+Three steps, one function each: `parser` (the flags: engine, KV tiers and quotas, LIP limits,
+capabilities), `config_from_args` (a checked `KernelConfig`; a bad flag exits here, before the
+model loads) and `build` (load the model, build/load the C++ ops, warm up one forward pass, make
+the `Kernel`); `kernel_main` runs them and serves.  The engine flags (``--model``, ``--dtype``,
+...) are `EngineArgs`' (symphony/engine/args.py), shared with ``symphony chat|generate``.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import logging
+import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
 
-from .cli import LOG_FORMAT, _build_engine, _engine_args
+from .engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    from .engine.config import EngineConfig
+    from .kernel.bounds import ClientBounds
+    from .kernel.capabilities import CapPolicy
+    from .kernel.limits import LimitPolicy
+    from .sched.admission import AdmissionLimits
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def kernel_main(argv=None) -> int:
+    """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
+    warm up, then serve until stopped; returns the exit status."""
+    p = parser()
+    cfg = config_from_args(p, p.parse_args(argv))        # usage errors exit here, before the model loads
+    log = _start_logging(cfg.verbose)
+    from .engine.loader import ModelLoadError
+    try:
+        kernel = build(cfg, log)
+    except ModelLoadError as e:
+        log.error("%s", e)
+        return 2
+    except StartupError as e:
+        log.error("%s", e)
+        return 1
+    try:
+        import uvloop
+        uvloop.run(kernel.serve())
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """``symphony-kernel``'s flags."""
+    p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
+                   "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
+    p.add_argument("--host-pages", type=_host_pages, default="auto",
+                   help="most pages the host-memory KV tier may grow to (made in chunks as suspended LIPs "
+                        "and evicted files need them); 'auto' (default): 4x the device pool, at most a "
+                        "quarter of the machine's RAM")
+    p.add_argument("--kv-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="how long pred calls may all wait for device KV pages that cannot move (some LIP "
+                        "blocked holding them, host and disk tiers full) before the least important "
+                        "waiting LIP gets NoSpace (default 30)")
+    p.add_argument("--swap-dir", default=None, help="directory for the disk KV tier (default: none)")
+    p.add_argument("--durable-dir", default=None, help="directory for durable KV files (default: none)")
+    p.add_argument("--user-quota", type=_pages_or_percent, default="50%",
+                   help="KV pages one user may hold, all tiers: N pages or N%% of the device + host "
+                        "pages (default 50%%); root is exempt")
+    p.add_argument("--user-inodes", type=_nonneg_int, default=10000,
+                   help="named KV files + directories one user may own (default 10000); root is exempt")
+    p.add_argument("--kv-umask", type=_umask, default=0o022,
+                   help="octal bits cleared from every KV file/directory mode a LIP asks for (default 022: "
+                        "no file is writable by other users; 077: nothing can be shared)")
+    p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
+    p.add_argument("--user-page-refs", type=_nonneg_int, default=None,
+                   help="pages one user's KV files may map, a fork counting every page it shares (default "
+                        "16x --user-quota); root is exempt")
+    p.add_argument("--max-lips", type=int, default=256,
+                   help="LIPs running at once (default 256); more wait in the admission queue")
+    _admission_args(p)
+    from .kernel import bounds as client_bounds
+    client_bounds.add_cli_args(p)
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
+                        "are fed in chunks of half of it")
+    p.add_argument("--lip-uids", default=None, metavar="FIRST-LAST",
+                   help="uids (= gids) LIPs run as, one per live LIP, when the kernel runs as root "
+                        "(default 61184-65519)")
+    _limit_args(p)
+    _cap_args(p)
+    p.add_argument("--lip-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
+                   help="nice value LIP workers start with (default 0)")
+    p.add_argument("--lip-busy-cpu", type=float, default=0.1, metavar="FRACTION",
+                   help="share of a core above which a LIP that computes between its calls (more than 2 ms "
+                        "a call) is reniced to 19, so that it runs on the CPU the model leaves (default 0.1; "
+                        "0: never)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads the model computes with (default: torch's, one per core); only "
+                        "the syscall thread computes, the others use one")
+    p.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve HTTP (the OpenAI API and programs over HTTP) on HOST:PORT: starts "
+                        "symphony-gateway as a child, stopped with the kernel")
+    p.add_argument("--gateway-uid", type=_positive_int, default=None, metavar="UID",
+                   help="the uid of the HTTP gateway, trusted to act for any user but root (default with "
+                        "--http: a free uid of --lip-uids on a root kernel, the kernel's own otherwise); "
+                        "give it to trust a symphony-gateway you run yourself")
+    from .gateway.config import add_args as gateway_args
+    gateway_args(p)
+    p.add_argument("--test-hooks", action="store_true",
+                   help="enable root-only fault-injection requests (tests only; never in production)")
+    return p
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What ``symphony-kernel``'s flags ask for, checked (`config_from_args`); sizes that depend
+    on the model (``--host-pages auto``, a ``--user-quota`` in %) are resolved by `build`."""
+
+    engine: EngineArgs
+    engine_config: EngineConfig
+    verbose: bool
+    socket: str
+    threads: Optional[int]              # None: torch's default
+    host_pages: Union[int, str]         # "auto": auto_host_pages(engine)
+    swap_dir: Optional[str]
+    durable_dir: Optional[str]
+    user_quota: Union[int, float]       # pages, or a share of the device + host pages
+    user_inodes: int
+    kv_umask: int
+    process_quota: Optional[int]
+    user_page_refs: Optional[int]       # None: 16x the user quota
+    kv_wait_s: float
+    max_lips: int
+    token_budget: Optional[int]
+    policy: LimitPolicy
+    max_queued_output: int              # bytes
+    caps: CapPolicy
+    admission: AdmissionLimits
+    bounds: ClientBounds
+    lip_uids: tuple[int, int]           # (first, last) uid LIPs run as (a root kernel)
+    lip_nice: int
+    lip_busy_cpu: float
+    gateway: Optional[dict]             # {"http", "uid", "argv"} with --http or --gateway-uid
+    test_hooks: bool
+
+
+def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
+    """The checked configuration of parsed flags; a bad value exits with a usage error naming
+    its flag (a bad engine setting: with its message), before anything is loaded."""
+    caps = _cap_policy(p, args)
+    admission = _admission(p, args)
+    from .kernel import bounds as client_bounds
+    bounds = client_bounds.from_args(p, args)
+    try:
+        policy = _policy(args)
+    except ValueError as e:
+        p.error(str(e))
+    if not 0 <= args.lip_busy_cpu <= 64:
+        p.error(f"--lip-busy-cpu must be in [0, 64] (a share of a core), got {args.lip_busy_cpu}")
+    gateway = _gateway(p, args)
+    if not 0 < args.kv_wait <= 86400:
+        p.error(f"--kv-wait must be in (0, 86400] seconds, got {args.kv_wait}")
+    from .kernel.identity import DEFAULT_RANGE, parse_range
+    try:
+        lip_uids = parse_range(args.lip_uids) if args.lip_uids is not None else DEFAULT_RANGE
+    except ValueError as e:
+        p.error(f"--lip-uids: {e}")
+    from .engine.config import ConfigError
+    from .ipc.protocol import default_socket_path
+    engine = EngineArgs.from_cli_args(args)
+    try:
+        engine_config = engine.to_config()
+    except ConfigError as e:
+        raise SystemExit(f"symphony: {e}") from None
+    return KernelConfig(
+        engine=engine, engine_config=engine_config, verbose=args.verbose,
+        socket=args.socket or default_socket_path(), threads=args.threads, host_pages=args.host_pages,
+        swap_dir=args.swap_dir, durable_dir=args.durable_dir, user_quota=args.user_quota,
+        user_inodes=args.user_inodes, kv_umask=args.kv_umask, process_quota=args.process_quota,
+        user_page_refs=args.user_page_refs, kv_wait_s=args.kv_wait, max_lips=args.max_lips,
+        token_budget=args.token_budget, policy=policy, max_queued_output=args.max_queued_output_kb << 10,
+        caps=caps, admission=admission, bounds=bounds, lip_uids=lip_uids, lip_nice=args.lip_nice,
+        lip_busy_cpu=args.lip_busy_cpu, gateway=gateway, test_hooks=args.test_hooks)
+
+
+def build(cfg: KernelConfig, log: logging.Logger):
+    """Load the model, build/load the ops and warm up, then make the KV file system and the
+    `Kernel` (not yet serving).  ModelLoadError; StartupError if the ops or the warm-up fail."""
+    import torch
+    compute_threads = cfg.threads or torch.get_num_threads()
+    # One OpenMP team in the process: the syscall thread's, which runs every step. A team made by
+    # this thread as well (loading, the warm-up) would outlive its use, and libgomp, seeing more
+    # threads than cores, then lets its workers sleep between parallel regions instead of
+    # spinning: every region pays a futex wake-up, and a decode step took 2.6x as long on 2
+    # cores (perf/RESULTS.md). Here everything computes on one thread.
+    torch.set_num_threads(1)
+    engine = cfg.engine.load(cfg.engine_config)
+    if engine.model.w.is_quantized() and engine.device.type == "cpu":
+        from .engine.quant import describe_cpu_kernels
+        log.info("quantized weights: %s", describe_cpu_kernels())
+    _warm_up(engine)
+    from .kernel.daemon import Kernel
+    from .kernel.proc import ServedLips
+    from .kvfs import KVFS, KVFSConfig
+    host_pages = auto_host_pages(engine) if cfg.host_pages == "auto" else cfg.host_pages
+    log.info("KV tiers: %d device pages (%.0f MiB), host tier up to %d pages, %s", engine.kv.allocator.capacity,
+             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, host_pages,
+             f"disk tier in {cfg.swap_dir}" if cfg.swap_dir else "no disk tier")
+    user_pages = cfg.user_quota
+    if isinstance(user_pages, float):               # a share of the device + host tiers
+        user_pages = int(user_pages * (engine.kv.allocator.capacity + host_pages))
+    user_refs = cfg.user_page_refs if cfg.user_page_refs is not None else 16 * user_pages
+    log.info("KV quotas: %d pages per user, %s per LIP, %d named files per user, %d pages mapped per user; "
+             "umask %03o", user_pages, cfg.process_quota if cfg.process_quota is not None else "no limit",
+             cfg.user_inodes, user_refs, cfg.kv_umask)
+    served = ServedLips()                           # the syscall thread's LIPs: KVFS swaps blocked ones first
+    fs = KVFS(engine, KVFSConfig(host_pages=host_pages, swap_dir=cfg.swap_dir,
+                                 durable_dir=cfg.durable_dir, user_page_quota=user_pages,
+                                 process_page_quota=cfg.process_quota, user_inode_quota=cfg.user_inodes,
+                                 user_ref_quota=user_refs, umask=cfg.kv_umask), evict_first=served.swap_out_first,
+              pinned=served.running_ids)     # running LIPs lose pages only whole (kernel/residency.py)
+    return Kernel(engine, fs, cfg.socket, served=served, max_lips=cfg.max_lips,
+                  token_budget=cfg.token_budget, policy=cfg.policy,
+                  max_queued_output=cfg.max_queued_output, cap_policy=cfg.caps, lip_uids=cfg.lip_uids,
+                  test_hooks=cfg.test_hooks, admission=cfg.admission, kv_wait_s=cfg.kv_wait_s,
+                  compute_threads=compute_threads, bounds=cfg.bounds, lip_nice=cfg.lip_nice,
+                  lip_busy_cpu=cfg.lip_busy_cpu, gateway=cfg.gateway)
+
+
+class StartupError(RuntimeError):
+    """The C++ ops could not be built or loaded, or the warm-up forward pass failed."""
+
+
+# ---------------------------------------------------------------- helpers
+def _start_logging(verbose: bool) -> logging.Logger:
+    """Log to stderr, DEBUG with -v, every line escaped (no control character from a LIP or a
+    client reaches the log); the kernel's logger."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    from .kernel.escape import SafeFormatter
+    for h in logging.getLogger().handlers:
+        h.setFormatter(SafeFormatter(LOG_FORMAT))
+    return logging.getLogger("symphony.kernel")
+
+
+def _gateway(p: argparse.ArgumentParser, args) -> Optional[dict]:
+    """The HTTP gateway to start (--http) or trust (--gateway-uid), or None."""
+    if args.http is None and args.gateway_uid is None:
+        return None
+    from .gateway.config import ConfigError, parse_hostport, to_argv
+    if args.http is not None:
+        try:
+            parse_hostport(args.http)
+        except ConfigError as e:
+            p.error(f"--http: {e}")
+    if args.http is not None and os.geteuid() == 0:
+        from .ipc.protocol import default_socket_path
+        sock = os.path.abspath(args.socket or default_socket_path())
+        closed = _closed_dir(os.path.dirname(sock))
+        if closed:
+            p.error(f"--http: the gateway gives up root and runs as another uid, which cannot reach the "
+                    f"socket {sock}: {closed} is not searchable by other users (chmod o+x {closed}, or "
+                    "put the socket in a directory every user may search)")
+    return {"http": args.http, "uid": args.gateway_uid, "argv": to_argv(args)}
 
 
 def _nonneg_int(text: str) -> int:
@@ -112,167 +366,6 @@ def _closed_dir(d: str):
     return None
 
 
-def kernel_main(argv=None) -> int:
-    """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
-    warm up, then serve until stopped; returns the exit status."""
-    p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
-    _engine_args(p)
-    p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
-                   "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
-    p.add_argument("--host-pages", type=_host_pages, default="auto",
-                   help="most pages the host-memory KV tier may grow to (made in chunks as suspended LIPs "
-                        "and evicted files need them); 'auto' (default): 4x the device pool, at most a "
-                        "quarter of the machine's RAM")
-    p.add_argument("--kv-wait", type=float, default=30.0, metavar="SECONDS",
-                   help="how long pred calls may all wait for device KV pages that cannot move (some LIP "
-                        "blocked holding them, host and disk tiers full) before the least important "
-                        "waiting LIP gets NoSpace (default 30)")
-    p.add_argument("--swap-dir", default=None, help="directory for the disk KV tier (default: none)")
-    p.add_argument("--durable-dir", default=None, help="directory for durable KV files (default: none)")
-    p.add_argument("--user-quota", type=_pages_or_percent, default="50%",
-                   help="KV pages one user may hold, all tiers: N pages or N%% of the device + host "
-                        "pages (default 50%%); root is exempt")
-    p.add_argument("--user-inodes", type=_nonneg_int, default=10000,
-                   help="named KV files + directories one user may own (default 10000); root is exempt")
-    p.add_argument("--kv-umask", type=_umask, default=0o022,
-                   help="octal bits cleared from every KV file/directory mode a LIP asks for (default 022: "
-                        "no file is writable by other users; 077: nothing can be shared)")
-    p.add_argument("--process-quota", type=int, default=None, help="KV pages one LIP may hold")
-    p.add_argument("--user-page-refs", type=_nonneg_int, default=None,
-                   help="pages one user's KV files may map, a fork counting every page it shares (default "
-                        "16x --user-quota); root is exempt")
-    p.add_argument("--max-lips", type=int, default=256,
-                   help="LIPs running at once (default 256); more wait in the admission queue")
-    _admission_args(p)
-    from .kernel import bounds as client_bounds
-    client_bounds.add_cli_args(p)
-    p.add_argument("--token-budget", type=int, default=None,
-                   help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
-                        "are fed in chunks of half of it")
-    p.add_argument("--lip-uids", default=None, metavar="FIRST-LAST",
-                   help="uids (= gids) LIPs run as, one per live LIP, when the kernel runs as root "
-                        "(default 61184-65519)")
-    _limit_args(p)
-    _cap_args(p)
-    p.add_argument("--lip-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
-                   help="nice value LIP workers start with (default 0)")
-    p.add_argument("--lip-busy-cpu", type=float, default=0.1, metavar="FRACTION",
-                   help="share of a core above which a LIP that computes between its calls (more than 2 ms "
-                        "a call) is reniced to 19, so that it runs on the CPU the model leaves (default 0.1; "
-                        "0: never)")
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads the model computes with (default: torch's, one per core); only "
-                        "the syscall thread computes, the others use one")
-    p.add_argument("--http", default=None, metavar="HOST:PORT",
-                   help="also serve HTTP (the OpenAI API and programs over HTTP) on HOST:PORT: starts "
-                        "symphony-gateway as a child, stopped with the kernel")
-    p.add_argument("--gateway-uid", type=_positive_int, default=None, metavar="UID",
-                   help="the uid of the HTTP gateway, trusted to act for any user but root (default with "
-                        "--http: a free uid of --lip-uids on a root kernel, the kernel's own otherwise); "
-                        "give it to trust a symphony-gateway you run yourself")
-    from .gateway.config import add_args as gateway_args
-    gateway_args(p)
-    p.add_argument("--test-hooks", action="store_true",
-                   help="enable root-only fault-injection requests (tests only; never in production)")
-    args = p.parse_args(argv)
-    caps = _cap_policy(p, args)                  # validated before the model loads
-    admission = _admission(p, args)
-    bounds = client_bounds.from_args(p, args)
-    try:
-        policy = _policy(args)
-    except ValueError as e:
-        p.error(str(e))
-    if not 0 <= args.lip_busy_cpu <= 64:
-        p.error(f"--lip-busy-cpu must be in [0, 64] (a share of a core), got {args.lip_busy_cpu}")
-    gateway = None
-    if args.http is not None or args.gateway_uid is not None:
-        from .gateway.config import ConfigError, parse_hostport, to_argv
-        if args.http is not None:
-            try:
-                parse_hostport(args.http)
-            except ConfigError as e:
-                p.error(f"--http: {e}")
-        gateway = {"http": args.http, "uid": args.gateway_uid, "argv": to_argv(args)}
-        if args.http is not None and os.geteuid() == 0:
-            from .ipc.protocol import default_socket_path
-            sock = os.path.abspath(args.socket or default_socket_path())
-            closed = _closed_dir(os.path.dirname(sock))
-            if closed:
-                p.error(f"--http: the gateway gives up root and runs as another uid, which cannot reach the "
-                        f"socket {sock}: {closed} is not searchable by other users (chmod o+x {closed}, or "
-                        "put the socket in a directory every user may search)")
-    if not 0 < args.kv_wait <= 86400:
-        p.error(f"--kv-wait must be in (0, 86400] seconds, got {args.kv_wait}")
-    from .kernel.identity import DEFAULT_RANGE, parse_range
-    try:
-        lip_uids = parse_range(args.lip_uids) if args.lip_uids is not None else DEFAULT_RANGE
-    except ValueError as e:
-        p.error(f"--lip-uids: {e}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
-                        stream=sys.stderr)
-    from .kernel.escape import SafeFormatter
-    for h in logging.getLogger().handlers:       # no control character from a LIP or client in a log line
-        h.setFormatter(SafeFormatter(LOG_FORMAT))
-    log = logging.getLogger("symphony.kernel")
-    import torch
-    compute_threads = args.threads or torch.get_num_threads()
-    # One OpenMP team in the process: the syscall thread's, which runs every step. A team made by
-    # this thread as well (loading, the warm-up) would outlive its use, and libgomp, seeing more
-    # threads than cores, then lets its workers sleep between parallel regions instead of
-    # spinning: every region pays a futex wake-up, and a decode step took 2.6x as long on 2
-    # cores (perf/RESULTS.md). Here everything computes on one thread.
-    torch.set_num_threads(1)
-    from .engine.loader import ModelLoadError
-    try:
-        engine = _build_engine(args)
-    except ModelLoadError as e:
-        log.error("%s", e)
-        return 2
-    if engine.model.w.is_quantized() and engine.device.type == "cpu":
-        from .engine.quant import describe_cpu_kernels
-        log.info("quantized weights: %s", describe_cpu_kernels())
-    try:
-        _warm_up(engine)
-    except RuntimeError as e:
-        log.error("%s", e)
-        return 1
-    from .kernel.daemon import Kernel
-    from .kernel.proc import ServedLips
-    from .ipc.protocol import default_socket_path
-    from .kvfs import KVFS, KVFSConfig
-    if args.host_pages == "auto":
-        args.host_pages = auto_host_pages(engine)
-    log.info("KV tiers: %d device pages (%.0f MiB), host tier up to %d pages, %s", engine.kv.allocator.capacity,
-             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, args.host_pages,
-             f"disk tier in {args.swap_dir}" if args.swap_dir else "no disk tier")
-    user_pages = args.user_quota
-    if isinstance(user_pages, float):               # a share of the device + host tiers
-        user_pages = int(user_pages * (engine.kv.allocator.capacity + args.host_pages))
-    user_refs = args.user_page_refs if args.user_page_refs is not None else 16 * user_pages
-    log.info("KV quotas: %d pages per user, %s per LIP, %d named files per user, %d pages mapped per user; "
-             "umask %03o", user_pages, args.process_quota if args.process_quota is not None else "no limit",
-             args.user_inodes, user_refs, args.kv_umask)
-    served = ServedLips()                           # the syscall thread's LIPs: KVFS swaps blocked ones first
-    fs = KVFS(engine, KVFSConfig(host_pages=args.host_pages, swap_dir=args.swap_dir,
-                                 durable_dir=args.durable_dir, user_page_quota=user_pages,
-                                 process_page_quota=args.process_quota, user_inode_quota=args.user_inodes,
-                                 user_ref_quota=user_refs, umask=args.kv_umask), evict_first=served.swap_out_first,
-              pinned=served.running_ids)     # running LIPs lose pages only whole (kernel/residency.py)
-    kernel = Kernel(engine, fs, args.socket or default_socket_path(), served=served, max_lips=args.max_lips,
-                    token_budget=args.token_budget, policy=policy,
-                    max_queued_output=args.max_queued_output_kb << 10, cap_policy=caps, lip_uids=lip_uids,
-                    test_hooks=args.test_hooks, admission=admission, kv_wait_s=args.kv_wait,
-                    compute_threads=compute_threads, bounds=bounds, lip_nice=args.lip_nice,
-                    lip_busy_cpu=args.lip_busy_cpu, gateway=gateway)
-    try:
-        import uvloop
-        uvloop.run(kernel.serve())
-    except RuntimeError as e:
-        log.error("%s", e)
-        return 1
-    return 0
-
-
 def _cap_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("capabilities (what a LIP's --grant may give it)")
     g.add_argument("--allow-read", action="append", default=None, metavar="DIR",
@@ -297,7 +390,6 @@ def _cap_args(p: argparse.ArgumentParser) -> None:
 
 def _cap_policy(p: argparse.ArgumentParser, args):
     """The capability policy from the kernel's flags (exits with a usage error if one is bad)."""
-    import os
     from .kernel.capabilities import CapPolicy
     from .ipc.protocol import default_socket_path
     build = os.environ.get("SYMPHONY_BUILD_DIR") or os.path.expanduser("~/.cache/symphony")
@@ -362,14 +454,17 @@ def _warm_up(engine) -> None:
     from .engine import ops
     t0 = time.perf_counter()
     print(f"symphony-kernel: loading the C++ ops (sources: {ops.csrc_dir()})...", file=sys.stderr, flush=True)
-    ops.load()
-    t1 = time.perf_counter()
-    print(f"symphony-kernel: C++ ops loaded in {t1 - t0:.1f} s; warming up one forward pass...",
-          file=sys.stderr, flush=True)
-    seq = engine.new_sequence()
     try:
-        engine.pred(seq, [0])
-    finally:
-        engine.release(seq)
+        ops.load()
+        t1 = time.perf_counter()
+        print(f"symphony-kernel: C++ ops loaded in {t1 - t0:.1f} s; warming up one forward pass...",
+              file=sys.stderr, flush=True)
+        seq = engine.new_sequence()
+        try:
+            engine.pred(seq, [0])
+        finally:
+            engine.release(seq)
+    except RuntimeError as e:
+        raise StartupError(str(e)) from e
     print(f"symphony-kernel: warm-up forward pass took {time.perf_counter() - t1:.1f} s",
           file=sys.stderr, flush=True)

@@ -96,8 +96,12 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt),
                            add_bos=False)
 
+    def hf_json(self) -> str:
+        """The vocabulary and its rules as Hugging Face ``tokenizers`` JSON (what llguidance reads)."""
+        return self._tok.to_str()
+
     def to_json(self) -> str:
-        return orjson.dumps({"tokenizer": self._tok.to_str(), "bos_id": self.bos_id,
+        return orjson.dumps({"tokenizer": self.hf_json(), "bos_id": self.bos_id,
                              "eos_ids": list(self.eos_ids), "chat_template": self.chat_template,
                              "add_bos": self.add_bos}).decode()
 

@@ -29,17 +29,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
-from symphony.lip import runtime
 import numpy as np
 
-from symphony.tokenizer import StreamDecoder
-from symphony.lip import kv, pred, send, tokenizer
+from symphony.lip import StreamDecoder, kv, pred, send, tokenizer
+from symphony.lip.grammar import ll_tokenizer
 
 USAGE = ("usage: constrained.py (--json-schema SCHEMA | --regex REGEX | --lark GRAMMAR) PROMPT "
          "[--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--n N]")
 
 _STEP_SEED = 0x9E3779B97F4A7C15        # mixes (seed, step) into one seed per pred call
-_llt = None                            # the LLTokenizer, built once per LIP
 
 
 def parse_args(args):
@@ -74,17 +72,6 @@ def parse_args(args):
     if opts["max_tokens"] < 1 or opts["temperature"] < 0 or not 0 < opts["top_p"] <= 1:
         raise ValueError("--max-tokens must be >= 1, --temperature >= 0, --top-p in (0, 1]")
     return kind, grammar, prompt, opts
-
-
-def ll_tokenizer(tok):
-    """An llguidance tokenizer from the model's own `tokenizers` object, in
-    memory: LLTokenizer accepts the tokenizer's JSON (what transformers would
-    hand it); the vocabulary's byte strings come from the tokenizer's decoder."""
-    global _llt
-    if _llt is None:                        # the zygote usually built it once for every LIP
-        _llt = getattr(runtime, "ll_tokenizer", None) or llguidance.LLTokenizer(
-            tok._tok.to_str(), n_vocab=tok.vocab_size, eos_token=list(tok.eos_ids))
-    return _llt
 
 
 def grammar_for(kind, text):
@@ -153,7 +140,7 @@ def main(*args):
         return 2
     tok = tokenizer()
     try:
-        matcher = llguidance.LLMatcher(ll_tokenizer(tok), grammar_for(kind, text), log_level=0)
+        matcher = llguidance.LLMatcher(ll_tokenizer(), grammar_for(kind, text), log_level=0)
     except ValueError as e:                                 # e.g. a schema that is not JSON
         print(f"constrained: bad {kind}: {e}", file=sys.stderr)
         return 2

@@ -2,8 +2,7 @@
 
     symphony run userland/generate.py "What is the capital of France?" [max_tokens]
 """
-from symphony.lip import kv, pred, send, tokenizer
-from symphony.tokenizer import StreamDecoder
+from symphony.lip import StreamDecoder, kv, pred, send, tokenizer
 
 
 def main(question, max_tokens="128"):

@@ -106,14 +106,13 @@ import sys
 import threading
 import traceback
 
-from symphony.lip import InvalidPath, NoSpace, QuotaExceeded, info, kv, pred, tokenizer
+from symphony.lip import InvalidPath, NoSpace, QuotaExceeded, StreamDecoder, TokenizerError, info, kv, pred, tokenizer
 from symphony.lip.decoding import Decoder
 from symphony.lip.grammar import GrammarRejected, json_schema, lark, matcher, token_bytes
 from symphony.lip.prefixcache import PrefixCache
 from symphony.lip.serving import BadRequest, Events, Request
 from symphony.lip.streaming import TextStream
 from symphony.lip.tools import MARKER, CallParser, calls_grammar, render
-from symphony.tokenizer import StreamDecoder, TokenizerError
 
 SEED_MASK = (1 << 64) - 1
 

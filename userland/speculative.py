@@ -18,8 +18,7 @@ quoting the prompt) needs far fewer pred calls than tokens.
 Sends the text (streamed), then one JSON line of stats.  ``--raw``: continue
 the prompt as plain text instead of answering it as a chat message.
 """
-from symphony.tokenizer import StreamDecoder
-from symphony.lip import kv, pred, send, tokenizer
+from symphony.lip import StreamDecoder, kv, pred, send, tokenizer
 
 MAX_DRAFT = 7          # draft + the pending token = 8 rows, the per-call logits limit
 

@@ -30,8 +30,7 @@ import sys
 
 import numpy as np
 
-from symphony.tokenizer import StreamDecoder
-from symphony.lip import kv, pred, send, tokenizer
+from symphony.lip import StreamDecoder, kv, pred, send, tokenizer
 from symphony.lip.sampling import Sampler
 
 USAGE = ("usage: watermark.py generate PROMPT [--delta D] [--gamma G] [--key K] [--max-tokens N] "

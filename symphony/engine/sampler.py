@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-# sampling parameters a pred(output="sample") may ask for
+# sampling parameters a pred(output="sample") may ask for: the ABI's bounds (symphony/ipc/abi.py),
+# which the engine may not import (tests/test_layout.py); tests/test_ipc_schema.py keeps them equal
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
 
 

@@ -10,7 +10,9 @@ the exception class of that NAME (see `symphony.lip.errors`).
 Each op's request body is a declared type in `symphony.ipc.schema` (decoded
 and validated there, on both sides); the ring that carries calls is
 `symphony.ipc.layout` (+ kernel_side, lip_side, wait).  Everything below is the
-one place these numbers live: every other module imports them from here.
+one place these numbers live: every other module imports them from here, except
+the engine, which imports nothing of ipc: the copies it keeps are tied to these
+by tests/test_ipc_schema.py.
 """
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ class KernelSide:
         self._req_room = slot_bytes - REQ_BODY_OFF
         self._resp_room = slot_bytes - RESP_BODY_OFF
         if waitset is not None:
-            waitset.add(self)
+            waitset.add(self.bell_fd, self._taken, self.pending)
             self._waitset = waitset
         return self
 
@@ -154,6 +154,9 @@ class KernelSide:
         raise IndexError(f"slot {slot!r} out of range [0, {self.n_slots})")
 
     # ------------------------------------------------------------ polling
+    def _taken(self) -> int:
+        return self.taken
+
     def pending(self) -> bool:
         """Cheap check: is some slot in REQUEST that the kernel has not taken?"""
         if self._closed:
@@ -231,6 +234,10 @@ class KernelSide:
         return np.ndarray((int(rows), int(cols)), dtype=dt, buffer=self._mm,
                           offset=self._arena_off + slot * self.arena_bytes)
 
+    def arena_range(self) -> tuple[int, int]:
+        """(address, bytes) of all the slots' arenas in this process's mapping, one block."""
+        return self._u8.ctypes.data + self._arena_off, self.n_slots * self.arena_bytes
+
     def topk_arena(self, slot: int, rows: int, k: int) -> TopK:
         """Writable views for a top-k reply in slot's arena: ids int32 [rows, k] and
         logprobs float32 [rows, k]; answer with ``respond(..., abi.ARENA_TOPK, 2 * rows, k)``."""
@@ -289,7 +296,7 @@ class KernelSide:
         segment and closing the semaphores, for any thread to run once."""
         self._closed = True
         if self._waitset is not None:
-            self._waitset.discard(self)
+            self._waitset.discard(self.bell_fd)
             self._waitset = None
         if self.bell_fd >= 0:
             try:

@@ -37,10 +37,7 @@ import os
 import select
 import threading
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .kernel_side import KernelSide
+from typing import Callable
 
 __all__ = ["Spin", "WaitSet", "new_bell", "ring_bell"]
 
@@ -133,19 +130,20 @@ def ring_bell(fd: int) -> None:
 
 
 class _Bell:
-    __slots__ = ("ring", "fd", "seen", "strikes", "level")
+    __slots__ = ("fd", "taken", "pending", "seen", "strikes", "level")
 
-    def __init__(self, ring: "KernelSide"):
-        self.ring, self.fd = ring, ring.bell_fd
-        self.seen = ring.taken      # requests taken when this bell was last checked
+    def __init__(self, fd: int, taken: Callable[[], int], pending: Callable[[], bool]):
+        self.fd, self.taken, self.pending = fd, taken, pending
+        self.seen = taken()         # requests taken when this bell was last checked
         self.strikes = 0            # consecutive rings that brought no request
         self.level = 0              # how many mutes in a row (each twice as long)
 
 
 class WaitSet:
     """The kernel's wake-up channel: its own private eventfd (``ring()``, for its
-    own commands) plus every LIP's *own* doorbell eventfd (``KernelSide.bell_fd``),
-    all watched by one edge-triggered epoll.
+    own commands) plus every LIP's *own* doorbell eventfd (``add``: the fd and two
+    counters of its ring, see `KernelSide.create`), all watched by one
+    edge-triggered epoll.
 
     ``wait(timeout, ready)`` spins on ``ready()`` for up to the (adaptive) spin
     budget, then blocks in ``epoll_wait``; call ``ready`` / poll the rings *after*
@@ -186,25 +184,31 @@ class WaitSet:
         """Wake the waiter (the kernel's own commands; any thread)."""
         ring_bell(self._own)
 
-    def add(self, ring: "KernelSide") -> None:
-        """Watch ``ring``'s doorbell (KernelSide.create does this)."""
-        b = _Bell(ring)
+    def add(self, fd: int, taken: Callable[[], int], pending: Callable[[], bool]) -> None:
+        """Watch the doorbell ``fd`` of a ring whose requests are counted by ``taken()`` (how many
+        the kernel has taken so far) and ``pending()`` (whether one waits, not yet taken): a ring
+        that brings neither is a strike.  `KernelSide.create` does this."""
+        b = _Bell(fd, taken, pending)
         with self._lock:
-            self._bells[b.fd] = b
-            self._ep.register(b.fd, _EV_IN)
+            self._bells[fd] = b
+            self._ep.register(fd, _EV_IN)
 
-    def discard(self, ring: "KernelSide") -> None:
-        """Stop watching ``ring``'s doorbell (KernelSide.close does this)."""
+    def discard(self, fd: int) -> None:
+        """Stop watching the doorbell ``fd`` (`KernelSide.close` does this, before closing it)."""
         with self._lock:
-            b = self._bells.get(ring.bell_fd)
-            if b is None or b.ring is not ring:
+            b = self._bells.pop(fd, None)
+            if b is None:
                 return
-            del self._bells[b.fd]
             self._muted.pop(b.fd, None)
             try:
                 self._ep.unregister(b.fd)
             except (OSError, ValueError):
                 pass
+
+    def watching(self) -> int:
+        """How many doorbells are watched (muted ones included)."""
+        with self._lock:
+            return len(self._bells)
 
     def _unmute(self, now: float) -> float | None:
         """Re-arm bells whose mute is over; the next unmute time, or None."""
@@ -221,9 +225,9 @@ class WaitSet:
         return nxt
 
     def _check(self, b: _Bell, now: float) -> None:
-        r = b.ring
-        new, b.seen = r.taken - b.seen, r.taken
-        if r.pending():
+        taken = b.taken()
+        new, b.seen = taken - b.seen, taken
+        if b.pending():
             return                                  # a request waits: the ring was due
         if new:                                     # requests came with the rings: each pays for
             b.strikes = max(0, b.strikes - self.RINGS_PER_CALL * new)   # a few rings

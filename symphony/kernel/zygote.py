@@ -97,7 +97,7 @@ class _RingStream(io.TextIOBase):
             from symphony.lip import runtime
             text, self._buf = self._buf, ""
             try:
-                runtime._write_stream(self.name, text)
+                runtime.write_stream(self.name, text)
             except Exception:
                 pass
 
@@ -137,7 +137,7 @@ def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None
         from symphony.lip import runtime
         prog = _read_program(prog_fd)
         ring = LipSide.attach(msg["names"], bell_fd)
-        runtime._attach(ring, tok)
+        runtime.attach(ring, tok)
         sys.stdout, sys.stderr = _RingStream("stdout"), _RingStream("stderr")
         os.environ.clear()
         os.environ.update(LIP_ENV)
@@ -221,10 +221,8 @@ def main() -> None:
             pass
     tok.decode(tok.encode("warm up"))
     try:                                                    # the grammar engine's view of the
-        import llguidance                                   # vocabulary, built once for all LIPs
-        from symphony.lip import runtime
-        runtime.ll_tokenizer = llguidance.LLTokenizer(tok._tok.to_str(), n_vocab=tok.vocab_size,
-                                                      eos_token=list(tok.eos_ids))
+        from symphony.lip import grammar                    # vocabulary, built once for all LIPs
+        grammar.preload(tok)
     except Exception as e:
         print(f"symphony zygote: no llguidance tokenizer: {e}", file=sys.stderr, flush=True)
     rd, wr = os.pipe()

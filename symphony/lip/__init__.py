@@ -14,13 +14,16 @@ typed exceptions of `symphony.lip.errors`.  See the README, "Writing a LIP".
 """
 from __future__ import annotations
 
+from symphony.tokenizer import StreamDecoder, TokenizerError  # noqa: F401
+
 from .errors import *  # noqa: F401,F403
 from . import runtime as _runtime
 from .runtime import (KVFile, capabilities, detokenize, http, info, kv, list_dir,  # noqa: F401
                       mask_words, pred, read_file, recv, send, tokenize, tokenizer, vocab_size)
 
 __all__ = ["kv", "KVFile", "pred", "tokenize", "detokenize", "send", "recv", "EOS", "http",
-           "read_file", "list_dir", "info", "tokenizer", "capabilities", "mask_words", "vocab_size"]
+           "read_file", "list_dir", "info", "tokenizer", "capabilities", "mask_words", "vocab_size",
+           "StreamDecoder", "TokenizerError"]
 
 
 def __getattr__(name: str):

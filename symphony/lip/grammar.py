@@ -15,7 +15,9 @@ import llguidance
 
 from . import runtime
 
-__all__ = ["GrammarRejected", "json_schema", "lark", "ll_tokenizer", "matcher", "token_bytes"]
+__all__ = ["GrammarRejected", "json_schema", "lark", "ll_tokenizer", "matcher", "preload", "token_bytes"]
+
+_llt = None     # llguidance's view of the vocabulary: built by `preload` or at first use
 
 
 class GrammarRejected(ValueError):
@@ -24,12 +26,16 @@ class GrammarRejected(ValueError):
 
 def ll_tokenizer() -> "llguidance.LLTokenizer":
     """The llguidance view of the model's vocabulary (the zygote builds it once for all LIPs)."""
-    llt = getattr(runtime, "ll_tokenizer", None)
-    if llt is None:
-        tok = runtime.tokenizer()
-        llt = runtime.ll_tokenizer = llguidance.LLTokenizer(
-            tok._tok.to_str(), n_vocab=tok.vocab_size, eos_token=list(tok.eos_ids))
-    return llt
+    if _llt is None:
+        preload(runtime.tokenizer())
+    return _llt
+
+
+def preload(tok) -> None:
+    """Build the llguidance view of ``tok`` (a `symphony.tokenizer.Tokenizer`) now: the zygote
+    does, once, before it forks the LIPs that will use it."""
+    global _llt
+    _llt = llguidance.LLTokenizer(tok.hf_json(), n_vocab=tok.vocab_size, eos_token=list(tok.eos_ids))
 
 
 def json_schema(schema) -> str:

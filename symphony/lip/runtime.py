@@ -19,17 +19,23 @@ _ring = None          # symphony.ipc.lip_side.LipSide, set by the worker before 
 _tok = None           # symphony.tokenizer.Tokenizer
 _eos: tuple = ()
 EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach (-1 outside a LIP)
-ATTACHED = ("EOS",)   # globals set by _attach: `symphony.lip` reads them here at each access
+ATTACHED = ("EOS",)   # globals set by attach: `symphony.lip` reads them here at each access
 _local = threading.local()
 
 
-def _attach(ring, tok) -> None:
-    """Called once by the LIP worker (symphony.kernel.zygote) before user code."""
+def attach(ring, tok) -> None:
+    """Point the library at the LIP's ring (a `symphony.ipc.lip_side.LipSide`) and the model's
+    tokenizer: the LIP worker (symphony.kernel.zygote) calls it once, before the program runs."""
     global _ring, _tok, _eos, EOS
     _ring, _tok = ring, tok
     _eos = tok.eos_ids
     EOS = tok.eos_id if tok.eos_id is not None else -1
-    globals()["EOS"] = EOS
+
+
+def detach() -> None:
+    """Back to no ring (what a process that is no LIP sees: every call raises NotInLIP)."""
+    global _ring, _tok, _eos, EOS
+    _ring, _tok, _eos, EOS = None, None, (), -1
 
 
 def _sys(op: int, tokens: Optional[np.ndarray] = None, **fields):
@@ -324,5 +330,7 @@ def capabilities() -> dict:
     return info()["grants"]
 
 
-def _write_stream(stream: str, text: str) -> None:
+def write_stream(stream: str, text: str) -> None:
+    """Send ``text`` to the client's ``stream`` ("stdout" or "stderr"): the worker's sys.stdout
+    and sys.stderr write through this."""
     _sys(abi.WRITE_STREAM, stream=stream, data=text)

@@ -247,19 +247,22 @@ def test_activations_flag_selects_the_kernels(tmp_path):
     """`--activations int8` (symphony / symphony-kernel) switches the engine to the int8 kernels,
     `auto` back; the kernel's log line says which; a bad value is refused by the parser."""
     import argparse
-    from symphony import cli
     from symphony.engine import quant
+    from symphony.engine.args import EngineArgs
     cfg = tiny_cfg(False)
     path = write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg), quant="Q4_1")
     p = argparse.ArgumentParser()
-    cli._engine_args(p)
+    EngineArgs.add_cli_args(p)
+
+    def load(*argv):
+        return EngineArgs.from_cli_args(p.parse_args(["--model", str(path), "--kv-memory-mb", "1", *argv])).load()
     try:
-        eng = cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1", "--activations", "int8"]))
+        eng = load("--activations", "int8")
         assert quant.int8_activations() and "int8" in quant.describe_cpu_kernels()
         x = torch.randn(3, cfg["hidden_size"])
         w = eng.model.w.layers[0].wqkv
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -2))
-        cli._build_engine(p.parse_args(["--model", str(path), "--kv-memory-mb", "1"]))
+        load()
         assert not quant.int8_activations()
         assert ("15-bit" if AUTO_15BIT else "float32") in quant.describe_cpu_kernels()
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -1))

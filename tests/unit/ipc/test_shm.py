@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import orjson
+import posix_ipc
 import pytest
 
 from symphony.ipc import layout as shm
@@ -111,7 +112,7 @@ def test_round_trip_one_process(ring):
         # int64 tokens are converted (values fit)
         r3 = lip.call(1, b"{}", np.arange(10, dtype=np.int64))
         np.testing.assert_array_equal(r3.arena[0], np.arange(10) * 0.5)
-    assert set(k._states.tolist()) == {FREE}
+    assert set(k.states.tolist()) == {FREE}
 
 
 def test_request_is_copied_out(ring):
@@ -121,7 +122,8 @@ def test_request_is_copied_out(ring):
 
     def serve(k, slot):
         req = k.read_request(slot)
-        k._u8[k._slots_off + slot * k.slot_bytes:][:k.slot_bytes] = 0xAB   # "LIP" scribbles
+        off = _slot_off(k, slot)
+        lip.buffer[off:off + k.slot_bytes] = b"\xab" * k.slot_bytes   # the LIP scribbles
         got["req"] = req
         k.respond(slot, req.call_id, 0, b"")
 
@@ -130,7 +132,7 @@ def test_request_is_copied_out(ring):
     req = got["req"]
     assert (req.op, req.json, req.flags) == (3, b'{"a":1}', 5)
     assert req.tokens.tolist() == [9, 8, 7] and req.tokens.dtype == np.int32
-    assert req.tokens.flags.writeable and not np.shares_memory(req.tokens, k._u8)
+    assert req.tokens.flags.writeable and req.tokens.base is None      # a copy that aliases nothing
     assert isinstance(req.json, bytes)
 
 
@@ -210,9 +212,11 @@ def test_stale_posts_are_not_responses(ring):
     with KernelThread(k, db, serve):
         for j in range(200):                      # many spin wins: leftover posts possible
             assert lip.call(0, b"%d" % j).json == b"%d" % j
-        slot = lip._by_owner[threading.get_ident()].idx
-        for _ in range(5):
-            lip._sems[slot].release()             # and some blatantly stale ones
+        for name in k.names["slot_sems"]:         # and some blatantly stale ones, on every slot
+            sem = posix_ipc.Semaphore(name)
+            for _ in range(5):
+                sem.release()
+            sem.close()
         delay["s"] = 0.1
         t0 = time.monotonic()
         r = lip.call(0, b"slow")
@@ -286,18 +290,23 @@ def test_two_processes_concurrent_threads():
 
 
 # ------------------------------------------------------------------ hostile input
+# A hostile LIP writes through its own mapping of the segment (LipSide.buffer), as any LIP can.
 def _slot_off(k, i):
-    return k._slots_off + i * k.slot_bytes
+    return shm.geometry(k.n_slots, k.slot_bytes, k.arena_bytes)[0] + i * k.slot_bytes
 
 
-def _state(k, i, v):
-    struct.pack_into("<I", k._mm, shm.STATES_OFF + 4 * i, v)   # what a LIP could do
+def _arena_off(k):
+    return shm.geometry(k.n_slots, k.slot_bytes, k.arena_bytes)[1]
+
+
+def _state(lip, i, v):
+    struct.pack_into("<I", lip.buffer, shm.STATES_OFF + 4 * i, v)
 
 
 def test_hostile_bad_lengths(ring):
     _, db, k, lip = ring
     off = _slot_off(k, 0)
-    mm = k._mm
+    mm = lip.buffer
     cases = [
         (1, 0, 0xFFFFFFFF, 0, 0),             # json_len huge
         (1, 0, 0, 0xFFFFFFFF, 0),             # n_tokens huge
@@ -308,19 +317,19 @@ def test_hostile_bad_lengths(ring):
     ]
     for hdr in cases:
         shm.REQ_HDR.pack_into(mm, off, *hdr)
-        _state(k, 0, REQUEST)
+        _state(lip, 0, REQUEST)
         assert k.poll() == [0]
         with pytest.raises(RingError):
             k.read_request(0)
         k.respond(0, 0, EINVAL, b"")
     # exact fits are accepted
     shm.REQ_HDR.pack_into(mm, off, 1, 0, 4096 - 24, 0, 0)
-    _state(k, 0, REQUEST)
+    _state(lip, 0, REQUEST)
     assert k.poll() == [0]
     assert len(k.read_request(0).json) == 4096 - 24
     k.respond(0, 1, 0, b"")
     shm.REQ_HDR.pack_into(mm, off, 1, 0, 0, (4096 - 24) // 4, 0)
-    _state(k, 0, REQUEST)
+    _state(lip, 0, REQUEST)
     assert k.poll() == [0]
     assert k.read_request(0).tokens.size == (4096 - 24) // 4
     k.respond(0, 1, 0, b"")
@@ -331,24 +340,24 @@ def test_hostile_states_and_header(ring):
     # invalid state values are ignored, not taken
     for v in (7, 0xFFFFFFFF, 0x01000000, 0x0100, BUSY, RESPONSE):
         for i in range(k.n_slots):
-            _state(k, i, v)
+            _state(lip, i, v)
         assert not k.pending()
         assert k.poll() == []
     # unaligned byte pattern 01 00 00 00 across two state words: no false take
-    struct.pack_into("<II", k._mm, shm.STATES_OFF, 0x01000000, 0)
+    struct.pack_into("<II", lip.buffer, shm.STATES_OFF, 0x01000000, 0)
     assert not k.pending() and k.poll() == []
     # a slot re-flipped to REQUEST while the kernel holds it is not taken twice
-    _state(k, 1, REQUEST)
-    shm.REQ_HDR.pack_into(k._mm, _slot_off(k, 1), 9, 0, 0, 0, 0)
+    _state(lip, 1, REQUEST)
+    shm.REQ_HDR.pack_into(lip.buffer, _slot_off(k, 1), 9, 0, 0, 0, 0)
     assert k.poll() == [1]
-    _state(k, 1, REQUEST)
+    _state(lip, 1, REQUEST)
     assert not k.pending() and k.poll() == []
     k.respond(1, 9, 0, b"")
     # scribbled header (geometry, magic): the kernel never reads it back
-    k._mm[0:shm.HEADER_BYTES] = os.urandom(shm.HEADER_BYTES)
-    struct.pack_into("<I", k._mm, 20, 0)   # keep 'closed' clear so the LIP goes on
+    lip.buffer[0:shm.HEADER_BYTES] = os.urandom(shm.HEADER_BYTES)
+    struct.pack_into("<I", lip.buffer, 20, 0)   # keep 'closed' clear so the LIP goes on
     for i in range(k.n_slots):
-        _state(k, i, FREE)
+        _state(lip, i, FREE)
     with KernelThread(k, db):
         r = lip.call(2, b'{"ok":true}', np.array([1], dtype=np.int32))
         assert r.json == b'{"ok":true}' and r.arena[0, 0] == 0.5
@@ -357,7 +366,7 @@ def test_hostile_states_and_header(ring):
 def test_hostile_random_garbage_then_valid_calls(ring):
     _, db, k, lip = ring
     rng = np.random.default_rng(1234)
-    mm = k._mm
+    mm = lip.buffer
     raised = ok = 0
     for _ in range(300):
         i = int(rng.integers(0, k.n_slots))
@@ -367,7 +376,7 @@ def test_hostile_random_garbage_then_valid_calls(ring):
             struct.pack_into("<II", mm, off + 12, int(rng.integers(0, 5000)), int(rng.integers(0, 1100)))
         # random garbage in the whole state array, then one REQUEST
         mm[shm.STATES_OFF:shm.STATES_OFF + 4 * k.n_slots] = rng.bytes(4 * k.n_slots)
-        _state(k, i, REQUEST)
+        _state(lip, i, REQUEST)
         for s in k.poll():
             try:
                 req = k.read_request(s)
@@ -381,20 +390,20 @@ def test_hostile_random_garbage_then_valid_calls(ring):
     assert raised > 100 and ok > 10
     # garbage in the arena and a hostile LIP making the kernel answer a garbage slot
     # through the normal loop: error status, then valid calls still work
-    mm[k._arena_off:k._arena_off + 4 * k.arena_bytes] = rng.bytes(4 * k.arena_bytes)
+    mm[_arena_off(k):_arena_off(k) + 4 * k.arena_bytes] = rng.bytes(4 * k.arena_bytes)
     for i in range(k.n_slots):
-        _state(k, i, FREE)
+        _state(lip, i, FREE)
     with KernelThread(k, db):
         off = _slot_off(k, 3)
         shm.REQ_HDR.pack_into(mm, off, 77, 1, 0xFFFFFF, 0, 0)
-        _state(k, 3, REQUEST)
+        _state(lip, 3, REQUEST)
         db.ring()
         t_end = time.monotonic() + 5
-        while k._states[3] != RESPONSE and time.monotonic() < t_end:
+        while k.states[3] != RESPONSE and time.monotonic() < t_end:
             time.sleep(0.001)
         status = shm.RESP_HDR.unpack_from(mm, off)[1]
         assert status == EINVAL
-        _state(k, 3, FREE)
+        _state(lip, 3, FREE)
         for j in range(50):
             body = orjson.dumps({"j": j})
             r = lip.call(4, body, np.array([j, j + 1], dtype=np.int32))
@@ -406,6 +415,9 @@ def test_arena_bounds(ring):
     _, db, k, lip = ring
     a = k.arena(3, 4, 256)           # exactly 4096 bytes
     assert a.shape == (4, 256) and a.flags.writeable and a.ctypes.data % 64 == 0
+    start, size = k.arena_range()    # every slot's arena, one block
+    assert size == k.n_slots * k.arena_bytes and a.ctypes.data == start + 3 * k.arena_bytes
+    assert k.arena(0, 1, 1).ctypes.data == start
     with pytest.raises(ValueError):
         k.arena(0, 5, 256)
     with pytest.raises(ValueError):
@@ -434,7 +446,8 @@ def test_closed_flag(ring):
     t = threading.Thread(target=blocked_call)
     t.start()
     time.sleep(0.1)
-    assert k.poll() == [next(i for i in range(k.n_slots) if k._inflight[i])]
+    asked = [i for i in range(k.n_slots) if k.states[i] == REQUEST]
+    assert len(asked) == 1 and k.poll() == asked
     k.mark_closed()
     t.join(2)
     assert not t.is_alive()
@@ -488,7 +501,7 @@ def test_names_unique_and_cleanup():
         obj.close()
         obj.unlink()
         obj.unlink()                  # idempotent
-    assert k1.bell_fd == k2.bell_fd == -1 and not db._bells
+    assert k1.bell_fd == k2.bell_fd == -1 and db.watching() == 0
     for fd in bells:
         with pytest.raises(OSError):
             os.fstat(fd)              # closed with the ring
@@ -510,15 +523,17 @@ def test_create_failure_cleans_up():
 def test_attach_rejects_bad_header():
     prefix = _prefix()
     k = KernelSide.create(prefix, n_slots=2, slot_bytes=1024, arena_bytes=0)
+    mm = shm.map_segment(posix_ipc.SharedMemory(k.names["segment"]), shm.HEADER_BYTES)   # a LIP's own mapping
     try:
-        k._mm[0:8] = b"NOTARING"
+        mm[0:8] = b"NOTARING"
         with pytest.raises(RingError):
             LipSide.attach(k.names)
-        k._mm[0:8] = shm.MAGIC
+        mm[0:8] = shm.MAGIC
         with pytest.raises(RingError):
             LipSide.attach({**k.names, "slot_sems": k.names["slot_sems"][:1]})
         LipSide.attach(k.names).close()
     finally:
+        mm.close()
         k.close()
         k.unlink()
     assert _dev_shm(prefix) == []
@@ -644,19 +659,24 @@ def test_detach_closes_the_ring_at_once_and_unmaps_when_finished():
     from symphony.kernel.slowlane import RingThread
     db = WaitSet()
     k = KernelSide.create(_prefix(), n_slots=2, arena_bytes=4096, waitset=db)
-    mm, bell = k._mm, k.bell_fd
+    bell, seg = k.bell_fd, k.names["segment"]
+
+    def mapped() -> bool:                              # the segment is in this process's address space
+        with open("/proc/self/maps") as f:
+            return any(f"/dev/shm{seg}" in line for line in f)
+    assert mapped()
     k.unlink()
     finish = k.detach()
     assert k.closed and k.bell_fd == -1 and not k.pending() and k.poll() == []
     with pytest.raises(OSError):
         os.fstat(bell)                                 # the doorbell is closed already
-    assert not mm.closed                               # ... the mapping not yet
+    assert mapped()                                    # ... the mapping not yet
     rings, order = RingThread("test-rings"), []
     rings.submit(lambda: order.append("pin"))          # jobs run in the order given
     done = rings.submit(lambda: (finish(), order.append("unmapped")))
     rings.submit(lambda: 1 / 0)                        # a failing job is logged, the thread goes on
     done.result(5)
-    assert mm.closed and order == ["pin", "unmapped"]
+    assert not mapped() and order == ["pin", "unmapped"]
     assert rings.submit(lambda: order.append("after")).result(5) is None and order[-1] == "after"
     rings.shutdown()
     db.close()
