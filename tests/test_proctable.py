@@ -181,7 +181,7 @@ def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
     ONE queued request; once it is answered, the next `stats` makes a new one."""
     import asyncio
     from concurrent.futures import Future
-    from symphony.kernel.sessions import ClientSessions
+    from symphony.kernel.status import FreshSnapshots
 
     class FakeSys:
         def __init__(self):
@@ -192,24 +192,21 @@ def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
             self.requests.append((f, fn))
             return f
 
-    class Sessions(ClientSessions):
-        pass
-
-    s = Sessions()
-    s.sys = FakeSys()
+    fake = FakeSys()
+    fresh = FreshSnapshots(fake)
 
     async def flood():
         t0 = time.monotonic()
-        await asyncio.gather(*[s._fresh_serving_snapshot(0.05) for _ in range(200)])
+        await asyncio.gather(*[fresh.wait(0.05) for _ in range(200)])
         dt = time.monotonic() - t0
-        assert len(s.sys.requests) == 1 and dt < 1.0, (len(s.sys.requests), dt)   # stalled: one request
-        await s._fresh_serving_snapshot(0.05)
-        assert len(s.sys.requests) == 1                                            # still pending: shared
-        f, fn = s.sys.requests[0]
+        assert len(fake.requests) == 1 and dt < 1.0, (len(fake.requests), dt)   # stalled: one request
+        await fresh.wait(0.05)
+        assert len(fake.requests) == 1                                            # still pending: shared
+        f, fn = fake.requests[0]
         f.set_result(fn())                                                         # the thread answers
         await asyncio.sleep(0)
-        await asyncio.gather(*[s._fresh_serving_snapshot(0.05) for _ in range(3)])
-        assert len(s.sys.requests) == 2                                            # a fresh one, shared by 3
+        await asyncio.gather(*[fresh.wait(0.05) for _ in range(3)])
+        assert len(fake.requests) == 2                                            # a fresh one, shared by 3
     asyncio.run(flood())
 
 
