@@ -26,9 +26,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from symphony.kernel.identity import NoFreeUid
 from symphony.sched.admission import (AdmissionLimits, AdmissionQueue, Machine, PeakTable, Waiting,
                                       check_kv_tokens, program_key)
+
+from .identity import NoFreeUid
+from .states import LipState
 
 log = logging.getLogger("symphony.kernel")
 
@@ -200,7 +202,7 @@ class AdmissionControl:
         """The machine as admission sees it: the process table and the last
         serving snapshot."""
         snap = self.sys.snapshot
-        admitted = [e for e in self.procs if e.state != "queued" and e.id in self.pending]
+        admitted = [e for e in self.procs if e.state != LipState.QUEUED and e.id in self.pending]
         holding = tuple((e.row.priority, snap.lip_pages.get(e.id, 0), self.pending[e.id].pages, e.row.user)
                         for e in admitted)
         return Machine(self.procs.admitted, self.max_lips, self.procs.admitted_by_user(),

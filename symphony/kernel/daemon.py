@@ -70,6 +70,7 @@ from .proc import ServedLips
 from .proctable import ProcessTable
 from .residency import KV_WAIT_S
 from .sessions import ClientSessions
+from .states import LipState
 from .status import KernelStatus
 from .supervisor import Supervision
 from .syscalls import SyscallServer
@@ -291,7 +292,7 @@ class Kernel:
             await asyncio.sleep(CHECK_EVERY_S)
             me, served = os.geteuid(), self.sys.snapshot
             self.cpu.check((e.id, e.pid, self.uids.held.get(e.id, me), served.counters(e.id).calls)
-                           for e in self.procs if e.state == "running" and e.pid)
+                           for e in self.procs if e.state == LipState.RUNNING and e.pid)
 
 
 def _socket_alive(path: str) -> bool:

@@ -38,6 +38,7 @@ from .limits import LimitPolicy
 from .output import OutputStreams
 from .proctable import ProcessTable
 from .snapshot import LipCounters, ProcRow, shown_args
+from .states import LipState
 
 log = logging.getLogger("symphony.kernel")
 
@@ -88,7 +89,7 @@ class LipLifecycle:
         self.admission.enqueue(Waiting(lip_id, user, priority, pages, time.monotonic(), size + args_bytes),
                                PendingStart(source, filename, args, grants, limits, owner, key, pages,
                                             time.monotonic()),
-                               ProcRow(lip_id, user, filename, "queued", priority, 0, time.time(),
+                               ProcRow(lip_id, user, filename, LipState.QUEUED, priority, 0, time.time(),
                                        shown_args(args), limits))      # QueueFull
         self.next_id += 1
         if watcher is not None:                        # before the fork: no early output is lost
@@ -115,7 +116,7 @@ class LipLifecycle:
         entry = self.procs.kill(lip_id, reason)
         if entry is None:
             return False
-        if entry.state == "killing" and entry.pid:     # not once it is exiting: its pid may be reused
+        if entry.state == LipState.KILLING and entry.pid:     # not once it is exiting: its pid may be reused
             try:
                 os.kill(entry.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -153,9 +154,9 @@ class LipLifecycle:
         thread did not get to them in ``timeout`` seconds (their clients get
         their exit events anyway)."""
         deadline = time.monotonic() + timeout
-        while any(e.state == "exiting" for e in self.procs) and time.monotonic() < deadline:
+        while any(e.state == LipState.EXITING for e in self.procs) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        late = [e.id for e in self.procs if e.state == "exiting"]
+        late = [e.id for e in self.procs if e.state == LipState.EXITING]
         for lip_id in late:
             done = self.procs.abandon(lip_id, " (not reclaimed: the syscall thread did not answer)")
             if done is not None:

@@ -17,6 +17,7 @@ from .bounds import Connections
 from .inflow import InputFlow
 from .output import OutputStreams
 from .proctable import ProcessTable
+from .states import LipState
 
 FRESH_SNAPSHOT_WAIT_S = 0.25   # stats: how long to wait for the syscall thread to publish (a stall is not waited out)
 
@@ -67,7 +68,7 @@ class KernelStatus:
         full = lambda r: viewer is None or r.user == viewer  # noqa: E731
         queued = self.admission.queued_views()         # position, waited_s of each queued LIP
         for lip, pages in served.suspended.items():    # running, but swapped out for a more important LIP
-            queued.setdefault(lip, {}).update(state="suspended", suspended_pages=pages)
+            queued.setdefault(lip, {}).update(state=LipState.SUSPENDED, suspended_pages=pages)
 
         def row(r):
             q = queued.get(r.lip, {})
@@ -85,7 +86,7 @@ class KernelStatus:
     def stats(self) -> dict:
         """The `stats` reply, from the published snapshots only."""
         served, engine = self.sys.snapshot, self.engine
-        d = {"lips": sum(r.state != "queued" for r in self.procs.snapshot.rows)}
+        d = {"lips": sum(r.state != LipState.QUEUED for r in self.procs.snapshot.rows)}
         d.update(served.as_stats())
         d.update(self.admission.stats())
         d["instance"] = self.instance
