@@ -30,10 +30,21 @@ state and given its collaborators in its constructor, and wires them:
                    process table, proctable.py)
     status.py      KernelStatus: `ps` and `stats`, from published snapshots
     sessions.py    ClientSessions: the client RPC server
-beside the event loop's connection table (bounds.py: connections and partial
-frames per user), unread input per LIP (inflow.py) and CPU governor (cpu.py).
-What the syscall thread tells the event loop (a LIP's output, a kill, input
-read, a fatal failure) reaches these parts through `call_soon_threadsafe`.
+beside the event loop's process table (proctable.py), connection table
+(bounds.py: connections and partial frames per user), unread input per LIP
+(inflow.py) and CPU governor (cpu.py).  Who is given whom:
+    Supervision()
+    OutputStreams(inflow, credit)             credit: a command to the syscall thread
+    SyscallServer(..., deliver, kill, on_fatal, on_input_read)
+                                              each run on the event loop
+                                              (`call_soon_threadsafe`)
+    Launcher(procs, sys, uids, supervision)
+    AdmissionControl(procs, sys, output, supervision, start=Launcher.start)
+    LipLifecycle(procs, admission, launcher, output, sys, uids, caps, policy)
+    KernelStatus(procs, admission, sys, output, inflow, conns)
+    ClientSessions(lifecycle, status, conns, inflow, sys, fs, supervision)
+The process table's transitions are made by admission (queue, drop),
+the launcher (admit) and the lifecycle (started, kill, exit, reclaim).
 One owner per state: the event loop owns the process table and the clients'
 streams; the syscall thread owns the engine, KVFS and what it serves of each
 LIP (proc.py).  Each reads only the snapshots the other publishes
