@@ -100,7 +100,7 @@ def test_admission_starts_what_fits_queues_the_rest_and_admits_it_when_a_lip_exi
             started.append(lip)
             procs.admit(lip, ring=None)
         adm = AdmissionControl(AdmissionLimits(), procs, served, LimitPolicy(max_lips_per_user=8), output,
-                               Supervision(), start, max_lips=2, quotas=SimpleNamespace(limit_for=lambda u: None),
+                               asyncio.Event(), start, max_lips=2, quotas=SimpleNamespace(limit_for=lambda u: None),
                                device_pages=64, page_size=16)
 
         def spawn(lip):

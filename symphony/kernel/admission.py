@@ -57,14 +57,14 @@ class PendingStart:
 class AdmissionControl:
     """The admission queue and what waits in it (event loop)."""
 
-    def __init__(self, limits: AdmissionLimits, procs, sys_server, policy, output, supervision,
+    def __init__(self, limits: AdmissionLimits, procs, sys_server, policy, output, stopping: asyncio.Event,
                  start: Callable[[int, PendingStart], None], *, max_lips: int, quotas, device_pages: int,
                  page_size: int):
         """``procs``: the process table (the queued LIPs are its rows too);
         ``sys_server``: the syscall thread's server, for its published snapshot
         only; ``policy``: the limit policy (per-user LIP count); ``output``: the
-        LIPs' output streams ("started" and exit events); ``supervision``: the
-        kernel's stop; ``start(lip, pending)``: start an admitted LIP
+        LIPs' output streams ("started" and exit events); ``stopping``: set when
+        the kernel is going down (nothing starts then); ``start(lip, pending)``: start an admitted LIP
         (`launcher.Launcher.start`); ``quotas``: KVFS's per-user page quotas
         (fixed when KVFS is made); ``device_pages``, ``page_size``: the device
         KV pool."""
@@ -72,7 +72,7 @@ class AdmissionControl:
         self.peaks = PeakTable()
         self.pending: dict[int, PendingStart] = {}     # lip -> its request, until it exits
         self.procs, self.sys, self.policy, self.output = procs, sys_server, policy, output
-        self.supervision, self.start = supervision, start
+        self.stopping, self.start = stopping, start
         self.max_lips, self.quotas = max_lips, quotas
         self.device_pages, self.page_size = device_pages, page_size
         self._spawning: dict = {}                      # lip -> its start's error, while its spawn pumps
@@ -126,7 +126,7 @@ class AdmissionControl:
     def pump(self) -> None:
         """Start every queued LIP that may start now, in the queue's order
         (none once the kernel is stopping)."""
-        while len(self.queue) and not self.supervision.stopping.is_set():
+        while len(self.queue) and not self.stopping.is_set():
             w, why = self.queue.next_ready(self._machine())
             if w is not None:
                 if time.monotonic() < self._uid_retry_at:   # no uid was free: a scan of the

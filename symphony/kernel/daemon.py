@@ -39,10 +39,10 @@ beside the event loop's process table (proctable.py), connection table
                                               each run on the event loop
                                               (`call_soon_threadsafe`)
     Launcher(procs, sys, uids, supervision)
-    AdmissionControl(procs, sys, output, supervision, start=Launcher.start)
+    AdmissionControl(procs, sys, output, stopping, start=Launcher.start)
     LipLifecycle(procs, admission, launcher, output, sys, uids, caps, policy)
     KernelStatus(procs, admission, sys, output, inflow, conns)
-    ClientSessions(lifecycle, status, conns, inflow, sys, fs, supervision)
+    ClientSessions(lifecycle, status, conns, inflow, sys, fs, stopping)
 The process table's transitions are made by admission (queue, drop),
 the launcher (admit) and the lifecycle (started, kill, exit, reclaim).
 One owner per state: the event loop owns the process table and the clients'
@@ -152,7 +152,7 @@ class Kernel:
                                  n_slots=n_slots, arena_bytes=arena_rows * engine.model_config.vocab_size * 4,
                                  waitset=self.waitset, lip_nice=lip_nice)
         self.admission = AdmissionControl(admission or AdmissionLimits(), self.procs, self.sys, policy, self.output,
-                                          self.supervision, self.launcher.start, max_lips=max_lips,
+                                          self.supervision.stopping, self.launcher.start, max_lips=max_lips,
                                           quotas=fs.quotas, device_pages=engine.kv.allocator.capacity,
                                           page_size=engine.page_size)
         self.lifecycle = LipLifecycle(self.procs, self.admission, self.launcher, self.output, self.sys, self.uids,
@@ -169,7 +169,7 @@ class Kernel:
             self.gateway_uid = uid
             self.conns.exempt = frozenset({uid})      # one connection per LIP, for many users
         self.sessions = ClientSessions(self.lifecycle, self.status, self.conns, self.inflow, self.sys, fs,
-                                       self.supervision, bounds=bounds, kernel_uid=self.uids.kernel_uid,
+                                       self.supervision.stopping, bounds=bounds, kernel_uid=self.uids.kernel_uid,
                                        gateway_uid=self.gateway_uid, test_hooks=test_hooks)
         self.server = None                    # the Unix-socket server, once serving
 

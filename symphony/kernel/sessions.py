@@ -31,7 +31,6 @@ from .inflow import InputFlow, input_bytes
 from .lifecycle import LipLifecycle
 from .snapshot import ProcRow
 from .status import KernelStatus
-from .supervisor import Supervision
 
 log = logging.getLogger("symphony.kernel")
 
@@ -42,17 +41,17 @@ class ClientSessions:
     """The client RPC server (event loop)."""
 
     def __init__(self, lifecycle: LipLifecycle, status: KernelStatus, conns: Connections, inflow: InputFlow,
-                 sys_server, fs, supervision: Supervision, *, bounds: ClientBounds, kernel_uid: int,
+                 sys_server, fs, stopping: asyncio.Event, *, bounds: ClientBounds, kernel_uid: int,
                  gateway_uid: Optional[int] = None, test_hooks: bool = False):
         """``lifecycle``: spawn, input, kill; ``status``: `ps`, `stats`;
         ``conns``: the connection table; ``inflow``: unread input per LIP;
         ``sys_server``, ``fs``: the syscall thread and its KVFS (kv_* requests,
-        run there); ``supervision``: the kernel's stop (root's `shutdown`);
+        run there); ``stopping``: set to stop the kernel (root's `shutdown`);
         ``kernel_uid``: the kernel's own uid (what the gateway spawns as);
         ``gateway_uid``: the trusted gateway's uid, if any; ``test_hooks``:
         serve the fault-injection requests (--test-hooks)."""
         self.lifecycle, self.status, self.conns, self.inflow = lifecycle, status, conns, inflow
-        self.sys, self.fs, self.supervision, self.bounds = sys_server, fs, supervision, bounds
+        self.sys, self.fs, self.stopping, self.bounds = sys_server, fs, stopping, bounds
         self.kernel_uid, self.gateway_uid, self.test_hooks = kernel_uid, gateway_uid, test_hooks
 
     async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -150,7 +149,7 @@ class ClientSessions:
         if op == "shutdown":
             if uid != 0:
                 raise PermissionError("only root may shut the kernel down")
-            self.supervision.stopping.set()
+            self.stopping.set()
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}")
 
