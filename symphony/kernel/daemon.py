@@ -19,16 +19,32 @@ connection:
 The caller's user is the peer's Unix user (SO_PEERCRED); root may act as any
 user by naming it in the request.
 
-The Kernel is five mixins over the state it owns, one file each:
-    lifecycle.py   LipLifecycle: spawn, the zygote's channel, kill, reclaim
-                   (drives the process table, proctable.py)
-    admission.py   AdmissionControl: the admission queue (policy: sched/admission.py)
-    sessions.py    ClientSessions: the client RPC server, ps, stats
+The Kernel is a composition root: it builds these parts, each owning its
+state and given its collaborators in its constructor, and wires them:
+    supervisor.py  Supervision: supervised tasks, watchdogs, the stop, loud failure
     output.py      OutputStreams: LIP output to clients, with back-pressure
-    supervisor.py  Supervision: supervised tasks, watchdogs, loud failure
-and has, on the event loop, the connection table (bounds.py: connections and
-partial frames per user), the unread input per LIP (inflow.py) and the CPU
-governor (cpu.py).
+    launcher.py    Launcher: the zygote and its channel; an admitted LIP's start
+    admission.py   AdmissionControl: the admission queue and what waits in it
+                   (policy: sched/admission.py)
+    lifecycle.py   LipLifecycle: spawn, input, kill, reclaim (drives the
+                   process table, proctable.py)
+    status.py      KernelStatus: `ps` and `stats`, from published snapshots
+    sessions.py    ClientSessions: the client RPC server
+beside the event loop's process table (proctable.py), connection table
+(bounds.py: connections and partial frames per user), unread input per LIP
+(inflow.py) and CPU governor (cpu.py).  Who is given whom:
+    Supervision()
+    OutputStreams(inflow, credit)             credit: a command to the syscall thread
+    SyscallServer(..., deliver, kill, on_fatal, on_input_read)
+                                              each run on the event loop
+                                              (`call_soon_threadsafe`)
+    Launcher(procs, sys, uids, supervision)
+    AdmissionControl(procs, sys, output, stopping, start=Launcher.start)
+    LipLifecycle(procs, admission, launcher, output, sys, uids, caps, policy)
+    KernelStatus(procs, admission, sys, output, inflow, conns)
+    ClientSessions(lifecycle, status, conns, inflow, sys, fs, stopping)
+The process table's transitions are made by admission (queue, drop),
+the launcher (admit) and the lifecycle (started, kill, exit, reclaim).
 One owner per state: the event loop owns the process table and the clients'
 streams; the syscall thread owns the engine, KVFS and what it serves of each
 LIP (proc.py).  Each reads only the snapshots the other publishes
@@ -43,30 +59,31 @@ import secrets
 import signal
 import socket
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 from symphony.ipc.wait import WaitSet
 from symphony.kvfs import KVFS
 from symphony.sched.admission import AdmissionLimits
 
-from .admission import AdmissionControl, new_admission_state
+from .admission import AdmissionControl
 from .bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
 from .capabilities import Capabilities, CapPolicy
 from .cpu import CHECK_EVERY_S, CpuGovernor
 from .identity import UidPool
 from .inflow import InputFlow
 from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
+from .launcher import Launcher
 from .lifecycle import LipLifecycle
 from .limits import LimitPolicy
 from .output import OutputStreams
 from .proc import ServedLips
 from .proctable import ProcessTable
-from .sessions import ClientSessions
-from .supervisor import Supervision
 from .residency import KV_WAIT_S
+from .sessions import ClientSessions
+from .states import LipState
+from .status import KernelStatus
+from .supervisor import Supervision
 from .syscalls import SyscallServer
 
 log = logging.getLogger("symphony.kernel")
@@ -75,8 +92,8 @@ LISTEN_BACKLOG = 1024       # connections waiting for accept (a flood of them is
 BUSY_CPU = 0.1              # a LIP computing more of a core than this is reniced to 19 (cpu.py)
 
 
-class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supervision):
-    """The kernel daemon (see the module docstring)."""
+class Kernel:
+    """The kernel daemon (see the module docstring): builds its parts, serves, shuts down."""
 
     def __init__(self, engine, fs: KVFS, socket_path: str, *, served: ServedLips, max_lips: int = 256,
                  n_slots: int = 8, arena_rows: int = 8, default_limits: Optional[dict] = None,
@@ -107,30 +124,41 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
         if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
             raise ValueError("fs must be built with evict_first=served.swap_out_first and "
                              "pinned=served.running_ids (a running LIP loses pages only whole)")
-        self.engine, self.fs, self.socket_path = engine, fs, socket_path
-        self.max_lips, self.n_slots = max_lips, n_slots
-        self.arena_bytes = arena_rows * engine.model_config.vocab_size * 4
-        self.policy = policy or LimitPolicy(defaults=dict(default_limits or {}),
-                                            max_lips_per_user=max(1, max_lips // 4))
-        self.max_queued_output = max_queued_output
-        self.instance = secrets.token_hex(4)
-        self.prefix = f"sym{self.instance}"
-        self.waitset = WaitSet()
-        self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
-        self.caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)       # capabilities under the admin's policy
-        self.bounds = bounds or ClientBounds()
         if not isinstance(lip_nice, int) or not 0 <= lip_nice <= 19:
             raise ValueError(f"lip_nice must be an int in [0, 19], got {lip_nice!r}")
-        self.lip_nice = lip_nice
-        self.cpu = CpuGovernor(lip_busy_cpu, lip_nice, can_restore=os.geteuid() == 0)   # the event loop's
-        self.inflow = InputFlow(self.bounds.max_input_bytes)          # the event loop's: unread input per LIP
-        self.conns = Connections(self.bounds, 0)      # the event loop's: connections (total set in serve)
-        self.sys = SyscallServer(engine, fs, self.waitset, self._emit_threadsafe, self._kill_threadsafe,
-                                 max_batch_tokens=token_budget, caps=self.caps,
-                                 max_queued_output=max_queued_output, on_fatal=self._fail_threadsafe,
+        self.engine, self.fs, self.socket_path = engine, fs, socket_path
+        self.max_lips = max_lips
+        policy = policy or LimitPolicy(defaults=dict(default_limits or {}), max_lips_per_user=max(1, max_lips // 4))
+        self.instance = secrets.token_hex(4)
+        self.waitset = WaitSet()
+        self.uids = UidPool(*lip_uids) if lip_uids else UidPool()
+        caps = Capabilities(cap_policy, MAX_MESSAGE_BYTES)         # capabilities under the admin's policy
+        self.bounds = bounds = bounds or ClientBounds()
+        self.cpu = CpuGovernor(lip_busy_cpu, lip_nice, can_restore=os.geteuid() == 0)
+        self.inflow = InputFlow(bounds.max_input_bytes)            # unread input per LIP
+        self.conns = Connections(bounds, 0)                        # connections (total set in serve)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None      # set by serve
+        self.supervision = Supervision()
+        self.procs = ProcessTable()
+        self.output = OutputStreams(self.inflow, max_queued_output, self._credit_output)
+        self.sys = SyscallServer(engine, fs, self.waitset, self._threadsafe(self.output.deliver),
+                                 self._threadsafe(self._kill),
+                                 max_batch_tokens=token_budget, caps=caps,
+                                 max_queued_output=max_queued_output,
+                                 on_fatal=self._threadsafe(self.supervision.fail_loudly),
                                  lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads,
-                                 on_input_read=self._input_read_threadsafe)
-        self.test_hooks = test_hooks          # --test-hooks: fault-injection ops for the fault tests
+                                 on_input_read=self._threadsafe(self.inflow.taken))
+        self.launcher = Launcher(self.procs, self.sys, self.uids, self.supervision, prefix=f"sym{self.instance}",
+                                 n_slots=n_slots, arena_bytes=arena_rows * engine.model_config.vocab_size * 4,
+                                 waitset=self.waitset, lip_nice=lip_nice)
+        self.admission = AdmissionControl(admission or AdmissionLimits(), self.procs, self.sys, policy, self.output,
+                                          self.supervision.stopping, self.launcher.start, max_lips=max_lips,
+                                          quotas=fs.quotas, device_pages=engine.kv.allocator.capacity,
+                                          page_size=engine.page_size)
+        self.lifecycle = LipLifecycle(self.procs, self.admission, self.launcher, self.output, self.sys, self.uids,
+                                      caps, policy, bounds)
+        self.status = KernelStatus(self.procs, self.admission, self.sys, self.output, self.inflow, self.conns,
+                                   engine, self.instance)
         self.gateway_spec = gateway
         self.gateway_uid: Optional[int] = None
         self.gateway = None                   # gateway_proc.GatewayProcess, once started
@@ -140,34 +168,28 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                 uid = self.uids.allocate(-1) if self.uids.can_switch else self.uids.kernel_uid
             self.gateway_uid = uid
             self.conns.exempt = frozenset({uid})      # one connection per LIP, for many users
-        self.fatal: Optional[str] = None      # why the kernel is going down after a failure
-        self.procs = ProcessTable()                    # the event loop's: every LIP's lifecycle
-        self.admission, self.peaks = new_admission_state(admission or AdmissionLimits())   # the event loop's
-        self.pending: dict = {}                        # lip -> admission.PendingStart, request to exit
-        self._spawning: dict = {}                      # lip -> its start's error, while its spawn pumps
-        self._waiting_for = ""                         # why the queue's head waits
-        self._uid_retry_at = 0.0                       # no LIP uid was free: try again after this
-        self._forks: set = set()
-        self._fork_lock = asyncio.Lock()
-        self._admission_wake = asyncio.Event()
-        self._init_output()
-        self.next_id = 1
-        self.zygote = None
-        self.stopping: Optional[asyncio.Event] = None
+        self.sessions = ClientSessions(self.lifecycle, self.status, self.conns, self.inflow, self.sys, fs,
+                                       self.supervision.stopping, bounds=bounds, kernel_uid=self.uids.kernel_uid,
+                                       gateway_uid=self.gateway_uid, test_hooks=test_hooks)
+        self.server = None                    # the Unix-socket server, once serving
 
-    # ================================================================== lifecycle
+    @property
+    def stopping(self) -> asyncio.Event:
+        """Set when the kernel is going down (supervisor.py)."""
+        return self.supervision.stopping
+
+    @property
+    def fatal(self) -> Optional[str]:
+        """Why the kernel is going down after a failure (None: it is not, or cleanly)."""
+        return self.supervision.fatal
+
     async def serve(self) -> None:
         """Start the zygote, the syscall thread and the socket server; serve
         until SIGTERM/SIGINT, a root `shutdown` request or a fatal failure;
         then `shutdown`.  RuntimeError if it stopped after a failure."""
-        self.loop = asyncio.get_running_loop()
-        self.loop.set_exception_handler(self._loop_exception)
-        self.stopping = asyncio.Event()
-        self.reports: asyncio.Queue = asyncio.Queue()     # zygote reports, in order, for _process_reports
-        self.tasks: list = []
-        self._tokfile = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="symphony-tok-", delete=False)
-        self._tokfile.write(self.engine.tokenizer.to_json())
-        self._tokfile.close()
+        self.loop = loop = asyncio.get_running_loop()
+        loop.set_exception_handler(Supervision.loop_exception)
+        sup = self.supervision
         if not self.uids.can_switch:
             msg = (f"not running as root: cannot give LIPs identities of their own; every LIP runs as "
                    f"uid {self.uids.kernel_uid} and only uid {self.uids.kernel_uid} may start LIPs")
@@ -175,27 +197,14 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
             print(f"symphony-kernel: {msg}", file=sys.stderr, flush=True)
         else:
             log.info("LIPs run as uids %d-%d", self.uids.first, self.uids.last)
-        from .zygote import BASE_ENV
-        env = dict(BASE_ENV)                           # never the kernel's own environment
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] +
-                                            ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-        self._chan, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._chan.setblocking(False)
-        self.zygote = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name, str(child.fileno()),
-            str(os.getpid()), str(self.lip_nice), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),),
-            env=env)
-        child.close()
-        first = await asyncio.wait_for(self.loop.sock_recv(self._chan, 1 << 16), 60)
-        if b"ready" not in first:
-            raise RuntimeError(f"the zygote did not start: {first!r}")
-        self._zy_task = self._supervise("zygote reader", self._read_zygote)
-        self._supervise("process table", self._process_reports)
-        self._supervise("admission queue", self._watch_admission)
+        await self.launcher.open(self.engine.tokenizer.to_json())
+        sup.supervise("zygote reader", self.launcher.read_reports)
+        sup.supervise("process table", self.lifecycle.process_reports)
+        sup.supervise("admission queue", self.admission.watch)
         if self.cpu.busy:
-            self._supervise("LIP CPU governor", self._watch_cpu)
+            sup.supervise("LIP CPU governor", self._watch_cpu)
         self.sys.thread.start()
-        self._supervise("syscall thread watchdog", self._watch_syscall_thread)
+        sup.watchdog("syscall thread watchdog", self.sys.thread.is_alive, "the syscall thread died")
         nofile = open_file_limit()                     # the soft limit raised to the hard one
         total = self.bounds.max_connections or max(2 * self.bounds.root_connections,
                                                    nofile - FD_RESERVE - 2 * self.max_lips)
@@ -206,12 +215,13 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
             if _socket_alive(self.socket_path):
                 raise RuntimeError(f"another kernel is serving {self.socket_path}")
             os.unlink(self.socket_path)
-        self.server = await asyncio.start_unix_server(self._client, path=self.socket_path, backlog=LISTEN_BACKLOG)
+        self.server = await asyncio.start_unix_server(self.sessions.serve_client, path=self.socket_path,
+                                                      backlog=LISTEN_BACKLOG)
         os.chmod(self.socket_path, 0o666)       # any local user may connect; SO_PEERCRED says who
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self.loop.add_signal_handler(sig, self.stopping.set)
-        self._supervise("socket server", self._watch_server)
-        log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.zygote.pid)
+            loop.add_signal_handler(sig, sup.stopping.set)
+        sup.watchdog("socket server", self.server.is_serving, "the socket server stopped serving")
+        log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.launcher.zygote.pid)
         print(f"symphony-kernel: ready on {self.socket_path}", file=sys.stderr, flush=True)
         if self.gateway_spec is not None and self.gateway_spec.get("http"):
             from .gateway_proc import GatewayProcess
@@ -220,27 +230,15 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
                                           self.gateway_uid if os.geteuid() == 0 else None, g.get("argv", []))
             log.info("starting the HTTP gateway on %s (serving as uid %d)", g["http"], self.gateway_uid)
             self.gateway.start(dict(os.environ))
-        await self.stopping.wait()
+        await sup.stopping.wait()
         await self.shutdown()
         if self.fatal:
             raise RuntimeError(f"the kernel stopped after a failure: {self.fatal}")
 
-    async def _watch_cpu(self) -> None:
-        """Every CHECK_EVERY_S: renice the LIPs that keep a core busy (cpu.py)."""
-        while True:
-            await asyncio.sleep(CHECK_EVERY_S)
-            me, served = os.geteuid(), self.sys.snapshot
-            self.cpu.check((e.id, e.pid, self.uids.held.get(e.id, me), served.counters(e.id).calls)
-                           for e in self.procs if e.state == "running" and e.pid)
-
-    def _input_read_threadsafe(self, lip_id: int, n: int) -> None:
-        """The syscall thread: LIP ``lip_id``'s recv() took ``n`` bytes of input."""
-        self.loop.call_soon_threadsafe(self.inflow.taken, lip_id, n)
-
     async def shutdown(self) -> None:
         """Stop cleanly: kill every LIP (each client gets its exit event with the
         reason), sync durable files, stop the syscall thread and the zygote,
-        unlink every shared-memory name.  Also the path of `_fail_loudly`."""
+        unlink every shared-memory name.  Also the path of a loud failure."""
         log.info("shutting down: stopping %d LIPs", len(self.procs))
         if self.gateway is not None:
             await self.gateway.stop()
@@ -253,15 +251,15 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
             await asyncio.sleep(0.02)
         rings = [e.ring for e in self.procs]               # to unlink if the syscall thread hangs
         for e in self.procs:                               # never reported: reclaim anyway
-            self._reclaim(e.id, -9, 9)
-        healthy = await self._drain_reaping(10)
+            self.lifecycle.reclaim(e.id, -9, 9)
+        healthy = await self.lifecycle.drain_reaping(10)
         from symphony.kvfs.store import write_durable
         synced = None
         if healthy:
             try:
-                synced = await asyncio.wait_for(self.sys_call(
+                synced = await asyncio.wait_for(asyncio.wrap_future(self.sys.call_future(
                     lambda: [write_durable(self.fs, i) for i in list(self.fs.inodes.values())
-                             if i.durable and i.linked]), 60)
+                             if i.durable and i.linked])), 60)
             except Exception as e:                        # noqa: BLE001 - report, go on stopping
                 log.error("durable KV files NOT synced at shutdown: %s: %s", type(e).__name__, e)
         else:
@@ -277,22 +275,35 @@ class Kernel(LipLifecycle, AdmissionControl, ClientSessions, OutputStreams, Supe
             for lip_id in list(self.sys.lips):             # reclaims that never ran (the thread has
                 self.sys.remove(lip_id)                    # stopped: what it owned is ours now)
             self.fs.close_all()
-        for t in self.tasks:
-            t.cancel()
-        try:
-            await self._zy_send(b'{"cmd": "exit"}', [])
-            await asyncio.wait_for(self.zygote.wait(), 3)
-        except Exception:
-            if self.zygote.returncode is None:          # dead already (e.g. it crashed): nothing to kill
-                self.zygote.kill()
-        self._chan.close()
+        self.supervision.cancel_all()
+        await self.launcher.close()
         self.waitset.close()
-        for p in (self.socket_path, self._tokfile.name):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
         log.info("kernel stopped (%d durable KV files synced)", len(synced or []))
+
+    # ------------------------------------------------------------------ wiring
+    def _threadsafe(self, fn):
+        """``fn`` made callable from any thread: it runs on the event loop."""
+        return lambda *a: self.loop.call_soon_threadsafe(fn, *a)
+
+    def _kill(self, lip_id: int, reason: str) -> bool:
+        return self.lifecycle.kill(lip_id, reason)
+
+    def _credit_output(self, lip_id: int, n: int) -> None:
+        """``n`` bytes of LIP ``lip_id``'s output were taken: its send() may go on (syscall thread)."""
+        srv = self.sys
+        srv.submit(lambda: srv.credit_output(lip_id, n))
+
+    async def _watch_cpu(self) -> None:
+        """Every CHECK_EVERY_S: renice the LIPs that keep a core busy (cpu.py)."""
+        while True:
+            await asyncio.sleep(CHECK_EVERY_S)
+            me, served = os.geteuid(), self.sys.snapshot
+            self.cpu.check((e.id, e.pid, self.uids.held.get(e.id, me), served.counters(e.id).calls)
+                           for e in self.procs if e.state == LipState.RUNNING and e.pid)
 
 
 def _socket_alive(path: str) -> bool:

@@ -10,10 +10,11 @@ syscall thread would go stale exactly then.  So the table lives on the event
 loop, and is the only writer of a LIP's lifecycle state; the syscall thread
 never reads it: it serves its own record of each LIP (`proc.LipProc`: the
 ring, inbox, counters), handed to it once at spawn, and asks for a kill by
-message (`Kernel._kill_threadsafe`).  What each thread shows of its state to
+message (the kill callable the Kernel gives it, daemon.py).  What each thread shows of its state to
 the other is an immutable snapshot (snapshot.py).
 
-State machine (one LIP; every transition is a method below, run on the event
+State machine (one LIP; its states are `states.LipState`, the moves it may
+make are `TRANSITIONS`; every transition is a method below, run on the event
 loop, and republishes `snapshot`)::
 
                 queue()             kill(why) / its timeout / its client left:
@@ -55,10 +56,25 @@ from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Optional
 
 from .snapshot import LipCounters, ProcRow
+from .states import LipState
 
 FINISHED_KEPT = 100
 
-LIVE = ("queued", "starting", "running", "killing", "exiting")
+QUEUED, STARTING, RUNNING = LipState.QUEUED, LipState.STARTING, LipState.RUNNING
+KILLING, EXITING, EXITED = LipState.KILLING, LipState.EXITING, LipState.EXITED
+
+LIVE = (QUEUED, STARTING, RUNNING, KILLING, EXITING)
+
+# state -> the states a LIP in it may move to (None: not in the table yet)
+TRANSITIONS: dict[Optional[LipState], frozenset] = {
+    None: frozenset({QUEUED, STARTING}),                # queue() / add()
+    QUEUED: frozenset({STARTING, EXITED}),              # admit() / drop()
+    STARTING: frozenset({RUNNING, KILLING, EXITING}),   # started() / kill() / exit_reported()
+    RUNNING: frozenset({KILLING, EXITING}),             # kill() / exit_reported()
+    KILLING: frozenset({KILLING, EXITING}),             # started(): its pid known / exit_reported()
+    EXITING: frozenset({EXITED}),                       # reclaimed() / abandon()
+    EXITED: frozenset(),
+}
 
 _SIGNAL_REASONS = {signal.SIGXCPU: "killed: CPU time limit exceeded", signal.SIGKILL: "killed",
                    signal.SIGSEGV: "crashed (segmentation fault)",
@@ -80,7 +96,7 @@ class ProcEntry:
         return self.row.lip
 
     @property
-    def state(self) -> str:
+    def state(self) -> LipState:
         return self.row.state
 
     @property
@@ -150,7 +166,8 @@ class ProcessTable:
         """(none) -> starting: the LIP is admitted and its worker asked for."""
         if row.lip in self._live:
             raise TransitionError(f"LIP {row.lip} is already in the table")
-        e = ProcEntry(replace(row, state="starting", pid=0), ring)
+        _check(row.lip, None, STARTING)
+        e = ProcEntry(replace(row, state=STARTING, pid=0), ring)
         self._live[row.lip] = e
         self._by_user[row.user] = self._by_user.get(row.user, 0) + 1
         self._publish()
@@ -160,7 +177,8 @@ class ProcessTable:
         """(none) -> queued: the LIP waits in the admission queue."""
         if row.lip in self._live:
             raise TransitionError(f"LIP {row.lip} is already in the table")
-        e = ProcEntry(replace(row, state="queued", pid=0), None)
+        _check(row.lip, None, QUEUED)
+        e = ProcEntry(replace(row, state=QUEUED, pid=0), None)
         self._live[row.lip] = e
         self._queued += 1
         self._publish()
@@ -169,12 +187,12 @@ class ProcessTable:
     def admit(self, lip_id: int, ring) -> ProcEntry:
         """queued -> starting: the LIP is admitted, its ring made, its worker asked for."""
         e = self._live.get(lip_id)
-        if e is None or e.state != "queued":
+        if e is None or e.state != QUEUED:
             raise TransitionError(f"LIP {lip_id} is not queued")
         self._queued -= 1
         self._by_user[e.row.user] = self._by_user.get(e.row.user, 0) + 1
         e.ring = ring
-        self._set(e, state="starting")
+        self._set(e, state=STARTING)
         return e
 
     def drop(self, lip_id: int, reason: str) -> Optional[tuple[ProcEntry, dict]]:
@@ -182,7 +200,7 @@ class ProcessTable:
         waiting; never spawned).  Returns (entry, its exit event), None if it
         is not queued."""
         e = self._live.get(lip_id)
-        if e is None or e.state != "queued":
+        if e is None or e.state != QUEUED:
             return None
         self._queued -= 1
         e.reason = reason
@@ -195,9 +213,9 @@ class ProcessTable:
         the worker's pid.  Returns the kill reason if it was killed meanwhile:
         the caller signals the pid now."""
         e = self._live.get(lip_id)
-        if e is None or e.state not in ("starting", "killing") or e.pid:
+        if e is None or e.state not in (STARTING, KILLING) or e.pid:
             return None
-        self._set(e, state="running" if e.reason is None else "killing", pid=pid)
+        self._set(e, state=RUNNING if e.reason is None else KILLING, pid=pid)
         return e.reason
 
     def kill(self, lip_id: int, reason: str) -> Optional[ProcEntry]:
@@ -207,12 +225,12 @@ class ProcessTable:
         dead already and its pid may be reused, so the caller sends nothing.
         A queued LIP is left as it is: the caller `drop`s it."""
         e = self._live.get(lip_id)
-        if e is None or e.state == "queued":
+        if e is None or e.state == QUEUED:
             return e
-        if e.reason is None and e.state != "exiting":
+        if e.reason is None and e.state != EXITING:
             e.reason = reason
-        if e.state in ("starting", "running"):
-            self._set(e, state="killing")
+        if e.state in (STARTING, RUNNING):
+            self._set(e, state=KILLING)
         return e
 
     def exit_reported(self, lip_id: int) -> Optional[ProcEntry]:
@@ -220,9 +238,9 @@ class ProcessTable:
         the entry if its reclaim is to start now, None if there is no such LIP
         or its reclaim is already under way (or it is queued: no worker yet)."""
         e = self._live.get(lip_id)
-        if e is None or e.state in ("exiting", "queued"):
+        if e is None or e.state in (EXITING, QUEUED):
             return None
-        self._set(e, state="exiting")
+        self._set(e, state=EXITING)
         return e
 
     def reclaimed(self, lip_id: int, status: int, sig: int,
@@ -231,7 +249,7 @@ class ProcessTable:
         `finished` and returns (entry, its exit event); None if it already left
         (`abandon`)."""
         e = self._live.get(lip_id)
-        if e is None or e.state != "exiting":
+        if e is None or e.state != EXITING:
             return None
         reason = e.reason or exit_reason(status, sig)
         event = {"event": "exit", "lip": lip_id, "status": status if sig == 0 else 128 + sig, "reason": reason}
@@ -242,15 +260,16 @@ class ProcessTable:
         """exiting -> exited without a reclaim (the syscall thread does not
         answer): the exit event says so."""
         e = self._live.get(lip_id)
-        if e is None or e.state != "exiting":
+        if e is None or e.state != EXITING:
             return None
         event = {"event": "exit", "lip": lip_id, "status": 128 + 9, "reason": (e.reason or "killed") + why}
         self._retire(e, event, e.row.final)
         return e, event
 
     # ------------------------------------------------------------------ helpers
-    def _set(self, e: ProcEntry, **change) -> None:
-        e.row = replace(e.row, **change)
+    def _set(self, e: ProcEntry, state: LipState, **change) -> None:
+        _check(e.id, e.state, state)
+        e.row = replace(e.row, state=state, **change)
         self._publish()
 
     def _retire(self, e: ProcEntry, event: dict, counters: LipCounters, counted: bool = True) -> None:
@@ -260,7 +279,8 @@ class ProcessTable:
             self._by_user[e.row.user] = n
         elif n == 0:
             del self._by_user[e.row.user]
-        e.row = replace(e.row, state="exited", final=counters)
+        _check(e.id, e.state, EXITED)
+        e.row = replace(e.row, state=EXITED, final=counters)
         self._finished.append((e.row, event))
         self._publish()
 
@@ -269,6 +289,12 @@ class ProcessTable:
         finished = old.finished if not self._finished or (old.finished and old.finished[-1] is
                                                           self._finished[-1]) else tuple(self._finished)
         self.snapshot = TableSnapshot(tuple(e.row for e in self._live.values()), finished, old.version + 1)
+
+
+def _check(lip_id: int, old: Optional[LipState], new: LipState) -> None:
+    """TransitionError unless `TRANSITIONS` lets a LIP move from ``old`` to ``new``."""
+    if new not in TRANSITIONS[old]:
+        raise TransitionError(f"LIP {lip_id}: {old or '(none)'} -> {new} is not a transition")
 
 
 def exit_reason(status: int, sig: int) -> str:

@@ -1,12 +1,13 @@
 """Client sessions: the kernel's Unix-socket RPC server.
 
-A mixin of `daemon.Kernel`, on the event loop.  Each connection is one
-session: framed JSON requests (ipc/protocol.py), each answered on the same
-connection; the LIPs a session starts attached are killed when it ends (a
-queued one leaves the queue).  The
-caller's user is the peer's Unix user (SO_PEERCRED); root may act as any user
-by naming it.  `ps` and `stats` are answered from published snapshots
-(snapshot.py) only, never from another thread's live state.
+`ClientSessions` is a part of `daemon.Kernel`, on the event loop.  Each
+connection is one session: framed JSON requests (ipc/protocol.py), each
+answered on the same connection; the LIPs a session starts attached are
+killed when it ends (a queued one leaves the queue).  The caller's user is the
+peer's Unix user (SO_PEERCRED); root may act as any user by naming it.  It
+owns no state beyond each connection's: the connection table is bounds.py's,
+LIPs are the lifecycle's (lifecycle.py), and `ps` and `stats` come from
+status.py, which reads published snapshots only.
 """
 from __future__ import annotations
 
@@ -22,24 +23,40 @@ from typing import Optional
 from symphony.ipc.protocol import ProtocolError, encode_frame
 from symphony.kvfs import KVFSError, Principal
 
-from .bounds import MAX_REPLY_BYTES, ConnectionRefused
+from .bounds import MAX_REPLY_BYTES, ClientBounds, ConnectionRefused, Connections
 from .capabilities import identity_for
 from .durable import list_job
 from .escape import printable
-from .inflow import input_bytes
+from .inflow import InputFlow, input_bytes
+from .lifecycle import LipLifecycle
 from .snapshot import ProcRow
+from .status import KernelStatus
 
 log = logging.getLogger("symphony.kernel")
-
-FRESH_SNAPSHOT_WAIT_S = 0.25   # stats: how long to wait for the syscall thread to publish (a stall is not waited out)
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
 class ClientSessions:
-    """The client RPC server of `daemon.Kernel`."""
+    """The client RPC server (event loop)."""
 
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, lifecycle: LipLifecycle, status: KernelStatus, conns: Connections, inflow: InputFlow,
+                 sys_server, fs, stopping: asyncio.Event, *, bounds: ClientBounds, kernel_uid: int,
+                 gateway_uid: Optional[int] = None, test_hooks: bool = False):
+        """``lifecycle``: spawn, input, kill; ``status``: `ps`, `stats`;
+        ``conns``: the connection table; ``inflow``: unread input per LIP;
+        ``sys_server``, ``fs``: the syscall thread and its KVFS (kv_* requests,
+        run there); ``stopping``: set to stop the kernel (root's `shutdown`);
+        ``kernel_uid``: the kernel's own uid (what the gateway spawns as);
+        ``gateway_uid``: the trusted gateway's uid, if any; ``test_hooks``:
+        serve the fault-injection requests (--test-hooks)."""
+        self.lifecycle, self.status, self.conns, self.inflow = lifecycle, status, conns, inflow
+        self.sys, self.fs, self.stopping, self.bounds = sys_server, fs, stopping, bounds
+        self.kernel_uid, self.gateway_uid, self.test_hooks = kernel_uid, gateway_uid, test_hooks
+
+    async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client connection, until it closes (asyncio.start_unix_server's callback)."""
+        procs = self.lifecycle.procs
         uid = _peer_uid(writer)
         try:
             self.conns.open(uid)                       # ConnectionRefused over a bound
@@ -58,7 +75,7 @@ class ClientSessions:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break
                 except asyncio.TimeoutError:           # no request for idle_s
-                    if any(lip in self.procs for lip in attached):
+                    if any(lip in procs for lip in attached):
                         continue                       # it waits for its LIPs' events
                     log.info("closing an idle client connection of uid %d (%g s without a request)", uid, idle_s)
                     writer.write(encode_frame({"error": "ETIMEDOUT", "type": "IdleTimeout", "message":
@@ -81,7 +98,7 @@ class ClientSessions:
         finally:
             self.conns.close(uid)
             for lip_id in attached:                        # a session's LIPs end with it
-                self._kill(lip_id, "killed: the client that ran it disconnected")
+                self.lifecycle.kill(lip_id, "killed: the client that ran it disconnected")
             writer.close()
 
     async def _request(self, uid: int, msg: dict, writer, attached: set) -> Optional[dict]:
@@ -90,10 +107,10 @@ class ClientSessions:
         if op == "spawn":
             attach = msg.get("attach", True)
             acting = msg.get("user") is not None
-            reply = await self.spawn(user, msg, watcher=writer if attach else None,
-                                     caller_uid=self.uids.kernel_uid if uid == self.gateway_uid else uid,
-                                     owner=identity_for(uid, user, acting=acting,
-                                                        on_behalf=acting and uid == self.gateway_uid))
+            reply = await self.lifecycle.spawn(user, msg, watcher=writer if attach else None,
+                                               caller_uid=self.kernel_uid if uid == self.gateway_uid else uid,
+                                               owner=identity_for(uid, user, acting=acting,
+                                                                  on_behalf=acting and uid == self.gateway_uid))
             if attach:
                 attached.add(reply["lip"])
             return reply
@@ -103,33 +120,29 @@ class ClientSessions:
             if data is not None and not isinstance(data, str):
                 raise ValueError("input data must be a string")
             n = input_bytes(data)
-            if not await self.inflow.wait_room(lip.lip, n, lambda: lip.lip in self.procs):
+            if not await self.inflow.wait_room(lip.lip, n, lambda: lip.lip in self.lifecycle.procs):
                 return None                            # back-pressure; it ended meanwhile: dropped
             self.inflow.sent(lip.lip, n)
-            if lip.lip in self.admission:              # kept until it starts
-                self._queue_input(lip.lip, data)
-                return None
-            self.sys.submit(lambda: self.sys.give_input(lip.lip, data))
+            self.lifecycle.give_input(lip.lip, data)
             return None
         if op == "kill":
             lip = self._own(uid, user, msg.get("lip"))
-            self._kill(lip.lip, f"killed by {user}")
+            self.lifecycle.kill(lip.lip, f"killed by {user}")
             return {"ok": True, "lip": lip.lip}
         if op == "ps":                                 # others' LIPs without their arguments
             admin = uid == 0 and msg.get("user") is None   # root acting as a user sees what that user sees
-            return self.ps(None if admin else user)
+            return self.status.ps(None if admin else user)
         if op == "stats":
-            await self._fresh_serving_snapshot()
-            return self.stats()
+            return await self.status.fresh_stats()
         who = Principal(user, 0)
         if op == "kv_ls":                              # in slices, charged to the user (slowlane.py)
             path = msg.get("path") or "/"
             return {"entries": await asyncio.wrap_future(
                 self.sys.slow_call(user, lambda: list_job(self.fs, who, path)))}
         if op == "kv_stat":
-            return await self.sys_call(lambda: self.fs.stat(who, msg.get("path")))
+            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, msg.get("path"))))
         if op == "kv_rm":
-            await self.sys_call(lambda: self.fs.remove(who, msg.get("path")))
+            await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.remove(who, msg.get("path"))))
             return {"ok": True}
         if op == "test_hook" and self.test_hooks:
             return self._test_hook(uid, msg)
@@ -159,66 +172,12 @@ class ClientSessions:
         return {"ok": True}
 
     def _own(self, uid: int, user: str, lip_id) -> ProcRow:
-        e = self.procs.get(lip_id)
+        e = self.lifecycle.procs.get(lip_id)
         if e is None:
             raise ValueError(f"no running LIP {lip_id!r}")
         if uid != 0 and e.row.user != user:
             raise PermissionError(f"LIP {lip_id} belongs to {e.row.user}")
         return e.row
-
-    def ps(self, viewer: Optional[str] = None) -> dict:
-        """The `ps` reply, from the published snapshots only: the process
-        table's rows (event loop) and the syscall thread's counters.  A
-        running LIP the memory manager suspended shows state "suspended".
-        ``viewer``: the user asking (others' LIPs come without their
-        arguments, limits and why they wait: that names their user's KV use);
-        None: an administrator, who sees everything."""
-        (rows, finished, _), served = self.procs.snapshot, self.sys.snapshot
-        full = lambda r: viewer is None or r.user == viewer  # noqa: E731
-        queued = self.queued_views()                   # position, waited_s of each queued LIP
-        for lip, pages in served.suspended.items():    # running, but swapped out for a more important LIP
-            queued.setdefault(lip, {}).update(state="suspended", suspended_pages=pages)
-
-        def row(r):
-            q = queued.get(r.lip, {})
-            if not full(r):
-                q = {k: v for k, v in q.items() if k != "waiting_for"}
-            return dict(r.ps(served.counters(r.lip), full(r)), **q)
-        return {"lips": [row(r) for r in rows],
-                "finished": [dict(r.ps(r.final, full(r)), **e) for r, e in finished[-20:]]}
-
-    async def _fresh_serving_snapshot(self, wait_s: float = FRESH_SNAPSHOT_WAIT_S) -> None:
-        """Have the syscall thread publish what it serves now (an awaited command
-        publishes), so that `stats` reflects every call whose reply or output the
-        client already saw.  A stalled thread is not waited for beyond ``wait_s``:
-        the last published snapshot is served then.  Concurrent callers share one
-        request, so a flood of `stats` during a stall queues one command, not many."""
-        pending = getattr(self, "_publish_request", None)
-        if pending is None or pending.done():
-            pending = self._publish_request = asyncio.wrap_future(self.sys.call_future(lambda: None))
-        try:
-            await asyncio.wait_for(asyncio.shield(pending), wait_s)   # a timeout leaves it for the others
-        except (asyncio.TimeoutError, RuntimeError):
-            pass
-
-    def stats(self) -> dict:
-        """The `stats` reply, from the published snapshots only."""
-        served = self.sys.snapshot
-        d = {"lips": sum(r.state != "queued" for r in self.procs.snapshot.rows)}
-        d.update(served.as_stats())
-        d.update(self.admission_stats())
-        d["instance"] = self.instance
-        d["model"] = getattr(self.engine, "model_id", None) or self.engine.model_config.name or "default"
-        d["model_name"] = self.engine.model_config.name
-        d["page_size"] = self.engine.page_size
-        d["context"] = self.engine.max_seq_len
-        d["compute_threads"] = self.sys.compute_threads
-        d["output_queued_bytes"] = self.queued_output_bytes()
-        d["input_queued_bytes"] = self.inflow.total()
-        d["connections"] = len(self.conns)
-        d["connections_refused"] = self.conns.refused
-        return d
-
 
 
 # ---------------------------------------------------------------- helpers

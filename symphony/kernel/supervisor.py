@@ -1,9 +1,11 @@
 """The kernel's supervision: long-lived tasks restarted on failure, watchdogs, loud failure.
 
-A mixin of `daemon.Kernel` (event loop).  Nothing here owns LIP state: a
-failing piece of the kernel either restarts (its state lives on the Kernel)
-or shuts the kernel down through `_fail_loudly`, which every thread may ask
-for (`_fail_threadsafe`).
+`Supervision` is a part of `daemon.Kernel` on the event loop.  It owns the
+kernel's long-lived tasks, the ``stopping`` event every part waits on or
+checks, and ``fatal``, why the kernel is going down after a failure.  It owns
+no LIP state: a failing task either restarts (its state lives in the part that
+runs it) or shuts the kernel down through `fail_loudly`, which any thread may
+ask for (the Kernel hands the syscall thread a thread-safe wrapper of it).
 """
 from __future__ import annotations
 
@@ -12,27 +14,35 @@ import logging
 import sys
 import time
 from collections import deque
+from typing import Callable, Optional
 
 from .escape import printable
 
 log = logging.getLogger("symphony.kernel")
 
+WATCHDOG_S = 0.5            # how often a watchdog looks
+
 
 class Supervision:
-    """Supervised tasks and watchdogs of `daemon.Kernel`."""
+    """Supervised tasks, watchdogs and the kernel's stop (event loop)."""
 
-    def _supervise(self, name: str, factory, restarts: int = 5) -> asyncio.Task:
+    def __init__(self) -> None:
+        self.stopping = asyncio.Event()          # set: the kernel is going down
+        self.fatal: Optional[str] = None         # why, after a failure
+        self.tasks: list[asyncio.Task] = []
+
+    def supervise(self, name: str, factory, restarts: int = 5) -> asyncio.Task:
         """Run ``factory()`` as a long-lived task.  An unexpected exception is
-        logged with its traceback and the task restarted (its state lives on
-        the Kernel, so it is intact); more than ``restarts`` failures within a
-        minute, or an unexpected return, shut the kernel down loudly."""
+        logged with its traceback and the task restarted (its state lives in
+        the part that runs it, so it is intact); more than ``restarts`` failures
+        within a minute, or an unexpected return, shut the kernel down loudly."""
         async def run():
             fails: deque = deque(maxlen=restarts + 1)
             while True:
                 try:
                     await factory()
                     if not self.stopping.is_set():
-                        self._fail_loudly(f"the kernel's {name} stopped")
+                        self.fail_loudly(f"the kernel's {name} stopped")
                     return
                 except asyncio.CancelledError:
                     raise
@@ -42,14 +52,27 @@ class Supervision:
                     if self.stopping.is_set():
                         return
                     if len(fails) > restarts and fails[-1] - fails[0] < 60:
-                        self._fail_loudly(f"the kernel's {name} failed {len(fails)} times in a minute")
+                        self.fail_loudly(f"the kernel's {name} failed {len(fails)} times in a minute")
                         return
                     log.error("restarting the kernel's %s", name)
         task = asyncio.create_task(run(), name=name)
         self.tasks.append(task)
         return task
 
-    def _fail_loudly(self, why: str) -> None:
+    def watchdog(self, name: str, alive: Callable[[], bool], why: str) -> asyncio.Task:
+        """A supervised task that fails the kernel loudly with ``why`` once
+        ``alive()`` is false (checked every `WATCHDOG_S` until the kernel stops)."""
+        async def watch():
+            while True:
+                await asyncio.sleep(WATCHDOG_S)
+                if self.stopping.is_set():
+                    return
+                if not alive():
+                    self.fail_loudly(why)
+                    return
+        return self.supervise(name, watch)
+
+    def fail_loudly(self, why: str) -> None:
         """A piece of the kernel cannot go on: shut everything down cleanly and
         loudly (LIPs killed with this reason, clients told, shm unlinked,
         durable files synced if the syscall thread still answers)."""
@@ -59,36 +82,16 @@ class Supervision:
             print(f"symphony-kernel: FATAL: {printable(why)}; shutting down", file=sys.stderr, flush=True)
         self.stopping.set()
 
-    def _fail_threadsafe(self, why: str) -> None:
-        self.loop.call_soon_threadsafe(self._fail_loudly, why)
+    def cancel_all(self) -> None:
+        """Cancel every supervised task (the kernel has stopped)."""
+        for t in self.tasks:
+            t.cancel()
 
-    def _loop_exception(self, loop, context: dict) -> None:
+    @staticmethod
+    def loop_exception(loop, context: dict) -> None:
+        """The event loop's exception handler: log what no task caught."""
         exc = context.get("exception")
         if isinstance(exc, asyncio.CancelledError):     # a client's handler cancelled at shutdown
             return
         log.error("event loop: %s", context.get("message", "unhandled exception"),
                   exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
-
-    async def _watch_syscall_thread(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            if self.stopping.is_set():
-                return
-            if not self.sys.thread.is_alive():
-                self._fail_loudly("the syscall thread died")
-                return
-
-    async def _watch_server(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            if self.stopping.is_set():
-                return
-            if not self.server.is_serving():
-                self._fail_loudly("the socket server stopped serving")
-                return
-
-    def sys_call(self, fn) -> "asyncio.Future":
-        """Run ``fn`` on the syscall thread; an awaitable of its result that
-        never blocks the event loop (await it with a timeout if you must)."""
-        return asyncio.wrap_future(self.sys.call_future(fn))
-

@@ -21,6 +21,7 @@ import pytest
 from symphony.kernel.proc import LipProc, ServedLips
 from symphony.kernel.proctable import FINISHED_KEPT, LIVE, ProcessTable, TransitionError, exit_reason
 from symphony.kernel.snapshot import LipCounters, ProcRow, ServingSnapshot
+from symphony.kernel.states import LipState
 
 from .test_faults import WORKER, fk, tiny_gguf  # noqa: F401  (fixtures)
 
@@ -107,6 +108,59 @@ def test_rules_a_kernel_bug_would_break():
     assert t.get("1") is None and t.get([1]) is None and "x" not in t
 
 
+def test_every_move_the_table_makes_is_in_its_transitions_and_no_other_is_allowed():
+    """Drive each path of the state machine and record every (old, new) state
+    the rows go through: each one is in `TRANSITIONS`, and each entry of the
+    table is taken by some path (no dead rules)."""
+    from symphony.kernel.proctable import TRANSITIONS, _check
+    seen = set()
+    t = ProcessTable()
+
+    def track(lip, step):
+        old = t.get(lip).state if t.get(lip) else None
+        step()
+        e = t.get(lip)
+        new = e.state if e else next(r.state for r, _ in reversed(t.snapshot.finished) if r.lip == lip)
+        seen.add((old, new))
+
+    track(1, lambda: t.queue(row(1)))
+    track(1, lambda: t.drop(1, "killed"))                         # queued -> exited
+    track(2, lambda: t.queue(row(2)))
+    track(2, lambda: t.admit(2, ring=None))                       # queued -> starting
+    track(2, lambda: t.started(2, 20))                            # starting -> running
+    track(2, lambda: t.kill(2, "killed"))                         # running -> killing
+    track(2, lambda: t.exit_reported(2))                          # killing -> exiting
+    track(2, lambda: t.reclaimed(2, 0, 9, LipCounters()))         # exiting -> exited
+    track(3, lambda: t.add(row(3), ring=None))                    # (none) -> starting
+    track(3, lambda: t.kill(3, "killed"))                         # starting -> killing
+    track(3, lambda: t.started(3, 30))                            # killing stays killing, pid known
+    track(4, lambda: t.add(row(4), ring=None))
+    track(4, lambda: t.exit_reported(4))                          # starting -> exiting
+    track(5, lambda: t.add(row(5), ring=None))
+    track(5, lambda: t.started(5, 50))
+    track(5, lambda: t.exit_reported(5))                          # running -> exiting
+    track(5, lambda: t.abandon(5, " (not reclaimed)"))            # exiting -> exited
+    table = {(old, new) for old, news in TRANSITIONS.items() for new in news}
+    assert seen == table, (seen ^ table)
+    assert all(isinstance(new, LipState) for _, new in seen)
+    for old in TRANSITIONS:
+        for new in set(LipState) - TRANSITIONS[old]:
+            with pytest.raises(TransitionError):
+                _check(0, old, new)
+
+
+def test_lip_states_are_the_words_ps_and_the_wire_show():
+    import json
+
+    import orjson
+    assert [s.value for s in LipState] == ["queued", "starting", "running", "suspended", "killing", "exiting",
+                                           "exited"]
+    r = row(3, state=LipState.RUNNING)
+    assert orjson.loads(orjson.dumps(r.ps(LipCounters(), True)))["state"] == "running"
+    assert json.dumps(LipState.KILLING) == '"killing"' and f"{LipState.QUEUED}" == str(LipState.QUEUED) == "queued"
+    assert LipState.EXITED == "exited" and "exited" in {LipState.EXITED} and LipState("running") is LipState.RUNNING
+
+
 def test_snapshots_are_replaced_never_changed():
     t = ProcessTable()
     s0 = t.snapshot
@@ -181,7 +235,7 @@ def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
     ONE queued request; once it is answered, the next `stats` makes a new one."""
     import asyncio
     from concurrent.futures import Future
-    from symphony.kernel.sessions import ClientSessions
+    from symphony.kernel.status import FreshSnapshots
 
     class FakeSys:
         def __init__(self):
@@ -192,24 +246,21 @@ def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
             self.requests.append((f, fn))
             return f
 
-    class Sessions(ClientSessions):
-        pass
-
-    s = Sessions()
-    s.sys = FakeSys()
+    fake = FakeSys()
+    fresh = FreshSnapshots(fake)
 
     async def flood():
         t0 = time.monotonic()
-        await asyncio.gather(*[s._fresh_serving_snapshot(0.05) for _ in range(200)])
+        await asyncio.gather(*[fresh.wait(0.05) for _ in range(200)])
         dt = time.monotonic() - t0
-        assert len(s.sys.requests) == 1 and dt < 1.0, (len(s.sys.requests), dt)   # stalled: one request
-        await s._fresh_serving_snapshot(0.05)
-        assert len(s.sys.requests) == 1                                            # still pending: shared
-        f, fn = s.sys.requests[0]
+        assert len(fake.requests) == 1 and dt < 1.0, (len(fake.requests), dt)   # stalled: one request
+        await fresh.wait(0.05)
+        assert len(fake.requests) == 1                                            # still pending: shared
+        f, fn = fake.requests[0]
         f.set_result(fn())                                                         # the thread answers
         await asyncio.sleep(0)
-        await asyncio.gather(*[s._fresh_serving_snapshot(0.05) for _ in range(3)])
-        assert len(s.sys.requests) == 2                                            # a fresh one, shared by 3
+        await asyncio.gather(*[fresh.wait(0.05) for _ in range(3)])
+        assert len(fake.requests) == 2                                            # a fresh one, shared by 3
     asyncio.run(flood())
 
 
