@@ -56,7 +56,7 @@ class MemoryOps:
     def device_need(self, call) -> int:
         """Device pages a checked `KVPred` takes when it runs now: its file's
         blocks not on the device, the new pages, and one more if it copies a
-        shared partial last page.  Exactly what `_plan` then allocates or
+        shared partial last page.  Exactly what `prepare` then allocates or
         swaps in; changes nothing."""
         inode = self._handle(call.who, call.handle).inode
         new, cow = append_growth(inode, len(call.tokens), self.page_size)
