@@ -1,6 +1,7 @@
 """KVFS data operations: pred, fork, truncate, extract, merge.
 
-Mixed into `fs.KVFS`.  KVFS owns page sharing: a `Block`'s ``ref`` is the one
+`Data` is a part of `fs.KVFS` (``fs.data``; KVFS's methods of the same names
+call it), given the namespace and its `memory.Memory`.  KVFS owns page sharing: a `Block`'s ``ref`` is the one
 reference count of a page, and the copy-on-write below (`_place`) the one
 copy-on-write.  Invariants kept by every operation:
   * a block's ``ref`` equals the number of page-table entries pointing at it;
@@ -73,7 +74,15 @@ class StepPlan:
     atomic: bool = False            # all or nothing: commit raises the first error
 
 
-class DataOps:
+class Data:
+    """pred, fork, truncate, extract, merge on KVFS's files.  Given the
+    namespace (``fs``: handles, files) and its `Memory` (room for new pages)."""
+
+    def __init__(self, fs, memory):
+        self.fs, self.memory = fs, memory
+        self.engine, self.page_size = fs.engine, fs.page_size
+        self.quotas, self.refs, self.pager = fs.quotas, fs.refs, fs.pager
+
     # ------------------------------------------------------------------ pred
     def pred(self, who: Principal, hid: int, tokens, positions=None, *, all_logits: bool = False):
         return self.pred_batch([KVPred(who, hid, tokens, positions, all_logits)])[0]
@@ -83,11 +92,11 @@ class DataOps:
         call's logits ([vocab], or [n, vocab] with all_logits).  All or nothing:
         the first error is raised and no file changes.  (In-process: the
         kernel's step calls `prepare` and `commit` itself.)"""
-        self._tick()
+        self.fs._tick()
         if not calls:
             return []
         checked = [self.check_pred(c.who, c.handle, c.tokens, c.positions, c.all_logits) for c in calls]
-        inodes = [self._handle(c.who, c.handle).inode for c in calls]
+        inodes = [self.fs._handle(c.who, c.handle).inode for c in calls]
         if len({i.ino for i in inodes}) != len(inodes):
             raise InvalidArgument("the same KV file appears twice in one pred batch")
         calls = [KVPred(c.who, c.handle, t, p, c.all_logits, c.want, c.fed)
@@ -105,7 +114,7 @@ class DataOps:
         Over the user's page quota, their unopened cache files are deleted
         first (`make_quota_room`), as the memory manager may delete them at
         any time."""
-        h = self._handle(who, hid)
+        h = self.fs._handle(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only (fork it to write)")
         inode = h.inode
@@ -121,11 +130,21 @@ class DataOps:
         try:
             self.quotas.check({(who.user, who.pid): new + cow})
         except QuotaExceeded:                      # the user's own cache files go first
-            if not self.make_quota_room(who.user, new + cow):
+            if not self.memory.make_quota_room(who.user, new + cow):
                 raise
             self.quotas.check({(who.user, who.pid): new + cow})
         self.quotas.check_refs(inode.owner, new)
         return toks, pos
+
+    def device_need(self, call: KVPred) -> int:
+        """Device pages a checked `KVPred` takes when it runs now: its file's
+        blocks not on the device, the new pages, and one more if it copies a
+        shared partial last page.  Exactly what `prepare` then allocates or
+        swaps in; changes nothing."""
+        inode = self.fs._handle(call.who, call.handle).inode
+        new, cow = append_growth(inode, len(call.tokens), self.page_size)
+        missing = len({b.id for b in inode.blocks if b.device < 0})
+        return missing + new + cow
 
     def passes(self, calls: Sequence[KVPred]) -> list[list[int]]:
         """The calls' indexes split into steps that each write a file once: a
@@ -135,7 +154,7 @@ class DataOps:
         while todo:
             seen, now, later = set(), [], []
             for i in todo:
-                h = self.handles.get(calls[i].handle)
+                h = self.fs.handles.get(calls[i].handle)
                 ino = h.inode.ino if h is not None else None
                 (later if ino is not None and ino in seen else now).append(i)
                 seen.add(ino)
@@ -160,11 +179,11 @@ class DataOps:
         pages allocated and charged.  A call that cannot be placed is refused
         with its error (``atomic``: everything planned is undone and the error
         raised).  Nothing is committed to a file until `commit`."""
-        self._tick()
+        self.fs._tick()
         inodes: list[Optional[Inode]] = []
         for c in calls:
             try:
-                inodes.append(self._handle(c.who, c.handle).inode)
+                inodes.append(self.fs._handle(c.who, c.handle).inode)
             except Exception:
                 inodes.append(None)
         protect = {b.id for i in inodes if i is not None for b in i.blocks}
@@ -172,7 +191,7 @@ class DataOps:
         for c, inode in zip(calls, inodes):
             try:
                 if inode is None:
-                    self._handle(c.who, c.handle)             # raises the handle's error
+                    self.fs._handle(c.who, c.handle)             # raises the handle's error
                 placed.append(self._place(c, inode, protect))
             except Exception as e:
                 if atomic:
@@ -246,7 +265,7 @@ class DataOps:
             self.refs.drop([p.replaced], inode.owner)
         inode.positions.extend(p.call.positions)
         inode.mtime = inode.atime = _now()
-        self._lru_touch(inode)
+        self.memory.touch(inode)
 
     def _undo_placed(self, placed: list[Placement]) -> None:
         for p in placed:
@@ -257,20 +276,20 @@ class DataOps:
         """A copy-on-write clone (anonymous unless ``path``; ``mode`` as in
         `create`), opened read-write.  Shares every block; costs no page until
         one side writes."""
-        src = self._handle(who, hid).inode
+        src = self.fs._handle(who, hid).inode
         self.quotas.check_refs(who.user, len(src.blocks))
-        new = self.create(who, path, mode)
-        inode = self.handles[new].inode
+        new = self.fs.create(who, path, mode)
+        inode = self.fs.handles[new].inode
         self.refs.hold(src.blocks, inode.owner)
         inode.blocks = list(src.blocks)
         inode.positions = list(src.positions)
         inode.advice = src.advice if src.advice not in ("keep", "cache") else "normal"
-        self._lru_touch(inode)
+        self.memory.touch(inode)
         return new
 
     def truncate(self, who: Principal, hid: int, n: int) -> None:
         """Keep the first ``n`` tokens (undo, speculative rollback)."""
-        h = self._handle(who, hid)
+        h = self.fs._handle(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only")
         inode = h.inode
@@ -283,7 +302,7 @@ class DataOps:
                 mode: Optional[int] = None) -> int:
         """A new file holding token ranges ``[(start, end), ...]`` (half-open,
         increasing, non-overlapping) of this one, at their original positions."""
-        src = self._handle(who, hid).inode
+        src = self.fs._handle(who, hid).inode
         segs = []
         last = 0
         if not isinstance(ranges, (list, tuple)) or not ranges:
@@ -306,7 +325,7 @@ class DataOps:
         (modular attention reuse, as in Prompt Cache)."""
         if not isinstance(hids, (list, tuple)) or not hids:
             raise InvalidArgument("merge needs a non-empty list of handles")
-        segs = [(self._handle(who, h).inode, 0, self._handle(who, h).inode.length) for h in hids]
+        segs = [(self.fs._handle(who, h).inode, 0, self.fs._handle(who, h).inode.length) for h in hids]
         return self._assemble(who, [s for s in segs if s[2] > 0], path, mode)
 
     # ------------------------------------------------------------------ helpers
@@ -324,7 +343,7 @@ class DataOps:
         protect = {b.id for i in inodes for b in i.blocks} if protect is None else protect
         missing = [b for i in inodes for b in i.blocks if b.device < 0]
         missing = list({b.id: b for b in missing}.values())
-        self._make_room(len(missing) + extra, protect)
+        self.memory.make_room(len(missing) + extra, protect)
         self.pager.swap_in(missing)
 
     def _assemble(self, who: Principal, segs, path: Optional[str], mode: Optional[int]) -> int:
@@ -332,9 +351,9 @@ class DataOps:
         total = sum(e - a for _, a, e in segs)
         if total > self.engine.max_seq_len:
             raise InvalidArgument(f"result would hold {total} tokens, more than {self.engine.max_seq_len}")
-        self._new_mode(mode, 0)                              # fail on a bad mode or path before any work
+        self.fs._new_mode(mode, 0)                              # fail on a bad mode or path before any work
         if path is not None:
-            self._parent_for_create(who, path)
+            self.fs._parent_for_create(who, path)
         plan: list = []          # per destination block: a shared Block, or a list of (Block, offset)
         positions: list[int] = []
         n = 0
@@ -361,7 +380,7 @@ class DataOps:
         sources = list({b.id: b for p in plan if isinstance(p, list) for b, _ in p}.values())
         protect = {b.id for p in plan for b in ([p] if isinstance(p, Block) else [x for x, _ in p])}
         missing = [b for b in sources if b.device < 0]
-        self._make_room(len(missing) + fresh, protect)
+        self.memory.make_room(len(missing) + fresh, protect)
         self.pager.swap_in(missing)
         it = iter(self.refs.new(who, who.user, fresh))
         src_p, src_o, dst_p, dst_o = [], [], [], []
@@ -381,11 +400,11 @@ class DataOps:
             t = lambda x: torch.tensor(x, device=dev)
             pool[:, :, t(dst_p), t(dst_o)] = pool[:, :, t(src_p), t(src_o)]
         try:
-            hid = self.create(who, path, mode)
+            hid = self.fs.create(who, path, mode)
         except BaseException:
             self.refs.drop(blocks, who.user)
             raise
-        inode = self.handles[hid].inode
+        inode = self.fs.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions
         return hid
 
