@@ -195,3 +195,19 @@ def test_the_runner_serves_the_outputs_the_abi_declares():
     from symphony.engine.runner import OUTPUTS
     from symphony.ipc import abi
     assert OUTPUTS == abi.OUTPUTS
+
+
+def test_a_pred_call_feeds_its_chunks_and_asks_for_its_result_with_the_last():
+    """One record from submission to reply (kernel/calls/pred.py): its chunks as KVFS feeds them."""
+    from symphony.kernel.calls import PredCall, Stage
+    from symphony.kernel.proc import LipProc
+    lip = LipProc(7, "alice", "x.py", [], ring=None, grants={}, limits={})
+    want = Want("topk", 5)
+    c = PredCall(key=(7, 3), lip=7, user="alice", n_tokens=5, proc=lip, kv=3, tokens=[1, 2, 3, 4, 5],
+                 positions=[10, 11, 12, 13, 14], all_logits=True, want=want)
+    first, last = c.chunk(0, 3), c.chunk(3, 2)
+    assert c.stage is Stage.QUEUED and c.remaining == 5
+    assert (first.who, first.handle, list(first.tokens), list(first.positions), first.fed) == \
+        (Principal("alice", 7), 3, [1, 2, 3], [10, 11, 12], 0)
+    assert first.want == Want() and not first.all_logits                 # nothing back from an early chunk
+    assert (list(last.tokens), last.fed, last.want, last.all_logits) == ([4, 5], 3, want, True)
