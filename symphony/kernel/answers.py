@@ -25,6 +25,7 @@ from symphony.kvfs import KVFSError
 
 from .escape import printable
 from .failure import SyscallFailure, fail as _fail
+from .proc import Serving
 from .replies import truncate_message
 
 log = logging.getLogger("symphony.syscalls")
@@ -41,7 +42,7 @@ class Answers:
         """Answer a call with ``body``.  A body larger than the slot is kept for
         the LIP to FETCH in chunks (see replies.py); if even that fails, the
         call is answered with the error.  Never raises."""
-        if lip.state not in ("running", "killing"):
+        if lip.state not in (Serving.RUNNING, Serving.KILLING):
             return
         try:
             data = orjson.dumps(body)
@@ -76,7 +77,7 @@ class Answers:
             else:
                 log.error("LIP %d: system call failed unexpectedly", lip.id, exc_info=e)
                 t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"
-            if lip.state in ("running", "killing"):
+            if lip.state in (Serving.RUNNING, Serving.KILLING):
                 body = {"error": str(code)[:32], "type": str(t)[:64], "message": truncate_message(printable(msg))}
                 lip.ring.respond(slot, call_id, abi.ERR, orjson.dumps(body))
         except Exception as e2:
@@ -86,9 +87,9 @@ class Answers:
         """A call could not be answered at all: its thread would wait forever, so
         the LIP is killed (a torn-down LIP is simply forgotten)."""
         try:
-            if lip.state == "running":
+            if lip.state == Serving.RUNNING:
                 log.error("LIP %d: no reply could be written to slot %s (call %s): %r", lip.id, slot, call_id, e)
-                lip.state = "killing"
+                lip.state = Serving.KILLING
                 self.kill(lip.id, "killed: a system call reply could not be written")
         except Exception:
             log.exception("LIP %d: could not be failed", getattr(lip, "id", -1))

@@ -32,7 +32,7 @@ from symphony.sched import BatchScheduler
 from symphony.sched.memory import LipMem, MemoryPlanner
 
 from .answers import Answers
-from .proc import ServedLips
+from .proc import ServedLips, Serving
 
 log = logging.getLogger("symphony.syscalls")
 
@@ -60,7 +60,7 @@ class Residency:
         chunks = self.sched.next_chunks()
         needs, any_suspended = {}, False
         for lip in self.lips.values():
-            if lip.state != "running":
+            if lip.state != Serving.RUNNING:
                 continue
             any_suspended |= lip.suspended
             if lip.id in chunks:
@@ -70,7 +70,7 @@ class Residency:
             return
         mem = []
         for lip in self.lips.values():
-            if lip.state != "running":
+            if lip.state != Serving.RUNNING:
                 continue
             queued = lip.id in chunks
             device, resume, holds = self.pages_of(lip)
@@ -158,7 +158,7 @@ class Residency:
             self._stalled_since = now
             return
         queued = self.sched.queued_lips()
-        live = [l for l in self.lips.values() if l.state == "running"]
+        live = [l for l in self.lips.values() if l.state == Serving.RUNNING]
         stuck = all(l.suspended or l.id in self.sched.held for l in live)
         if now - self._stalled_since < (STUCK_GRACE_S if stuck else self.kv_wait_s):
             return

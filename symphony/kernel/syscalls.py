@@ -52,7 +52,7 @@ from .calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
 from .calls.pred import arena_span, pin_arena
 from .capabilities import Capabilities
 from .failure import SyscallFailure
-from .proc import LipProc, ServedLips
+from .proc import LipProc, ServedLips, Serving
 from .residency import KV_WAIT_S, Residency
 from .slowlane import RingThread, SlowLane, Writer
 from .snapshot import LipCounters, ServingSnapshot
@@ -289,7 +289,7 @@ class SyscallServer:
         """A command or a LIP's call waits."""
         if not self.commands.empty():
             return True
-        return any(l.ring.pending() for l in self.lips.values() if l.state == "running")
+        return any(l.ring.pending() for l in self.lips.values() if l.state == Serving.RUNNING)
 
     def _run_commands(self) -> bool:
         """Run the queued commands; whether there were any."""
@@ -310,7 +310,7 @@ class SyscallServer:
     def _poll(self) -> list:
         out = []
         for lip in list(self.lips.values()):
-            if lip.state != "running":
+            if lip.state != Serving.RUNNING:
                 continue
             try:
                 slots = lip.ring.poll()
@@ -333,7 +333,7 @@ class SyscallServer:
 
     def add(self, lip: LipProc) -> None:
         """Take over ``lip`` (built on the event loop) and start serving it."""
-        lip.state = "running"
+        lip.state = Serving.RUNNING
         lip.admitted = self._admitted
         self._admitted += 1
         self.lips[lip.id] = lip           # (its arena was pinned before its worker forked: pin_ring)
@@ -346,7 +346,7 @@ class SyscallServer:
         lip = self.lips.pop(lip_id, None)
         if lip is None:
             return LipCounters(), 0
-        lip.state = "exited"
+        lip.state = Serving.EXITED
         self.sched.drop_lip(lip.id)
         self.residency.forget(lip.id)
         peak = self.fs.quotas.peak(lip.id)
@@ -387,8 +387,8 @@ class SyscallServer:
     def _condemn(self, lip: LipProc, reason: str) -> None:
         """running -> killing: stop reading its calls and ask the event loop
         (the process table's owner) to kill it."""
-        if lip.state == "running":
-            lip.state = "killing"
+        if lip.state == Serving.RUNNING:
+            lip.state = Serving.KILLING
             self.kill(lip.id, reason)
 
     def _publish(self) -> None:

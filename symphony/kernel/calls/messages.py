@@ -15,7 +15,7 @@ from symphony.ipc.protocol import encode_frame
 from ..answers import Answers
 from ..failure import fail as _fail
 from ..inflow import input_bytes
-from ..proc import LipProc, ServedLips
+from ..proc import LipProc, ServedLips, Serving
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits
@@ -96,6 +96,6 @@ class MessageCalls:
             chunk = lip.replies.take(body.id, body.offset, lip.ring.slot_bytes - RESP_BODY_OFF)
         except (KeyError, IndexError) as e:
             _fail("InvalidArgument", "EINVAL", f"fetch: {e.args[0]}")
-        if lip.state in ("running", "killing"):
+        if lip.state in (Serving.RUNNING, Serving.KILLING):
             lip.ring.respond(slot, cid, abi.OK, chunk)
         return None

@@ -37,7 +37,7 @@ from symphony.sched import BatchScheduler, Call
 
 from ..answers import Answers
 from ..failure import fail as _fail
-from ..proc import LipProc
+from ..proc import LipProc, Serving
 from ..residency import Residency
 
 log = logging.getLogger("symphony.syscalls")
@@ -148,7 +148,7 @@ class PredCalls:
             self.residency.stalled()
             return False
         self.residency.moved()
-        items = [(c, start, n) for c, start, n in batch.items if c.proc.state == "running"]
+        items = [(c, start, n) for c, start, n in batch.items if c.proc.state == Serving.RUNNING]
         if not items:
             return True
         t0 = time.perf_counter()
