@@ -17,9 +17,9 @@ across ranks.
 Whoever owns the pages plans a step, the runner runs it, the owner commits
 (or undoes) what it planned: `run_planned(owner, runner, calls)` is that walk
 for any owner with ``prepare(calls) -> plan`` (``plan.step`` the `ModelStep`),
-``commit(plan, StepOutput) -> results`` and ``undo(plan)`` -- KVFS and the
-engine's in-process sequences both are one, and the kernel's step is the same
-three calls.
+``commit(plan, StepOutput) -> results`` and ``undo(plan)``: the engine's
+in-process sequences and KVFS's in-process pred are walked by it, and the
+kernel's step (kernel/calls/pred.py) makes the same three calls itself.
 
 Validation happened when the call was submitted (`Engine.check_call`, through
 `KVFS.check_pred`); the runner only asserts what would corrupt memory.  If the

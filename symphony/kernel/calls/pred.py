@@ -14,7 +14,8 @@ queued in the scheduler.  Each step is one walk (`PredCalls.step`):
     deliver(done)                         copy results into the LIPs' arenas, reply
 
 (a step that writes one file through two handles runs as two passes of the
-middle three, `KVFS.passes`; `run_planned` is those three).
+middle three, `KVFS.passes`).  The in-process engine and KVFS walk the same
+three pieces (`engine.runner.run_planned`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from symphony.engine.runner import Want, run_planned
+from symphony.engine.runner import Want
 from symphony.engine.sampler import SamplingError, SamplingParams, check_sampling
 from symphony.ipc import abi
 from symphony.ipc.layout import arena_span
@@ -161,10 +162,17 @@ class PredCalls:
         return True
 
     def _run(self, chunks: list[KVPred]) -> list:
-        """prepare -> runner -> commit, once per pass (`KVFS.passes`); a result per chunk."""
+        """KVFS prepares, the runner runs, KVFS commits: once per pass
+        (`KVFS.passes`: a file written twice runs in two); a result per chunk."""
         results: list = [None] * len(chunks)
         for idx in self.fs.passes(chunks):
-            for i, r in zip(idx, run_planned(self.fs, self.engine.runner, [chunks[i] for i in idx])):
+            plan = self.fs.prepare([chunks[i] for i in idx])
+            try:
+                out = self.engine.runner.run(plan.step)
+            except BaseException:
+                self.fs.undo(plan)                   # its pages back before the error goes on
+                raise
+            for i, r in zip(idx, self.fs.commit(plan, out)):
                 results[i] = r
         return results
 
