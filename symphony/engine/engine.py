@@ -5,11 +5,13 @@
     logits = engine.pred(kv, tokenizer.encode("Hello"))   # [vocab] for the last token
     logits = engine.pred(kv, [logits.argmax().item()])    # appended after the end
 
-In the kernel, KVFS owns the pages and hands page tables to `engine.runner`
-(`runner.run(ModelStep) -> StepOutput`); a call's arguments are checked once,
-at submission, by `check_call`.  The in-process API below is for tests,
+In the kernel, KVFS owns the pages: the syscall thread's step has KVFS
+prepare a `ModelStep`, runs it on `engine.runner` (`runner.run(ModelStep) ->
+StepOutput`) and has KVFS commit it; a call's arguments are checked once, at
+submission, by `check_call`.  The in-process API below is for tests,
 benchmarks and the CLI: its sequences own private pages (a fork copies them;
-sharing pages between files is KVFS's, with its one copy-on-write).
+sharing pages between files is KVFS's, with its one copy-on-write), and
+`Sequences` plans and commits their steps the same way (`run_planned`).
 
 ``pred(kv, tokens, positions=None, all_logits=False)`` appends the tokens' K/V
 to ``kv`` (RoPE positions ``positions``, by default continuing after the last
@@ -40,7 +42,7 @@ from .graphs import DecodeGraphs
 from .kv_cache import KVPool, KVSequence
 from .model import PagedLlama
 from .page_allocator import OutOfPages
-from .runner import EngineStats, ModelStep, Runner, StepCall
+from .runner import EngineStats, ModelStep, Runner, StepCall, StepOutput, run_planned
 from symphony.tokenizer import Tokenizer
 from .quant import prepare_weights
 from .weights import ModelWeights
@@ -84,6 +86,7 @@ class Engine:
                                        capture=self.device.type == "cuda")
             self.graphs.capture()
         self.runner = Runner(self.model, self.kv, self.graphs, config.max_batch_tokens, self.stats)
+        self.sequences = Sequences(self)      # the in-process sequences' pages (a PageOwner)
         log.info("engine ready: %s on %s/%s, %d KV pages of %d positions (%.1f MiB)",
                  self.model_config.name or self.model_config.arch, self.device, self.dtype,
                  self.kv.num_pages, self.page_size, self.kv.num_pages * self.kv.page_bytes / 2**20)
@@ -166,34 +169,12 @@ class Engine:
 
     def pred_batch(self, requests: Sequence[PredRequest]) -> list[torch.Tensor]:
         """Run many pred() calls as one forward pass; results in request order.
-        All or nothing: on any error no sequence changes and no page is kept."""
+        All or nothing: on any error no sequence changes and no page is kept.
+        The walk is the kernel's: plan pages, run, commit or undo (`run_planned`)."""
         if not requests:
             return []
         with self._lock:
-            calls = [self.validate(i, r) for i, r in enumerate(requests)]
-            if len({id(r.seq) for r in requests}) != len(requests):
-                raise PredError("the same KV sequence appears twice in one batch")
-            n_tokens = sum(len(t) for t, _ in calls)
-            if n_tokens > self.config.max_batch_tokens:
-                raise PredError(f"batch carries {n_tokens} tokens, more than max_batch_tokens="
-                                f"{self.config.max_batch_tokens}")
-            alloc = self.kv.allocator
-            need = [self.kv.pages_for(r.seq.length + len(t)) - len(r.seq.pages)
-                    for r, (t, _) in zip(requests, calls)]
-            if not alloc.can_allocate(sum(need)):
-                raise OutOfPages(f"pred needs {sum(need)} KV pages, only {alloc.num_free} free")
-            fresh = [alloc.allocate(k) for k in need]
-            step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits)
-                              for r, (t, p), f in zip(requests, calls, fresh)])
-            out = self.runner.run(step).results
-            err = next((o.error for o in out if o.error is not None), None)
-            if err is not None:                                 # roll back: sequences untouched
-                alloc.free([p for f in fresh for p in f])
-                raise err
-            for r, (_, p), f in zip(requests, calls, fresh):
-                r.seq.pages.extend(f)
-                r.seq.positions.extend(p)
-            return [o.value if r.all_logits else o.value[0] for r, o in zip(requests, out)]
+            return run_planned(self.sequences, self.runner, requests)
 
     def validate(self, i: int, r: PredRequest) -> tuple[list[int], list[int]]:
         """Check one in-process call: (tokens, positions) as lists, or `PredError`.
@@ -207,6 +188,56 @@ class Engine:
         if pos is None:
             pos = list(range(r.seq.next_position, r.seq.next_position + len(toks)))
         return toks, pos
+
+
+@dataclass
+class SequencePlan:
+    """A step of in-process calls, planned: fresh pages given, not yet kept."""
+
+    requests: Sequence[PredRequest]
+    positions: list[list[int]]       # per call: its RoPE positions
+    fresh: list[list[int]]           # per call: pages allocated for it
+    step: ModelStep
+
+
+class Sequences:
+    """The in-process sequences' pages as the runner's `PageOwner`: `prepare`
+    checks every call and allocates its new pages, `commit` keeps them (or
+    gives them all back and raises the first error: all or nothing)."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def prepare(self, requests: Sequence[PredRequest]) -> SequencePlan:
+        e = self.engine
+        calls = [e.validate(i, r) for i, r in enumerate(requests)]
+        if len({id(r.seq) for r in requests}) != len(requests):
+            raise PredError("the same KV sequence appears twice in one batch")
+        n_tokens = sum(len(t) for t, _ in calls)
+        if n_tokens > e.config.max_batch_tokens:
+            raise PredError(f"batch carries {n_tokens} tokens, more than max_batch_tokens="
+                            f"{e.config.max_batch_tokens}")
+        alloc = e.kv.allocator
+        need = [e.kv.pages_for(r.seq.length + len(t)) - len(r.seq.pages) for r, (t, _) in zip(requests, calls)]
+        if not alloc.can_allocate(sum(need)):
+            raise OutOfPages(f"pred needs {sum(need)} KV pages, only {alloc.num_free} free")
+        fresh = [alloc.allocate(k) for k in need]
+        step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits)
+                          for r, (t, p), f in zip(requests, calls, fresh)])
+        return SequencePlan(requests, [p for _, p in calls], fresh, step)
+
+    def commit(self, plan: SequencePlan, out: StepOutput) -> list[torch.Tensor]:
+        err = next((o.error for o in out.results if o.error is not None), None)
+        if err is not None:                                 # roll back: sequences untouched
+            self.undo(plan)
+            raise err
+        for r, p, f in zip(plan.requests, plan.positions, plan.fresh):
+            r.seq.pages.extend(f)
+            r.seq.positions.extend(p)
+        return [o.value if r.all_logits else o.value[0] for r, o in zip(plan.requests, out.results)]
+
+    def undo(self, plan: SequencePlan) -> None:
+        self.engine.kv.allocator.free([p for f in plan.fresh for p in f])
 
 
 def _as_int_list(x, what: str) -> list[int]:

@@ -14,6 +14,13 @@ page tables it may write, and keeps its own books after a successful step.
 A tensor-parallel runner implements the same `run(ModelStep) -> StepOutput`
 across ranks.
 
+Whoever owns the pages plans a step, the runner runs it, the owner commits
+(or undoes) what it planned: `run_planned(owner, runner, calls)` is that walk
+for any owner with ``prepare(calls) -> plan`` (``plan.step`` the `ModelStep`),
+``commit(plan, StepOutput) -> results`` and ``undo(plan)``: the engine's
+in-process sequences and KVFS's in-process pred are walked by it, and the
+kernel's step (kernel/calls/pred.py) makes the same three calls itself.
+
 Validation happened when the call was submitted (`Engine.check_call`, through
 `KVFS.check_pred`); the runner only asserts what would corrupt memory.  If the
 batched forward pass raises, each call is run alone so that only the culprit
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +42,7 @@ from .model import BatchMeta, PagedLlama
 from .page_allocator import pages_for
 from .sampler import SamplingParams, apply_mask, sample, top_k
 
-OUTPUTS = ("logits", "topk", "argmax", "sample")
+OUTPUTS = ("logits", "topk", "sample", "argmax")   # = symphony.ipc.abi.OUTPUTS (tied by test_runner.py)
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,27 @@ class Runner:
         s.batch_sizes[len(calls)] = s.batch_sizes.get(len(calls), 0) + 1
 
 
+class PageOwner(Protocol):
+    """Who owns the pages a step writes: plans a step, then commits or undoes it."""
+
+    def prepare(self, calls: Sequence) -> Any: ...          # a plan whose ``step`` is a ModelStep
+    def commit(self, plan: Any, out: StepOutput) -> list: ...
+    def undo(self, plan: Any) -> None: ...
+
+
+def run_planned(owner: PageOwner, runner: Runner, calls: Sequence) -> list:
+    """One step: ``owner`` plans the calls' pages, ``runner`` runs the forward
+    pass, ``owner`` commits what succeeded and undoes what failed.  If the
+    runner itself raises, everything planned is undone before the error goes on."""
+    plan = owner.prepare(calls)
+    try:
+        out = runner.run(plan.step)
+    except BaseException:
+        owner.undo(plan)
+        raise
+    return owner.commit(plan, out)
+
+
 def finish(x: torch.Tensor, want: Want) -> Any:
     """A call's result from its logits rows ``x`` [rows, vocab], on x's device."""
     if want.output == "logits":
@@ -203,5 +231,5 @@ def finish(x: torch.Tensor, want: Want) -> Any:
     raise ValueError(f"output must be one of {OUTPUTS}, got {want.output!r}")
 
 
-__all__ = ["CallResult", "EngineStats", "ModelStep", "OUTPUTS", "Runner", "StepCall", "StepOutput",
-           "Want", "finish"]
+__all__ = ["CallResult", "EngineStats", "ModelStep", "OUTPUTS", "PageOwner", "Runner", "StepCall",
+           "StepOutput", "Want", "finish", "run_planned"]

@@ -5,7 +5,7 @@ handed over once (`SyscallServer.add`, through its command queue); from then
 on only the syscall thread reads or writes them.  The LIP's lifecycle as
 `ps` shows it is another record, the event loop's (proctable.py).
 
-`LipProc.state` is the serving state, written only on the syscall thread::
+`LipProc.state` is the serving state (`Serving`), written only on the syscall thread::
 
     starting --add()--> running --condemn (kill asked of the event loop)--> killing
         running|killing --remove() (the worker is gone: reclaim)--> exited
@@ -15,6 +15,7 @@ may still be answered; exited: nothing is written to its ring again.
 """
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +27,18 @@ from symphony.sched import LipView, swap_out_order
 
 from .replies import ReplyStore
 from .snapshot import LipCounters
+
+
+class Serving(str, enum.Enum):
+    """A served LIP's state (a str, so that it compares equal to its name)."""
+
+    STARTING = "starting"
+    RUNNING = "running"         # its ring is polled
+    KILLING = "killing"         # no new call is read; calls in flight may still be answered
+    EXITED = "exited"           # nothing is written to its ring again
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -46,7 +59,7 @@ class LipProc:
     caps_in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
     blocked_since: float = 0.0
-    state: str = "starting"
+    state: Serving = Serving.STARTING
     inbox: deque = field(default_factory=deque)
     eof: bool = False
     parked_recv: Optional[tuple] = None
@@ -93,5 +106,5 @@ class ServedLips(dict):
         """Ids of the LIPs whose KV files KVFS must never evict page by page
         (``KVFS(..., pinned=...)``): served, neither blocked nor suspended.
         Their pages leave the device only with the whole LIP (kernel/residency.py)."""
-        return {l.id for l in self.values() if l.state in ("running", "killing") and not l.suspended
+        return {l.id for l in self.values() if l.state in (Serving.RUNNING, Serving.KILLING) and not l.suspended
                 and not l.blocked}

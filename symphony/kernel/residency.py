@@ -1,8 +1,10 @@
 """Device KV memory on the syscall thread: before each step, whose calls may
 run, who is suspended and who resumes (the policy: sched/memory.py).
 
-`Residency` is a part of `SyscallServer` (mixed in; the syscall thread owns
-everything it touches).  Each step (`_plan_memory`):
+`Residency` is a part of `SyscallServer`: it owns its planner, its page
+counts, its stall clock and the overload counters, and is given KVFS, the
+served LIPs, the scheduler and the answers in its constructor (the syscall
+thread owns everything it touches).  Each step (`plan`):
 
   1. the scheduler says each LIP's next chunks (`BatchScheduler.next_chunks`)
      and KVFS how many device pages each needs (`KVFS.device_need`);
@@ -12,13 +14,12 @@ everything it touches).  Each step (`_plan_memory`):
      reclaiming pages no running LIP holds (`KVFS.reclaim`: cache files, idle
      files, blocked LIPs' files), suspending less important LIPs whole
      (`KVFS.suspend`) and resuming suspended ones (`KVFS.swap_in_pid`);
-  4. the LIPs that must wait, and the suspended ones, are `held` in the
-     scheduler: their calls stay queued, not failed.
+  4. the LIPs that must wait, and the suspended ones, are held in the
+     scheduler (`BatchScheduler.hold`): their calls stay queued, not failed.
 
 A waiting call fails with NoSpace in one case only: no page can move (the
 device is full, and so are the host and disk tiers that would take a
-suspended LIP's pages) and nothing else will free any -- see
-`_memory_stalled`.
+suspended LIP's pages) and nothing else will free any -- see `stalled`.
 """
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ import logging
 import time
 from collections import Counter
 
-from symphony.kvfs import KVFSError, KVPred, NoSpace
+from symphony.kvfs import KVFS, KVFSError, NoSpace
+from symphony.sched import BatchScheduler
 from symphony.sched.memory import LipMem, MemoryPlanner
+
+from .answers import Answers
+from .proc import ServedLips, Serving
 
 log = logging.getLogger("symphony.syscalls")
 
@@ -36,46 +41,52 @@ STUCK_GRACE_S = 1.0
 
 
 class Residency:
-    """Suspension and resumption of whole LIPs by device memory (mixed into SyscallServer)."""
+    """Suspension and resumption of whole LIPs by device memory."""
 
-    def _init_residency(self, kv_wait_s: float = KV_WAIT_S) -> None:
+    def __init__(self, fs: KVFS, lips: ServedLips, sched: BatchScheduler, answers: Answers,
+                 kv_wait_s: float = KV_WAIT_S):
+        self.fs, self.lips, self.sched, self.answers = fs, lips, sched, answers
+        self.alloc = fs.engine.kv.allocator
         self.kv_wait_s = kv_wait_s
-        self.planner = MemoryPlanner(free=lambda: self.engine.kv.allocator.num_free,
-                                     reclaim=self._reclaim_pages, suspend=self._suspend_lip,
-                                     resume=self._resume_lip)
+        self.planner = MemoryPlanner(free=lambda: self.alloc.num_free, reclaim=self._reclaim_pages,
+                                     suspend=self._suspend_lip, resume=self._resume_lip)
         self.overload: Counter = Counter()      # suspensions, resumes, memory_waits, kv_wait_failures
-        self._page_counts: dict = {}            # lip -> (when, device pages, resume need, holds any): _pages_of
+        self._page_counts: dict = {}            # lip -> (when, device pages, resume need, holds any): pages_of
         self._stalled_since = None
 
     # ------------------------------------------------------------------ the plan
-    def _plan_memory(self) -> None:
-        """Decide which LIPs' calls this step may schedule (`sched.held`)."""
+    def plan(self) -> None:
+        """Decide which LIPs' calls this step may schedule (`BatchScheduler.hold`)."""
         chunks = self.sched.next_chunks()
         needs, any_suspended = {}, False
         for lip in self.lips.values():
-            if lip.state != "running":
+            if lip.state != Serving.RUNNING:
                 continue
             any_suspended |= lip.suspended
             if lip.id in chunks:
                 needs[lip.id] = sum(self._need(c, n, lip.suspended) for c, n in chunks[lip.id])
-        if not any_suspended and sum(needs.values()) <= self.engine.kv.allocator.num_free:
-            self.sched.held = set()                        # all fit: the common case
+        if not any_suspended and sum(needs.values()) <= self.alloc.num_free:
+            self.sched.hold(())                            # all fit: the common case
             return
         mem = []
         for lip in self.lips.values():
-            if lip.state != "running":
+            if lip.state != Serving.RUNNING:
                 continue
             queued = lip.id in chunks
-            device, resume, holds = self._pages_of(lip)
+            device, resume, holds = self.pages_of(lip)
             mem.append(LipMem(lip.id, lip.priority, lip.admitted, device, needs.get(lip.id, 0),
                               lip.suspended, resume, blocked=lip.blocked and not queued, fresh=not holds))
         headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
-        plan = self.planner.plan(mem, headroom, self.engine.kv.allocator.capacity)
+        plan = self.planner.plan(mem, headroom, self.alloc.capacity)
         if plan.wait:
             self.overload["memory_waits"] += len(plan.wait)
-        self.sched.held = {l.id for l in self.lips.values() if l.suspended} | set(plan.wait)
+        self.sched.hold({l.id for l in self.lips.values() if l.suspended} | set(plan.wait))
 
-    def _pages_of(self, lip) -> tuple[int, int, bool]:
+    def forget(self, lip_id: int) -> None:
+        """The LIP is gone: drop its page counts."""
+        self._page_counts.pop(lip_id, None)
+
+    def pages_of(self, lip) -> tuple[int, int, bool]:
         """(device pages of its files, or 0 if suspended; device pages it needs back
         to resume, or 0; whether its files hold any page).  Counting walks its
         files' page tables (a LIP with thousands of forks has millions of
@@ -97,10 +108,7 @@ class Residency:
         only the new pages (its files count in `KVFS.resume_need`)."""
         if suspended:
             return -(-n // self.fs.page_size) + 1
-        p = call.payload
-        s = call.done
-        kp = KVPred(p.lip.principal, p.kv, p.tokens[s:s + n],
-                    None if p.positions is None else p.positions[s:s + n], fed=s)
+        kp = call.chunk(call.done, n)
         try:
             return self.fs.device_need(kp)
         except KVFSError:
@@ -136,7 +144,7 @@ class Residency:
         log.info("LIP %d resumed after %d suspension(s)", lip_id, lip.suspensions)
 
     # ------------------------------------------------------------------ stalls
-    def _memory_stalled(self) -> None:
+    def stalled(self) -> None:
         """No call could be scheduled: everything queued waits for pages.
 
         When every LIP that is not suspended is itself waiting for pages, no
@@ -149,8 +157,8 @@ class Residency:
         if self._stalled_since is None:
             self._stalled_since = now
             return
-        queued = {c.lip for c in self.sched.queue}
-        live = [l for l in self.lips.values() if l.state == "running"]
+        queued = self.sched.queued_lips()
+        live = [l for l in self.lips.values() if l.state == Serving.RUNNING]
         stuck = all(l.suspended or l.id in self.sched.held for l in live)
         if now - self._stalled_since < (STUCK_GRACE_S if stuck else self.kv_wait_s):
             return
@@ -160,17 +168,17 @@ class Residency:
             return
         pages = {l.id: self.fs.pid_pages(l.id) for l in waiting}
         lip = max(waiting, key=lambda l: (pages[l.id] > 0, -l.priority, l.admitted, l.id))
-        alloc = self.engine.kv.allocator
+        alloc = self.alloc
         err = NoSpace(f"KV memory is full: {alloc.capacity - alloc.num_free} of {alloc.capacity} device pages "
                       f"in use and {self.fs.pager.free_slots()} host/disk slots free, and no page can move "
                       f"(every LIP waits for pages{'' if stuck else f' or holds them, for {self.kv_wait_s:.0f} s'})"
                       f"; this LIP is the least important one waiting and holds {pages[lip.id]} pages "
                       f"(a larger --host-pages or a --swap-dir gives the kernel room to suspend LIPs)")
-        for c in [c for c in self.sched.queue if c.lip == lip.id]:
-            self.sched.queue.remove(c)
-            self._fail_call(c.payload, err)
+        for c in self.sched.fail_lip(lip.id):
+            c.fail(self.answers, err)
         self.overload["kv_wait_failures"] += 1
         log.warning("LIP %d: its pred calls failed: %s", lip.id, err)
 
-    def _memory_moved(self) -> None:
+    def moved(self) -> None:
+        """A step was scheduled: pages are moving, the stall clock stops."""
         self._stalled_since = None

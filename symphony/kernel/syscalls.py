@@ -2,12 +2,15 @@
 
 Loop (never blocks on a LIP):
     1. run control commands from the event loop (add/remove LIP, input, ...)
-    2. poll every LIP's slots for requests; validate and dispatch each:
-       KVFS and message calls are answered at once, pred calls are queued,
-       capability calls go to a thread pool, recv waits for input
-    3. if pred calls are queued, find them device pages (residency.py: the
-       LIPs that must wait or are suspended are held) and run the others as
-       one batch (one forward pass)
+    2. poll every LIP's slots for requests; decode each body as its op's type
+       (ipc/schema.py) and dispatch it to its handler (calls/: one part per
+       interface, the table built from the schema): KVFS and message calls
+       are answered at once, pred calls are checked and queued, capability
+       calls go to a thread pool, recv waits for input
+    3. if pred calls are queued, run one step (`PredCalls.step`, calls/pred.py):
+       residency decides who may run (residency.py), the scheduler forms the
+       batch, KVFS prepares its pages, the runner runs one forward pass, KVFS
+       commits, and the finished calls are answered
     3b. run a slice of each user's slow call (a durable sync, a large
        listing: slowlane.py), so that no one call holds the thread
     4. publish what it serves (`snapshot`: counters, KV pages) for the event
@@ -38,17 +41,18 @@ from typing import Callable, Optional
 
 import torch
 
-from symphony.ipc import abi, schema
+from symphony.ipc import schema
 from symphony.ipc.layout import RingError
-from symphony.kvfs import KVFS, KVFSError
+from symphony.kvfs import KVFS
 from symphony.sched import BatchScheduler
 
 from .answers import Answers
+from .calls import CapCalls, InfoCalls, KvCalls, MessageCalls, PredCalls, dispatch_table
+from .calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
+from .calls.pred import arena_span, pin_arena
 from .capabilities import Capabilities
-from .failure import SyscallFailure, fail as _fail
-from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT, IOCalls, handler_table
-from .pred_calls import PredCalls, arena_range, pin_arena
-from .proc import LipProc, ServedLips
+from .failure import SyscallFailure
+from .proc import LipProc, ServedLips, Serving
 from .residency import KV_WAIT_S, Residency
 from .slowlane import RingThread, SlowLane, Writer
 from .snapshot import LipCounters, ServingSnapshot
@@ -67,10 +71,13 @@ class InjectedFault(Exception):
     """Raised in the syscall loop by the --test-hooks ``syscall_crash`` hook."""
 
 
-class SyscallServer(PredCalls, IOCalls, Residency, Answers):
+class SyscallServer:
     """The syscall thread (`thread`) and the state it owns: the engine, KVFS,
-    the scheduler and the LIPs it serves (`lips`).  Other threads reach it
-    only through `submit` / `call_future` / `call` and read `snapshot`."""
+    the scheduler and the LIPs it serves (`lips`), and its parts, each built
+    here with its collaborators: `answers` (replies), `residency` (device
+    memory), `preds` (pred and the step), `kv`, `messages`, `caps` and `info`
+    (the other calls, calls/).  Other threads reach it only through `submit` /
+    `call_future` / `call` and read `snapshot`."""
 
     def __init__(self, engine, fs: KVFS, doorbell, emit: Callable[[int, dict], None],
                  kill: Callable[[int, str], None], max_batch_tokens: Optional[int] = None,
@@ -92,12 +99,9 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             raise ValueError(f"compute_threads must be None or an int >= 1, got {compute_threads!r}")
         self.compute_threads = compute_threads
         self.engine, self.fs, self.door = engine, fs, doorbell
-        self.emit, self.kill = emit, kill
-        self.max_queued_output = max_queued_output
+        self.kill = kill
         self.on_fatal = on_fatal          # the thread cannot go on: shut the kernel down (any thread)
-        self.on_input_read = on_input_read or (lambda lip_id, n: None)
         self.crashes: deque = deque(maxlen=MAX_CRASHES)
-        self.vocab = engine.model_config.vocab_size
         # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
         # step's share, so a small budget keeps every step (and every decoder) short
         default = 256 if engine.device.type == "cpu" else 2048
@@ -107,20 +111,25 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self.commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self.sched = BatchScheduler(token_budget=self.max_batch_tokens, chunk_tokens=chunk_tokens,
                                     gather_s=0.003)
-        self.caps = caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES)
         self.stop = threading.Event()
         self.slow = SlowLane()            # syncs and listings, in slices, fairly across users
         self.writer = Writer(self.submit)  # durable files are written and fsynced off this thread
         self.rings = RingThread()          # arena pinning and ring unmapping, off this thread
         self.pin_arenas = engine.device.type == "cuda"
-        self.batches = 0
-        self.batch_calls = 0
-        self.max_batch = 0
+        # the parts, each given what it works with
+        self.answers = Answers(kill)
+        self.residency = Residency(fs, self.lips, self.sched, self.answers, kv_wait_s)
+        self.preds = PredCalls(engine, fs, self.sched, self.residency, self.answers)
+        self.messages = MessageCalls(self.lips, self.answers, emit, on_input_read or (lambda lip_id, n: None),
+                                     max_queued_output)
+        self.kv = KvCalls(fs, self.slow, self.writer, self.answers)
+        self.caps = CapCalls(caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES), self.answers, self.submit)
+        self.info = InfoCalls(engine)
+        self.dispatch = dispatch_table(self.info, self.preds, self.kv, self.messages, self.caps)
         self._dirty = False
         self._reclaimable_n, self._reclaimable_at, self._reclaimable_stale = 0, float("-inf"), False
         self._cache_by_user = MappingProxyType({})     # user -> pages only unopened cache files hold
         self._admitted = 0
-        self._init_residency(kv_wait_s)
         self._publish()                   # the first snapshot, before the thread starts
         self.thread = threading.Thread(target=self.run, name="symphony-syscalls", daemon=True)
 
@@ -249,7 +258,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             if len(self.sched):
                 if self.sched.should_wait(time.perf_counter()):
                     continue                   # the last step's callers are coming back: poll again
-                if self._run_step():
+                if self.preds.step():
                     self._dirty = True
                     continue
                 # every queued call waits for device pages: idle until something changes
@@ -280,7 +289,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         """A command or a LIP's call waits."""
         if not self.commands.empty():
             return True
-        return any(l.ring.pending() for l in self.lips.values() if l.state == "running")
+        return any(l.ring.pending() for l in self.lips.values() if l.state == Serving.RUNNING)
 
     def _run_commands(self) -> bool:
         """Run the queued commands; whether there were any."""
@@ -301,7 +310,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
     def _poll(self) -> list:
         out = []
         for lip in list(self.lips.values()):
-            if lip.state != "running":
+            if lip.state != Serving.RUNNING:
                 continue
             try:
                 slots = lip.ring.poll()
@@ -319,12 +328,12 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             done: Future = Future()
             done.set_result(None)
             return done
-        base, size = arena_range(ring)
+        base, size = arena_span(ring)
         return self.rings.submit(lambda: pin_arena(base, size, True))
 
     def add(self, lip: LipProc) -> None:
         """Take over ``lip`` (built on the event loop) and start serving it."""
-        lip.state = "running"
+        lip.state = Serving.RUNNING
         lip.admitted = self._admitted
         self._admitted += 1
         self.lips[lip.id] = lip           # (its arena was pinned before its worker forked: pin_ring)
@@ -337,14 +346,14 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         lip = self.lips.pop(lip_id, None)
         if lip is None:
             return LipCounters(), 0
-        lip.state = "exited"
+        lip.state = Serving.EXITED
         self.sched.drop_lip(lip.id)
-        self._page_counts.pop(lip.id, None)
+        self.residency.forget(lip.id)
         peak = self.fs.quotas.peak(lip.id)
         closed = self.fs.exit_process(lip.id)
         ring = lip.ring
         ring.unlink()
-        arena = arena_range(ring) if self.pin_arenas and not ring.closed else None
+        arena = arena_span(ring) if self.pin_arenas and not ring.closed else None
         finish = ring.detach()                        # no more polling: the rest on the ring thread
 
         def release() -> None:
@@ -363,7 +372,11 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             lip.eof = True
         else:
             lip.inbox.append(data)
-        self._serve_recv(lip)
+        self.messages.serve_recv(lip)
+
+    def credit_output(self, lip_id: int, n: int) -> None:
+        """``n`` bytes of the LIP's output left the kernel (`MessageCalls.credit_output`)."""
+        self.messages.credit_output(lip_id, n)
 
     def _strike(self, lip: LipProc, why: str) -> None:
         lip.strikes += 1
@@ -374,8 +387,8 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
     def _condemn(self, lip: LipProc, reason: str) -> None:
         """running -> killing: stop reading its calls and ask the event loop
         (the process table's owner) to kill it."""
-        if lip.state == "running":
-            lip.state = "killing"
+        if lip.state == Serving.RUNNING:
+            lip.state = Serving.KILLING
             self.kill(lip.id, reason)
 
     def _publish(self) -> None:
@@ -384,7 +397,7 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
         self.snapshot = ServingSnapshot(
             at=time.monotonic(), lips=MappingProxyType({i: (l.calls, l.preds, l.tokens, l.replies.total)
                                                         for i, l in self.lips.items()}),
-            batches=self.batches, batch_calls=self.batch_calls, max_batch=self.max_batch,
+            batches=self.preds.batches, batch_calls=self.preds.batch_calls, max_batch=self.preds.max_batch,
             forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
             tokens_computed=e.tokens,
             kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
@@ -393,8 +406,9 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
             user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
             user_cache_pages=self._cache_by_user,
-            suspended=MappingProxyType({i: self._pages_of(l)[1] for i, l in self.lips.items() if l.suspended}),
-            overload=MappingProxyType({**self.fs.stats(), **self.overload, "slow_calls": len(self.slow),
+            suspended=MappingProxyType({i: self.residency.pages_of(l)[1] for i, l in self.lips.items()
+                                        if l.suspended}),
+            overload=MappingProxyType({**self.fs.stats(), **self.residency.overload, "slow_calls": len(self.slow),
                                        "slow_slices": self.slow.slices}))
         self._dirty = self._reclaimable_stale
 
@@ -419,27 +433,22 @@ class SyscallServer(PredCalls, IOCalls, Residency, Answers):
             req = lip.ring.read_request(slot)
         except RingError as e:
             self._strike(lip, str(e))
-            self._reply_error(lip, slot, 0, SyscallFailure("InvalidArgument", "EINVAL",
-                                                           f"malformed ring entry: {e}"))
+            self.answers.error(lip, slot, 0, SyscallFailure("InvalidArgument", "EINVAL",
+                                                            f"malformed ring entry: {e}"))
             return
         except Exception as e:                     # e.g. the ring was torn down under us
-            self._lost(lip, slot, 0, e)
+            self.answers.lost(lip, slot, 0, e)
             return
         lip.calls += 1
         try:
             body = schema.decode(req.op, req.json)       # the op's typed body: the one shape check
-            result = self._handlers[req.op](self, lip, slot, req.call_id, body, req.tokens)
+            result = self.dispatch[req.op](lip, slot, req.call_id, body, req.tokens)
             if result is not None:
-                self._reply(lip, slot, req.call_id, result)
+                self.answers.reply(lip, slot, req.call_id, result)
         except schema.SchemaError as e:
             if isinstance(e, schema.Undecodable):
                 self._strike(lip, "bad JSON")
             code = "ENOSYS" if isinstance(e, schema.UnknownOp) else "EINVAL"
-            self._reply_error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", code, str(e)))
+            self.answers.error(lip, slot, req.call_id, SyscallFailure("InvalidArgument", code, str(e)))
         except Exception as e:
-            self._reply_error(lip, slot, req.call_id, e)
-
-    _handlers: dict = {}
-
-
-SyscallServer._handlers = handler_table(SyscallServer)
+            self.answers.error(lip, slot, req.call_id, e)

@@ -1,7 +1,8 @@
 """KVFS data operations: pred, fork, truncate, extract, merge.
 
-Mixed into `fs.KVFS`.  KVFS owns page sharing: a `Block`'s ``ref`` is the one
-reference count of a page, and the copy-on-write below (`_plan`) the one
+`Data` is a part of `fs.KVFS` (``fs.data``; KVFS's methods of the same names
+call it), given the namespace and its `memory.Memory`.  KVFS owns page sharing: a `Block`'s ``ref`` is the one
+reference count of a page, and the copy-on-write below (`_place`) the one
 copy-on-write.  Invariants kept by every operation:
   * a block's ``ref`` equals the number of page-table entries pointing at it;
   * a block shared by two files is never written: a write into a shared
@@ -9,14 +10,19 @@ copy-on-write.  Invariants kept by every operation:
   * full blocks are shared, never copied, by fork, and by extract/merge
     wherever source and destination are page-aligned.
 
-pred: `check_pred` validates a whole call once, when it is submitted;
-`run_preds` runs a step of (already checked) calls: it gives each call its
-page table (pages swapped in, a shared partial last page copied, fresh pages
-allocated and charged), runs the engine's runner once, and then keeps its own
-books: a call that succeeded is committed to its inode (blocks, positions), a
-call that failed gives its fresh pages back and, if earlier steps had already
-fed chunks of it (``KVPred.fed``), those are truncated away, so the file is
-as it was before the call.
+pred: `check_pred` validates a whole call once, when it is submitted.  A
+step of (already checked) calls is two calls here around the runner, which
+KVFS never calls itself in the kernel:
+
+    plan = fs.prepare(calls)          # page tables: swap-ins, copy-on-write, fresh pages charged
+    out = engine.runner.run(plan.step)
+    results = fs.commit(plan, out)    # commit what succeeded, undo what failed (fs.undo: all)
+
+`commit` keeps the books: a call that succeeded is committed to its inode
+(blocks, positions), a call that failed gives its fresh pages back and, if
+earlier steps had already fed chunks of it (``KVPred.fed``), those are
+truncated away, so the file is as it was before the call.  `pred`,
+`pred_batch` and `run_preds` are the same walk in-process (`run_planned`).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import pages_for
-from symphony.engine.runner import CallResult, ModelStep, StepCall, Want
+from symphony.engine.runner import CallResult, ModelStep, StepCall, StepOutput, Want, run_planned
 from .errors import InvalidArgument, NoSpace, QuotaExceeded, ReadOnlyHandle
 from .namespace import Block, Inode, Principal
 
@@ -46,8 +52,8 @@ class KVPred:
 
 
 @dataclass
-class _Plan:
-    """A call's page table for one step, not yet committed to its inode."""
+class Placement:
+    """One call's page table for a step, not yet committed to its inode."""
 
     inode: Inode
     blocks: list[Block]             # the inode's blocks after the call
@@ -56,7 +62,27 @@ class _Plan:
     call: StepCall
 
 
-class DataOps:
+@dataclass
+class StepPlan:
+    """What `prepare` made of a step's calls: the `ModelStep` to run, and per
+    call its `Placement` (or the error that refused it) for `commit`."""
+
+    calls: Sequence[KVPred]
+    inodes: list[Optional[Inode]]
+    placed: list                    # per call: a Placement, or the exception
+    step: ModelStep                 # the placed calls, in order
+    atomic: bool = False            # all or nothing: commit raises the first error
+
+
+class Data:
+    """pred, fork, truncate, extract, merge on KVFS's files.  Given the
+    namespace (``fs``: handles, files) and its `Memory` (room for new pages)."""
+
+    def __init__(self, fs, memory):
+        self.fs, self.memory = fs, memory
+        self.engine, self.page_size = fs.engine, fs.page_size
+        self.quotas, self.refs, self.pager = fs.quotas, fs.refs, fs.pager
+
     # ------------------------------------------------------------------ pred
     def pred(self, who: Principal, hid: int, tokens, positions=None, *, all_logits: bool = False):
         return self.pred_batch([KVPred(who, hid, tokens, positions, all_logits)])[0]
@@ -64,17 +90,18 @@ class DataOps:
     def pred_batch(self, calls: Sequence[KVPred]) -> list[torch.Tensor]:
         """Append tokens to files and run ONE forward pass for all calls; each
         call's logits ([vocab], or [n, vocab] with all_logits).  All or nothing:
-        the first error is raised and no file changes."""
-        self._tick()
+        the first error is raised and no file changes.  (In-process: the
+        kernel's step calls `prepare` and `commit` itself.)"""
+        self.fs._tick()
         if not calls:
             return []
         checked = [self.check_pred(c.who, c.handle, c.tokens, c.positions, c.all_logits) for c in calls]
-        inodes = [self._handle(c.who, c.handle).inode for c in calls]
+        inodes = [self.fs._handle(c.who, c.handle).inode for c in calls]
         if len({i.ino for i in inodes}) != len(inodes):
             raise InvalidArgument("the same KV file appears twice in one pred batch")
         calls = [KVPred(c.who, c.handle, t, p, c.all_logits, c.want, c.fed)
                  for c, (t, p) in zip(calls, checked)]
-        out = self._step(calls, atomic=True)
+        out = run_planned(_Atomic(self), self.engine.runner, calls)
         return [r.value if c.all_logits else r.value[0] for c, r in zip(calls, out)]
 
     def check_pred(self, who: Principal, hid: int, tokens, positions=None,
@@ -83,11 +110,11 @@ class DataOps:
         writable), tokens against the vocabulary, positions against the
         context, the file's length limit and the caller's quota.  Returns
         (tokens, positions) as lists (positions None: continue the file); a
-        long prompt is then fed in chunks by `run_preds` without re-checking.
+        long prompt is then fed in chunks by `prepare` without re-checking.
         Over the user's page quota, their unopened cache files are deleted
         first (`make_quota_room`), as the memory manager may delete them at
         any time."""
-        h = self._handle(who, hid)
+        h = self.fs._handle(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only (fork it to write)")
         inode = h.inode
@@ -103,71 +130,105 @@ class DataOps:
         try:
             self.quotas.check({(who.user, who.pid): new + cow})
         except QuotaExceeded:                      # the user's own cache files go first
-            if not self.make_quota_room(who.user, new + cow):
+            if not self.memory.make_quota_room(who.user, new + cow):
                 raise
             self.quotas.check({(who.user, who.pid): new + cow})
         self.quotas.check_refs(inode.owner, new)
         return toks, pos
 
-    def run_preds(self, calls: Sequence[KVPred]) -> list[CallResult]:
-        """Run checked calls (tokens and positions as `check_pred` returned them,
-        or slices of them) as one step; a result or an error per call.  A call
-        on a file that an earlier call of the same list also writes runs in a
+    def device_need(self, call: KVPred) -> int:
+        """Device pages a checked `KVPred` takes when it runs now: its file's
+        blocks not on the device, the new pages, and one more if it copies a
+        shared partial last page.  Exactly what `prepare` then allocates or
+        swaps in; changes nothing."""
+        inode = self.fs._handle(call.who, call.handle).inode
+        new, cow = append_growth(inode, len(call.tokens), self.page_size)
+        missing = len({b.id for b in inode.blocks if b.device < 0})
+        return missing + new + cow
+
+    def passes(self, calls: Sequence[KVPred]) -> list[list[int]]:
+        """The calls' indexes split into steps that each write a file once: a
+        call on a file an earlier call of the list also writes goes to a
         following pass (their order matters)."""
-        self._tick()
-        results: list[Optional[CallResult]] = [None] * len(calls)
-        todo = list(range(len(calls)))
+        out, todo = [], list(range(len(calls)))
         while todo:
             seen, now, later = set(), [], []
             for i in todo:
-                h = self.handles.get(calls[i].handle)
+                h = self.fs.handles.get(calls[i].handle)
                 ino = h.inode.ino if h is not None else None
                 (later if ino is not None and ino in seen else now).append(i)
                 seen.add(ino)
-            for i, r in zip(now, self._step([calls[i] for i in now], atomic=False)):
-                results[i] = r
+            out.append(now)
             todo = later
+        return out
+
+    def run_preds(self, calls: Sequence[KVPred]) -> list[CallResult]:
+        """Run checked calls as steps (`passes`), each `prepare` -> the runner ->
+        `commit`; a result or an error per call.  In-process, as the kernel's
+        step does it."""
+        results: list[Optional[CallResult]] = [None] * len(calls)
+        for idx in self.passes(calls):
+            for i, r in zip(idx, run_planned(self, self.engine.runner, [calls[i] for i in idx])):
+                results[i] = r
         return results
 
-    def _step(self, calls: Sequence[KVPred], atomic: bool) -> list[CallResult]:
-        """Plan every call's pages, run the runner once, commit or undo each."""
+    def prepare(self, calls: Sequence[KVPred], atomic: bool = False) -> StepPlan:
+        """Plan a step of checked calls (tokens and positions as `check_pred`
+        returned them, or slices of them), each on a different file (`passes`):
+        each call's blocks swapped in, a shared partial last page copied, fresh
+        pages allocated and charged.  A call that cannot be placed is refused
+        with its error (``atomic``: everything planned is undone and the error
+        raised).  Nothing is committed to a file until `commit`."""
+        self.fs._tick()
         inodes: list[Optional[Inode]] = []
         for c in calls:
             try:
-                inodes.append(self._handle(c.who, c.handle).inode)
+                inodes.append(self.fs._handle(c.who, c.handle).inode)
             except Exception:
                 inodes.append(None)
         protect = {b.id for i in inodes if i is not None for b in i.blocks}
-        plans: list = []
+        placed: list = []
         for c, inode in zip(calls, inodes):
             try:
                 if inode is None:
-                    self._handle(c.who, c.handle)             # raises the handle's error
-                plans.append(self._plan(c, inode, protect))
+                    self.fs._handle(c.who, c.handle)             # raises the handle's error
+                placed.append(self._place(c, inode, protect))
             except Exception as e:
                 if atomic:
-                    self._undo([p for p in plans if isinstance(p, _Plan)])
+                    self._undo_placed([p for p in placed if isinstance(p, Placement)])
                     raise
-                plans.append(e)
-        ok = [p for p in plans if isinstance(p, _Plan)]
-        out = iter(self.engine.runner.run(ModelStep([p.call for p in ok])).results)
-        results = [CallResult(error=p) if isinstance(p, BaseException) else next(out) for p in plans]
-        if atomic:
+                placed.append(e)
+        step = ModelStep([p.call for p in placed if isinstance(p, Placement)])
+        return StepPlan(calls, inodes, placed, step, atomic)
+
+    def commit(self, plan: StepPlan, out: StepOutput) -> list[CallResult]:
+        """Keep the books after the runner ran ``plan.step``: a call that
+        succeeded is committed to its file (blocks, positions); a call that
+        failed gives its fresh pages back and, if earlier steps had already fed
+        chunks of it (``KVPred.fed``), those are truncated away, so the file is
+        as it was before the call.  A result or an error per call."""
+        it = iter(out.results)
+        results = [CallResult(error=p) if isinstance(p, BaseException) else next(it) for p in plan.placed]
+        if plan.atomic:
             err = next((r.error for r in results if r.error is not None), None)
             if err is not None:
-                self._undo(ok)
+                self.undo(plan)
                 raise err
-        for c, inode, p, r in zip(calls, inodes, plans, results):
+        for c, inode, p, r in zip(plan.calls, plan.inodes, plan.placed, results):
             if r.error is None:
                 self._commit(p)
                 continue
-            if isinstance(p, _Plan):
-                self._undo([p])
+            if isinstance(p, Placement):
+                self._undo_placed([p])
             if c.fed > 0 and inode is not None:               # undo the call's earlier chunks
                 self._cut(inode, max(inode.length - c.fed, 0))
         return results
 
-    def _plan(self, c: KVPred, inode: Inode, protect: set[int]) -> _Plan:
+    def undo(self, plan: StepPlan) -> None:
+        """Give back every page ``plan`` took (the step did not run)."""
+        self._undo_placed([p for p in plan.placed if isinstance(p, Placement)])
+
+    def _place(self, c: KVPred, inode: Inode, protect: set[int]) -> Placement:
         """The call's page table: its blocks resident, a shared partial last
         block copied (copy-on-write), fresh blocks for the new slots, charged to
         the caller.  Raises (changing nothing) when pages or quota run out."""
@@ -195,19 +256,19 @@ class DataOps:
             blocks[-1] = fresh[0]
         blocks.extend(fresh[cow:])
         call = StepCall([b.device for b in blocks], length, toks, pos, c.all_logits, c.want)
-        return _Plan(inode, blocks, fresh, replaced, call)
+        return Placement(inode, blocks, fresh, replaced, call)
 
-    def _commit(self, p: _Plan) -> None:
+    def _commit(self, p: Placement) -> None:
         inode = p.inode
         inode.blocks = p.blocks
         if p.replaced is not None:
             self.refs.drop([p.replaced], inode.owner)
         inode.positions.extend(p.call.positions)
         inode.mtime = inode.atime = _now()
-        self._lru_touch(inode)
+        self.memory.touch(inode)
 
-    def _undo(self, plans: list[_Plan]) -> None:
-        for p in plans:
+    def _undo_placed(self, placed: list[Placement]) -> None:
+        for p in placed:
             self.refs.drop(p.fresh, p.inode.owner)
 
     # ------------------------------------------------------------------ fork / truncate
@@ -215,20 +276,20 @@ class DataOps:
         """A copy-on-write clone (anonymous unless ``path``; ``mode`` as in
         `create`), opened read-write.  Shares every block; costs no page until
         one side writes."""
-        src = self._handle(who, hid).inode
+        src = self.fs._handle(who, hid).inode
         self.quotas.check_refs(who.user, len(src.blocks))
-        new = self.create(who, path, mode)
-        inode = self.handles[new].inode
+        new = self.fs.create(who, path, mode)
+        inode = self.fs.handles[new].inode
         self.refs.hold(src.blocks, inode.owner)
         inode.blocks = list(src.blocks)
         inode.positions = list(src.positions)
         inode.advice = src.advice if src.advice not in ("keep", "cache") else "normal"
-        self._lru_touch(inode)
+        self.memory.touch(inode)
         return new
 
     def truncate(self, who: Principal, hid: int, n: int) -> None:
         """Keep the first ``n`` tokens (undo, speculative rollback)."""
-        h = self._handle(who, hid)
+        h = self.fs._handle(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only")
         inode = h.inode
@@ -241,7 +302,7 @@ class DataOps:
                 mode: Optional[int] = None) -> int:
         """A new file holding token ranges ``[(start, end), ...]`` (half-open,
         increasing, non-overlapping) of this one, at their original positions."""
-        src = self._handle(who, hid).inode
+        src = self.fs._handle(who, hid).inode
         segs = []
         last = 0
         if not isinstance(ranges, (list, tuple)) or not ranges:
@@ -264,7 +325,7 @@ class DataOps:
         (modular attention reuse, as in Prompt Cache)."""
         if not isinstance(hids, (list, tuple)) or not hids:
             raise InvalidArgument("merge needs a non-empty list of handles")
-        segs = [(self._handle(who, h).inode, 0, self._handle(who, h).inode.length) for h in hids]
+        segs = [(self.fs._handle(who, h).inode, 0, self.fs._handle(who, h).inode.length) for h in hids]
         return self._assemble(who, [s for s in segs if s[2] > 0], path, mode)
 
     # ------------------------------------------------------------------ helpers
@@ -282,7 +343,7 @@ class DataOps:
         protect = {b.id for i in inodes for b in i.blocks} if protect is None else protect
         missing = [b for i in inodes for b in i.blocks if b.device < 0]
         missing = list({b.id: b for b in missing}.values())
-        self._make_room(len(missing) + extra, protect)
+        self.memory.make_room(len(missing) + extra, protect)
         self.pager.swap_in(missing)
 
     def _assemble(self, who: Principal, segs, path: Optional[str], mode: Optional[int]) -> int:
@@ -290,9 +351,9 @@ class DataOps:
         total = sum(e - a for _, a, e in segs)
         if total > self.engine.max_seq_len:
             raise InvalidArgument(f"result would hold {total} tokens, more than {self.engine.max_seq_len}")
-        self._new_mode(mode, 0)                              # fail on a bad mode or path before any work
+        self.fs._new_mode(mode, 0)                              # fail on a bad mode or path before any work
         if path is not None:
-            self._parent_for_create(who, path)
+            self.fs._parent_for_create(who, path)
         plan: list = []          # per destination block: a shared Block, or a list of (Block, offset)
         positions: list[int] = []
         n = 0
@@ -319,7 +380,7 @@ class DataOps:
         sources = list({b.id: b for p in plan if isinstance(p, list) for b, _ in p}.values())
         protect = {b.id for p in plan for b in ([p] if isinstance(p, Block) else [x for x, _ in p])}
         missing = [b for b in sources if b.device < 0]
-        self._make_room(len(missing) + fresh, protect)
+        self.memory.make_room(len(missing) + fresh, protect)
         self.pager.swap_in(missing)
         it = iter(self.refs.new(who, who.user, fresh))
         src_p, src_o, dst_p, dst_o = [], [], [], []
@@ -339,13 +400,29 @@ class DataOps:
             t = lambda x: torch.tensor(x, device=dev)
             pool[:, :, t(dst_p), t(dst_o)] = pool[:, :, t(src_p), t(src_o)]
         try:
-            hid = self.create(who, path, mode)
+            hid = self.fs.create(who, path, mode)
         except BaseException:
             self.refs.drop(blocks, who.user)
             raise
-        inode = self.handles[hid].inode
+        inode = self.fs.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions
         return hid
+
+
+class _Atomic:
+    """KVFS as an all-or-nothing `PageOwner` (`pred_batch`)."""
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def prepare(self, calls):
+        return self.fs.prepare(calls, atomic=True)
+
+    def commit(self, plan, out):
+        return self.fs.commit(plan, out)
+
+    def undo(self, plan):
+        self.fs.undo(plan)
 
 
 def append_growth(inode: Inode, n: int, page_size: int) -> tuple[int, int]:

@@ -9,9 +9,14 @@
 
 Every call names its caller (`Principal`: user + pid).  Handles are ints that
 only their own process may use.  Errors are the typed `KVFSError` subclasses
-of `errors.py`, raised before anything changes.  Data operations (pred, fork,
-truncate, extract, merge) are in `data.DataOps`; tier moves in `pager.Pager`;
-durable files in `store`.
+of `errors.py`, raised before anything changes.
+
+KVFS is the namespace (directories, files, handles) and holds its parts, each
+given its collaborators: ``data`` (`data.Data`: pred's prepare/commit, fork,
+truncate, extract, merge), ``memory`` (`memory.Memory`: the eviction order,
+reclaim, suspension), ``pager`` (`pager.Pager`: tier moves), ``quotas`` and
+``refs``; durable files are `store`'s.  The methods of the parts that make
+KVFS's API are called through KVFS (``fs.fork``, ``fs.reclaim``, ...).
 """
 from __future__ import annotations
 
@@ -19,18 +24,18 @@ import heapq
 import itertools
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from symphony.engine.engine import Engine
-from .data import DataOps
-from .memory import MemoryOps
-from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, InvalidPath,
-                     IsADirectory, NotADirectory, NotFound, PermissionDenied)
+from .config import KVFSConfig
+from .data import Data, KVPred, StepPlan
+from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, IsADirectory,
+                     NotADirectory, NotFound, PermissionDenied)
 from .namespace import (ADVICE, ROOT_USER, STICKY, Directory, Handle, Inode, Node, Principal,
-                        may, may_unlink, split_path)
+                        is_home_dir as _is_home_dir, list_entry, may, may_unlink, split_path,
+                        system_entry as _system_entry)
+from .memory import Memory
 from .pager import Pager
 from .quota import Quotas
 from .refs import BlockRefs
@@ -40,31 +45,14 @@ log = logging.getLogger("symphony.kvfs")
 KERNEL = Principal(ROOT_USER, 0)
 
 
-@dataclass(frozen=True)
-class KVFSConfig:
-    host_pages: int = 256                   # host-memory tier, in pages
-    swap_dir: Optional[str] = None          # disk tier (swap file) directory; None: no disk tier
-    disk_pages: int = 65536
-    durable_dir: Optional[str] = None       # where sync() writes durable files; None: no sync
-    user_page_quota: Optional[int] = None   # pages a user may hold (all tiers); None: unlimited
-    process_page_quota: Optional[int] = None
-    per_user_quota: Optional[dict] = None   # {user: pages} overrides
-    user_inode_quota: Optional[int] = 10000  # named files + directories a user may own; None: unlimited
-    user_ref_quota: Optional[int] = None    # pages a user's files may map (forks count each); None: unlimited
-    default_file_mode: int = 0o600          # a file created without a mode
-    default_dir_mode: int = 0o700           # a directory made without a mode
-    umask: int = 0o022                      # bits cleared from every mode a caller asks for
-    max_handles_per_process: int = 4096
-
-
-class KVFS(DataOps, MemoryOps):
+class KVFS:
     def __init__(self, engine: Engine, config: KVFSConfig = KVFSConfig(), *, restore: bool = True,
                  evict_first: Optional[Callable[[], list[int]]] = None,
                  pinned: Optional[Callable[[], set[int]]] = None):
         """``evict_first() -> [pid]``: processes whose files leave the device
         first (blocked LIPs); ``pinned() -> {pid}``: processes whose open files
         are never page-evicted (running LIPs).  Both are the kernel's; see
-        `memory.MemoryOps` for who loses what under pressure."""
+        `memory.Memory` for who loses what under pressure."""
         self.engine, self.config = engine, config
         self.page_size = engine.page_size
         self.pager = Pager(engine.kv, config.host_pages,
@@ -84,14 +72,12 @@ class KVFS(DataOps, MemoryOps):
                                                                 # are found without a walk of all handles)
         self._hids = itertools.count(3)
         self.inodes: dict[int, Inode] = {}
-        # eviction order: least recently used first; "keep" files are in neither
-        self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()
-        self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
-        self.lru_cache: "OrderedDict[int, Inode]" = OrderedDict()   # advice "cache": may be deleted
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
-        # pids whose files leave the device first (blocked LIPs), set by the kernel
         self.evict_first: Callable[[], list[int]] = evict_first or (lambda: [])   # pids to swap out first
         self.pinned: Callable[[], set[int]] = pinned or (lambda: set())          # pids never page-evicted
+        self.memory = Memory(self.pager, self.quotas, self._open_inodes,
+                             lambda inode: self._unlink(inode.parent, inode.name), self.evict_first, self.pinned)
+        self.data = Data(self, self.memory)
         if restore and config.durable_dir:
             from .store import restore_all
             self.restore_report = restore_all(self)
@@ -110,7 +96,7 @@ class KVFS(DataOps, MemoryOps):
             parent, name = self._parent_for_create(who, path)
             self._link(parent, name, inode)
         self.inodes[inode.ino] = inode
-        self._lru_touch(inode)
+        self.memory.touch(inode)
         return self._new_handle(who, inode, writable=True)
 
     def open(self, who: Principal, path: str, mode: str = "r") -> int:
@@ -125,7 +111,7 @@ class KVFS(DataOps, MemoryOps):
             raise PermissionDenied(f"{who.user} may not open {path} for {'writing' if mode == 'rw' else 'reading'}")
         node.atime = time.time()
         if node.advice == "cache":
-            self._lru_touch(node)                         # a cache file is used when it is opened
+            self.memory.touch(node)                         # a cache file is used when it is opened
         return self._new_handle(who, node, writable=(mode == "rw"))
 
     def close(self, who: Principal, hid: int) -> None:
@@ -269,7 +255,7 @@ class KVFS(DataOps, MemoryOps):
                 raise InvalidArgument(f"advice {hint!r} takes no seconds")
             inode.advice = hint
             inode.expire_at = None                        # a new hint replaces a pending expiry
-            self._lru_touch(inode)
+            self.memory.touch(inode)
         else:
             raise InvalidArgument(f"unknown advice {hint!r} (keep, drop_first, normal, cache, expire)")
         self._tick()
@@ -306,7 +292,87 @@ class KVFS(DataOps, MemoryOps):
         """Shut down: release the swap file (durable files are already on disk)."""
         self.pager.close()
 
+    # ================================================================== the parts' API
+    # data (data.Data): pred and its step, fork, truncate, extract, merge
+    def pred(self, who: Principal, hid: int, tokens, positions=None, *, all_logits: bool = False):
+        return self.data.pred(who, hid, tokens, positions, all_logits=all_logits)
+
+    def pred_batch(self, calls: Sequence[KVPred]) -> list:
+        return self.data.pred_batch(calls)
+
+    def check_pred(self, who: Principal, hid: int, tokens, positions=None, all_logits: bool = False):
+        return self.data.check_pred(who, hid, tokens, positions, all_logits)
+
+    def device_need(self, call: KVPred) -> int:
+        return self.data.device_need(call)
+
+    def passes(self, calls: Sequence[KVPred]) -> list[list[int]]:
+        return self.data.passes(calls)
+
+    def run_preds(self, calls: Sequence[KVPred]) -> list:
+        return self.data.run_preds(calls)
+
+    def prepare(self, calls: Sequence[KVPred], atomic: bool = False) -> StepPlan:
+        return self.data.prepare(calls, atomic)
+
+    def commit(self, plan: StepPlan, out) -> list:
+        return self.data.commit(plan, out)
+
+    def undo(self, plan: StepPlan) -> None:
+        self.data.undo(plan)
+
+    def fork(self, who: Principal, hid: int, path: Optional[str] = None, mode: Optional[int] = None) -> int:
+        return self.data.fork(who, hid, path, mode)
+
+    def truncate(self, who: Principal, hid: int, n: int) -> None:
+        self.data.truncate(who, hid, n)
+
+    def extract(self, who: Principal, hid: int, ranges, path: Optional[str] = None, mode: Optional[int] = None) -> int:
+        return self.data.extract(who, hid, ranges, path, mode)
+
+    def merge(self, who: Principal, hids: Sequence[int], path: Optional[str] = None, mode: Optional[int] = None) -> int:
+        return self.data.merge(who, hids, path, mode)
+
+    # memory (memory.Memory): counters, what processes hold, reclaim, suspension
+    def stats(self) -> dict:
+        return self.memory.stats()
+
+    def pid_blocks(self, pids: Iterable[int]) -> set[int]:
+        return self.memory.pid_blocks(pids)
+
+    def pid_device_pages(self, pid: int) -> int:
+        return self.memory.pid_device_pages(pid)
+
+    def pid_pages(self, pid: int) -> int:
+        return self.memory.pid_pages(pid)
+
+    def resume_need(self, pid: int) -> int:
+        return self.memory.resume_need(pid)
+
+    def reclaimable(self, protect: Iterable[int] = frozenset()) -> int:
+        return self.memory.reclaimable(protect)
+
+    def cache_pages_by_user(self) -> dict[str, int]:
+        return self.memory.cache_pages_by_user()
+
+    def make_quota_room(self, user: str, n: int) -> int:
+        return self.memory.make_quota_room(user, n)
+
+    def reclaim(self, n: int, protect: Iterable[int] = frozenset()) -> int:
+        return self.memory.reclaim(n, protect)
+
+    def suspend(self, pid: int, keep: Iterable[int] = frozenset(), partial: bool = False) -> int:
+        return self.memory.suspend(pid, keep, partial)
+
+    def swap_in_pid(self, pid: int) -> int:
+        return self.memory.swap_in_pid(pid)
+
     # ================================================================== helpers
+    def _open_inodes(self, pids: Iterable[int]) -> list[Inode]:
+        """The files ``pids`` have open, each once, in handle order."""
+        return list({h.inode.ino: h.inode for pid in dict.fromkeys(pids)
+                     for h in self._pid_handles.get(pid, {}).values()}.values())
+
     def _tick(self) -> None:
         """Apply due expirations (lazy: on each namespace operation)."""
         now = time.monotonic()
@@ -320,7 +386,7 @@ class KVFS(DataOps, MemoryOps):
             if inode.linked:
                 self._unlink(inode.parent, inode.name)
             inode.advice = "drop_first"
-            self._lru_touch(inode)
+            self.memory.touch(inode)
 
     def _check_mode(self, mode) -> int:
         if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
@@ -429,33 +495,4 @@ class KVFS(DataOps, MemoryOps):
         self.refs.drop(inode.blocks, inode.owner)
         inode.blocks, inode.positions = [], []
         self.inodes.pop(inode.ino, None)
-        self.lru_drop.pop(inode.ino, None)
-        self.lru_normal.pop(inode.ino, None)
-        self.lru_cache.pop(inode.ino, None)
-
-    def _lru_touch(self, inode: Inode) -> None:
-        self.lru_drop.pop(inode.ino, None)
-        self.lru_normal.pop(inode.ino, None)
-        self.lru_cache.pop(inode.ino, None)
-        lru = {"drop_first": self.lru_drop, "normal": self.lru_normal, "cache": self.lru_cache}
-        if inode.advice in lru:
-            lru[inode.advice][inode.ino] = inode
-
-
-def list_entry(name: str, child: Node) -> dict:
-    """One entry of a listing: name, type, owner, mode (a file's length and pages too)."""
-    e = {"name": name, "type": "dir" if isinstance(child, Directory) else "file",
-         "owner": child.owner, "mode": child.mode}
-    if isinstance(child, Inode):
-        e.update(length=child.length, pages=len(child.blocks))
-    return e
-
-
-def _is_home_dir(path: str) -> bool:
-    """/home/<user> (the top directories are refused earlier, by _parent_of)."""
-    parts = split_path(path)
-    return len(parts) == 2 and parts[0] == "home"
-
-
-def _system_entry(path: str) -> InvalidPath:
-    return InvalidPath(f"{path!r} names a system directory, not an entry that can be made or removed")
+        self.memory.forget(inode)

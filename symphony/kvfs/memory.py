@@ -1,9 +1,13 @@
 """KVFS under memory pressure: cache files, pinned processes, reclaim,
 whole-process suspension, and the counters.
 
-Mixed into `fs.KVFS`.  The kernel's level-2 memory manager (on the syscall
-thread, between steps) uses this API to guarantee each step its device pages
-*before* the step runs:
+`Memory` is a part of `fs.KVFS` (``fs.memory``; KVFS's methods of the same
+names call it).  It owns the eviction order (the LRU lists by advice) and is
+given in its constructor the pager, the quotas, how to find the files a
+process has open and how to delete a cache file (both the namespace's), and
+the kernel's ``evict_first`` and ``pinned``.  The kernel's level-2 memory
+manager (on the syscall thread, between steps) uses this API to guarantee
+each step its device pages *before* the step runs:
 
     need = sum(fs.device_need(c) for c in calls)     # pages the step will take
     fs.reclaim(need, protect=fs.pid_blocks(running)) # cache, drop_first, idle, blocked
@@ -27,16 +31,46 @@ last reference (``ref == 1``).
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from collections import OrderedDict
+from typing import Callable, Iterable, Iterator
 
-from .data import append_growth
 from .errors import InvalidArgument, NoSpace
 from .namespace import Block, Inode
+from .pager import Pager
+from .quota import Quotas
 
 log = logging.getLogger("symphony.kvfs")
 
 
-class MemoryOps:
+class Memory:
+    """Who loses device pages, and when (see the module docstring)."""
+
+    def __init__(self, pager: Pager, quotas: Quotas, open_inodes: Callable[[Iterable[int]], list[Inode]],
+                 delete: Callable[[Inode], None], evict_first: Callable[[], list[int]],
+                 pinned: Callable[[], set[int]]):
+        """``open_inodes(pids)``: the files those processes have open, each once;
+        ``delete(inode)``: unlink a cache file (its pages go with its last handle)."""
+        self.pager, self.quotas = pager, quotas
+        self.open_inodes, self.delete = open_inodes, delete
+        self.evict_first, self.pinned = evict_first, pinned
+        # eviction order: least recently used first; "keep" files are in none
+        self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()
+        self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
+        self.lru_cache: "OrderedDict[int, Inode]" = OrderedDict()   # advice "cache": may be deleted
+
+    def touch(self, inode: Inode) -> None:
+        """The file was used (or its advice changed): last in its LRU list."""
+        self.forget(inode)
+        lru = {"drop_first": self.lru_drop, "normal": self.lru_normal, "cache": self.lru_cache}
+        if inode.advice in lru:
+            lru[inode.advice][inode.ino] = inode
+
+    def forget(self, inode: Inode) -> None:
+        """The file is gone (or "keep"): in no LRU list."""
+        self.lru_drop.pop(inode.ino, None)
+        self.lru_normal.pop(inode.ino, None)
+        self.lru_cache.pop(inode.ino, None)
+
     # ================================================================== queries
     def stats(self) -> dict:
         """Counters since start: cache files dropped and their pages, pages and
@@ -53,27 +87,17 @@ class MemoryOps:
                 "host_slots_made": p.host_capacity,
                 "disk_slots_free": p.free_slots() - p.host_slots_free(), "disk_slots": p.disk_pages}
 
-    def device_need(self, call) -> int:
-        """Device pages a checked `KVPred` takes when it runs now: its file's
-        blocks not on the device, the new pages, and one more if it copies a
-        shared partial last page.  Exactly what `_plan` then allocates or
-        swaps in; changes nothing."""
-        inode = self._handle(call.who, call.handle).inode
-        new, cow = append_growth(inode, len(call.tokens), self.page_size)
-        missing = len({b.id for b in inode.blocks if b.device < 0})
-        return missing + new + cow
-
     def pid_blocks(self, pids: Iterable[int]) -> set[int]:
         """Block ids of every file the processes ``pids`` have open."""
-        return {b.id for inode in self._open_inodes(pids) for b in inode.blocks}
+        return {b.id for inode in self.open_inodes(pids) for b in inode.blocks}
 
     def pid_device_pages(self, pid: int) -> int:
         """Device pages of the files ``pid`` has open (shared pages counted once)."""
-        return len({b.id for i in self._open_inodes([pid]) for b in i.blocks if b.device >= 0})
+        return len({b.id for i in self.open_inodes([pid]) for b in i.blocks if b.device >= 0})
 
     def pid_pages(self, pid: int) -> int:
         """Pages in every tier of the files ``pid`` has open (shared pages once)."""
-        return len({b.id for i in self._open_inodes([pid]) for b in i.blocks})
+        return len({b.id for i in self.open_inodes([pid]) for b in i.blocks})
 
     def resume_need(self, pid: int) -> int:
         """Device pages needed to bring back every file ``pid`` has open."""
@@ -157,7 +181,7 @@ class MemoryOps:
         as far as there is room: its calls are held all the same), and only
         no room at all raises."""
         keep = set(keep)
-        blocks = list({b.id: b for i in self._open_inodes([_pid(pid)]) if i.advice != "keep"
+        blocks = list({b.id: b for i in self.open_inodes([_pid(pid)]) if i.advice != "keep"
                        for b in i.blocks if b.device >= 0 and b.id not in keep}.values())
         if not blocks:
             return 0
@@ -193,7 +217,7 @@ class MemoryOps:
         return len(blocks)
 
     # ================================================================== helpers
-    def _make_room(self, n: int, protect: set[int]) -> None:
+    def make_room(self, n: int, protect: set[int]) -> None:
         """Leave ``n`` device pages free for a pred, extract, merge or load:
         delete unopened cache files first, then evict `_victims`; raises
         `NoSpace` saying what ran out."""
@@ -211,7 +235,7 @@ class MemoryOps:
         yield from _blocks(self.lru_drop.values(), protect)
         pids = self.evict_first()
         if pids:
-            yield from _blocks(self._open_inodes(pids), protect)
+            yield from _blocks(self.open_inodes(pids), protect)
         yield from _blocks(self.lru_cache.values(), protect)
         yield from _blocks(self.lru_normal.values(), protect)
 
@@ -222,20 +246,15 @@ class MemoryOps:
         yield from _blocks(idle, protect)
         pids = self.evict_first()
         if pids:
-            yield from _blocks(self._open_inodes(pids), protect)
+            yield from _blocks(self.open_inodes(pids), protect)
 
     def _guarded(self, protect: Iterable[int]) -> set[int]:
         """``protect`` plus every block a pinned process has open."""
         pinned = self.pinned()
         return set(protect) | self.pid_blocks(pinned) if pinned else set(protect)
 
-    def _open_inodes(self, pids: Iterable[int]) -> list[Inode]:
-        """The files ``pids`` have open, each once, in handle order."""
-        return list({h.inode.ino: h.inode for pid in dict.fromkeys(pids)
-                     for h in self._pid_handles.get(pid, {}).values()}.values())
-
     def _pid_swapped(self, pid: int) -> list[Block]:
-        return list({b.id: b for i in self._open_inodes([_pid(pid)])
+        return list({b.id: b for i in self.open_inodes([_pid(pid)])
                      for b in i.blocks if b.device < 0}.values())
 
     def _droppable(self) -> list[Inode]:
@@ -269,7 +288,7 @@ class MemoryOps:
     def _drop_cache_file(self, inode: Inode) -> None:
         path = inode.path
         pages = sum(1 for b in inode.blocks if b.ref == 1)
-        self._unlink(inode.parent, inode.name)
+        self.delete(inode)
         self.pager.stats.cache_drops += 1
         self.pager.stats.cache_drop_pages += pages
         log.info("KV cache file %s dropped to free memory (%d pages)", path, pages)

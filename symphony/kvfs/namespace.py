@@ -211,3 +211,22 @@ def may_unlink(principal: Principal, directory: Directory, entry: Node) -> bool:
     if directory.mode & STICKY and not principal.is_root:
         return principal.user in (entry.owner, directory.owner)
     return True
+
+
+def list_entry(name: str, child: Node) -> dict:
+    """One entry of a listing: name, type, owner, mode (a file's length and pages too)."""
+    e = {"name": name, "type": "dir" if isinstance(child, Directory) else "file",
+         "owner": child.owner, "mode": child.mode}
+    if isinstance(child, Inode):
+        e.update(length=child.length, pages=len(child.blocks))
+    return e
+
+
+def is_home_dir(path: str) -> bool:
+    """/home/<user> (the top directories are refused earlier, by _parent_of)."""
+    parts = split_path(path)
+    return len(parts) == 2 and parts[0] == "home"
+
+
+def system_entry(path: str) -> InvalidPath:
+    return InvalidPath(f"{path!r} names a system directory, not an entry that can be made or removed")

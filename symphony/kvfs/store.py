@@ -230,7 +230,7 @@ def load_durable(fs, file: Path) -> Inode:
     S = fs.page_size
     n = header["length"]
     n_pages = pages_for(n, S)
-    fs._make_room(n_pages, set())
+    fs.memory.make_room(n_pages, set())
     pages = fs.engine.kv.allocator.allocate(n_pages)
     pool = fs.engine.kv.pool
     for i, p in enumerate(pages):
@@ -262,7 +262,7 @@ def load_durable(fs, file: Path) -> Inode:
     fs._link(d, parts[-1], inode)
     fs.inodes[inode.ino] = inode
     inode.durable, inode.durable_file = True, Path(file)
-    fs._lru_touch(inode)
+    fs.memory.touch(inode)
     return inode
 
 

@@ -17,6 +17,10 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
     or waiting for device pages: sched/memory.py decides) stay queued and are
     not scheduled until it is released.
 
+The queue has one writer, this class: `add`, `schedule`, and the verbs
+`hold` (who waits this step), `drop` (a call that failed), `fail_lip` (take
+a LIP's calls out to fail them) and `drop_lip` (a LIP exited).
+
 Launch-or-gather: the caller runs a step at once when the device is idle and
 the queue already holds as many calls as the previous step had, otherwise it
 may wait up to ``gather_s`` for the last step's callers to come back (sibling
@@ -85,12 +89,37 @@ class BatchScheduler:
 
     def drop_lip(self, lip: int) -> list[Call]:
         """Forget a LIP's calls (it exited); returns them."""
-        gone = [c for c in self.queue if c.lip == lip]
-        self.queue = [c for c in self.queue if c.lip != lip]
+        gone = self.fail_lip(lip)
         self.served_lip.pop(lip, None)
         self.held.discard(lip)
         self.last_step_keys = {k: l for k, l in self.last_step_keys.items() if l != lip}
         return gone
+
+    def fail_lip(self, lip: int) -> list[Call]:
+        """Take a LIP's queued calls out (the caller answers them with an
+        error); the LIP itself stays known.  Returns them, in queue order."""
+        gone = [c for c in self.queue if c.lip == lip]
+        if gone:
+            self.queue = [c for c in self.queue if c.lip != lip]
+        return gone
+
+    def drop(self, call: Call) -> None:
+        """Take one call out (it failed: its remaining chunks never run)."""
+        self.queue = [c for c in self.queue if c is not call]
+
+    def hold(self, lips) -> None:
+        """The LIPs whose calls wait this step (memory: sched/memory.py decides);
+        every other LIP is released."""
+        self.held = set(lips)
+
+    def took(self, seconds: float) -> None:
+        """The last step's forward pass took ``seconds``: wait for its late
+        callers at most a quarter of that (and at most 50 ms), `should_wait`."""
+        self.gather_s = min(0.050, 0.25 * seconds)
+
+    def queued_lips(self) -> set[int]:
+        """LIPs with a queued call."""
+        return {c.lip for c in self.queue}
 
     def __len__(self) -> int:
         return len(self.queue)

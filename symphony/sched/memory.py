@@ -71,7 +71,8 @@ class Plan:
 
 
 class MemoryPlanner:
-    """Plans one step's device pages (`plan`) through callbacks into KVFS.
+    """Plans one step's device pages (`plan`) through the moves it is given
+    (the kernel's residency.py makes each a KVFS move and marks the LIP).
 
     ``free()``            device pages free now
     ``reclaim(n)``        try to make n pages free without touching a running

@@ -96,7 +96,7 @@ def test_a_model_fault_fails_only_its_call(weights, monkeypatch):
 # ------------------------------------------------------------------ KVFS + scheduler around it
 
 def drive(fs, sched, calls):
-    """What the kernel's pred_calls does: submit (check once), schedule, run."""
+    """What the kernel's pred calls do (kernel/calls/pred.py): submit (check once), schedule, run."""
     pend = {}
     for who, h, t in calls:
         checked, _ = fs.check_pred(who, h, t)
@@ -109,10 +109,11 @@ def drive(fs, sched, calls):
 def run_step(fs, sched):
     step = sched.schedule()
     calls = [KVPred(c.payload[0], c.payload[1], c.payload[2][s:s + n], fed=s) for c, s, n in step.items]
-    results = fs.run_preds(calls)
+    plan = fs.prepare(calls)                               # the kernel's step: prepare, run, commit
+    results = fs.commit(plan, fs.engine.runner.run(plan.step))
     for (c, _, _), r in zip(step.items, results):
         if r.error is not None:                            # as the kernel does: drop its other chunks
-            sched.queue = [q for q in sched.queue if q is not c]
+            sched.drop(c)
     return step, results
 
 
@@ -187,3 +188,26 @@ def test_the_step_does_not_validate_again(weights, monkeypatch):
     outs = [run_step(fs, sched)[1][0] for _ in range(3)]
     assert all(r.error is None for r in outs) and len(sched) == 0
     close(outs[-1].value[0], ref.forward(prompt)[-1])
+
+
+def test_the_runner_serves_the_outputs_the_abi_declares():
+    """The engine may not import the ABI (the layering test): the two tables are tied here."""
+    from symphony.engine.runner import OUTPUTS
+    from symphony.ipc import abi
+    assert OUTPUTS == abi.OUTPUTS
+
+
+def test_a_pred_call_feeds_its_chunks_and_asks_for_its_result_with_the_last():
+    """One record from submission to reply (kernel/calls/pred.py): its chunks as KVFS feeds them."""
+    from symphony.kernel.calls import PredCall, Stage
+    from symphony.kernel.proc import LipProc
+    lip = LipProc(7, "alice", "x.py", [], ring=None, grants={}, limits={})
+    want = Want("topk", 5)
+    c = PredCall(key=(7, 3), lip=7, user="alice", n_tokens=5, proc=lip, kv=3, tokens=[1, 2, 3, 4, 5],
+                 positions=[10, 11, 12, 13, 14], all_logits=True, want=want)
+    first, last = c.chunk(0, 3), c.chunk(3, 2)
+    assert c.stage is Stage.QUEUED and c.remaining == 5
+    assert (first.who, first.handle, list(first.tokens), list(first.positions), first.fed) == \
+        (Principal("alice", 7), 3, [1, 2, 3], [10, 11, 12], 0)
+    assert first.want == Want() and not first.all_logits                 # nothing back from an early chunk
+    assert (list(last.tokens), last.fed, last.want, last.all_logits) == ([4, 5], 3, want, True)

@@ -213,3 +213,23 @@ def test_next_chunks_names_each_files_first_call_and_its_chunk():
     assert got == {1: [("a", 32), ("b", 1)], 2: [("c", 10)]}
     s.drop_lip(2)
     assert 2 not in s.next_chunks()
+
+
+def test_the_queue_verbs_hold_drop_and_fail_a_lip():
+    """The queue's one writer is the scheduler: hold (memory), drop (a failed call), fail_lip."""
+    s = BatchScheduler(token_budget=64, chunk_tokens=8)
+    a, b, c = (Call(k, lip=lip, user="u", n_tokens=n, arrival=float(i))
+               for i, (k, lip, n) in enumerate((("a", 1, 20), ("b", 2, 1), ("c", 2, 1))))
+    for call in (a, b, c):
+        s.add(call)
+    s.hold({2})
+    assert comp(s.schedule()) == [("a", 0, 8)] and s.queued_lips() == {1, 2}
+    s.drop(a)                                          # its other chunks never run
+    s.hold(())
+    assert comp(s.schedule()) == [("b", 0, 1), ("c", 0, 1)]
+    s.add(d := Call("d", lip=2, user="u", n_tokens=3))
+    assert s.fail_lip(2) == [d] and len(s) == 0 and s.schedule() is None
+    s.took(1.0)
+    assert s.gather_s == 0.050                         # a quarter of the pass, at most 50 ms
+    s.took(0.004)
+    assert s.gather_s == 0.001
