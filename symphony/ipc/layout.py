@@ -206,13 +206,6 @@ def unmap(mm: mmap.mmap | None) -> None:
         pass
 
 
-def arena_span(ring) -> tuple[int, int]:
-    """(address, bytes) of a kernel-side ring's arenas in this process, all
-    slots' together: what the kernel registers as pinned host memory."""
-    start = ring.arena(0, 0, 0)                 # an empty view at the start of slot 0's arena
-    return start.ctypes.data, ring.n_slots * ring.arena_bytes
-
-
 # ----------------------------------------------------------------- errors, records
 class RingError(Exception):
     """A malformed ring entry (bad lengths, bad header, unexpected call id)."""

@@ -72,7 +72,7 @@ from .capabilities import Capabilities, CapPolicy
 from .cpu import CHECK_EVERY_S, CpuGovernor
 from .identity import UidPool
 from .inflow import InputFlow
-from .io_calls import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
+from .calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
 from .launcher import Launcher
 from .lifecycle import LipLifecycle
 from .limits import LimitPolicy

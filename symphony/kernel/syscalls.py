@@ -49,7 +49,7 @@ from symphony.sched import BatchScheduler
 from .answers import Answers
 from .calls import CapCalls, InfoCalls, KvCalls, MessageCalls, PredCalls, dispatch_table
 from .calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
-from .calls.pred import arena_span, pin_arena
+from .calls.pred import pin_arena
 from .capabilities import Capabilities
 from .failure import SyscallFailure
 from .proc import LipProc, ServedLips, Serving
@@ -328,7 +328,7 @@ class SyscallServer:
             done: Future = Future()
             done.set_result(None)
             return done
-        base, size = arena_span(ring)
+        base, size = ring.arena_range()
         return self.rings.submit(lambda: pin_arena(base, size, True))
 
     def add(self, lip: LipProc) -> None:
@@ -353,7 +353,7 @@ class SyscallServer:
         closed = self.fs.exit_process(lip.id)
         ring = lip.ring
         ring.unlink()
-        arena = arena_span(ring) if self.pin_arenas and not ring.closed else None
+        arena = ring.arena_range() if self.pin_arenas and not ring.closed else None
         finish = ring.detach()                        # no more polling: the rest on the ring thread
 
         def release() -> None:

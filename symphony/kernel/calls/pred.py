@@ -31,7 +31,6 @@ import torch
 from symphony.engine.runner import Want
 from symphony.engine.sampler import SamplingError, SamplingParams, check_sampling
 from symphony.ipc import abi
-from symphony.ipc.layout import arena_span
 from symphony.ipc.schema import Pred
 from symphony.kvfs import KVFS, KVPred
 from symphony.sched import BatchScheduler, Call
@@ -251,4 +250,4 @@ def pin_arena(base: int, size: int, on: bool) -> None:
         log.warning("could not %spin a LIP arena: %s", "" if on else "un", e)
 
 
-__all__ = ["PredCall", "PredCalls", "Stage", "arena_span", "pin_arena"]
+__all__ = ["PredCall", "PredCalls", "Stage", "pin_arena"]

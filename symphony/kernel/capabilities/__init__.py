@@ -17,6 +17,7 @@ from . import files, http
 from .identity import Identity, identity_for, nobody
 from .policy import CapError, CapPolicy, parse_host
 from .pool import CapPool, Job
+from ..proc import Serving
 
 __all__ = ["Capabilities", "CapError", "CapPolicy", "CapPool", "Identity", "Job", "identity_for",
            "nobody", "parse_host"]
@@ -57,7 +58,7 @@ class Capabilities:
                 return files.list_dir(pol, who, grants, body)
         else:
             raise ValueError(f"unknown capability {op!r}")
-        self.pool.submit(lip.id, fn, done, timeout, alive=lambda: lip.state in ("running", "starting"), user=lip.user)
+        self.pool.submit(lip.id, fn, done, timeout, alive=lambda: lip.state in (Serving.RUNNING, Serving.STARTING), user=lip.user)
 
     def close(self) -> None:
         self.pool.close()

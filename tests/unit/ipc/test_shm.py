@@ -680,13 +680,3 @@ def test_detach_closes_the_ring_at_once_and_unmaps_when_finished():
     assert rings.submit(lambda: order.append("after")).result(5) is None and order[-1] == "after"
     rings.shutdown()
     db.close()
-
-
-def test_arena_span_is_the_arenas_of_every_slot(ring):
-    """The public hook the kernel pins arenas by (ipc/layout.py): slot 0's arena, all slots long."""
-    from symphony.ipc.layout import arena_span
-    _, _, ring, _ = ring
-    base, size = arena_span(ring)
-    assert size == ring.n_slots * ring.arena_bytes
-    assert ring.arena(0, 1, 1).ctypes.data == base
-    assert ring.arena(ring.n_slots - 1, 1, 1).ctypes.data == base + (ring.n_slots - 1) * ring.arena_bytes
