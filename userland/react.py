@@ -25,8 +25,8 @@ Sends the transcript line by line, then one JSON line: the answer, the
 actions with their observations, the KV length after each step and the
 tokens fed to pred.
 """
-from symphony.lip import SyscallError, kv, send, tokenizer
-from symphony.lip.agents import Writer, calc, http_get, search_files
+from symphony.lip import kv, send, tokenizer
+from symphony.lip.agents import Writer, calc, http_get, run_tool, search_files
 
 FEW_SHOT = """You answer questions with tools. Tools:
 calc[expression]: computes arithmetic
@@ -77,11 +77,7 @@ def main(question, *_):
                 break
             name = a.choose([f" {n}[" for n in TOOLS]).strip(" [")
             arg = a.until("]\n", 64, close="]").strip()
-            try:
-                obs = TOOLS[name](arg)
-            except (SyntaxError, ValueError, ArithmeticError, SyscallError) as e:
-                obs = f"error: {type(e).__name__}: {e}"
-            obs = " ".join(obs.split())[:400]
+            obs = run_tool(TOOLS, name, arg)
             send(f"Action: {name}[{arg}]\nObservation: {obs}\n")
             a.write(f"\nObservation: {obs}\nThought:")
             actions.append({"tool": name, "input": arg, "observation": obs})

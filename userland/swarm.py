@@ -39,8 +39,8 @@ would have computed again).
 import argparse
 from typing import NamedTuple
 
-from symphony.lip import SyscallError, kv, send, tokenizer
-from symphony.lip.agents import Writer, calc, http_get, search_files
+from symphony.lip import kv, send, tokenizer
+from symphony.lip.agents import Writer, calc, http_get, run_tool, search_files
 
 TOOLS = {"search": search_files, "http": http_get, "calc": calc}
 
@@ -126,11 +126,7 @@ def take_turn(agent: Agent, conv, tok, history: list, o, may_transfer: bool):
                 return moves, None, answer, w.fed
             tool = move[:-1]
             arg = w.until("]\n", 64, close="]").strip()
-            try:
-                result = TOOLS[tool](arg)
-            except (SyntaxError, ValueError, ArithmeticError, SyscallError) as e:
-                result = f"error: {type(e).__name__}: {e}"
-            result = " ".join(result.split())[:400]
+            result = run_tool(TOOLS, tool, arg)
             moves.append(f"{tool}[{arg}] -> {result}")
             w.write(f" -> {result}\n")
         raise AssertionError("unreachable: the last step offers no tool")

@@ -52,7 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "perf"))
 
-from bench_gateway import LlamaCpp, Symphony, cpu_name, pct  # noqa: E402
+from bench_gateway import LlamaCpp, Symphony, pct  # noqa: E402
+from common import cpu_name, pyplot, save, spread  # noqa: E402
 from bench_overload import load_tokenizer  # noqa: E402
 from symphony.client import Client  # noqa: E402
 
@@ -299,7 +300,7 @@ def main() -> int:
             llama.stop()
 
     def fmt(xs):
-        return f"{statistics.median(xs):.3f} ({min(xs):.3f}..{max(xs):.3f})"
+        return spread(xs, 3)
     others = [c for c in contenders if c != "lip"]
     print("\nprograms/s, median (per-round spread); gain = lip / client per round; latency p50 s")
     print("| app | concurrency | " + " | ".join(contenders) + " | " + " | ".join(f"gain vs {c}" for c in others)
@@ -314,12 +315,8 @@ def main() -> int:
             print(f"| {app} | {n} | " + " | ".join(cells + gains + lats) + " |")
     if o.json:
         Path(o.json).write_text(json.dumps(res))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib is not installed (pip install matplotlib): no plot")
+    plt = pyplot()
+    if plt is None:
         return 0
     top = max(concs)
     fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -331,9 +328,7 @@ def main() -> int:
     ax.set_ylabel(f"programs/s at {top} concurrent (median)")
     ax.set_title(f"Applications as LIPs vs OpenAI-API clients\nSmolLM2-135M Q4_1, {cpu_name()[:40]}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(o.plot, dpi=110)
-    print(f"# plot: {o.plot}")
+    save(fig, o.plot)
     return 0
 
 

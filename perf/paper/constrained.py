@@ -17,10 +17,11 @@ schema (`jsonschema`), output tokens (the kernel's count of the LIP's generated 
 the streamed output re-tokenized; llama.cpp's ``usage.completion_tokens``) and wall time
 from the request to the last byte.  The contenders alternate within each round (the
 order flips every round).  Reported: validity rate, output tokens/s (median over rounds
-of total tokens / total time per contender) with the per-round spread, and the ratio
-symphony / llama.cpp per round.  Client-side wall time includes each side's fixed costs
+of total tokens / total time per contender) with the per-round spread, the ratio
+symphony / llama.cpp per round, and seconds per request (an output that runs to
+--max-tokens without closing its JSON is long and invalid: tokens/s flatters it).  Client-side wall time includes each side's fixed costs
 (the LIP's spawn and llguidance's grammar compile; llama.cpp's grammar build), as a user
-sees them.  The plot shows tokens/s per schema.
+sees them.  The plot shows tokens/s and seconds per request per schema (invalid outputs hatched).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from bench_kernel import KernelProc  # noqa: E402
 from bench_overload import load_tokenizer  # noqa: E402
+from common import cpu_name, pyplot, save  # noqa: E402
 
 CASES = [
     ("person", "Invent a person and describe them.",
@@ -63,12 +65,6 @@ CASES = [
       "required": ["street", "number", "postcode", "country"], "additionalProperties": False}),
 ]
 
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def valid(text: str, schema: dict) -> bool:
@@ -147,14 +143,16 @@ def main() -> int:
     def rate(c, r):
         xs = [res[c][n][r] for n, _, _ in CASES]
         return sum(x["tokens"] for x in xs) / sum(x["s"] for x in xs)
-    print("\n| contender | valid | output tok/s (median, spread) | per schema tok/s |")
-    print("|---|---|---|---|")
+    print("\n| contender | valid | output tok/s (median, spread) | per schema tok/s | s per request (median) |")
+    print("|---|---|---|---|---|")
     for c in res:
         v = sum(x["valid"] for n in res[c] for x in res[c][n])
         total = sum(len(res[c][n]) for n in res[c])
         rates = [rate(c, r) for r in range(a.rounds)]
         per = ", ".join(f"{n} {statistics.median(x['tokens'] / x['s'] for x in res[c][n]):.1f}" for n in res[c])
-        print(f"| {c} | {v}/{total} | {statistics.median(rates):.1f} ({min(rates):.1f}..{max(rates):.1f}) | {per} |")
+        secs = statistics.median(x["s"] for n in res[c] for x in res[c][n])
+        print(f"| {c} | {v}/{total} | {statistics.median(rates):.1f} ({min(rates):.1f}..{max(rates):.1f}) | {per} "
+              f"| {secs:.2f} |")
     ratios = [rate("symphony", r) / rate("llama.cpp", r) for r in range(a.rounds)]
     print(f"\nsymphony / llama.cpp tokens/s: {statistics.median(ratios):.2f} "
           f"({min(ratios):.2f}..{max(ratios):.2f})")
@@ -162,25 +160,25 @@ def main() -> int:
     for n, _, _ in CASES:
         for c in res:
             print(f"  {n:8s} {c:9s} {res[c][n][-1]['text'][:110]}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib is not installed (pip install matplotlib): no plot")
+    plt = pyplot()
+    if plt is None:
         return 0
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
     names = [n for n, _, _ in CASES]
     for i, c in enumerate(res):
-        ax.bar([j + 0.38 * i for j in range(len(names))],
-               [statistics.median(x["tokens"] / x["s"] for x in res[c][n]) for n in names], 0.38, label=c)
-    ax.set_xticks([j + 0.19 for j in range(len(names))], names)
+        xs = [j + 0.38 * i for j in range(len(names))]
+        ax.bar(xs, [statistics.median(x["tokens"] / x["s"] for x in res[c][n]) for n in names], 0.38, label=c)
+        bars = ax2.bar(xs, [statistics.median(x["s"] for x in res[c][n]) for n in names], 0.38, label=c)
+        for bar, n in zip(bars, names):                  # hatched: most of its outputs were invalid
+            if sum(x["valid"] for x in res[c][n]) * 2 < len(res[c][n]):
+                bar.set_hatch("//")
+    for a_ in (ax, ax2):
+        a_.set_xticks([j + 0.19 for j in range(len(names))], names)
     ax.set_ylabel("output tokens/s (median, client wall)")
-    ax.set_title(f"JSON-schema constrained decoding, SmolLM2-135M Q4_1\n{cpu_name()[:40]}", fontsize=9)
+    ax2.set_ylabel("seconds per request (median); hatched: invalid JSON")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(a.plot, dpi=110)
-    print(f"# plot: {a.plot}")
+    fig.suptitle(f"JSON-schema constrained decoding, SmolLM2-135M Q4_1, {cpu_name()[:40]}", fontsize=9)
+    save(fig, a.plot)
     return 0
 
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "perf"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from bench_kernel import KernelProc, run_together  # noqa: E402
+from common import cpu_name, pyplot, save, spread  # noqa: E402
 
 MODES = ("logits", "topk", "argmax", "sample")
 LIP = r'''
@@ -71,12 +72,6 @@ def main(prompt, mode, steps):
 '''
 
 
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
 
 def one(k: KernelProc, batch: int, mode: str, steps: int, timeout: float) -> dict:
     prompts = [f"Story {i}: write a short story about a robot who learns to play the violin."
@@ -90,9 +85,6 @@ def one(k: KernelProc, batch: int, mode: str, steps: int, timeout: float) -> dic
     span = max(r["t1"] for r in res) - min(r["t0"] for r in res)
     return {"step_ms": statistics.median(r["step_ms"] for r in res), "tok_s": batch * steps / span}
 
-
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}..{max(xs):.2f})"
 
 
 def main() -> int:
@@ -146,12 +138,8 @@ def main() -> int:
         print(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {tok} |")
     if a.json:
         Path(a.json).write_text(json.dumps({str(b): v for b, v in figures.items()}))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib is not installed (pip install matplotlib): no plot", flush=True)
+    plt = pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in modes:
@@ -163,9 +151,7 @@ def main() -> int:
     ax.set_title(f"pred() output granularity\nSmolLM2-135M Q4_1, {cpu_name()[:40]}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(a.plot, dpi=110)
-    print(f"# plot: {a.plot}", flush=True)
+    save(fig, a.plot)
     return 0
 
 

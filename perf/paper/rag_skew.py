@@ -57,7 +57,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "perf"))
 
-from bench_gateway import LlamaCpp, Symphony, cpu_name, pct  # noqa: E402
+from bench_gateway import LlamaCpp, Symphony, pct  # noqa: E402
+from common import cpu_name, pyplot, save, spread  # noqa: E402
 from bench_rag import make_docs  # noqa: E402
 from symphony.client import Client  # noqa: E402
 
@@ -208,8 +209,7 @@ def main() -> int:
         if llama is not None:
             llama.stop()
 
-    def fmt(xs):
-        return f"{statistics.median(xs):.2f} ({min(xs):.2f}..{max(xs):.2f})"
+    fmt = spread
     print("\nqueries/s, median (per-round spread); ratio to recompute per round; TTFT p50 s")
     print("| alpha | " + " | ".join(contenders) + " | " + " | ".join(f"{c}/recompute" for c in contenders
                                                                  if c != "recompute" and "recompute" in contenders)
@@ -223,12 +223,8 @@ def main() -> int:
         print(f"| {lab} | " + " | ".join(cells + ratios + ttft) + " |")
     if a.json:
         Path(a.json).write_text(json.dumps(res))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# matplotlib is not installed (pip install matplotlib): no plot")
+    plt = pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(6.4, 4))
     xs = list(range(len(alphas)))
@@ -241,9 +237,7 @@ def main() -> int:
                  f"SmolLM2-135M Q4_1, {cpu_name()[:40]}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(a.plot, dpi=110)
-    print(f"# plot: {a.plot}")
+    save(fig, a.plot)
     return 0
 
 

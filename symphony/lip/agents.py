@@ -3,6 +3,7 @@
 * `Writer(f, tok, text)`: one KV file and the tokens not yet fed to it; greedy text up
   to a stop character (`until`), forced text (`write`), and a constrained choice among
   fixed openings (`choose`, a token mask per step), each counting the tokens it feeds;
+* `run_tool(tools, name, arg)`: a tool's result, or its error, as one short line;
 * tools that run on the server through the LIP's capabilities: `search_files`
   (the files under the directories granted with ``--grant read:DIR``) and `http_get`
   (hosts granted with ``--grant http:HOST[:PORT]``); and `calc`, arithmetic evaluated
@@ -14,9 +15,10 @@ import ast
 import operator
 from typing import Sequence
 
+from .errors import SyscallError
 from .runtime import KVFile, http, info, list_dir, pred, read_file
 
-__all__ = ["Writer", "calc", "http_get", "search_files"]
+__all__ = ["Writer", "calc", "http_get", "run_tool", "search_files"]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -70,6 +72,17 @@ def http_get(url: str, max_chars: int = 300) -> str:
     r = http(url.strip().strip("'\""))
     body = " ".join(r["body"].split())[:max_chars]
     return body if r["status"] == 200 else f"HTTP {r['status']}: {body}"
+
+
+def run_tool(tools: dict, name: str, arg: str, max_chars: int = 400) -> str:
+    """``tools[name](arg)`` as one line of at most ``max_chars``; a tool's error (bad
+    arithmetic, a refused or failed system call) becomes ``error: Type: message``, so
+    the model reads it as the tool's result and the program goes on."""
+    try:
+        result = tools[name](arg)
+    except (SyntaxError, ValueError, ArithmeticError, SyscallError) as e:
+        result = f"error: {type(e).__name__}: {e}"
+    return " ".join(result.split())[:max_chars]
 
 
 class Writer:
