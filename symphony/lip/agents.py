@@ -105,8 +105,7 @@ class Writer:
     def flush(self) -> None:
         """Feed what is pending (the file then holds all the text written so far)."""
         if self.pending:
-            pred(self.f, self.pending, output="argmax")
-            self.fed, self.pending = self.fed + len(self.pending), []
+            self._pred()
 
     def until(self, stop: str, limit: int, close: str = "") -> str:
         """Greedy text up to the first character of ``stop`` (or EOS or ``limit``

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from symphony.engine.runner import Want
+from symphony.engine.runner import Want, run_planned
 from symphony.engine.sampler import SamplingError, SamplingParams, check_sampling
 from symphony.ipc import abi
 from symphony.ipc.schema import Pred
@@ -165,13 +165,7 @@ class PredCalls:
         (`KVFS.passes`: a file written twice runs in two); a result per chunk."""
         results: list = [None] * len(chunks)
         for idx in self.fs.passes(chunks):
-            plan = self.fs.prepare([chunks[i] for i in idx])
-            try:
-                out = self.engine.runner.run(plan.step)
-            except BaseException:
-                self.fs.undo(plan)                   # its pages back before the error goes on
-                raise
-            for i, r in zip(idx, self.fs.commit(plan, out)):
+            for i, r in zip(idx, run_planned(self.fs, self.engine.runner, [chunks[i] for i in idx])):
                 results[i] = r
         return results
 
