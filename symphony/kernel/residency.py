@@ -4,18 +4,20 @@ run, who is suspended and who resumes (the policy: sched/memory.py).
 `Residency` is a part of `SyscallServer`: it owns its planner, its page
 counts, its stall clock and the overload counters, and is given KVFS, the
 served LIPs, the scheduler and the answers in its constructor (the syscall
-thread owns everything it touches).  Each step (`plan`):
+thread owns everything it touches).  Each step, `plan(chunks)` is given each
+LIP's next chunks (`BatchScheduler.next_chunks`) and answers which LIPs wait:
 
-  1. the scheduler says each LIP's next chunks (`BatchScheduler.next_chunks`)
-     and KVFS how many device pages each needs (`KVFS.device_need`);
+  1. KVFS says how many device pages each chunk needs (`KVFS.device_need`);
   2. if they all fit in the free pages and nobody is suspended, nothing else
      happens (the common case costs one pass over the queued calls);
-  3. otherwise `MemoryPlanner.plan` visits the LIPs most important first,
-     reclaiming pages no running LIP holds (`KVFS.reclaim`: cache files, idle
-     files, blocked LIPs' files), suspending less important LIPs whole
-     (`KVFS.suspend`) and resuming suspended ones (`KVFS.swap_in_pid`);
-  4. the LIPs that must wait, and the suspended ones, are held in the
-     scheduler (`BatchScheduler.hold`): their calls stay queued, not failed.
+  3. otherwise `MemoryPlanner.plan` visits the LIPs most important first and
+     yields its moves, which `_make` makes through KVFS: reclaim pages no
+     running LIP holds (`KVFS.reclaim`: cache files, idle files, blocked
+     LIPs' files), suspend less important LIPs whole (`KVFS.suspend`), resume
+     suspended ones (`KVFS.swap_in_pid`);
+  4. the LIPs that must wait, and the suspended ones, are returned; the step
+     holds them in the scheduler (`BatchScheduler.hold`): their calls stay
+     queued, not failed.
 
 A waiting call fails with NoSpace in one case only: no page can move (the
 device is full, and so are the host and disk tiers that would take a
@@ -29,7 +31,7 @@ from collections import Counter
 
 from symphony.kvfs import KVFS, KVFSError, NoSpace
 from symphony.sched import BatchScheduler
-from symphony.sched.memory import LipMem, MemoryPlanner
+from symphony.sched.memory import LipMem, MemoryPlanner, Move, Plan, Planning, Reclaim, Suspend
 
 from .answers import Answers
 from .proc import ServedLips, Serving
@@ -48,16 +50,16 @@ class Residency:
         self.fs, self.lips, self.sched, self.answers = fs, lips, sched, answers
         self.alloc = fs.engine.kv.allocator
         self.kv_wait_s = kv_wait_s
-        self.planner = MemoryPlanner(free=lambda: self.alloc.num_free, reclaim=self._reclaim_pages,
-                                     suspend=self._suspend_lip, resume=self._resume_lip)
+        self.planner = MemoryPlanner()
         self.overload: Counter = Counter()      # suspensions, resumes, memory_waits, kv_wait_failures
         self._page_counts: dict = {}            # lip -> (when, device pages, resume need, holds any): pages_of
         self._stalled_since = None
 
     # ------------------------------------------------------------------ the plan
-    def plan(self) -> None:
-        """Decide which LIPs' calls this step may schedule (`BatchScheduler.hold`)."""
-        chunks = self.sched.next_chunks()
+    def plan(self, chunks: dict) -> set[int]:
+        """The LIPs whose calls must wait this step (held in the scheduler),
+        given each LIP's next chunks (``{lip: [(call, tokens)]}``,
+        `BatchScheduler.next_chunks`); suspends and resumes LIPs on the way."""
         needs, any_suspended = {}, False
         for lip in self.lips.values():
             if lip.state != Serving.RUNNING:
@@ -66,8 +68,7 @@ class Residency:
             if lip.id in chunks:
                 needs[lip.id] = sum(self._need(c, n, lip.suspended) for c, n in chunks[lip.id])
         if not any_suspended and sum(needs.values()) <= self.alloc.num_free:
-            self.sched.hold(())                            # all fit: the common case
-            return
+            return set()                                   # all fit: the common case
         mem = []
         for lip in self.lips.values():
             if lip.state != Serving.RUNNING:
@@ -77,10 +78,10 @@ class Residency:
             mem.append(LipMem(lip.id, lip.priority, lip.admitted, device, needs.get(lip.id, 0),
                               lip.suspended, resume, blocked=lip.blocked and not queued, fresh=not holds))
         headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
-        plan = self.planner.plan(mem, headroom, self.alloc.capacity)
+        plan = self._apply(self.planner.plan(mem, self.alloc.num_free, headroom, self.alloc.capacity))
         if plan.wait:
             self.overload["memory_waits"] += len(plan.wait)
-        self.sched.hold({l.id for l in self.lips.values() if l.suspended} | set(plan.wait))
+        return {l.id for l in self.lips.values() if l.suspended} | set(plan.wait)
 
     def forget(self, lip_id: int) -> None:
         """The LIP is gone: drop its page counts."""
@@ -108,15 +109,33 @@ class Residency:
         only the new pages (its files count in `KVFS.resume_need`)."""
         if suspended:
             return -(-n // self.fs.page_size) + 1
-        kp = call.chunk(call.done, n)
         try:
-            return self.fs.device_need(kp)
+            return self.fs.device_need(call.proc.principal, call.kv, n)
         except KVFSError:
             return 0                                       # the step answers it with its error
 
     # ------------------------------------------------------------------ the planner's moves
-    def _reclaim_pages(self, n: int) -> int:
-        return self.fs.reclaim(n, set())
+    def _apply(self, planning: Planning) -> Plan:
+        """Make each move the planner yields (`_make`), tell it the pages free
+        afterwards, and return its `Plan`."""
+        try:
+            move = next(planning)
+            while True:
+                move = planning.send(self._make(move))
+        except StopIteration as done:
+            return done.value
+
+    def _make(self, move: Move):
+        """Make one of the planner's moves through KVFS; the device pages free
+        afterwards, or None for a suspension the host and disk cannot take."""
+        if isinstance(move, Reclaim):
+            self.fs.reclaim(move.pages, set())
+        elif isinstance(move, Suspend):
+            if self._suspend_lip(move.lip) is None:
+                return None
+        else:
+            self._resume_lip(move.lip)
+        return self.alloc.num_free
 
     def _suspend_lip(self, lip_id: int):
         """Swap LIP ``lip_id`` out whole; the device pages freed, None if the

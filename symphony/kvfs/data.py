@@ -21,8 +21,8 @@ KVFS never calls itself in the kernel:
 `commit` keeps the books: a call that succeeded is committed to its inode
 (blocks, positions), a call that failed gives its fresh pages back and, if
 earlier steps had already fed chunks of it (``KVPred.fed``), those are
-truncated away, so the file is as it was before the call.  `pred`,
-`pred_batch` and `run_preds` are the same walk in-process (`run_planned`).
+truncated away, so the file is as it was before the call.  `pred` and
+`pred_batch` are the same walk in-process, all or nothing (`run_planned`).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class Data:
     namespace (``fs``: handles, files) and its `Memory` (room for new pages)."""
 
     def __init__(self, fs, memory):
-        self.fs, self.memory = fs, memory
+        self.fs, self.memory, self.handles = fs, memory, fs.handles
         self.engine, self.page_size = fs.engine, fs.page_size
         self.quotas, self.refs, self.pager = fs.quotas, fs.refs, fs.pager
 
@@ -92,11 +92,10 @@ class Data:
         call's logits ([vocab], or [n, vocab] with all_logits).  All or nothing:
         the first error is raised and no file changes.  (In-process: the
         kernel's step calls `prepare` and `commit` itself.)"""
-        self.fs._tick()
         if not calls:
             return []
         checked = [self.check_pred(c.who, c.handle, c.tokens, c.positions, c.all_logits) for c in calls]
-        inodes = [self.fs._handle(c.who, c.handle).inode for c in calls]
+        inodes = [self.handles.of(c.who, c.handle).inode for c in calls]
         if len({i.ino for i in inodes}) != len(inodes):
             raise InvalidArgument("the same KV file appears twice in one pred batch")
         calls = [KVPred(c.who, c.handle, t, p, c.all_logits, c.want, c.fed)
@@ -114,7 +113,7 @@ class Data:
         Over the user's page quota, their unopened cache files are deleted
         first (`make_quota_room`), as the memory manager may delete them at
         any time."""
-        h = self.fs._handle(who, hid)
+        h = self.handles.of(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only (fork it to write)")
         inode = h.inode
@@ -136,13 +135,13 @@ class Data:
         self.quotas.check_refs(inode.owner, new)
         return toks, pos
 
-    def device_need(self, call: KVPred) -> int:
-        """Device pages a checked `KVPred` takes when it runs now: its file's
-        blocks not on the device, the new pages, and one more if it copies a
-        shared partial last page.  Exactly what `prepare` then allocates or
-        swaps in; changes nothing."""
-        inode = self.fs._handle(call.who, call.handle).inode
-        new, cow = append_growth(inode, len(call.tokens), self.page_size)
+    def device_need(self, who: Principal, hid: int, n_tokens: int) -> int:
+        """Device pages a checked call appending ``n_tokens`` to handle ``hid``
+        takes when it runs now: its file's blocks not on the device, the new
+        pages, and one more if it copies a shared partial last page.  Exactly
+        what `prepare` then allocates or swaps in; changes nothing."""
+        inode = self.handles.of(who, hid).inode
+        new, cow = append_growth(inode, n_tokens, self.page_size)
         missing = len({b.id for b in inode.blocks if b.device < 0})
         return missing + new + cow
 
@@ -154,23 +153,13 @@ class Data:
         while todo:
             seen, now, later = set(), [], []
             for i in todo:
-                h = self.fs.handles.get(calls[i].handle)
+                h = self.handles.get(calls[i].handle)
                 ino = h.inode.ino if h is not None else None
                 (later if ino is not None and ino in seen else now).append(i)
                 seen.add(ino)
             out.append(now)
             todo = later
         return out
-
-    def run_preds(self, calls: Sequence[KVPred]) -> list[CallResult]:
-        """Run checked calls as steps (`passes`), each `prepare` -> the runner ->
-        `commit`; a result or an error per call.  In-process, as the kernel's
-        step does it."""
-        results: list[Optional[CallResult]] = [None] * len(calls)
-        for idx in self.passes(calls):
-            for i, r in zip(idx, run_planned(self, self.engine.runner, [calls[i] for i in idx])):
-                results[i] = r
-        return results
 
     def prepare(self, calls: Sequence[KVPred], atomic: bool = False) -> StepPlan:
         """Plan a step of checked calls (tokens and positions as `check_pred`
@@ -179,11 +168,10 @@ class Data:
         pages allocated and charged.  A call that cannot be placed is refused
         with its error (``atomic``: everything planned is undone and the error
         raised).  Nothing is committed to a file until `commit`."""
-        self.fs._tick()
         inodes: list[Optional[Inode]] = []
         for c in calls:
             try:
-                inodes.append(self.fs._handle(c.who, c.handle).inode)
+                inodes.append(self.handles.of(c.who, c.handle).inode)
             except Exception:
                 inodes.append(None)
         protect = {b.id for i in inodes if i is not None for b in i.blocks}
@@ -191,7 +179,7 @@ class Data:
         for c, inode in zip(calls, inodes):
             try:
                 if inode is None:
-                    self.fs._handle(c.who, c.handle)             # raises the handle's error
+                    self.handles.of(c.who, c.handle)             # raises the handle's error
                 placed.append(self._place(c, inode, protect))
             except Exception as e:
                 if atomic:
@@ -276,10 +264,10 @@ class Data:
         """A copy-on-write clone (anonymous unless ``path``; ``mode`` as in
         `create`), opened read-write.  Shares every block; costs no page until
         one side writes."""
-        src = self.fs._handle(who, hid).inode
+        src = self.handles.of(who, hid).inode
         self.quotas.check_refs(who.user, len(src.blocks))
         new = self.fs.create(who, path, mode)
-        inode = self.fs.handles[new].inode
+        inode = self.handles[new].inode
         self.refs.hold(src.blocks, inode.owner)
         inode.blocks = list(src.blocks)
         inode.positions = list(src.positions)
@@ -289,7 +277,7 @@ class Data:
 
     def truncate(self, who: Principal, hid: int, n: int) -> None:
         """Keep the first ``n`` tokens (undo, speculative rollback)."""
-        h = self.fs._handle(who, hid)
+        h = self.handles.of(who, hid)
         if not h.writable:
             raise ReadOnlyHandle(f"KV handle {hid} is read-only")
         inode = h.inode
@@ -302,7 +290,7 @@ class Data:
                 mode: Optional[int] = None) -> int:
         """A new file holding token ranges ``[(start, end), ...]`` (half-open,
         increasing, non-overlapping) of this one, at their original positions."""
-        src = self.fs._handle(who, hid).inode
+        src = self.handles.of(who, hid).inode
         segs = []
         last = 0
         if not isinstance(ranges, (list, tuple)) or not ranges:
@@ -325,7 +313,7 @@ class Data:
         (modular attention reuse, as in Prompt Cache)."""
         if not isinstance(hids, (list, tuple)) or not hids:
             raise InvalidArgument("merge needs a non-empty list of handles")
-        segs = [(self.fs._handle(who, h).inode, 0, self.fs._handle(who, h).inode.length) for h in hids]
+        segs = [(self.handles.of(who, h).inode, 0, self.handles.of(who, h).inode.length) for h in hids]
         return self._assemble(who, [s for s in segs if s[2] > 0], path, mode)
 
     # ------------------------------------------------------------------ helpers
@@ -404,7 +392,7 @@ class Data:
         except BaseException:
             self.refs.drop(blocks, who.user)
             raise
-        inode = self.fs.handles[hid].inode
+        inode = self.handles[hid].inode
         inode.blocks, inode.positions = blocks, positions
         return hid
 

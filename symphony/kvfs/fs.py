@@ -30,9 +30,9 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 from symphony.engine.engine import Engine
 from .config import KVFSConfig
 from .data import Data, KVPred, StepPlan
-from .errors import (AlreadyExists, BadHandle, DirectoryNotEmpty, InvalidArgument, IsADirectory,
+from .errors import (AlreadyExists, DirectoryNotEmpty, InvalidArgument, IsADirectory,
                      NotADirectory, NotFound, PermissionDenied)
-from .namespace import (ADVICE, ROOT_USER, STICKY, Directory, Handle, Inode, Node, Principal,
+from .namespace import (ADVICE, ROOT_USER, STICKY, Directory, Handle, Handles, Inode, Node, Principal,
                         is_home_dir as _is_home_dir, list_entry, may, may_unlink, split_path,
                         system_entry as _system_entry)
 from .memory import Memory
@@ -67,15 +67,13 @@ class KVFS:
         self.root = Directory("", None, ROOT_USER, 0o755)
         for name, mode in (("shared", 0o1777), ("home", 0o755), ("tmp", 0o1777)):
             self.root.children[name] = Directory(name, self.root, ROOT_USER, mode)
-        self.handles: dict[int, Handle] = {}
-        self._pid_handles: dict[int, dict[int, Handle]] = {}   # pid -> its open handles (a process's files
-                                                                # are found without a walk of all handles)
+        self.handles = Handles()
         self._hids = itertools.count(3)
         self.inodes: dict[int, Inode] = {}
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
         self.evict_first: Callable[[], list[int]] = evict_first or (lambda: [])   # pids to swap out first
         self.pinned: Callable[[], set[int]] = pinned or (lambda: set())          # pids never page-evicted
-        self.memory = Memory(self.pager, self.quotas, self._open_inodes,
+        self.memory = Memory(self.pager, self.quotas, self.handles,
                              lambda inode: self._unlink(inode.parent, inode.name), self.evict_first, self.pinned)
         self.data = Data(self, self.memory)
         if restore and config.durable_dir:
@@ -280,7 +278,7 @@ class KVFS:
     def exit_process(self, pid: int) -> int:
         """Close every handle of a process (its anonymous files die with it) and
         pass its page charges to its user.  Returns the handles closed."""
-        hs = list(self._pid_handles.get(pid, {}).values())
+        hs = self.handles.of_pid(pid)
         for h in hs:
             self._forget_handle(h)
             self._maybe_free(h.inode)
@@ -295,24 +293,24 @@ class KVFS:
     # ================================================================== the parts' API
     # data (data.Data): pred and its step, fork, truncate, extract, merge
     def pred(self, who: Principal, hid: int, tokens, positions=None, *, all_logits: bool = False):
+        self._tick()
         return self.data.pred(who, hid, tokens, positions, all_logits=all_logits)
 
     def pred_batch(self, calls: Sequence[KVPred]) -> list:
+        self._tick()
         return self.data.pred_batch(calls)
 
     def check_pred(self, who: Principal, hid: int, tokens, positions=None, all_logits: bool = False):
         return self.data.check_pred(who, hid, tokens, positions, all_logits)
 
-    def device_need(self, call: KVPred) -> int:
-        return self.data.device_need(call)
+    def device_need(self, who: Principal, hid: int, n_tokens: int) -> int:
+        return self.data.device_need(who, hid, n_tokens)
 
     def passes(self, calls: Sequence[KVPred]) -> list[list[int]]:
         return self.data.passes(calls)
 
-    def run_preds(self, calls: Sequence[KVPred]) -> list:
-        return self.data.run_preds(calls)
-
     def prepare(self, calls: Sequence[KVPred], atomic: bool = False) -> StepPlan:
+        self._tick()                                    # due expirations first
         return self.data.prepare(calls, atomic)
 
     def commit(self, plan: StepPlan, out) -> list:
@@ -368,11 +366,6 @@ class KVFS:
         return self.memory.swap_in_pid(pid)
 
     # ================================================================== helpers
-    def _open_inodes(self, pids: Iterable[int]) -> list[Inode]:
-        """The files ``pids`` have open, each once, in handle order."""
-        return list({h.inode.ino: h.inode for pid in dict.fromkeys(pids)
-                     for h in self._pid_handles.get(pid, {}).values()}.values())
-
     def _tick(self) -> None:
         """Apply due expirations (lazy: on each namespace operation)."""
         now = time.monotonic()
@@ -461,33 +454,23 @@ class KVFS:
             self._maybe_free(inode)
 
     def _new_handle(self, who: Principal, inode: Inode, writable: bool) -> int:
-        n = len(self._pid_handles.get(who.pid, ())) if who.pid else 0
+        n = self.handles.count(who.pid) if who.pid else 0
         if who.pid and n >= self.config.max_handles_per_process:
             raise InvalidArgument(f"process {who.pid} has {n} open KV handles (limit "
                                   f"{self.config.max_handles_per_process})")
         hid = next(self._hids)
-        self.handles[hid] = h = Handle(hid, inode, who.pid, who.user, writable)
-        self._pid_handles.setdefault(who.pid, {})[hid] = h
+        h = Handle(hid, inode, who.pid, who.user, writable)
+        self.handles.add(h)
         inode.handles += 1
         return hid
 
     def _forget_handle(self, h: Handle) -> None:
         h.closed = True
-        del self.handles[h.hid]
-        mine = self._pid_handles.get(h.pid)
-        if mine is not None:
-            mine.pop(h.hid, None)
-            if not mine:
-                del self._pid_handles[h.pid]
+        self.handles.remove(h)
         h.inode.handles -= 1
 
     def _handle(self, who: Principal, hid) -> Handle:
-        if not isinstance(hid, int) or isinstance(hid, bool):
-            raise BadHandle(f"a KV handle is an int, got {type(hid).__name__}")
-        h = self.handles.get(hid)
-        if h is None or h.pid != who.pid:
-            raise BadHandle(f"no open KV handle {hid} in process {who.pid}")
-        return h
+        return self.handles.of(who, hid)
 
     def _maybe_free(self, inode: Inode) -> None:
         if inode.linked or inode.handles > 0:

@@ -9,7 +9,7 @@ the kernel's ``evict_first`` and ``pinned``.  The kernel's level-2 memory
 manager (on the syscall thread, between steps) uses this API to guarantee
 each step its device pages *before* the step runs:
 
-    need = sum(fs.device_need(c) for c in calls)     # pages the step will take
+    need = sum(fs.device_need(who, h, n) for ...)    # pages the step will take
     fs.reclaim(need, protect=fs.pid_blocks(running)) # cache, drop_first, idle, blocked
     fs.suspend(pid, keep=shared_blocks)              # or suspend a whole LIP
 
@@ -35,7 +35,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable, Iterator
 
 from .errors import InvalidArgument, NoSpace
-from .namespace import Block, Inode
+from .namespace import Block, Handles, Inode
 from .pager import Pager
 from .quota import Quotas
 
@@ -45,13 +45,13 @@ log = logging.getLogger("symphony.kvfs")
 class Memory:
     """Who loses device pages, and when (see the module docstring)."""
 
-    def __init__(self, pager: Pager, quotas: Quotas, open_inodes: Callable[[Iterable[int]], list[Inode]],
+    def __init__(self, pager: Pager, quotas: Quotas, handles: Handles,
                  delete: Callable[[Inode], None], evict_first: Callable[[], list[int]],
                  pinned: Callable[[], set[int]]):
-        """``open_inodes(pids)``: the files those processes have open, each once;
+        """``handles``: the open handles (whose files each process has open);
         ``delete(inode)``: unlink a cache file (its pages go with its last handle)."""
         self.pager, self.quotas = pager, quotas
-        self.open_inodes, self.delete = open_inodes, delete
+        self.open_inodes, self.delete = handles.open_inodes, delete
         self.evict_first, self.pinned = evict_first, pinned
         # eviction order: least recently used first; "keep" files are in none
         self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import InvalidArgument, InvalidPath
+from .errors import BadHandle, InvalidArgument, InvalidPath
 
 ROOT_USER = "root"
 TOP_DIRS = ("shared", "home", "tmp")
@@ -192,6 +192,50 @@ class Handle:
     user: str
     writable: bool
     closed: bool = field(default=False)
+
+
+class Handles(dict):
+    """The open handles, by id (a dict of `Handle`), and each process's, so
+    that a process's files are found without a walk of all handles.  Written
+    only through `add` and `remove`; `of` looks one up for its process."""
+
+    def __init__(self):
+        super().__init__()
+        self._by_pid: dict[int, dict[int, Handle]] = {}
+
+    def add(self, h: Handle) -> None:
+        self[h.hid] = h
+        self._by_pid.setdefault(h.pid, {})[h.hid] = h
+
+    def remove(self, h: Handle) -> None:
+        del self[h.hid]
+        mine = self._by_pid.get(h.pid)
+        if mine is not None:
+            mine.pop(h.hid, None)
+            if not mine:
+                del self._by_pid[h.pid]
+
+    def of_pid(self, pid: int) -> list[Handle]:
+        """The handles process ``pid`` has open, in the order it opened them."""
+        return list(self._by_pid.get(pid, {}).values())
+
+    def count(self, pid: int) -> int:
+        return len(self._by_pid.get(pid, ()))
+
+    def open_inodes(self, pids) -> list[Inode]:
+        """The files ``pids`` have open, each once, in handle order."""
+        return list({h.inode.ino: h.inode for pid in dict.fromkeys(pids)
+                     for h in self._by_pid.get(pid, {}).values()}.values())
+
+    def of(self, who: Principal, hid) -> Handle:
+        """Handle ``hid`` of ``who``'s process; BadHandle if it is not an int
+        or not one of that process's open handles."""
+        if not isinstance(hid, int) or isinstance(hid, bool):
+            raise BadHandle(f"a KV handle is an int, got {type(hid).__name__}")
+        h = self.get(hid)
+        if h is None or h.pid != who.pid:
+            raise BadHandle(f"no open KV handle {hid} in process {who.pid}")
+        return h
 
 
 def may(principal: Principal, node: Node, want: str) -> bool:

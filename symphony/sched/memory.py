@@ -3,7 +3,10 @@
 The batch scheduler (level 2, batch.py) forms a step out of token budgets;
 this module decides, before each step, whose calls may run given the device
 pages, and whom to suspend when there are not enough.  Pure Python: the
-kernel hands it `LipMem` views and acts on its `Plan`.
+kernel hands it `LipMem` views and the free page count, and the planner
+answers with moves (`Reclaim`, `Suspend`, `Resume`) and, at the end, a `Plan`
+(who runs, who waits).  It calls nothing: the kernel's step applies each
+move (kernel/residency.py) and tells the planner the pages free afterwards.
 
 The order of importance is total and stable: higher priority class first,
 then the LIP admitted first (`rank`).  Every decision follows it:
@@ -37,6 +40,7 @@ step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generator, Optional, Union
 
 
 @dataclass
@@ -70,29 +74,50 @@ class Plan:
     resume: list[int] = field(default_factory=list)    # suspended LIPs to bring back
 
 
+@dataclass(frozen=True)
+class Reclaim:
+    """Make ``pages`` device pages free without touching a running LIP (cache
+    files, idle files, blocked LIPs' files).  Answer: the pages free afterwards."""
+
+    pages: int
+
+
+@dataclass(frozen=True)
+class Suspend:
+    """Swap LIP ``lip`` out whole.  Answer: the pages free afterwards, or None
+    when the host and disk tiers cannot take its pages (it stays)."""
+
+    lip: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Bring suspended LIP ``lip``'s files back to the device.  Answer: the pages
+    free afterwards."""
+
+    lip: int
+
+
+Move = Union[Reclaim, Suspend, Resume]
+Planning = Generator[Move, Optional[int], Plan]
+
+
 class MemoryPlanner:
-    """Plans one step's device pages (`plan`) through the moves it is given
-    (the kernel's residency.py makes each a KVFS move and marks the LIP).
+    """Plans one step's device pages.  `plan` is a generator: it yields one
+    move at a time and is sent back the free device pages after the move was
+    made (None: a suspension the host and disk could not take), and returns the
+    `Plan`.  A plan is made move by move because each decision depends on what
+    the one before achieved: a suspension frees fewer pages than the LIP holds
+    when some are shared with running LIPs, or none when the slower tiers are
+    full.  The kernel's residency (kernel/residency.py) makes the moves."""
 
-    ``free()``            device pages free now
-    ``reclaim(n)``        try to make n pages free without touching a running
-                          LIP; returns the pages free afterwards
-    ``suspend(id)``       swap LIP ``id`` out whole; the device pages freed,
-                          or None when the host and disk tiers cannot take them
-    ``resume(id)``        bring a suspended LIP's files back to the device
-
-    The callbacks do the moves at once, in plan order, so each decision sees
-    the effect of the ones before it."""
-
-    def __init__(self, free, reclaim, suspend, resume):
-        self.free, self.reclaim, self.suspend, self.resume = free, reclaim, suspend, resume
-
-    def plan(self, lips: list[LipMem], headroom: int = 0, capacity: int = 1 << 62) -> Plan:
-        """Visit LIPs most important first; see the module docstring.
-        ``capacity``: the device pool's pages (the headroom a resuming LIP
-        asks for never makes it larger than the pool)."""
+    def plan(self, lips: list[LipMem], free: int, headroom: int = 0, capacity: int = 1 << 62) -> Planning:
+        """Visit LIPs most important first; see the module docstring.  ``free``:
+        device pages free now.  ``capacity``: the device pool's pages (the
+        headroom a resuming LIP asks for never makes it larger than the pool)."""
         order = sorted(lips, key=rank)
         out = Plan()
+        pool = _Pool(free)
         promised = 0
         gone: set[int] = set()                          # suspended during this plan
         running = [l for l in order if not l.suspended and not l.blocked]
@@ -106,10 +131,10 @@ class MemoryPlanner:
                 # only a higher class may push running LIPs out to come back
                 lower = [v for v in running[::-1] if v.id not in gone and v.priority < l.priority
                          and rank(v) > rank(l)]
-                if self._room(promised, want, lower, gone, out):
-                    self.resume(l.id)
+                if (yield from self._room(pool, promised, want, lower, gone, out)):
+                    pool.free = yield Resume(l.id)
                     out.resume.append(l.id)
-                    promised += l.need                  # free() already counts the pages it brought back
+                    promised += l.need                  # the free count already has the pages it brought back
                     if l.need:
                         out.run.append(l.id)
                 else:
@@ -124,30 +149,38 @@ class MemoryPlanner:
                 continue
             # everything less important and running may be pushed out for it
             lower = [v for v in running[::-1] if v.id not in gone and rank(v) > rank(l)]
-            if self._room(promised, l.need, lower, gone, out):
+            if (yield from self._room(pool, promised, l.need, lower, gone, out)):
                 promised += l.need
                 out.run.append(l.id)
             else:
                 out.wait.append(l.id)
         return out
 
-    def _room(self, promised: int, need: int, victims: list[LipMem], gone: set, out: Plan) -> bool:
+    def _room(self, pool: "_Pool", promised: int, need: int, victims: list[LipMem], gone: set, out: Plan):
         """Make ``need`` pages free beyond ``promised``: reclaim, then suspend
         ``victims`` in order (least important first) while it helps.  Suspends
         nobody unless that is enough."""
-        if self.free() - promised >= need:
+        if pool.free - promised >= need:
             return True
-        if self.reclaim(promised + need) - promised >= need:
+        pool.free = yield Reclaim(promised + need)
+        if pool.free - promised >= need:
             return True
-        if self.free() - promised + sum(v.device_pages for v in victims) < need:
+        if pool.free - promised + sum(v.device_pages for v in victims) < need:
             return False                                # even all of them would not do
         for v in victims:
             if v.device_pages <= 0:
                 continue
-            if self.suspend(v.id) is None:               # host and disk are full for it
+            after = yield Suspend(v.id)
+            if after is None:                           # host and disk are full for it
                 continue
+            pool.free = after
             gone.add(v.id)
             out.suspend.append(v.id)
-            if self.free() - promised >= need:
+            if pool.free - promised >= need:
                 return True
-        return self.free() - promised >= need
+        return pool.free - promised >= need
+
+
+@dataclass
+class _Pool:
+    free: int           # device pages free, as the last answer said

@@ -6,16 +6,17 @@ at submission (`PredCalls.pred`: the body against the vocabulary and the
 arena, then `KVFS.check_pred`: handle, tokens, positions, length, quota), and
 queued in the scheduler.  Each step is one walk (`PredCalls.step`):
 
-    residency.plan()                      who may run: suspend, resume, hold (residency.py)
-    batch = sched.schedule(now)           the chunks of this forward pass (sched/batch.py)
-    plan = fs.prepare(chunks)             page tables: swap-ins, copy-on-write, charges (kvfs/data.py)
-    out = engine.runner.run(plan.step)    one forward pass; masks, top-k, sampling on the device
-    done = fs.commit(plan, out)           keep what succeeded, undo what failed
-    deliver(done)                         copy results into the LIPs' arenas, reply
+    wait = residency.plan(sched.next_chunks())  who waits for pages; suspend, resume (residency.py)
+    sched.hold(wait)                            (sched/batch.py)
+    batch = sched.schedule(now)                 the chunks of this forward pass
+    plan = fs.prepare(chunks)                   page tables: swap-ins, copy-on-write, charges (kvfs/)
+    out = engine.runner.run(plan.step)          one forward pass; masks, top-k, sampling on the device
+    done = fs.commit(plan, out)                 keep what succeeded, undo what failed (fs.undo if it raised)
+    deliver(done)                               copy results into the LIPs' arenas, reply
 
 (a step that writes one file through two handles runs as two passes of the
-middle three, `KVFS.passes`).  The in-process engine and KVFS walk the same
-three pieces (`engine.runner.run_planned`).
+prepare / run / commit, `KVFS.passes`).  The in-process engine and KVFS's
+`pred_batch` use the same pieces (`engine.runner.run_planned`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from symphony.engine.runner import Want, run_planned
+from symphony.engine.runner import Want
 from symphony.engine.sampler import SamplingError, SamplingParams, check_sampling
 from symphony.ipc import abi
 from symphony.ipc.schema import Pred
@@ -142,7 +143,7 @@ class PredCalls:
         completes; False if no call could be scheduled (all wait for pages).
         A call that fails is answered with its error (KVFS undid its earlier
         chunks); the others in the step are unaffected."""
-        self.residency.plan()
+        self.sched.hold(self.residency.plan(self.sched.next_chunks()))
         batch = self.sched.schedule(time.monotonic())
         if batch is None:
             self.residency.stalled()
@@ -161,11 +162,18 @@ class PredCalls:
         return True
 
     def _run(self, chunks: list[KVPred]) -> list:
-        """KVFS prepares, the runner runs, KVFS commits: once per pass
-        (`KVFS.passes`: a file written twice runs in two); a result per chunk."""
+        """KVFS prepares, the runner runs, KVFS commits (or, if the runner
+        raised, undoes): once per pass (`KVFS.passes`: a file written twice
+        runs in two); a result per chunk."""
         results: list = [None] * len(chunks)
         for idx in self.fs.passes(chunks):
-            for i, r in zip(idx, run_planned(self.fs, self.engine.runner, [chunks[i] for i in idx])):
+            plan = self.fs.prepare([chunks[i] for i in idx])
+            try:
+                out = self.engine.runner.run(plan.step)
+            except BaseException:
+                self.fs.undo(plan)
+                raise
+            for i, r in zip(idx, self.fs.commit(plan, out)):
                 results[i] = r
         return results
 

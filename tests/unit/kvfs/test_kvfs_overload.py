@@ -184,11 +184,10 @@ def test_files_of_running_lips_are_never_page_evicted(weights):
 
 def _need_then_run(fs, call):
     """device_need, reclaim exactly that, run: the run evicts nothing and takes it all."""
-    need = fs.device_need(call)
+    need = fs.device_need(call.who, call.handle, len(call.tokens))
     assert fs.reclaim(need) == need                            # the pool was full: exactly need now
     outs, drops = fs.stats()["swap_out_pages"], fs.stats()["cache_drops"]
-    [res] = fs.run_preds([call])
-    assert res.error is None, res.error
+    fs.pred_batch([call])                                     # raises if it failed
     assert fs.stats()["swap_out_pages"] == outs and fs.stats()["cache_drops"] == drops
     assert free(fs) == 0
     return need

@@ -1,8 +1,9 @@
 """The device-memory planner (sched/memory.py): pure policy, on a model of a
-pool -- who runs, who waits, who is suspended and resumed, in what order."""
+pool -- who runs, who waits, who is suspended and resumed, in what order.
+The planner calls nothing: it yields its moves and the pool here makes them."""
 from __future__ import annotations
 
-from symphony.sched.memory import LipMem, MemoryPlanner, rank
+from symphony.sched.memory import LipMem, MemoryPlanner, Reclaim, Resume, Suspend, rank
 
 
 class Pool:
@@ -39,8 +40,31 @@ class Pool:
         self.held[i] = self.held.get(i, 0) + n
         self.log.append(("resume", i))
 
+    def make(self, move):
+        """Make one of the planner's moves; its answer (pages free afterwards, or None)."""
+        if isinstance(move, Reclaim):
+            return self.reclaim(move.pages)
+        if isinstance(move, Suspend):
+            return None if self.suspend(move.lip) is None else self.free()
+        assert isinstance(move, Resume)
+        self.resume(move.lip)
+        return self.free()
+
     def planner(self):
-        return MemoryPlanner(self.free, self.reclaim, self.suspend, self.resume)
+        return self
+
+    def plan(self, lips, headroom=0, capacity=1 << 62):
+        return drive(MemoryPlanner().plan(lips, self.free(), headroom, capacity), self.make)
+
+
+def drive(planning, make):
+    """Make each move the planner yields; its Plan."""
+    try:
+        move = next(planning)
+        while True:
+            move = planning.send(make(move))
+    except StopIteration as done:
+        return done.value
 
 
 def lips(*specs):
@@ -145,3 +169,17 @@ def test_new_work_waits_while_a_suspended_lip_waits_to_come_back():
     pool.held[1] = 0                                      # 1 finished: 2 comes back first
     plan = pool.planner().plan(ls[1:])
     assert plan.resume == [2]
+
+
+def test_the_planner_yields_its_moves_and_acts_on_the_answers():
+    """Driven by hand: the planner asks for a reclaim, then a suspension; told
+    the host took nothing (None), it tries the next victim; the plan comes last."""
+    steps = MemoryPlanner().plan(lips((1, 0, 0, 2, 6), (2, 0, 1, 4, 0), (3, 0, 2, 4, 0)), free=2)
+    assert next(steps) == Reclaim(6)
+    assert steps.send(2) == Suspend(3)               # nothing reclaimed: the least important goes first
+    assert steps.send(None) == Suspend(2)            # 3 could not be swapped out: the next one
+    try:
+        steps.send(6)
+    except StopIteration as done:
+        plan = done.value
+    assert plan.run == [1] and plan.suspend == [2] and not plan.wait
