@@ -20,9 +20,9 @@ from .engine.args import EngineArgs
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig
-    from .kernel.bounds import ClientBounds
+    from .kernel.loop.bounds import ClientBounds
     from .kernel.capabilities import CapPolicy
-    from .kernel.limits import LimitPolicy
+    from .kernel.loop.limits import LimitPolicy
     from .sched.admission import AdmissionLimits
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lips", type=int, default=256,
                    help="LIPs running at once (default 256); more wait in the admission queue")
     _admission_args(p)
-    from .kernel import bounds as client_bounds
+    from .kernel.loop import bounds as client_bounds
     client_bounds.add_cli_args(p)
     p.add_argument("--token-budget", type=int, default=None,
                    help="tokens per forward pass (default 256 on a CPU, 2048 on a GPU); long prompts "
@@ -155,7 +155,7 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
     its flag (a bad engine setting: with its message), before anything is loaded."""
     caps = _cap_policy(p, args)
     admission = _admission(p, args)
-    from .kernel import bounds as client_bounds
+    from .kernel.loop import bounds as client_bounds
     bounds = client_bounds.from_args(p, args)
     try:
         policy = _policy(args)
@@ -206,7 +206,7 @@ def build(cfg: KernelConfig, log: logging.Logger):
         log.info("quantized weights: %s", describe_cpu_kernels())
     _warm_up(engine)
     from .kernel.daemon import Kernel
-    from .kernel.proc import ServedLips
+    from .kernel.syscall.proc import ServedLips
     from .kvfs import KVFS, KVFSConfig
     host_pages = auto_host_pages(engine) if cfg.host_pages == "auto" else cfg.host_pages
     log.info("KV tiers: %d device pages (%.0f MiB), host tier up to %d pages, %s", engine.kv.allocator.capacity,
@@ -224,7 +224,7 @@ def build(cfg: KernelConfig, log: logging.Logger):
                                  durable_dir=cfg.durable_dir, user_page_quota=user_pages,
                                  process_page_quota=cfg.process_quota, user_inode_quota=cfg.user_inodes,
                                  user_ref_quota=user_refs, umask=cfg.kv_umask), evict_first=served.swap_out_first,
-              pinned=served.running_ids)     # running LIPs lose pages only whole (kernel/residency.py)
+              pinned=served.running_ids)     # running LIPs lose pages only whole (kernel/syscall/residency.py)
     return Kernel(engine, fs, cfg.socket, served=served, max_lips=cfg.max_lips,
                   token_budget=cfg.token_budget, policy=cfg.policy,
                   max_queued_output=cfg.max_queued_output, cap_policy=cfg.caps, lip_uids=cfg.lip_uids,
@@ -403,7 +403,7 @@ def _cap_policy(p: argparse.ArgumentParser, args):
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
-    """The administrator's ceilings and defaults for every LIP (kernel/limits.py)."""
+    """The administrator's ceilings and defaults for every LIP (kernel/loop/limits.py)."""
     g = p.add_argument_group("LIP limits (a client may ask for less than a ceiling, never more)")
     g.add_argument("--lip-memory-mb", type=int, default=4096, help="address-space ceiling of a LIP (default 4096)")
     g.add_argument("--lip-cpu", type=float, default=600, help="CPU-time ceiling, seconds (default 600; 0: none)")
@@ -426,7 +426,7 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
 
 def _policy(args):
     """The LimitPolicy the kernel flags describe (ValueError names a bad flag)."""
-    from .kernel.limits import LimitPolicy
+    from .kernel.loop.limits import LimitPolicy
     users = {}
     for u in args.user_priority:
         name, sep, cls = u.partition("=")

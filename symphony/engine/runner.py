@@ -19,7 +19,7 @@ Whoever owns the pages plans a step, the runner runs it, the owner commits
 for any owner with ``prepare(calls) -> plan`` (``plan.step`` the `ModelStep`),
 ``commit(plan, StepOutput) -> results`` and ``undo(plan)``: the engine's
 in-process sequences and KVFS's in-process pred are walked by it, and the
-kernel's step (kernel/calls/pred.py) makes the same three calls itself.
+kernel's step (kernel/syscall/calls/pred.py) makes the same three calls itself.
 
 Validation happened when the call was submitted (`Engine.check_call`, through
 `KVFS.check_pred`); the runner only asserts what would corrupt memory.  If the

@@ -25,7 +25,7 @@ KV_EXTRACT, KV_MERGE, KV_STAT, KV_LIST, KV_ADVISE, KV_RENAME, KV_SYNC, KV_MKDIR,
 SEND, RECV, WRITE_STREAM = 20, 21, 22
 CAP_HTTP, CAP_READ_FILE, CAP_LIST_DIR = 30, 31, 32
 INFO = 40
-FETCH = 41            # the next chunk of a reply too large for a slot (see kernel/replies.py)
+FETCH = 41            # the next chunk of a reply too large for a slot (see kernel/syscall/replies.py)
 
 OP_NAMES = {v: k for k, v in dict(globals()).items() if k.isupper() and isinstance(v, int)}
 

@@ -66,25 +66,25 @@ from symphony.ipc.wait import WaitSet
 from symphony.kvfs import KVFS
 from symphony.sched.admission import AdmissionLimits
 
-from .admission import AdmissionControl
-from .bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
-from .capabilities import Capabilities, CapPolicy
-from .cpu import CHECK_EVERY_S, CpuGovernor
-from .identity import UidPool
-from .inflow import InputFlow
-from .calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
-from .launcher import Launcher
-from .lifecycle import LipLifecycle
-from .limits import LimitPolicy
-from .output import OutputStreams
-from .proc import ServedLips
-from .proctable import ProcessTable
-from .residency import KV_WAIT_S
-from .sessions import ClientSessions
-from .states import LipState
-from .status import KernelStatus
-from .supervisor import Supervision
-from .syscalls import SyscallServer
+from symphony.kernel.loop.admission import AdmissionControl
+from symphony.kernel.loop.bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
+from symphony.kernel.capabilities import Capabilities, CapPolicy
+from symphony.kernel.loop.cpu import CHECK_EVERY_S, CpuGovernor
+from symphony.kernel.identity import UidPool
+from symphony.kernel.loop.inflow import InputFlow
+from symphony.kernel.syscall.calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
+from symphony.kernel.loop.launcher import Launcher
+from symphony.kernel.loop.lifecycle import LipLifecycle
+from symphony.kernel.loop.limits import LimitPolicy
+from symphony.kernel.loop.output import OutputStreams
+from symphony.kernel.syscall.proc import ServedLips
+from symphony.kernel.loop.proctable import ProcessTable
+from symphony.kernel.syscall.residency import KV_WAIT_S
+from symphony.kernel.loop.sessions import ClientSessions
+from symphony.kernel.states import LipState
+from symphony.kernel.loop.status import KernelStatus
+from symphony.kernel.loop.supervisor import Supervision
+from symphony.kernel.syscall.server import SyscallServer
 
 log = logging.getLogger("symphony.kernel")
 
@@ -111,7 +111,7 @@ class Kernel:
         its client (or keeps for a detached LIP) before its send() waits.
         ``admission``: the admission queue's bounds and default KV estimate.
         ``kv_wait_s``: how long calls may all wait for device pages that
-        cannot move before one LIP gets NoSpace (kernel/residency.py).
+        cannot move before one LIP gets NoSpace (kernel/syscall/residency.py).
         ``compute_threads``: torch's CPU threads for the syscall thread, the one
         that runs the model (None: leave torch's setting as it is).
         ``bounds``: what one client or user may make the kernel hold (bounds.py).
@@ -224,7 +224,7 @@ class Kernel:
         log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.launcher.zygote.pid)
         print(f"symphony-kernel: ready on {self.socket_path}", file=sys.stderr, flush=True)
         if self.gateway_spec is not None and self.gateway_spec.get("http"):
-            from .gateway_proc import GatewayProcess
+            from symphony.kernel.loop.gateway_proc import GatewayProcess
             g = self.gateway_spec
             self.gateway = GatewayProcess(g["http"], self.socket_path,
                                           self.gateway_uid if os.geteuid() == 0 else None, g.get("argv", []))

@@ -35,7 +35,7 @@ NO_COUNTERS = LipCounters()
 ARGS_SHOWN = 4096       # characters of a LIP's arguments `ps` shows (all the kernel keeps once it starts)
 
 # counters `stats` always shows (0 until they move): the residency manager's
-# (kernel/residency.py) and KVFS's own (`KVFS.stats`: drops, swap traffic)
+# (kernel/syscall/residency.py) and KVFS's own (`KVFS.stats`: drops, swap traffic)
 OVERLOAD_COUNTERS = ("suspensions", "resumes", "memory_waits", "kv_wait_failures")
 
 

@@ -131,7 +131,7 @@ def install(fs, inode: Inode, snap: SyncSnapshot, tmp: Path, dest: Path) -> bool
 
 def write_durable(fs, inode: Inode) -> Path:
     """Sync ``inode`` at once (the in-process API, and shutdown; the kernel's
-    system call runs the same steps in slices, kernel/durable.py)."""
+    system call runs the same steps in slices, kernel/syscall/durable.py)."""
     snap = sync_snapshot(fs, inode)
     try:
         pages = [fs.pager.read(b) for b in snap.blocks]

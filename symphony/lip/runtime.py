@@ -25,7 +25,7 @@ _local = threading.local()
 
 def attach(ring, tok) -> None:
     """Point the library at the LIP's ring (a `symphony.ipc.lip_side.LipSide`) and the model's
-    tokenizer: the LIP worker (symphony.kernel.zygote) calls it once, before the program runs."""
+    tokenizer: the LIP worker (symphony.kernel.workers.zygote) calls it once, before the program runs."""
     global _ring, _tok, _eos, EOS
     _ring, _tok = ring, tok
     _eos = tok.eos_ids
@@ -75,7 +75,7 @@ def _raise(raw: bytes):
 
 
 def _fetch_chunks(marker: bytes) -> bytes:
-    """The whole body of a chunked reply (see symphony/kernel/replies.py)."""
+    """The whole body of a chunked reply (see symphony/kernel/syscall/replies.py)."""
     m = orjson.loads(marker)
     rid, size = m["chunked"], m["size"]
     parts, got = [], 0

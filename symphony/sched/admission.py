@@ -1,6 +1,6 @@
 """Level 1: the admission queue.  A LIP that cannot start now waits here
 instead of being refused; pure policy (no threads, no torch), owned by the
-kernel's event loop (kernel/lifecycle.py drives it).
+kernel's event loop (kernel/loop/lifecycle.py drives it).
 
     AdmissionQueue.push(w)          a spawn that is to wait (QueueFull beyond the bounds)
     AdmissionQueue.next_ready(m)    the one LIP that may start now, given `Machine` m

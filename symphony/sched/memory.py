@@ -6,7 +6,7 @@ pages, and whom to suspend when there are not enough.  Pure Python: the
 kernel hands it `LipMem` views and the free page count, and the planner
 answers with moves (`Reclaim`, `Suspend`, `Resume`) and, at the end, a `Plan`
 (who runs, who waits).  It calls nothing: the kernel's step applies each
-move (kernel/residency.py) and tells the planner the pages free afterwards.
+move (kernel/syscall/residency.py) and tells the planner the pages free afterwards.
 
 The order of importance is total and stable: higher priority class first,
 then the LIP admitted first (`rank`).  Every decision follows it:
@@ -109,7 +109,7 @@ class MemoryPlanner:
     `Plan`.  A plan is made move by move because each decision depends on what
     the one before achieved: a suspension frees fewer pages than the LIP holds
     when some are shared with running LIPs, or none when the slower tiers are
-    full.  The kernel's residency (kernel/residency.py) makes the moves."""
+    full.  The kernel's residency (kernel/syscall/residency.py) makes the moves."""
 
     def plan(self, lips: list[LipMem], free: int, headroom: int = 0, capacity: int = 1 << 62) -> Planning:
         """Visit LIPs most important first; see the module docstring.  ``free``:

@@ -10,7 +10,7 @@ from conftest import tiny_config
 
 
 def test_connections_per_user_and_root_reserve():
-    from symphony.kernel.bounds import ClientBounds, ConnectionRefused, Connections
+    from symphony.kernel.loop.bounds import ClientBounds, ConnectionRefused, Connections
     c = Connections(ClientBounds(max_connections_per_user=2, root_connections=2), total=5)
     c.open(1000)
     c.open(1000)
@@ -36,7 +36,7 @@ def test_connections_per_user_and_root_reserve():
 
 def test_frames_in_flight_are_bounded_per_user_and_idle_ones_time_out():
     from symphony.ipc.protocol import MAX_FRAME, ProtocolError
-    from symphony.kernel.bounds import ClientBounds, Connections
+    from symphony.kernel.loop.bounds import ClientBounds, Connections
 
     async def run():
         c = Connections(ClientBounds(max_partial_bytes_per_user=MAX_FRAME, idle_timeout_s=0.2), total=10)
@@ -67,7 +67,7 @@ def test_printable_escapes_controls_only():
 
 
 def test_slow_lane_takes_turns_between_users():
-    from symphony.kernel.slowlane import SlowLane
+    from symphony.kernel.syscall.slowlane import SlowLane
     lane, order, done = SlowLane(), [], []
 
     def job(tag, n):

@@ -1,4 +1,4 @@
-"""Tests of symphony.kernel.sandbox.lockdown.
+"""Tests of symphony.kernel.workers.sandbox.lockdown.
 
 Every test forks a child; only the child locks itself down (seccomp is never
 installed in the pytest process).  The child reports through a pipe that was
@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor   # imports the lazy .thread s
 import numpy as np
 import pytest
 
-from symphony.kernel.sandbox import bpf
-from symphony.kernel.sandbox import lockdown as sandbox
-from symphony.kernel.sandbox.lockdown import SandboxError, build_filter, lockdown
+from symphony.kernel.workers.sandbox import bpf
+from symphony.kernel.workers.sandbox import lockdown as sandbox
+from symphony.kernel.workers.sandbox.lockdown import SandboxError, build_filter, lockdown
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or os.uname().machine not in ("x86_64", "aarch64"),

@@ -204,7 +204,7 @@ def test_cli_ps_prints_hidden_arguments(kernel):
 
 # ---------------------------------------------------------------- the pieces alone (no kernel)
 def test_reply_store_chunks_and_bounds():
-    from symphony.kernel.replies import ReplyStore, truncate_message
+    from symphony.kernel.syscall.replies import ReplyStore, truncate_message
     s = ReplyStore(limit=100)
     a = s.put(b"x" * 60)
     with pytest.raises(OverflowError, match="60 bytes of unfetched"):

@@ -147,7 +147,7 @@ def test_one_user_cannot_take_every_lip_slot(lk):
 
 # ---------------------------------------------------------------- the policy alone (no kernel)
 def test_policy_validates_itself():
-    from symphony.kernel.limits import LimitExceeded, LimitPolicy
+    from symphony.kernel.loop.limits import LimitExceeded, LimitPolicy
     with pytest.raises(ValueError, match="default timeout 100.0 is above its ceiling 10.0"):
         LimitPolicy(ceilings={"timeout": 10}, defaults={"timeout": 100})
     with pytest.raises(ValueError, match="max_priority"):

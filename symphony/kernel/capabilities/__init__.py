@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from . import files, http
-from .identity import Identity, identity_for, nobody
-from .policy import CapError, CapPolicy, parse_host
-from .pool import CapPool, Job
-from ..proc import Serving
+from symphony.kernel.capabilities import files, http
+from symphony.kernel.capabilities.identity import Identity, identity_for, nobody
+from symphony.kernel.capabilities.policy import CapError, CapPolicy, parse_host
+from symphony.kernel.capabilities.pool import CapPool, Job
+from symphony.kernel.syscall.proc import Serving
 
 __all__ = ["Capabilities", "CapError", "CapPolicy", "CapPool", "Identity", "Job", "identity_for",
            "nobody", "parse_host"]

@@ -24,9 +24,9 @@ import os
 import stat
 from typing import Optional
 
-from .identity import Identity
+from symphony.kernel.capabilities.identity import Identity
 from symphony.kernel.failure import fail
-from .policy import CapPolicy
+from symphony.kernel.capabilities.policy import CapPolicy
 
 MAX_ENTRIES = 10000
 _SCAN_LIMIT = 100000

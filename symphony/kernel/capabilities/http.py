@@ -23,7 +23,7 @@ import urllib.parse
 from typing import Optional
 
 from symphony.kernel.failure import fail
-from .policy import parse_host
+from symphony.kernel.capabilities.policy import parse_host
 
 MAX_HOPS = 5
 METHODS = ("GET", "POST", "PUT", "DELETE", "HEAD")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from symphony.kernel.failure import SyscallFailure
-from .identity import Credentials, Identity
+from symphony.kernel.capabilities.identity import Credentials, Identity
 
 BUILTIN_DENY = ("/proc", "/sys", "/dev", "/run")
 MAX_GRANTS = 64

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .policy import CapError
+from symphony.kernel.capabilities.policy import CapError
 
 log = logging.getLogger("symphony.capabilities")
 

@@ -445,7 +445,7 @@ def test_symphony_run_says_queued_and_ps_shows_it(ak, tmp_path):
 
 
 def test_the_table_queues_admits_and_drops():
-    from symphony.kernel.proctable import ProcessTable
+    from symphony.kernel.loop.proctable import ProcessTable
     from symphony.kernel.snapshot import ProcRow
     t = ProcessTable()
     e = t.queue(ProcRow(1, "ann", "a.py", "queued", 0, 0, 0.0, (), {}))

@@ -1,4 +1,4 @@
-"""The process table (kernel/proctable.py) and the snapshots the kernel's two
+"""The process table (kernel/loop/proctable.py) and the snapshots the kernel's two
 threads publish for each other (kernel/snapshot.py).
 
   * unit: every transition of the lifecycle state machine, the first kill
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from symphony.kernel.proc import LipProc, ServedLips
-from symphony.kernel.proctable import FINISHED_KEPT, LIVE, ProcessTable, TransitionError, exit_reason
+from symphony.kernel.syscall.proc import LipProc, ServedLips
+from symphony.kernel.loop.proctable import FINISHED_KEPT, LIVE, ProcessTable, TransitionError, exit_reason
 from symphony.kernel.snapshot import LipCounters, ProcRow, ServingSnapshot
 from symphony.kernel.states import LipState
 
@@ -112,7 +112,7 @@ def test_every_move_the_table_makes_is_in_its_transitions_and_no_other_is_allowe
     """Drive each path of the state machine and record every (old, new) state
     the rows go through: each one is in `TRANSITIONS`, and each entry of the
     table is taken by some path (no dead rules)."""
-    from symphony.kernel.proctable import TRANSITIONS, _check
+    from symphony.kernel.loop.proctable import TRANSITIONS, _check
     seen = set()
     t = ProcessTable()
 
@@ -235,7 +235,7 @@ def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
     ONE queued request; once it is answered, the next `stats` makes a new one."""
     import asyncio
     from concurrent.futures import Future
-    from symphony.kernel.status import FreshSnapshots
+    from symphony.kernel.loop.status import FreshSnapshots
 
     class FakeSys:
         def __init__(self):
@@ -398,7 +398,7 @@ def served_server(tiny_weights):
     from symphony.engine.config import EngineConfig
     from symphony.engine.engine import Engine
     from symphony.ipc.wait import WaitSet
-    from symphony.kernel.syscalls import SyscallServer
+    from symphony.kernel.syscall.server import SyscallServer
     from symphony.kvfs import KVFS, KVFSConfig
     eng = Engine(tiny_weights, None, EngineConfig(page_size=4, num_pages=32))
     served = ServedLips()

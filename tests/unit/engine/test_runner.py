@@ -96,7 +96,7 @@ def test_a_model_fault_fails_only_its_call(weights, monkeypatch):
 # ------------------------------------------------------------------ KVFS + scheduler around it
 
 def drive(fs, sched, calls):
-    """What the kernel's pred calls do (kernel/calls/pred.py): submit (check once), schedule, run."""
+    """What the kernel's pred calls do (kernel/syscall/calls/pred.py): submit (check once), schedule, run."""
     pend = {}
     for who, h, t in calls:
         checked, _ = fs.check_pred(who, h, t)
@@ -198,9 +198,9 @@ def test_the_runner_serves_the_outputs_the_abi_declares():
 
 
 def test_a_pred_call_feeds_its_chunks_and_asks_for_its_result_with_the_last():
-    """One record from submission to reply (kernel/calls/pred.py): its chunks as KVFS feeds them."""
-    from symphony.kernel.calls import PredCall, Stage
-    from symphony.kernel.proc import LipProc
+    """One record from submission to reply (kernel/syscall/calls/pred.py): its chunks as KVFS feeds them."""
+    from symphony.kernel.syscall.calls import PredCall, Stage
+    from symphony.kernel.syscall.proc import LipProc
     lip = LipProc(7, "alice", "x.py", [], ring=None, grants={}, limits={})
     want = Want("topk", 5)
     c = PredCall(key=(7, 3), lip=7, user="alice", n_tokens=5, proc=lip, kv=3, tokens=[1, 2, 3, 4, 5],

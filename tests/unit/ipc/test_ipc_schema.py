@@ -94,7 +94,7 @@ def _decode(op, body):
 
 
 def test_every_op_has_one_type_and_one_handler():
-    from symphony.kernel.calls import PARTS, handled_ops
+    from symphony.kernel.syscall.calls import PARTS, handled_ops
     assert set(schema.REQUESTS) == set(abi.OP_NAMES) == set(GOOD)
     assert set(handled_ops()) == set(abi.OP_NAMES)                  # no op without a handler, none twice
     for part in PARTS:                                              # and every handler a method of its part

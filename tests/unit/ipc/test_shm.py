@@ -656,7 +656,7 @@ def test_detach_closes_the_ring_at_once_and_unmaps_when_finished():
     """The kernel's side of an exited LIP's ring: `detach` stops polling and closes the
     doorbell on the syscall thread; the returned job, run on another thread (the kernel's
     ring thread, RingThread), unmaps the segment and closes the semaphores."""
-    from symphony.kernel.slowlane import RingThread
+    from symphony.kernel.syscall.slowlane import RingThread
     db = WaitSet()
     k = KernelSide.create(_prefix(), n_slots=2, arena_bytes=4096, waitset=db)
     bell, seg = k.bell_fd, k.names["segment"]

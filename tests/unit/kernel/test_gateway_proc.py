@@ -1,10 +1,10 @@
-"""The kernel's supervision of its HTTP gateway process (symphony/kernel/gateway_proc.py)."""
+"""The kernel's supervision of its HTTP gateway process (symphony/kernel/loop/gateway_proc.py)."""
 import asyncio
 import os
 import sys
 
-from symphony.kernel import gateway_proc
-from symphony.kernel.gateway_proc import GatewayProcess, restart_delay
+from symphony.kernel.loop import gateway_proc
+from symphony.kernel.loop.gateway_proc import GatewayProcess, restart_delay
 
 
 def test_restart_delay_doubles_up_to_a_minute():

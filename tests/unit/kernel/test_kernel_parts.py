@@ -13,14 +13,14 @@ import asyncio
 from types import SimpleNamespace
 
 from symphony.ipc.protocol import encode_frame
-from symphony.kernel.admission import AdmissionControl, PendingStart
-from symphony.kernel.inflow import InputFlow
-from symphony.kernel.limits import LimitPolicy
-from symphony.kernel.output import OutputStreams
-from symphony.kernel.proctable import ProcessTable
+from symphony.kernel.loop.admission import AdmissionControl, PendingStart
+from symphony.kernel.loop.inflow import InputFlow
+from symphony.kernel.loop.limits import LimitPolicy
+from symphony.kernel.loop.output import OutputStreams
+from symphony.kernel.loop.proctable import ProcessTable
 from symphony.kernel.snapshot import ProcRow, ServingSnapshot
 from symphony.kernel.states import LipState
-from symphony.kernel.supervisor import Supervision
+from symphony.kernel.loop.supervisor import Supervision
 from symphony.sched.admission import AdmissionLimits, Waiting
 
 

@@ -27,15 +27,15 @@ from symphony.engine.weights import random_weights
 from symphony.ipc import schema
 from symphony.ipc.kernel_side import KernelSide
 from symphony.ipc.wait import WaitSet
-from symphony.kernel.proc import LipProc, ServedLips
-from symphony.kernel.syscalls import SyscallServer
+from symphony.kernel.syscall.proc import LipProc, ServedLips
+from symphony.kernel.syscall.server import SyscallServer
 from symphony.kvfs import KVFS, KVFSConfig
 
 from conftest import tiny_config
 
 ROOT = str(Path(__import__("symphony").__file__).parent) + "/"
 LAYER = {"kernel": 3, "kvfs": 2, "sched": 2, "engine": 1, "ipc": 0}
-POLICIES = {"running_ids", "swap_out_first"}          # KVFS's constructor callbacks (kernel/proc.py)
+POLICIES = {"running_ids", "swap_out_first"}          # KVFS's constructor callbacks (kernel/syscall/proc.py)
 
 
 def trace(fn) -> list:
@@ -95,7 +95,7 @@ def step_calls(moves) -> list:
     """The step's own calls into other files, consecutive repeats folded."""
     out = []
     for src, dst, name, _ in moves:
-        if src == "kernel/calls/pred.py" and (not out or out[-1] != (dst, name)):
+        if src == "kernel/syscall/calls/pred.py" and (not out or out[-1] != (dst, name)):
             out.append((dst, name))
     return out
 
@@ -105,7 +105,7 @@ def check_layers(moves) -> None:
     assert not back, f"calls back into a file on the stack: {back}"
     up = [(s, d, n) for s, d, n, _ in moves
           if LAYER[d.split("/")[0]] > LAYER[s.split("/")[0]]
-          and not (s.startswith("kvfs/") and d == "kernel/proc.py" and n in POLICIES)]
+          and not (s.startswith("kvfs/") and d == "kernel/syscall/proc.py" and n in POLICIES)]
     assert not up, f"calls up the layers: {up}"
 
 
@@ -115,7 +115,7 @@ def test_a_step_is_one_walk_down_the_layers(server):
         submit(srv, lip, fs.create(lip.principal), 9)
     moves = trace(srv.preds.step)
     check_layers(moves)
-    walk = [f"{d.split('/')[-1]}:{n}" for d, n in step_calls(moves) if d != "kernel/proc.py"
+    walk = [f"{d.split('/')[-1]}:{n}" for d, n in step_calls(moves) if d != "kernel/syscall/proc.py"
             and not d.endswith("namespace.py")]
     assert walk == ["batch.py:next_chunks", "residency.py:plan", "batch.py:hold", "batch.py:schedule",
                     "residency.py:moved", "fs.py:passes", "fs.py:prepare", "runner.py:run", "fs.py:commit",
@@ -133,4 +133,4 @@ def test_under_pressure_the_planner_yields_and_residency_makes_the_moves(server)
     assert low.suspended and srv.residency.overload["suspensions"] == 1
     check_layers(moves)
     assert not [m for m in moves if m[0] == "sched/memory.py" and m[1].startswith("kernel/")]
-    assert ("kvfs/fs.py", "suspend") in {(d, n) for s, d, n, _ in moves if s == "kernel/residency.py"}
+    assert ("kvfs/fs.py", "suspend") in {(d, n) for s, d, n, _ in moves if s == "kernel/syscall/residency.py"}

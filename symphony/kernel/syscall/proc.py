@@ -25,8 +25,8 @@ from symphony.ipc.kernel_side import KernelSide
 from symphony.kvfs import Principal
 from symphony.sched import LipView, swap_out_order
 
-from .replies import ReplyStore
-from .snapshot import LipCounters
+from symphony.kernel.syscall.replies import ReplyStore
+from symphony.kernel.snapshot import LipCounters
 
 
 class Serving(str, enum.Enum):
@@ -105,6 +105,6 @@ class ServedLips(dict):
     def running_ids(self) -> set[int]:
         """Ids of the LIPs whose KV files KVFS must never evict page by page
         (``KVFS(..., pinned=...)``): served, neither blocked nor suspended.
-        Their pages leave the device only with the whole LIP (kernel/residency.py)."""
+        Their pages leave the device only with the whole LIP (kernel/syscall/residency.py)."""
         return {l.id for l in self.values() if l.state in (Serving.RUNNING, Serving.KILLING) and not l.suspended
                 and not l.blocked}

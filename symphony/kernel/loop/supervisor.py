@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from .escape import printable
+from symphony.kernel.escape import printable
 
 log = logging.getLogger("symphony.kernel")
 

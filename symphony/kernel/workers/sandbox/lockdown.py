@@ -148,8 +148,8 @@ import resource
 import signal
 import threading
 
-from . import SandboxError
-from .bpf import (ALLOW, RULES, SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_KILL_THREAD, SYSCALLS, _arch, _nr,
+from symphony.kernel.workers.sandbox import SandboxError
+from symphony.kernel.workers.sandbox.bpf import (ALLOW, RULES, SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_KILL_THREAD, SYSCALLS, _arch, _nr,
                   build_filter)
 
 __all__ = ["SandboxError", "apply_rlimits", "drop_capabilities", "drop_identity", "die_with_parent",

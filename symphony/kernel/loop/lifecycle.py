@@ -28,17 +28,17 @@ from typing import Optional
 
 from symphony.sched.admission import Waiting
 
-from .admission import AdmissionControl, PendingStart
-from .bounds import ClientBounds
-from .capabilities import Capabilities, Identity
-from .escape import printable
-from .identity import UidPool, check_caller
-from .launcher import Launcher
-from .limits import LimitPolicy
-from .output import OutputStreams
-from .proctable import ProcessTable
-from .snapshot import LipCounters, ProcRow, shown_args
-from .states import LipState
+from symphony.kernel.loop.admission import AdmissionControl, PendingStart
+from symphony.kernel.loop.bounds import ClientBounds
+from symphony.kernel.capabilities import Capabilities, Identity
+from symphony.kernel.escape import printable
+from symphony.kernel.identity import UidPool, check_caller
+from symphony.kernel.loop.launcher import Launcher
+from symphony.kernel.loop.limits import LimitPolicy
+from symphony.kernel.loop.output import OutputStreams
+from symphony.kernel.loop.proctable import ProcessTable
+from symphony.kernel.snapshot import LipCounters, ProcRow, shown_args
+from symphony.kernel.states import LipState
 
 log = logging.getLogger("symphony.kernel")
 

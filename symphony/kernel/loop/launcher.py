@@ -26,11 +26,11 @@ import orjson
 
 from symphony.ipc.kernel_side import KernelSide
 
-from .admission import PendingStart
-from .identity import UidPool
-from .proc import LipProc
-from .proctable import ProcessTable
-from .supervisor import Supervision
+from symphony.kernel.loop.admission import PendingStart
+from symphony.kernel.identity import UidPool
+from symphony.kernel.syscall.proc import LipProc
+from symphony.kernel.loop.proctable import ProcessTable
+from symphony.kernel.loop.supervisor import Supervision
 
 log = logging.getLogger("symphony.kernel")
 
@@ -63,14 +63,14 @@ class Launcher:
         self._tokfile = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="symphony-tok-", delete=False)
         self._tokfile.write(tokenizer_json)
         self._tokfile.close()
-        from .zygote import BASE_ENV
+        from symphony.kernel.workers.zygote import BASE_ENV
         env = dict(BASE_ENV)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] +
                                             ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
         self._chan, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._chan.setblocking(False)
         self.zygote = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "symphony.kernel.zygote", self._tokfile.name, str(child.fileno()),
+            sys.executable, "-m", "symphony.kernel.workers.zygote", self._tokfile.name, str(child.fileno()),
             str(os.getpid()), str(self.lip_nice), stdin=asyncio.subprocess.DEVNULL, pass_fds=(child.fileno(),),
             env=env)
         child.close()

@@ -46,16 +46,16 @@ from symphony.ipc.layout import RingError
 from symphony.kvfs import KVFS
 from symphony.sched import BatchScheduler
 
-from .answers import Answers
-from .calls import CapCalls, InfoCalls, KvCalls, MessageCalls, PredCalls, dispatch_table
-from .calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
-from .calls.pred import pin_arena
-from .capabilities import Capabilities
-from .failure import SyscallFailure
-from .proc import LipProc, ServedLips, Serving
-from .residency import KV_WAIT_S, Residency
-from .slowlane import RingThread, SlowLane, Writer
-from .snapshot import LipCounters, ServingSnapshot
+from symphony.kernel.syscall.answers import Answers
+from symphony.kernel.syscall.calls import CapCalls, InfoCalls, KvCalls, MessageCalls, PredCalls, dispatch_table
+from symphony.kernel.syscall.calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
+from symphony.kernel.syscall.calls.pred import pin_arena
+from symphony.kernel.capabilities import Capabilities
+from symphony.kernel.failure import SyscallFailure
+from symphony.kernel.syscall.proc import LipProc, ServedLips, Serving
+from symphony.kernel.syscall.residency import KV_WAIT_S, Residency
+from symphony.kernel.syscall.slowlane import RingThread, SlowLane, Writer
+from symphony.kernel.snapshot import LipCounters, ServingSnapshot
 
 log = logging.getLogger("symphony.syscalls")
 

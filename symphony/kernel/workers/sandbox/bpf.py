@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import struct
 
-from . import SandboxError
-from .seccomp_table import (_EPERM, _HOT, ALLOW, AT_EMPTY_PATH, AT_FDCWD, F_SETFL, FCNTL_OK, O_ASYNC,
+from symphony.kernel.workers.sandbox import SandboxError
+from symphony.kernel.workers.sandbox.seccomp_table import (_EPERM, _HOT, ALLOW, AT_EMPTY_PATH, AT_FDCWD, F_SETFL, FCNTL_OK, O_ASYNC,
                             RULES, SYSCALLS)
 
 __all__ = ["build_filter", "SYSCALLS", "ALLOW", "RULES"]

@@ -12,9 +12,9 @@ import logging
 from symphony.ipc import abi
 from symphony.kvfs import KVFS
 
-from ..answers import Answers
-from ..durable import list_job, sync_job
-from ..slowlane import SlowLane, Writer
+from symphony.kernel.syscall.answers import Answers
+from symphony.kernel.syscall.durable import list_job, sync_job
+from symphony.kernel.syscall.slowlane import SlowLane, Writer
 
 log = logging.getLogger("symphony.syscalls")
 

@@ -23,14 +23,14 @@ from typing import Optional
 from symphony.ipc.protocol import ProtocolError, encode_frame
 from symphony.kvfs import KVFSError, Principal
 
-from .bounds import MAX_REPLY_BYTES, ClientBounds, ConnectionRefused, Connections
-from .capabilities import identity_for
-from .durable import list_job
-from .escape import printable
-from .inflow import InputFlow, input_bytes
-from .lifecycle import LipLifecycle
-from .snapshot import ProcRow
-from .status import KernelStatus
+from symphony.kernel.loop.bounds import MAX_REPLY_BYTES, ClientBounds, ConnectionRefused, Connections
+from symphony.kernel.capabilities import identity_for
+from symphony.kernel.syscall.durable import list_job
+from symphony.kernel.escape import printable
+from symphony.kernel.loop.inflow import InputFlow, input_bytes
+from symphony.kernel.loop.lifecycle import LipLifecycle
+from symphony.kernel.snapshot import ProcRow
+from symphony.kernel.loop.status import KernelStatus
 
 log = logging.getLogger("symphony.kernel")
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from .admission import AdmissionControl
-from .bounds import Connections
-from .inflow import InputFlow
-from .output import OutputStreams
-from .proctable import ProcessTable
-from .states import LipState
+from symphony.kernel.loop.admission import AdmissionControl
+from symphony.kernel.loop.bounds import Connections
+from symphony.kernel.loop.inflow import InputFlow
+from symphony.kernel.loop.output import OutputStreams
+from symphony.kernel.loop.proctable import ProcessTable
+from symphony.kernel.states import LipState
 
 FRESH_SNAPSHOT_WAIT_S = 0.25   # stats: how long to wait for the syscall thread to publish (a stall is not waited out)
 

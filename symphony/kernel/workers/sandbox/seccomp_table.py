@@ -1,6 +1,6 @@
 """The seccomp allow list's data: syscall numbers, what is allowed, the argument rules.
 
-`symphony.kernel.sandbox.lockdown` turns this into a BPF program (see its docstring for what
+`symphony.kernel.workers.sandbox.lockdown` turns this into a BPF program (see its docstring for what
 each rule means to a LIP).  The numbers are checked against the kernel headers by
 tests/security/test_sandbox.py.
 """

@@ -36,10 +36,10 @@ from symphony.ipc.schema import Pred
 from symphony.kvfs import KVFS, KVPred
 from symphony.sched import BatchScheduler, Call
 
-from ..answers import Answers
-from ..failure import fail as _fail
-from ..proc import LipProc, Serving
-from ..residency import Residency
+from symphony.kernel.syscall.answers import Answers
+from symphony.kernel.failure import fail as _fail
+from symphony.kernel.syscall.proc import LipProc, Serving
+from symphony.kernel.syscall.residency import Residency
 
 log = logging.getLogger("symphony.syscalls")
 

@@ -55,8 +55,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple, Optional
 
-from .snapshot import LipCounters, ProcRow
-from .states import LipState
+from symphony.kernel.snapshot import LipCounters, ProcRow
+from symphony.kernel.states import LipState
 
 FINISHED_KEPT = 100
 

@@ -29,8 +29,8 @@ from typing import Callable, Optional
 from symphony.sched.admission import (AdmissionLimits, AdmissionQueue, Machine, PeakTable, Waiting,
                                       check_kv_tokens, program_key)
 
-from .identity import NoFreeUid
-from .states import LipState
+from symphony.kernel.identity import NoFreeUid
+from symphony.kernel.states import LipState
 
 log = logging.getLogger("symphony.kernel")
 

@@ -20,7 +20,7 @@ from typing import Generator
 from symphony.kvfs.fs import list_entry
 from symphony.kvfs.store import install, release_snapshot, sync_snapshot, write_file
 
-from .slowlane import WAIT, Writer
+from symphony.kernel.syscall.slowlane import WAIT, Writer
 
 SYNC_SLICE_PAGES = 8        # pages copied out per slice (a SmolLM2 page: 720 KiB)
 LIST_SLICE = 256            # entries made per slice

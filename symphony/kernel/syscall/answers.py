@@ -23,10 +23,10 @@ from symphony.ipc import abi
 from symphony.ipc.layout import RESP_BODY_OFF
 from symphony.kvfs import KVFSError
 
-from .escape import printable
-from .failure import SyscallFailure, fail as _fail
-from .proc import Serving
-from .replies import truncate_message
+from symphony.kernel.escape import printable
+from symphony.kernel.failure import SyscallFailure, fail as _fail
+from symphony.kernel.syscall.proc import Serving
+from symphony.kernel.syscall.replies import truncate_message
 
 log = logging.getLogger("symphony.syscalls")
 

@@ -10,8 +10,8 @@ import msgspec
 
 from symphony.ipc import abi
 
-from ..answers import Answers
-from ..capabilities import Capabilities
+from symphony.kernel.syscall.answers import Answers
+from symphony.kernel.capabilities import Capabilities
 
 
 class CapCalls:

@@ -70,7 +70,7 @@ PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "c
            "contextlib", "io", "traceback", "difflib", "fnmatch", "html", "urllib.parse", "uuid",
            "secrets", "unicodedata", "encodings.idna", "argparse", "gettext", "locale", "shutil", "ast", "numpy",
            "numpy.random", "numpy.linalg", "numpy.ma", "orjson", "symphony.lip", "symphony.ipc.lip_side",
-           "symphony.kernel.sandbox.lockdown", "symphony.tokenizer",
+           "symphony.kernel.workers.sandbox.lockdown", "symphony.tokenizer",
            # the LIP standard library and the libraries stock programs use
            "symphony.lip.sampling", "symphony.lip.helpers", "llguidance", "llguidance.numpy",
            "symphony.lip.streaming", "symphony.lip.decoding", "symphony.lip.grammar", "symphony.lip.tools",
@@ -132,7 +132,7 @@ def _worker(msg: dict, prog_fd: int, bell_fd: int, tok, zygote_pid: int) -> None
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         os.close(devnull)
-        from symphony.kernel.sandbox.lockdown import lockdown
+        from symphony.kernel.workers.sandbox.lockdown import lockdown
         from symphony.ipc.lip_side import LipSide
         from symphony.lip import runtime
         prog = _read_program(prog_fd)

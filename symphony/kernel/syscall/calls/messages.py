@@ -12,10 +12,10 @@ from symphony.ipc import abi
 from symphony.ipc.layout import RESP_BODY_OFF
 from symphony.ipc.protocol import encode_frame
 
-from ..answers import Answers
-from ..failure import fail as _fail
-from ..inflow import input_bytes
-from ..proc import LipProc, ServedLips, Serving
+from symphony.kernel.syscall.answers import Answers
+from symphony.kernel.failure import fail as _fail
+from symphony.kernel.loop.inflow import input_bytes
+from symphony.kernel.syscall.proc import LipProc, ServedLips, Serving
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_QUEUED_OUTPUT = 1 << 20     # per LIP: output bytes not yet taken by its client before send() waits

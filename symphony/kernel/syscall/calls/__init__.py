@@ -23,11 +23,11 @@ from typing import Callable
 
 from symphony.ipc import abi, schema
 
-from .caps import CapCalls
-from .info import InfoCalls
-from .kv import KvCalls
-from .messages import MessageCalls
-from .pred import PredCall, PredCalls, Stage
+from symphony.kernel.syscall.calls.caps import CapCalls
+from symphony.kernel.syscall.calls.info import InfoCalls
+from symphony.kernel.syscall.calls.kv import KvCalls
+from symphony.kernel.syscall.calls.messages import MessageCalls
+from symphony.kernel.syscall.calls.pred import PredCall, PredCalls, Stage
 
 PARTS = (InfoCalls, PredCalls, KvCalls, MessageCalls, CapCalls)
 

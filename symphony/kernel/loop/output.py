@@ -21,7 +21,7 @@ from typing import Callable
 
 from symphony.ipc.protocol import encode_frame
 
-from .inflow import InputFlow
+from symphony.kernel.loop.inflow import InputFlow
 
 
 class OutputStreams:

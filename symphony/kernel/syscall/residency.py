@@ -33,8 +33,8 @@ from symphony.kvfs import KVFS, KVFSError, NoSpace
 from symphony.sched import BatchScheduler
 from symphony.sched.memory import LipMem, MemoryPlanner, Move, Plan, Planning, Reclaim, Suspend
 
-from .answers import Answers
-from .proc import ServedLips, Serving
+from symphony.kernel.syscall.answers import Answers
+from symphony.kernel.syscall.proc import ServedLips, Serving
 
 log = logging.getLogger("symphony.syscalls")
 
