@@ -1,7 +1,7 @@
 """The gateway's ASGI application (Starlette): routes, keys, bounds, errors, logs.
 
-    GET  /health, /metrics                      liveness (503 when the kernel is gone); Prometheus
-    GET  /v1/models[/{id}]                      the model the kernel serves
+    GET  /health, /metrics                      each kernel's state (503 when none answers); Prometheus
+    GET  /v1/models[/{id}]                      the model the kernels serve, and their states
     POST /v1/chat/completions, /v1/completions  OpenAI, streamed (SSE) or not   (completions.py)
     POST /v1/responses; GET|DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items
                                                 OpenAI / Open Responses          (responses.py)
@@ -14,17 +14,17 @@ keys.py), bounded (body size; the key's rate and concurrency; the gateway's
 requests in flight: limits.py) and logged (one access-log line: request id,
 key, route, status, tokens, time to first token, total time).  Every error is
 OpenAI-shaped with its status; nothing a client sends can produce a 500
-(a 500 means a bug, and says so in the log with the request id).
+(a 500 means a bug, and says so in the log with the request id).  With
+several kernels (``--kernel`` repeated), each request runs on the one
+kernels.py and router.py choose.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Optional
 
 import orjson
 from starlette.applications import Starlette
@@ -36,7 +36,7 @@ from symphony.programs import available, resolve
 
 from .config import ROUTES, GatewayConfig
 from .errors import ApiError
-from .kernel import KernelLink, KernelRefused, KernelUnavailable
+from .kernels import Kernels
 from .keys import KeyPolicy, KeyStore
 from .limits import Limiter
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -48,47 +48,38 @@ access = logging.getLogger("symphony.gateway.access")
 
 
 class Gateway:
-    """The gateway's state: its configuration, keys, kernel link, limits,
+    """The gateway's state: its configuration, keys, kernels, limits,
     metrics, stored responses and the programs serving each route."""
 
-    def __init__(self, cfg: GatewayConfig, keys: KeyStore, link: Optional[KernelLink] = None):
+    def __init__(self, cfg: GatewayConfig, keys: KeyStore):
         self.cfg, self.keys = cfg, keys
-        self.link = link or KernelLink(cfg.socket_path)
         self.metrics = Metrics()
+        self.kernels = Kernels(cfg.kernels, cfg.open_user, capacity=cfg.affinity_entries, slack=cfg.affinity_slack,
+                               metrics=self.metrics)
         self.limiter = Limiter(cfg.max_active)
         self.store = ResponseStore(cfg.max_stored_responses, cfg.max_stored_bytes)
-        self.lips: dict[int, tuple[str, object, dict]] = {}   # lip -> (key name, session, row)
+        self.lips: dict[int, tuple[str, object, dict]] = {}   # gateway LIP id -> (key name, session, row)
         self.models: list[str] = []
         self.context_tokens = 2048
-        self.kv_tokens_max = 2048
-        self.fingerprint = "symphony"
         # every program is read now: a gateway started as root reads them before it drops privileges
         self.stock = _stock_programs()
         self._programs = {route: self._read_program(cfg.programs.get(route, "serve")) for route in ROUTES}
 
     # ------------------------------------------------------------ start-up
     async def connect(self, wait_s: float = 60.0) -> None:
-        """Learn the model from the kernel (waiting up to ``wait_s`` for it)
-        and read the serving programs."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                st = await self.link.request(self.cfg.open_user, {"op": "stats"})
-                break
-            except (KernelUnavailable, KernelRefused) as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"cannot reach the kernel: {e}") from None
-                await asyncio.sleep(0.5)
-        name = st.get("model") or "default"
-        aliases = list(self.cfg.model_aliases) + ([st["model_name"]] if st.get("model_name") else [])
-        self.models = [name] + [m for m in dict.fromkeys(aliases) if m != name]
-        self.context_tokens = int(st.get("context") or 2048)
-        # a kv_tokens hint above what the device pool can ever hold is refused by the kernel
-        pool = int(st.get("kv_pages_total") or 0) * int(st.get("page_size") or 0)
-        self.kv_tokens_max = min(self.context_tokens, pool) if pool else self.context_tokens
-        self.fingerprint = f"symphony-{st.get('instance', '0')}"
-        log.info("serving model %s (context %d) for the kernel at %s; programs: %s", self.models[0],
-                 self.context_tokens, self.cfg.socket_path,
+        """Learn the model from the first kernel to answer (waiting up to
+        ``wait_s`` for one); the others join as they answer."""
+        try:
+            await self.kernels.connect(wait_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot reach the kernel: {e}") from None
+        k = self.kernels.first
+        aliases = list(self.cfg.model_aliases) + ([k.model_name] if k.model_name else [])
+        self.models = [k.model] + [m for m in dict.fromkeys(aliases) if m != k.model]
+        self.context_tokens = k.context
+        where = (f"the kernel at {k.socket}" if len(self.kernels) == 1 else
+                 f"{len(self.kernels.live())} of {len(self.kernels)} kernels answering")
+        log.info("serving model %s (context %d) for %s; programs: %s", self.models[0], self.context_tokens, where,
                  ", ".join(f"{r}={f}" for r, (_, f) in self._programs.items()))
 
     def _read_program(self, spec: str) -> tuple[str, str]:
@@ -209,26 +200,23 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
 
     async def health(request: Request):
         request.state.route = "health"
-        try:
-            await gw.link.request(gw.cfg.open_user, {"op": "stats"})
-        except (KernelUnavailable, KernelRefused) as e:
-            return Response(orjson.dumps({"status": "unavailable", "kernel": str(e)}), status_code=503,
-                            media_type="application/json")
-        return Response(b'{"status":"ok"}', media_type="application/json")
+        await gw.kernels.refresh()
+        rows = gw.kernels.rows()
+        up = sum(r["state"] == "up" for r in rows)
+        status = "ok" if up == len(rows) else "degraded" if up else "unavailable"
+        return Response(orjson.dumps({"status": status, "kernels": rows}), status_code=200 if up else 503,
+                        media_type="application/json")
 
     async def metrics(request: Request):
         request.state.route = "metrics"
-        try:
-            stats = await gw.link.request(gw.cfg.open_user, {"op": "stats"})
-        except (KernelUnavailable, KernelRefused):
-            stats = None
-        gw.metrics.observe_kernel(stats)
+        gw.metrics.observe_kernels(gw.kernels, await gw.kernels.refresh())
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(gw_, body, key, request):
         wanted = request.path_params.get("model")
+        kernels = [{"id": r["id"], "socket": r["socket"], "state": r["state"]} for r in gw.kernels.rows()]
         rows = [{"id": m, "object": "model", "created": 0, "owned_by": "symphony",
-                 "max_model_len": gw.context_tokens} for m in gw.models]
+                 "max_model_len": gw.context_tokens, "kernels": kernels} for m in gw.models]
         if wanted is None:
             return {"object": "list", "data": rows}
         for r in rows:
@@ -263,6 +251,7 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
         if connect:
             await gw.connect()
         yield
+        await gw.kernels.close()
 
     async def api_error(request: Request, e: ApiError):
         return Response(e.json(), status_code=e.status, media_type="application/json", headers=e.headers())

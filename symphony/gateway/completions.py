@@ -70,10 +70,10 @@ async def chat_completions(gw, body: bytes, key, request):
     _refuse_unsupported(r)
     req = gw.prepare(chat_request(r, gw.cfg.attachments), key)
     run = ServeRun(gw, "chat", [req], req["n"], key, gw.priority(request, key))
-    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": r.model,
-            "system_fingerprint": gw.fingerprint}
+    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": r.model}
     usage_chunk = bool(r.stream_options and r.stream_options.include_usage)
     first = await gw.begin(run, request)
+    base["system_fingerprint"] = run.kernel.fingerprint
     if r.stream:
         return sse_response(run, request, _chat_chunks(run, base, usage_chunk, first))
     await collect(run, request)
@@ -156,10 +156,11 @@ async def completions(gw, body: bytes, key, request):
     reqs = [gw.prepare(x, key) for x in completion_requests(r)]
     run = ServeRun(gw, "completions", reqs, r.n or 1, key, gw.priority(request, key))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-            "model": r.model, "system_fingerprint": gw.fingerprint}
+            "model": r.model}
     want_lp = r.logprobs is not None
     usage_chunk = bool(r.stream_options and r.stream_options.include_usage)
     first = await gw.begin(run, request)
+    base["system_fingerprint"] = run.kernel.fingerprint
     if r.stream:
         return sse_response(run, request, _completion_chunks(run, base, want_lp, usage_chunk, first))
     await collect(run, request)

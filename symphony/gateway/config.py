@@ -1,4 +1,5 @@
-"""The gateway's configuration: its flags (one home, `add_args`) and their validation."""
+"""The gateway's configuration: its flags (`add_args`, which ``symphony-kernel --http`` shares;
+`add_routing_args`, those of a gateway in front of several kernels) and their validation."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,10 @@ def is_loopback(host: str) -> bool:
 
 @dataclass
 class GatewayConfig:
-    socket_path: str
+    socket_path: str                                   # the first kernel's
+    kernels: list = field(default_factory=list)        # every kernel's socket (default: socket_path alone)
+    affinity_entries: int = 100_000
+    affinity_slack: int = 32
     host: str = "127.0.0.1"
     port: int = 8000
     keys_path: Optional[str] = None
@@ -55,6 +59,12 @@ class GatewayConfig:
     tls_key: Optional[str] = None
 
     def __post_init__(self):
+        self.kernels = list(dict.fromkeys(self.kernels or [self.socket_path]))
+        self.socket_path = self.kernels[0]
+        if self.affinity_entries < 1:
+            raise ConfigError("--affinity-entries must be >= 1")
+        if self.affinity_slack < 0:
+            raise ConfigError("--affinity-slack must be >= 0")
         if not _USER_RE.fullmatch(self.open_user) or self.open_user == "root":
             raise ConfigError(f"--open-user {self.open_user!r}: a KVFS user name, not root")
         for what, v in (("--max-body-mb", self.max_body_bytes), ("--max-active", self.max_active),
@@ -115,14 +125,31 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                         "keys marked share_cache, or off")
 
 
-def from_args(args, socket_path: str, host: str, port: int) -> GatewayConfig:
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a gateway in front of several kernels (``symphony-gateway`` only)."""
+    g = p.add_argument_group("several kernels")
+    g.add_argument("--kernel", action="append", default=[], metavar="PATH",
+                   help="a kernel's Unix socket; repeat it to serve from several kernels, each request routed "
+                        "where its KV is (a continued conversation, a prompt prefix routed before, a program's "
+                        "KV files), else to the kernel with the fewest requests in flight")
+    g.add_argument("--affinity-entries", type=int, default=100_000, metavar="N",
+                   help="prompt prefixes the router remembers, least recently used dropped first (default "
+                        "100000, about 150 bytes each)")
+    g.add_argument("--affinity-slack", type=int, default=32, metavar="N",
+                   help="follow a prefix to its kernel unless that kernel has more than N requests in flight "
+                        "beyond the least loaded one (default 32)")
+
+
+def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[list] = None) -> GatewayConfig:
     programs = {}
     for spec in args.program:
         route, sep, prog = spec.partition("=")
         if not sep or not prog:
             raise ConfigError(f"--program {spec!r}: expected ROUTE=PROGRAM")
         programs[route] = prog
-    return GatewayConfig(socket_path=socket_path, host=host, port=port, keys_path=args.keys,
+    return GatewayConfig(socket_path=socket_path, kernels=list(kernels or []), host=host, port=port,
+                         affinity_entries=getattr(args, "affinity_entries", 100_000),
+                         affinity_slack=getattr(args, "affinity_slack", 32), keys_path=args.keys,
                          open_user=args.open_user, max_body_bytes=args.max_body_mb << 20,
                          max_active=args.max_active, request_timeout=args.request_timeout,
                          max_stored_responses=args.max_stored_responses,

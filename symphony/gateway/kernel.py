@@ -16,7 +16,7 @@ slowly (its send() waits) instead of buffering here.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from symphony.ipc.protocol import ProtocolError, encode_frame, read_frame
 
@@ -43,6 +43,9 @@ class LipSession:
         self.lip: int = reply["lip"]
         self.first = reply                   # {"event": "started"|"queued", ...}
         self.exit: Optional[dict] = None     # the exit event, once seen
+        self.kernel = None                   # the kernels.Kernel it runs on (set by Kernels.spawn)
+        self.on_close: Optional[Callable[[], None]] = None     # called once, by close()
+        self.on_lost: Optional[Callable[[str], None]] = None   # the connection dropped before the exit
 
     async def events(self) -> AsyncIterator[dict]:
         """The LIP's events ({"event": "out"|"stdout"|"stderr"|"started", ...})
@@ -54,6 +57,8 @@ class LipSession:
             except (asyncio.IncompleteReadError, ConnectionError, ProtocolError, OSError) as e:
                 ev = {"event": "exit", "status": 1, "lost": True,
                       "reason": f"lost: the kernel connection closed before the LIP exited ({type(e).__name__})"}
+                if self.on_lost is not None:
+                    self.on_lost(type(e).__name__)
             if "event" not in ev:            # a reply to a kill sent on this connection
                 continue
             if ev["event"] == "exit":
@@ -78,6 +83,9 @@ class LipSession:
 
     async def close(self) -> None:
         """Close the connection: a LIP still running is killed by the kernel."""
+        done, self.on_close = self.on_close, None
+        if done is not None:
+            done()
         if not self.writer.is_closing():
             self.writer.close()
         try:

@@ -1,7 +1,7 @@
 """Programs and KV files over HTTP, for the key's user.
 
     POST   /v1/lips                 {"program": NAME | "source": TEXT, "filename", "args", "grants",
-                                     "limits", "priority", "kv_tokens"}
+                                     "limits", "priority", "kv_tokens", "kv_files"}
                                     -> SSE: the LIP's events as the kernel sends them, one
                                        `event: KIND` frame each: queued / started, out, stdout,
                                        stderr, exit {"status", "reason"}
@@ -18,14 +18,27 @@ locally.  A program is a stock program's name (never a path on the server)
 or the LIP's source.  Grants and the priority are checked against the key's
 policy (403 beyond it); limits are the kernel's ceilings.  Another key's LIP
 is 404, as if it did not exist.  ``symphony run --remote URL`` speaks this.
+
+**Several kernels.**  A LIP runs on the kernel holding the most of the KV
+files its request names (``kv_files``, asked of every live kernel with
+``kv_stat`` as the key's user), else on the least loaded.  LIP ids are the
+gateway's: kernel i's LIP j is ``j * N + i`` with N kernels (with one, the
+kernel's own id).  ``/v1/kv`` asks every live kernel: a listing merges
+theirs (the first kernel's entry wins a name), ``stat`` answers from the
+first that holds the file (naming it in ``kernel``), ``rm`` removes it from
+every kernel that holds it.  A kernel out of rotation is not asked.
 """
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Optional
+
 from starlette.requests import Request
 
 from .errors import ApiError
 from .kernel import KernelRefused, KernelUnavailable
+from .router import PinnedKernelDown
 from .schema import LipInput, LipRequest, decode
 from .serving import kernel_error
 from .streams import sse_response
@@ -68,10 +81,15 @@ async def submit(gw, body: bytes, key, request: Request):
         raise ApiError(403, f"this key may ask for priority up to {key.max_priority!r}, not {r.priority!r}",
                        code="priority_not_allowed", param="priority")
     limits = {k: (int(v) if k in ("memory_bytes", "threads") else v) for k, v in r.limits.items()}
+    pin = await _holder(gw, key, r.kv_files)
     try:
-        session = await gw.link.start(key.user, source, r.args, filename=filename,
-                                      grants={"http": r.grants.get("http", []), "read": r.grants.get("read", [])},
-                                      limits=limits, priority=r.priority, kv_tokens=r.kv_tokens)
+        session = await gw.kernels.spawn(key.user, source, r.args, pin=pin, filename=filename,
+                                         grants={"http": r.grants.get("http", []), "read": r.grants.get("read", [])},
+                                         limits=limits, priority=r.priority, kv_tokens=lambda k: r.kv_tokens)
+    except PinnedKernelDown as e:
+        k = gw.kernels[e.kernel]
+        raise ApiError(503, f"the kernel at {k.socket}, which holds the KV files of kv_files, stopped answering "
+                            f"({k.error}); retry", code="kernel_unavailable", param="kv_files", retry_after=5) from None
     except (KernelRefused, KernelUnavailable) as e:
         err = kernel_error(e)
         if isinstance(e, KernelRefused) and e.type in ("ValueError", "SyntaxError", "TypeError") \
@@ -79,18 +97,52 @@ async def submit(gw, body: bytes, key, request: Request):
             err.status = 400
         raise err from None
     run = request.state.run = _LipRun(session)
-    gw.lips[session.lip] = (key.name, session, {"lip": session.lip, "program": filename, "args": r.args,
-                                                "priority": r.priority, "submitted": time.time()})
+    gid = lip_id(gw, session)
+    gw.lips[gid] = (key.name, session, {"lip": gid, "program": filename, "args": r.args,
+                                        "priority": r.priority, "submitted": time.time()})
 
     async def events():
         try:
-            yield dict(session.first)
+            yield _relabel(session.first, gid)
             async for ev in session.events():
-                yield ev
+                yield _relabel(ev, gid)
         finally:
-            gw.lips.pop(session.lip, None)
+            gw.lips.pop(gid, None)
 
     return sse_response(run, request, events(), named="event", terminator=None)
+
+
+def lip_id(gw, session) -> int:
+    """The gateway's id of a LIP: the kernel's id with one kernel, else unique across them."""
+    return session.lip * len(gw.kernels) + session.kernel.index
+
+
+def _relabel(ev: dict, gid: int) -> dict:
+    return dict(ev, lip=gid) if "lip" in ev else dict(ev)
+
+
+async def _holder(gw, key, paths: list) -> Optional[int]:
+    """The live kernel holding the most of ``paths`` (None: no kernel holds
+    any, or there is one kernel only)."""
+    live = gw.kernels.live()
+    if not paths or len(gw.kernels) == 1 or not live:
+        return None
+
+    async def held(k) -> int:
+        n = 0
+        for p in dict.fromkeys(paths):
+            try:
+                await k.link.request(key.user, {"op": "kv_stat", "path": p})
+                n += 1
+            except KernelRefused:
+                pass
+            except KernelUnavailable as e:
+                gw.kernels.lost(k, str(e))
+                return 0
+        return n
+    counts = await asyncio.gather(*(held(k) for k in live))
+    best = max(range(len(live)), key=lambda i: counts[i])
+    return live[best].index if counts[best] else None
 
 
 def _own(gw, key, lip: int):
@@ -101,43 +153,72 @@ def _own(gw, key, lip: int):
 
 
 async def send_input(gw, body: bytes, key, request: Request):
-    session = _own(gw, key, request.path_params["lip"])
+    lip = request.path_params["lip"]
+    session = _own(gw, key, lip)
     r = decode(body, LipInput)
     if (r.data is None) == (not r.eof):
         raise ApiError(400, "give 'data' (a line) or 'eof': true", param="data")
     await session.send_input(None if r.eof else r.data)
-    return {"ok": True, "lip": session.lip}
+    return {"ok": True, "lip": lip}
 
 
 async def kill(gw, body: bytes, key, request: Request):
-    session = _own(gw, key, request.path_params["lip"])
+    lip = request.path_params["lip"]
+    session = _own(gw, key, lip)
     await session.kill()
-    return {"ok": True, "lip": session.lip}
+    return {"ok": True, "lip": lip}
 
 
 async def listing(gw, body: bytes, key, request: Request):
-    mine = {lip: row for lip, (name, _, row) in gw.lips.items() if name == key.name}
-    try:
-        ps = await gw.link.request(key.user, {"op": "ps"})
-    except (KernelRefused, KernelUnavailable) as e:
-        raise kernel_error(e) from None
-    live = {r["lip"]: r for r in ps.get("lips", [])}
+    mine = {gid: (session, row) for gid, (name, session, row) in gw.lips.items() if name == key.name}
+    by_kernel: dict = {}
+    for session, _ in mine.values():
+        by_kernel.setdefault(session.kernel.index, session.kernel)
+    live = {}
+    for i, k in by_kernel.items():
+        try:
+            ps = await k.link.request(key.user, {"op": "ps"})
+        except (KernelRefused, KernelUnavailable) as e:
+            if len(gw.kernels) == 1:
+                raise kernel_error(e) from None
+            continue                                  # that kernel's LIPs show as "unreachable"
+        live[i] = {r["lip"]: r for r in ps.get("lips", [])}
     out = []
-    for lip, row in sorted(mine.items()):
-        k = live.get(lip, {})
-        out.append({**row, "state": k.get("state", "exiting"), "preds": k.get("preds"), "tokens": k.get("tokens"),
-                    "position": k.get("position")})
+    for gid, (session, row) in sorted(mine.items()):
+        rows = live.get(session.kernel.index)
+        k = (rows or {}).get(session.lip, {})
+        out.append({**row, "state": k.get("state", "exiting" if rows is not None else "unreachable"),
+                    "preds": k.get("preds"), "tokens": k.get("tokens"), "position": k.get("position")})
     return {"object": "list", "data": out}
 
 
-async def _kv(gw, key, msg: dict):
-    try:
-        return await gw.link.request(key.user, msg)
-    except KernelRefused as e:
-        status = {"ENOENT": 404, "EACCES": 403, "EPERM": 403, "ENOTDIR": 400, "EISDIR": 400}.get(e.code, 400)
-        raise ApiError(status, str(e), code=(e.type or "kv_error").lower(), param="path") from None
-    except KernelUnavailable as e:
-        raise kernel_error(e) from None
+async def _kv_each(gw, key, msg: dict) -> list:
+    """``msg`` asked of every live kernel as the key's user: [(kernel, reply or KernelRefused)]
+    (503 if no kernel answers)."""
+    async def ask(k):
+        try:
+            return k, await k.link.request(key.user, msg)
+        except KernelRefused as e:
+            return k, e
+        except KernelUnavailable as e:
+            gw.kernels.lost(k, str(e))
+            return k, None
+    answers = [(k, a) for k, a in await asyncio.gather(*(ask(k) for k in gw.kernels.live())) if a is not None]
+    if not answers:
+        raise gw.kernels.unavailable()
+    return answers
+
+
+def _kv_error(e: KernelRefused) -> ApiError:
+    status = {"ENOENT": 404, "EACCES": 403, "EPERM": 403, "ENOTDIR": 400, "EISDIR": 400}.get(e.code, 400)
+    return ApiError(status, str(e), code=(e.type or "kv_error").lower(), param="path")
+
+
+def _first_refusal(answers: list) -> ApiError:
+    """The error to answer when no kernel did what was asked: a refusal other
+    than 'not found' if one kernel gave it, else the first."""
+    refusals = [a for _, a in answers if isinstance(a, KernelRefused)]
+    return _kv_error(next((e for e in refusals if e.code != "ENOENT"), refusals[0]))
 
 
 def _path(request: Request) -> str:
@@ -148,15 +229,28 @@ def _path(request: Request) -> str:
 
 
 async def kv_ls(gw, body, key, request: Request):
-    reply = await _kv(gw, key, {"op": "kv_ls", "path": request.query_params.get("path") or "/"})
-    return {"object": "list", "data": reply.get("entries", [])}
+    answers = await _kv_each(gw, key, {"op": "kv_ls", "path": request.query_params.get("path") or "/"})
+    ok = [a for _, a in answers if not isinstance(a, KernelRefused)]
+    if not ok:
+        raise _first_refusal(answers)
+    merged: dict = {}
+    for reply in ok:
+        for e in reply.get("entries", []):
+            merged.setdefault(e.get("name"), e)
+    return {"object": "list", "data": list(merged.values())}
 
 
 async def kv_stat(gw, body, key, request: Request):
-    return await _kv(gw, key, {"op": "kv_stat", "path": _path(request)})
+    answers = await _kv_each(gw, key, {"op": "kv_stat", "path": _path(request)})
+    for k, a in answers:
+        if not isinstance(a, KernelRefused):
+            return dict(a, kernel=k.socket) if len(gw.kernels) > 1 else a
+    raise _first_refusal(answers)
 
 
 async def kv_rm(gw, body, key, request: Request):
     path = _path(request)
-    await _kv(gw, key, {"op": "kv_rm", "path": path})
+    answers = await _kv_each(gw, key, {"op": "kv_rm", "path": path})
+    if all(isinstance(a, KernelRefused) for _, a in answers):
+        raise _first_refusal(answers)
     return {"ok": True, "path": path, "deleted": True}

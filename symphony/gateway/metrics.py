@@ -3,9 +3,12 @@
 Names follow vLLM's where one fits, with a ``symphony:`` prefix:
 request counts by route and status, time to first token, inter-token
 latency and end-to-end latency histograms, prompt and generated tokens,
-prefix-cache tokens queried and hit, and, read from the kernel's `stats` at
+prefix-cache tokens queried and hit, and, read from the kernels' `stats` at
 each scrape, LIPs running / queued / suspended, KV pages per tier and
-admission waits.  Each gateway has its own registry (tests run several).
+admission waits (summed over the kernels that answer); per kernel (label
+``kernel``, its socket): in rotation or not, requests in flight and routed
+there (by why), LIPs running and waiting.  Each gateway has its own
+registry (tests run several).
 """
 from __future__ import annotations
 
@@ -48,23 +51,43 @@ class Metrics:
         self.suspended = g("symphony:num_lips_suspended", "LIPs the memory manager suspended")
         self.kv_pages = g("symphony:kv_pages", "KV pages by tier and state", ("tier", "state"))
         self.admission_waits = g("symphony:admission_waits", "LIPs that had to wait for admission, since start")
-        self.kernel_up = g("symphony:kernel_up", "1 if the kernel answered the last scrape")
+        self.kernel_up = g("symphony:kernel_up", "Kernels that answered the last scrape")
+        self.kernel_live = g("symphony:kernel_live", "1 while a kernel is in the gateway's rotation", ("kernel",))
+        self.kernel_in_flight = g("symphony:kernel_requests_in_flight", "Requests the gateway has running on "
+                                  "a kernel", ("kernel",))
+        self.kernel_running = g("symphony:kernel_lips_running", "LIPs running in a kernel (all clients)",
+                                ("kernel",))
+        self.kernel_waiting = g("symphony:kernel_lips_waiting", "LIPs waiting in a kernel's admission queue",
+                                ("kernel",))
+        self.affinity_keys = g("symphony:router_affinity_keys", "Prompt prefixes the router remembers")
+        self.routed = Counter("symphony:kernel_requests_routed", "Requests and programs sent to a kernel, by "
+                              "why (pinned, affinity, least_loaded)", ["kernel", "reason"], registry=r)
 
-    def observe_kernel(self, stats: dict | None) -> None:
-        """Set the kernel gauges from its `stats` reply (None: it did not answer)."""
-        self.kernel_up.set(0 if stats is None else 1)
-        if stats is None:
+    def observe_kernels(self, kernels, stats: list) -> None:
+        """Set the kernel gauges from their `stats` replies (None: that one did
+        not answer): the unlabelled ones summed over the kernels that answered,
+        the ``kernel``-labelled ones per kernel."""
+        up = [st for st in stats if st is not None]
+        self.kernel_up.set(len(up))
+        for k, st in zip(kernels, stats):
+            self.kernel_live.labels(k.socket).set(1 if kernels.table.live[k.index] else 0)
+            self.kernel_in_flight.labels(k.socket).set(kernels.table.in_flight[k.index])
+            self.kernel_running.labels(k.socket).set(st.get("lips", 0) if st else 0)
+            self.kernel_waiting.labels(k.socket).set(st.get("admission_queue", 0) if st else 0)
+        self.affinity_keys.set(len(kernels.table.affinity))
+        if not up:
             return
-        self.running.set(stats.get("lips", 0))
-        self.waiting.set(stats.get("admission_queue", 0))
-        self.suspended.set(stats.get("suspended_lips", 0))
-        for tier, free, total in (("device", "device_pages_free", "device_pages"),
-                                  ("host", "host_slots_free", "host_slots"),
-                                  ("disk", "disk_slots_free", "disk_slots")):
-            if total in stats:
-                self.kv_pages.labels(tier, "free").set(stats.get(free, 0))
-                self.kv_pages.labels(tier, "used").set(stats[total] - stats.get(free, 0))
-        self.admission_waits.set(stats.get("admission_waits", 0))
+        total = lambda name: sum(st.get(name, 0) for st in up)  # noqa: E731
+        self.running.set(total("lips"))
+        self.waiting.set(total("admission_queue"))
+        self.suspended.set(total("suspended_lips"))
+        for tier, free, size in (("device", "device_pages_free", "device_pages"),
+                                 ("host", "host_slots_free", "host_slots"),
+                                 ("disk", "disk_slots_free", "disk_slots")):
+            if any(size in st for st in up):
+                self.kv_pages.labels(tier, "free").set(total(free))
+                self.kv_pages.labels(tier, "used").set(total(size) - total(free))
+        self.admission_waits.set(total("admission_waits"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

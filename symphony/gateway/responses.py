@@ -17,7 +17,11 @@ the specification's order, each with its ``sequence_number``:
     response.completed | response.incomplete (max_output_tokens) | response.failed
 
 ``store`` (default true) keeps the response for ``GET``/``DELETE
-/v1/responses/{id}``, ``/input_items`` and continuations (store.py).
+/v1/responses/{id}``, ``/input_items`` and continuations (store.py).  A
+continuation runs on the kernel that served the response it continues,
+where the conversation's KV is; while that kernel is out of rotation it is
+a 503 (``previous_response_unavailable``) rather than a silent recomputation
+elsewhere.
 """
 from __future__ import annotations
 
@@ -250,18 +254,19 @@ async def create(gw, body: bytes, key, request):
     r = decode(body, ResponsesRequest)
     gw.check_model(r.model)
     msgs, items = input_messages(r, gw.cfg.attachments)
-    conversation = msgs
+    conversation, pin = msgs, None
     if r.previous_response_id:
         prev = gw.store.get(key.user, r.previous_response_id)
         if prev is None:
             raise ApiError(404, f"no stored response {r.previous_response_id!r} (it was never stored, was "
                                 f"deleted, or belongs to another user)", code="previous_response_not_found",
                            param="previous_response_id")
-        conversation = prev.conversation + msgs
+        conversation, pin = prev.conversation + msgs, prev.kernel
     req, tools, choice = serve_request(r, conversation)
     gw.prepare(req, key)
     rid = _new_id("resp")
-    run = ServeRun(gw, "responses", [req], 1, key, gw.priority(request, key))
+    run = ServeRun(gw, "responses", [req], 1, key, gw.priority(request, key), pin=pin,
+                   pinned_by=r.previous_response_id)
     b = Builder(r, rid, tools, choice, run)
     await gw.begin(run, request)
 
@@ -272,7 +277,7 @@ async def create(gw, body: bytes, key, request):
             said = {"role": "assistant", "content": "".join(c.text)}
             if c.calls:
                 said["tool_calls"] = [dict(x) for x in c.calls]
-            if not gw.store.put(rid, Stored(key.user, final, items, conversation + [said])):
+            if not gw.store.put(rid, Stored(key.user, final, items, conversation + [said], run.kernel.index)):
                 final["store"] = False                 # larger than the user's whole store: not kept
         return final
 

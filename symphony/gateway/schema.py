@@ -19,6 +19,7 @@ from .errors import ApiError
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOOLS = 128
+MAX_KV_FILES = 16
 
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
@@ -209,7 +210,9 @@ class ResponsesRequest(Base):
 # ---------------------------------------------------------------- LIPs over HTTP
 class LipRequest(Base):
     """POST /v1/lips: a LIP to run (``program``: a stock program's name, or
-    ``source``: a LIP's text) and its arguments, grants and limits."""
+    ``source``: a LIP's text), its arguments, grants and limits, and the KV
+    files it will open (``kv_files``: with several kernels, it runs on the
+    one holding them)."""
     program: Optional[str] = None
     source: Optional[Annotated[str, msgspec.Meta(max_length=4 << 20)]] = None
     filename: Optional[Annotated[str, msgspec.Meta(max_length=200)]] = None
@@ -218,6 +221,8 @@ class LipRequest(Base):
     limits: dict[str, float] = {}
     priority: Literal["batch", "normal", "interactive"] = "normal"
     kv_tokens: Optional[Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]] = None
+    kv_files: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]],
+                        msgspec.Meta(max_length=MAX_KV_FILES)] = []
 
 
 class LipInput(Base):

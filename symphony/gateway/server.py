@@ -1,9 +1,11 @@
 """``symphony-gateway``: the HTTP front door, a process of its own beside the kernel.
 
     symphony-gateway --http 0.0.0.0:8000 [--socket PATH] [--keys FILE] [--tls-cert PEM --tls-key PEM]
+    symphony-gateway --http 0.0.0.0:8000 --kernel PATH --kernel PATH ...      (several kernels)
 
 It runs uvicorn (with uvloop and httptools) on the app of app.py and talks
-to one kernel over its Unix socket.  Started as root (``symphony-kernel
+to its kernels over their Unix sockets (kernels.py; router.py says which
+kernel serves what).  Started as root (``symphony-kernel
 --http`` does), it reads the key file, the TLS files and binds its port
 first, then drops to ``--run-as UID`` (the uid the kernel trusts to act for
 the keys' users, ``symphony-kernel --gateway-uid``) before serving; it never
@@ -31,16 +33,17 @@ PR_SET_PDEATHSIG = 1
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="symphony-gateway", description="Symphony's HTTP gateway (OpenAI API, "
-                                "programs over HTTP) in front of one kernel.")
+                                "programs over HTTP) in front of one kernel or several.")
     p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
                    help="address to serve (default 127.0.0.1:8000)")
     p.add_argument("--socket", default=None, help="the kernel's Unix socket (default $SYMPHONY_SOCKET or the "
-                   "kernel's default path)")
+                   "kernel's default path, unless --kernel names them)")
     p.add_argument("--run-as", type=int, default=None, metavar="UID",
                    help="started as root: serve as this uid (= gid) after binding (default: refuse to serve as root)")
     p.add_argument("--parent-death", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
     cfgmod.add_args(p)
+    cfgmod.add_routing_args(p)
     return p
 
 
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
         host, port = cfgmod.parse_hostport(args.http)
         if args.keys is None:
             args.keys = default_key_file()
-        cfg = cfgmod.from_args(args, args.socket or default_socket_path(), host, port)
+        kernels = ([args.socket] if args.socket else []) + args.kernel
+        cfg = cfgmod.from_args(args, kernels[0] if kernels else default_socket_path(), host, port, kernels)
         keys = KeyStore(cfg.keys_path)
     except (cfgmod.ConfigError, KeyFileError) as e:
         print(f"symphony-gateway: error: {e}", file=sys.stderr)
@@ -128,8 +132,10 @@ def main(argv=None) -> int:
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"symphony-gateway: serving {scheme}://{cfg.host}:{cfg.port} for the kernel at "
-                  f"{cfg.socket_path} (uid {os.geteuid()})", file=sys.stderr, flush=True)
+            where = (f"the kernel at {cfg.socket_path}" if len(cfg.kernels) == 1 else
+                     f"{len(cfg.kernels)} kernels at {', '.join(cfg.kernels)}")
+            print(f"symphony-gateway: serving {scheme}://{cfg.host}:{cfg.port} for {where} (uid {os.geteuid()})",
+                  file=sys.stderr, flush=True)
         await task
     import uvloop
     uvloop.run(serve())

@@ -19,6 +19,12 @@ merges their events in arrival order (choice indexes offset per prompt),
 checks them, and counts usage and latency metrics as they pass.  A run's
 first event is awaited before the HTTP response starts, so a request the
 program refuses still gets its own status, streamed or not.
+
+With several kernels, a run goes where router.py says (a batch's prompts
+all to one kernel): a continuation to the kernel of the response it
+continues (``pin``), a prompt that begins like one routed before to that
+one's kernel, else the least loaded.  Its prompts' affinity keys are
+remembered there when it starts, and prompt + answer when it ends.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import orjson
 
 from .errors import ApiError
 from .kernel import KernelRefused, KernelUnavailable, LipSession
+from .router import PinnedKernelDown, answer_keys, request_keys
 
 log = logging.getLogger("symphony.gateway")
 
@@ -64,9 +71,13 @@ class Choice:
 class ServeRun:
     """The serving program's run(s) for one request (see the module docstring)."""
 
-    def __init__(self, gw, route: str, requests: list[dict], n: int, key, priority: str = "normal"):
+    def __init__(self, gw, route: str, requests: list[dict], n: int, key, priority: str = "normal",
+                 pin: Optional[int] = None, pinned_by: Optional[str] = None):
+        """``pin``: the kernel it must run on, because of ``pinned_by`` (the
+        response it continues)."""
         self.gw, self.route, self.requests, self.n, self.key = gw, route, requests, n, key
-        self.priority = priority
+        self.priority, self.pin, self.pinned_by = priority, pin, pinned_by
+        self.kernel = None                           # the kernels.Kernel it runs on, once started
         self.sessions: list[LipSession] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -89,22 +100,45 @@ class ServeRun:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     async def start(self) -> None:
-        """Spawn the program for each request; ApiError if the kernel refuses."""
+        """Spawn the program for each request; ApiError if the kernel refuses
+        or none can take it."""
         source, filename = self.gw.program(self.route)
+        kernels, pin = self.gw.kernels, self.pin
         try:
             for req in self.requests:
-                s = await self.gw.link.start(
-                    self.key.user, source, [orjson.dumps(req).decode()], filename=filename, grants={},
-                    limits={"timeout": self.gw.cfg.request_timeout}, priority=self.priority,
-                    kv_tokens=_kv_estimate(req, self.gw.kv_tokens_max))
+                keys = request_keys(req)
+                s = await kernels.spawn(
+                    self.key.user, source, [orjson.dumps(req).decode()], keys=keys, pin=pin, filename=filename,
+                    grants={}, limits={"timeout": self.gw.cfg.request_timeout}, priority=self.priority,
+                    kv_tokens=lambda k, req=req: _kv_estimate(req, k.kv_tokens_max))
                 self.sessions.append(s)
+                self.kernel = s.kernel
+                pin = s.kernel.index                 # a batch's other prompts: the same kernel
+                kernels.remember(keys, s.kernel)
                 self.gw.metrics.lips_started.labels(self.route).inc()
+        except PinnedKernelDown as e:
+            await self.close()
+            raise self._gone(kernels[e.kernel]) from None
         except (KernelRefused, KernelUnavailable) as e:
             await self.close()
             raise kernel_error(e) from None
+        except BaseException:
+            await self.close()
+            raise
         for i, s in enumerate(self.sessions):
             self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, s)))
         self._live = len(self.sessions)
+
+    def _gone(self, kernel) -> ApiError:
+        """The 503 of a run whose kernel is out of rotation."""
+        if self.pinned_by:
+            return ApiError(503, f"the conversation of previous_response_id {self.pinned_by!r} lives on the "
+                                 f"kernel at {kernel.socket}, which is not answering ({kernel.error}); retry "
+                                 f"later, or send the conversation as input without previous_response_id to "
+                                 f"continue it on another kernel", code="previous_response_unavailable",
+                            param="previous_response_id", retry_after=5)
+        return ApiError(503, f"the kernel at {kernel.socket} stopped answering while this request started "
+                             f"({kernel.error}); retry", code="kernel_unavailable", retry_after=1)
 
     async def _pump(self, k: int, s: LipSession) -> None:
         async for ev in s.events():
@@ -124,16 +158,27 @@ class ServeRun:
             if out is not None:
                 yield out
         unfinished = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
-        if unfinished:
-            exits = [s.exit or {} for s in self.sessions]
-            bad = next((e for e in exits if e.get("status", 0) != 0), exits[0] if exits else {})
-            tail = "".join(self._stderr)[-2000:].strip()
-            log.warning("serving program failed (user %s, LIP %s): %s (status %s)%s", self.key.user,
-                        ",".join(str(s.lip) for s in self.sessions), bad.get("reason"), bad.get("status"),
-                        f"; its stderr:\n{tail}" if tail else "")
-            raise ApiError(500, f"the serving program ended without finishing choice(s) {unfinished}: "
-                                f"{bad.get('reason', 'unknown')} (status {bad.get('status')}); the gateway's "
-                                f"log has its error output", code="program_failed")
+        if not unfinished:
+            self._remember_answers()
+            return
+        if any((s.exit or {}).get("lost") for s in self.sessions):
+            raise ApiError(503, f"the kernel at {self.kernel.socket} stopped answering before choice(s) "
+                                f"{unfinished} finished; retry", code="kernel_unavailable", retry_after=1)
+        exits = [s.exit or {} for s in self.sessions]
+        bad = next((e for e in exits if e.get("status", 0) != 0), exits[0] if exits else {})
+        tail = "".join(self._stderr)[-2000:].strip()
+        log.warning("serving program failed (user %s, LIP %s): %s (status %s)%s", self.key.user,
+                    ",".join(str(s.lip) for s in self.sessions), bad.get("reason"), bad.get("status"),
+                    f"; its stderr:\n{tail}" if tail else "")
+        raise ApiError(500, f"the serving program ended without finishing choice(s) {unfinished}: "
+                            f"{bad.get('reason', 'unknown')} (status {bad.get('status')}); the gateway's "
+                            f"log has its error output", code="program_failed")
+
+    def _remember_answers(self) -> None:
+        """Prompt + answer of each choice, as the next turn will send them: on this kernel."""
+        for k, req in enumerate(self.requests):
+            for c in self.choices[k * self.n:(k + 1) * self.n]:
+                self.gw.kernels.remember(answer_keys(req, "".join(c.text), c.calls), self.kernel)
 
     def _accept(self, k: int, ev: dict) -> Optional[dict]:
         kind = ev.get("event")

@@ -7,7 +7,8 @@ cannot fill it for others.  A stored response
 holds the response object, its input items, and the whole conversation
 (earlier turns, this input, this output) that a continuation starts from;
 instructions are not carried into a continuation, as in OpenAI's API.  The
-KV of the conversation lives in the serving program's prefix cache, so a
+KV of the conversation lives in the serving program's prefix cache on the
+kernel that served it (``kernel``; the continuation runs there), so a
 continuation computes only its new input.  A gateway restart forgets them.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Stored:
     response: dict
     input_items: list
     conversation: list       # serve-contract messages, without instructions
+    kernel: Optional[int] = None   # the kernel that served it (a continuation runs there)
     size: int = field(default=0, compare=False)
 
 

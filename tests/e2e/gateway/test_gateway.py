@@ -274,7 +274,8 @@ def test_auth_size_method_and_program_failure(gw):
     while "fake_serve crashed on purpose" not in gw.read_log() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "fake_serve crashed on purpose" in gw.read_log()
-    assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(gw.url + "/health").json()
+    assert health["status"] == "ok" and [(k["socket"], k["state"]) for k in health["kernels"]] == [(gw.socket, "up")]
 
 
 def test_rate_and_concurrency_limits(gw):
