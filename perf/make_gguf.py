@@ -41,7 +41,7 @@ metadata takes the ``gguf`` package seconds, which tests should not pay for ever
 
 Memory stays bounded: tensors are generated, quantized and written one at a time (in row
 chunks of at most 4M weights), so the peak is about one quantized tensor plus a float32 chunk
-(a few hundred MB for 3b's embedding), whatever the model's size.
+on top of the interpreter, whatever the model's size (0.5 GB of RSS writing 1b Q4_K_M).
 """
 from __future__ import annotations
 
