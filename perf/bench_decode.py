@@ -2,7 +2,7 @@
 embedded SmolLM2-135M-Instruct, Q4_1 + Q8_0).
 
     python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--prefill 1500]
-                                [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16]
+                                [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16|none]
                                 [--threads N] [--model PATH.gguf]
 
 Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every contender alike,
@@ -12,7 +12,8 @@ and reports medians with the per-round spread:
       - the engine on the GGUF's quantized bits (--weights quantized, the CPU default),
       - the same with int8-rounded activations (quant.set_int8_activations, opt-in; not with
         --no-int8),
-      - the engine on the same weights dequantized to each --dtypes dtype (--weights float),
+      - the engine on the same weights dequantized to each --dtypes dtype (--weights float;
+        --dtypes none skips them and the plain PyTorch loop: a 3B model's float32 copy is 12 GB),
       - llama.cpp (llama-cpp-python) on the same file, when installed (perf-only dependency);
   * a plain PyTorch loop over the float32 weights (contiguous KV), single stream;
   * ratios from the same rounds: quantized / float32 and quantized / llama.cpp;
@@ -263,18 +264,20 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=1500, help="prompt tokens of the prefill test (0: skip)")
-    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2; "
+                    "perf/make_gguf.py writes random 1B / 3B ones)")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation contender")
     ap.add_argument("--no-rss", action="store_true", help="skip starting real kernels for their RSS")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV pool of the engines and kernels, MiB")
     ap.add_argument("--dtypes", default="float32",
-                    help="comma-separated dtypes of the dequantized engines: float32, bfloat16, float16")
+                    help="comma-separated dtypes of the dequantized engines: float32, bfloat16, "
+                    "float16; none: no dequantized engine and no plain PyTorch loop")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dnames = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    dnames = [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "none"]
     for d in dnames:
         if d not in DTYPES:
             ap.error(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
@@ -293,14 +296,18 @@ def main():
     engines = {"quantized": Engine(weights, tok, cfg(weights="quantized"))}
     if not args.no_int8:                          # the same weights (shared), its own KV pool
         engines["int8"] = Engine(weights, tok, cfg(weights="quantized"))
-    dense = weights.dequantized()
-    for d in dnames:
-        engines[d] = Engine(dense, tok, cfg(weights="float", dtype=DTYPES[d]))
-    ref = ReferenceLlama(dense)
-    del weights, dense
+    ref = None
+    if dnames:
+        dense = weights.dequantized()
+        for d in dnames:
+            engines[d] = Engine(dense, tok, cfg(weights="float", dtype=DTYPES[d]))
+        ref = ReferenceLlama(dense)
+        del dense
+    del weights
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     pre = (tok.encode(PREFILL_TEXT) * (args.prefill // 40 + 1))[: args.prefill] if args.prefill else []
-    print(f"# decode prompt {len(ids)} tokens, {args.steps} steps (batch: {args.steps // 2}), "
+    print(f"# decode prompt {len(ids)} tokens, {args.steps} steps single-stream, {args.steps // 2} "
+          f"batch-{args.batch} steps, "
           f"prefill {len(pre)} tokens, {args.rounds} interleaved rounds", flush=True)
     lcpp = None
     if not args.no_llamacpp:
@@ -312,7 +319,7 @@ def main():
     bw_buf = torch.ones(64 * 2**20)                                  # 256 MiB of float32
     names = list(engines)
     res = {f"{k}_{n}": [] for n in names for k in ("one", "batch", "prefill")}
-    res.update({"torch_one": [], "bw": []})
+    res.update({"torch_one": [], "bw": []} if ref is not None else {"bw": []})
     if lcpp:
         res.update({"lcpp_one": [], "lcpp_batch": [], "lcpp_prefill": []})
     def acts(n):                                  # the int8 contender: int8-activation kernels
@@ -323,7 +330,8 @@ def main():
             bench_engine_batch(engines[n], ids, 2, args.batch)
             if pre:
                 bench_engine_prefill(engines[n], pre[:64])
-    bench_reference_single(ref, ids, 2)
+    if ref is not None:
+        bench_reference_single(ref, ids, 2)
     for r in range(args.rounds):
         res["bw"].append(read_bandwidth(bw_buf))
         for n in names:
@@ -333,7 +341,8 @@ def main():
                 res[f"batch_{n}"].append(bench_engine_batch(e, ids, args.steps // 2, args.batch))
                 if pre:
                     res[f"prefill_{n}"].append(bench_engine_prefill(e, pre))
-        res["torch_one"].append(bench_reference_single(ref, ids, args.steps))
+        if ref is not None:
+            res["torch_one"].append(bench_reference_single(ref, ids, args.steps))
         if lcpp:
             res["lcpp_one"].append(lcpp.single(ids, args.steps))
             res["lcpp_batch"].append(lcpp.batch(ids, args.steps // 2, args.batch))
@@ -351,7 +360,8 @@ def main():
     for n in names:
         print(f"| {label.get(n, f'symphony, dequantized {n}')} | {spread(res[f'one_{n}'])} | "
               f"{spread(res[f'batch_{n}'])} | {spread(res[f'prefill_{n}']) if has_pre else '-'} |")
-    print(f"| plain PyTorch loop, float32 | {spread(res['torch_one'])} | - | - |")
+    if ref is not None:
+        print(f"| plain PyTorch loop, float32 | {spread(res['torch_one'])} | - | - |")
     if lcpp:
         print(f"| llama.cpp (llama-cpp-python) | {spread(res['lcpp_one'])} | {spread(res['lcpp_batch'])} | "
               f"{spread(res['lcpp_prefill']) if has_pre else '-'} |")
@@ -362,9 +372,10 @@ def main():
             return
         per = [x / y for x, y in zip(res[a], res[c])]
         print(f"  {what}: {statistics.median(per):.2f}x ({min(per):.2f}..{max(per):.2f})")
-    d0 = dnames[0]
+    d0 = dnames[0] if dnames else None
     for k, what in (("one", "single stream"), ("batch", f"batch-{b}"), ("prefill", "prefill")):
-        ratio(f"{k}_quantized", f"{k}_{d0}", f"quantized / dequantized {d0}, {what}")
+        if d0:
+            ratio(f"{k}_quantized", f"{k}_{d0}", f"quantized / dequantized {d0}, {what}")
         if lcpp:
             ratio(f"{k}_quantized", f"lcpp_{k}", f"quantized / llama.cpp, {what}")
             ratio(f"{k}_int8", f"lcpp_{k}", f"quantized + int8 activations / llama.cpp, {what}")
