@@ -32,15 +32,24 @@ def kernel_main(argv=None) -> int:
     """``symphony-kernel``: parse and check the flags, load the model, build/load the ops and
     warm up, then serve until stopped; returns the exit status."""
     p = parser()
-    cfg = config_from_args(p, p.parse_args(argv))        # usage errors exit here, before the model loads
+    args = p.parse_args(argv)
+    cfg = config_from_args(p, args)                      # usage errors exit here, before the model loads
     log = _start_logging(cfg.verbose)
+    from .engine.config import ConfigError
     from .engine.loader import ModelLoadError
+    from .engine.tp.group import TPFailure
+    if args.worker:                                      # another machine's tensor-parallel ranks
+        try:
+            return cfg.engine.run_worker_node()
+        except (ModelLoadError, ConfigError) as e:
+            log.error("%s", e)
+            return 2
     try:
         kernel = build(cfg, log)
-    except ModelLoadError as e:
+    except (ModelLoadError, ConfigError) as e:
         log.error("%s", e)
         return 2
-    except StartupError as e:
+    except (StartupError, TPFailure) as e:
         log.error("%s", e)
         return 1
     try:
@@ -49,6 +58,8 @@ def kernel_main(argv=None) -> int:
     except RuntimeError as e:
         log.error("%s", e)
         return 1
+    finally:
+        kernel.engine.close()                            # the other tensor-parallel ranks stop
     return 0
 
 
@@ -57,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
     EngineArgs.add_cli_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    p.add_argument("--worker", action="store_true",
+                   help="run this machine's tensor-parallel ranks for node 0's kernel (with --tp, --nnodes, "
+                        "--node-rank, --master-addr, --master-port and node 0's engine flags)")
     p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
                    "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
     p.add_argument("--host-pages", type=_host_pages, default="auto",
@@ -176,6 +190,7 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
     engine = EngineArgs.from_cli_args(args)
     try:
         engine_config = engine.to_config()
+        engine.tp_size()
     except ConfigError as e:
         raise SystemExit(f"symphony: {e}") from None
     return KernelConfig(
@@ -201,6 +216,14 @@ def build(cfg: KernelConfig, log: logging.Logger):
     # cores (perf/RESULTS.md). Here everything computes on one thread.
     torch.set_num_threads(1)
     engine = cfg.engine.load(cfg.engine_config)
+    try:
+        return _build(cfg, log, engine, compute_threads if engine.tp is None or cfg.threads else engine.tp.threads)
+    except BaseException:
+        engine.close()                              # the other tensor-parallel ranks stop too
+        raise
+
+
+def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int):
     if engine.model.w.is_quantized() and engine.device.type == "cpu":
         from .engine.quant import describe_cpu_kernels
         log.info("quantized weights: %s", describe_cpu_kernels())

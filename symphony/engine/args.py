@@ -38,6 +38,12 @@ class EngineArgs:
     quantize: Optional[str] = None
     activations: str = "auto"            # "int8": the int8-activation CPU kernels
     no_cuda_graphs: bool = False
+    tp: Optional[int] = None             # tensor-parallel ranks on the CPU (gloo); --gpus 0,1: one per GPU
+    tp_timeout: float = 60.0             # seconds a collective may wait for a rank
+    nnodes: int = 1                      # machines the ranks span (torchrun's names)
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: int = 29500
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +51,9 @@ class EngineArgs:
         p.add_argument("--model", default=None,
                        help="GGUF file or Hugging Face safetensors directory (default: embedded "
                             "SmolLM2-135M-Instruct)")
-        p.add_argument("--gpus", default=None, help="GPU index to run on, e.g. 0 (default: CPU)")
+        p.add_argument("--gpus", default=None,
+                       help="GPU index to run on, e.g. 0, or several, e.g. 0,1: one tensor-parallel rank "
+                            "per GPU (default: CPU)")
         p.add_argument("--kv-memory-mb", type=int, default=256, help="KV page pool size in MiB (default 256)")
         p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
         p.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
@@ -63,21 +71,52 @@ class EngineArgs:
                             "move by ~4%% of their scale, as llama.cpp's do)")
         p.add_argument("--no-cuda-graphs", action="store_true",
                        help="run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)")
+        g = p.add_argument_group("tensor parallelism (one model across processes, GPUs or machines)")
+        g.add_argument("--tp", type=int, default=None, metavar="N",
+                       help="split the model over N ranks on the CPU (torch.distributed with gloo); "
+                            "with --gpus 0,1,... the ranks are the GPUs (NCCL)")
+        g.add_argument("--tp-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="how long a collective waits for a rank before the kernel shuts down (default 60)")
+        g.add_argument("--nnodes", type=int, default=1, help="machines the ranks span (default 1)")
+        g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 runs the kernel")
+        g.add_argument("--master-addr", default=None, help="address of node 0 (with --nnodes > 1)")
+        g.add_argument("--master-port", type=int, default=29500, help="its rendezvous port (default 29500)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
         """The engine's flags out of a namespace parsed with `add_cli_args`'s flags (others ignored)."""
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
-    def device(self) -> str:
-        """The torch device ``--gpus`` names ("cpu" without it); ConfigError if it names several or none."""
+    def devices(self) -> list[str]:
+        """The torch devices ``--gpus`` names, one per rank (["cpu"] without it); ConfigError if bad."""
         from .config import ConfigError
         if not self.gpus:
-            return "cpu"
-        ids = [g.strip() for g in self.gpus.split(",") if g.strip()]
-        if len(ids) != 1 or not ids[0].isdigit():
-            raise ConfigError(f"--gpus: one GPU index is supported for now, got {self.gpus!r}")
-        return f"cuda:{ids[0]}"
+            return ["cpu"]
+        ids = [g.strip() for g in self.gpus.split(",")]
+        if not ids or not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
+            raise ConfigError(f"--gpus: a GPU index or distinct indexes separated by commas, got {self.gpus!r}")
+        return [f"cuda:{i}" for i in ids]
+
+    def device(self) -> str:
+        """Rank 0's torch device."""
+        return self.devices()[0]
+
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks: --tp, or one per --gpus index (1: no tensor parallelism);
+        ConfigError when the flags disagree or are out of range."""
+        from .config import ConfigError
+        gpus = len(self.devices()) if self.gpus else 0
+        if self.tp is not None and not 1 <= self.tp <= 64:
+            raise ConfigError(f"--tp must be in 1..64, got {self.tp}")
+        if gpus > 1 and self.tp not in (None, gpus * self.nnodes):
+            raise ConfigError(f"--tp {self.tp} disagrees with --gpus {self.gpus} (one rank per GPU)")
+        if not 1 <= self.nnodes <= 64 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} / --node-rank {self.node_rank} out of range")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ConfigError("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
+        if not 0 < self.tp_timeout <= 3600:
+            raise ConfigError(f"--tp-timeout must be in (0, 3600] seconds, got {self.tp_timeout}")
+        return self.tp or max(gpus, 1) * self.nnodes
 
     def to_config(self) -> "EngineConfig":
         """The validated `EngineConfig` the flags describe (ConfigError names what is wrong)."""
@@ -89,9 +128,33 @@ class EngineArgs:
 
     def load(self, cfg: "Optional[EngineConfig]" = None):
         """Select the CPU kernels ``--activations`` asks for and load the model into an `Engine`
-        run as ``cfg`` (default: `to_config`).  ConfigError, or ModelLoadError (engine/loader.py)."""
+        run as ``cfg`` (default: `to_config`), across `tp_size` ranks (the others started here
+        and, with --nnodes, on the other machines).  ConfigError, ModelLoadError (engine/loader.py),
+        or TPFailure (a rank could not start)."""
         from .engine import Engine
         from .quant import set_int8_activations
         cfg = self.to_config() if cfg is None else cfg
         set_int8_activations(self.activations == "int8")
-        return Engine.load(self.model, cfg)
+        size = self.tp_size()
+        if size == 1:
+            return Engine.load(self.model, cfg)
+        from .loader import read_model_config
+        from .tp.launch import TensorParallel
+        tp = TensorParallel.start(self.model, cfg, size, read_model_config(self.model),
+                                  timeout_s=self.tp_timeout, devices=self.devices() if self.gpus else None,
+                                  activations=self.activations, nnodes=self.nnodes,
+                                  master=f"{self.master_addr}:{self.master_port}" if self.nnodes > 1 else None)
+        try:
+            return Engine.load(self.model, cfg, tp=tp)
+        except BaseException:
+            tp.group.broken = tp.group.broken or "rank 0 failed to load its shard"
+            tp.close(grace_s=1.0)
+            raise
+
+    def run_worker_node(self) -> int:
+        """``symphony-kernel --worker``: run this machine's ranks (--node-rank k of --nnodes)
+        until node 0's kernel stops them; the exit status of the first that fails, else 0."""
+        from .tp.launch import run_node
+        return run_node(self.model, self.to_config(), self.tp_size(), self.nnodes, self.node_rank,
+                        f"{self.master_addr}:{self.master_port}", self.tp_timeout,
+                        self.devices() if self.gpus else None, self.activations)

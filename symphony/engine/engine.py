@@ -66,21 +66,30 @@ class PredRequest:
 
 class Engine:
     def __init__(self, weights: ModelWeights, tokenizer: Optional[Tokenizer] = None,
-                 config: EngineConfig = EngineConfig()):
+                 config: EngineConfig = EngineConfig(), tp=None):
+        """``tp``: rank 0's `tp.launch.TensorParallel` when ``weights`` are rank 0's
+        shard: the model runs on every rank (engine/tp/), ``model_config`` is the
+        whole model's, and the KV pool's page operations reach every rank."""
         self.config = config
-        self.model_config = weights.config
+        self.tp = tp
+        self.model_config = weights.config if tp is None else tp.model
         self.tokenizer = tokenizer
         self.device, self.dtype = config.torch_device, config.torch_dtype
         weights = prepare_weights(weights, config.keep_quantized, config.quantize)
-        self.model = PagedLlama(weights, self.device, self.dtype, config.use_float32_head)
-        self.kv = KVPool(self.model_config, config)
+        self.model = PagedLlama(weights, self.device, self.dtype, config.use_float32_head,
+                                tp=None if tp is None else tp.group)
+        if tp is None:
+            self.kv = KVPool(self.model_config, config)
+        else:
+            from .tp.kv import ShardedKVPool
+            self.kv = ShardedKVPool(self.model_config, weights.config, config, tp.group)
         self.page_size = self.kv.page_size
         self.max_seq_len = min(config.max_seq_len or self.model_config.max_context,
                                self.model_config.max_context)
         self.stats = EngineStats()
         self._lock = threading.RLock()
         self.graphs: Optional[DecodeGraphs] = None
-        if config.use_graphs:
+        if config.use_graphs and tp is None:          # (a step per rank: graphs are not captured)
             self.graphs = DecodeGraphs(self.model, self.kv, config.graph_max_batch,
                                        self.kv.pages_for(self.max_seq_len),
                                        capture=self.device.type == "cuda")
@@ -92,14 +101,24 @@ class Engine:
                  self.kv.num_pages, self.page_size, self.kv.num_pages * self.kv.page_bytes / 2**20)
 
     @classmethod
-    def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True) -> "Engine":
-        """Load a model from disk (default: the embedded SmolLM2) and build an engine."""
+    def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True,
+             tp=None) -> "Engine":
+        """Load a model from disk (default: the embedded SmolLM2) and build an engine
+        (``tp``: rank 0 of a tensor-parallel group reads only its shard)."""
         from .loader import default_model_path, load_model
-        weights, tok = load_model(path, progress=progress, keep_quantized=config.keep_quantized)
-        engine = cls(weights, tok, config)
+        weights, tok = load_model(path, progress=progress, keep_quantized=config.keep_quantized,
+                                  shard=None if tp is None else tp.shard)
+        engine = cls(weights, tok, config, tp=tp)
         src = Path(path) if path is not None else default_model_path()
         engine.model_id = src.stem if src.suffix == ".gguf" else src.name   # what clients call the model
         return engine
+
+    def close(self) -> None:
+        """Release what outlives the process's memory: the other tensor-parallel
+        ranks are told to stop and waited for.  Idempotent."""
+        self.kv.close()
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------------ validation (once, at submission)
     def check_call(self, tokens: TokenArray, positions: Optional[TokenArray], *, length: int,

@@ -57,17 +57,19 @@ def default_model_path() -> Path:
 
 
 def load_model(path: Union[str, Path, None] = None, *, progress: bool = True,
-               keep_quantized: bool = True) -> tuple[ModelWeights, Tokenizer]:
+               keep_quantized: bool = True, shard=None) -> tuple[ModelWeights, Tokenizer]:
     """Read weights (CPU) and tokenizer from ``path``: float32 tensors, and `QWeight` matrices
-    for a GGUF file's quantized tensors when ``keep_quantized`` (else those are dequantized)."""
+    for a GGUF file's quantized tensors when ``keep_quantized`` (else those are dequantized).
+    ``shard``: a tensor-parallel `tp.Shard`: only that rank's part of each split matrix is read
+    (engine/tp/shard.py), and the weights' config is the rank's (`tp.local_config`)."""
     path = default_model_path() if path is None else Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     t0 = time.perf_counter()
     if path.is_dir():
-        weights, tok = _load_hf_dir(path, progress)
+        weights, tok = _load_hf_dir(path, progress, shard)
     elif path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-        weights, tok = _load_gguf(path, progress, keep_quantized)
+        weights, tok = _load_gguf(path, progress, keep_quantized, shard)
     else:
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a Hugging Face "
                              "model directory")
@@ -139,14 +141,48 @@ def _interleave_qk(w, n_heads: int):
             .reshape(out_dim, *rest))
 
 
-def _fuse(cfg: ModelConfig, get: Callable[[str], Optional[torch.Tensor]],
+def _part(key: str, cfg: ModelConfig, shard) -> Optional[tuple[int, int, int]]:
+    """(axis, start, stop) of tensor role ``key`` that tensor-parallel ``shard``
+    reads (engine/tp/shard.py), or None: all of it."""
+    if shard is None or shard.size == 1:
+        return None
+    d = cfg.head_dim
+    if key in ("q", "bq", "o"):
+        a, b = shard.heads(cfg)
+        return (1 if key == "o" else 0), a * d, b * d
+    if key in ("k", "v", "bk", "bv"):
+        a, b = shard.kv_heads(cfg)
+        return 0, a * d, b * d
+    if key in ("gate", "up", "down"):
+        a, b = shard.intermediate(cfg)
+        return (1 if key == "down" else 0), a, b
+    return None
+
+
+def _shard_config(cfg: ModelConfig, shard, quantized: bool) -> ModelConfig:
+    """The config of the tensors a shard reads (the whole model's without one)."""
+    if shard is None:
+        return cfg
+    from .tp.shard import TPConfigError, check_tp, local_config
+    try:
+        check_tp(cfg, shard.size, quantized)
+    except TPConfigError as e:
+        raise ModelLoadError(str(e)) from None
+    return local_config(cfg, shard)
+
+
+def _fuse(cfg: ModelConfig, get: Callable[..., Optional[torch.Tensor]],
           names: dict[str, str], n_layers: int, progress: _Progress,
-          interleave: bool) -> list[LayerWeights]:
+          interleave: bool, shard=None, quantized: bool = False) -> list[LayerWeights]:
+    """The layers' fused matrices.  ``get(name, part)`` reads a tensor, or its
+    ``part`` (axis, start, stop) for a tensor-parallel ``shard``; ``cfg`` is the
+    whole model's, the shapes checked are the shard's."""
+    full, cfg = cfg, _shard_config(cfg, shard, quantized)
     layers = []
     for i in range(n_layers):
         def g(key, required=True):
             name = names[key].format(i=i)
-            t = get(name)
+            t = get(name, _part(key, full, shard))
             if t is None and required:
                 raise ModelLoadError(f"tensor {name!r} is missing")
             if t is not None:
@@ -194,8 +230,33 @@ _GGUF_NAMES = {
 }
 
 
-def _load_gguf(path: Path, progress: bool, keep_quantized: bool = True
-               ) -> tuple[ModelWeights, Tokenizer]:
+def read_model_config(path: Union[str, Path, None] = None) -> ModelConfig:
+    """The model's config from its file's metadata (or config.json), reading no weights."""
+    path = default_model_path() if path is None else Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        try:
+            return hf_config_to_model_config(json.loads(cfg_file.read_text()), str(cfg_file))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{cfg_file}: {e}") from None
+    return _load_gguf(path, False, config_only=True)
+
+
+def has_quantized_tensors(path: Union[str, Path, None] = None) -> bool:
+    """Whether the file holds matrices the engine can keep quantized (a GGUF's Q4_0, Q8_0, ...)."""
+    path = default_model_path() if path is None else Path(path).expanduser()
+    if path.is_dir():
+        return False
+    import gguf
+    try:
+        return any(t.tensor_type.name in GGUF_QUANT_TYPES for t in gguf.GGUFReader(str(path)).tensors)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _load_gguf(path: Path, progress: bool, keep_quantized: bool = True, shard=None, config_only: bool = False):
     import gguf
     try:
         reader = gguf.GGUFReader(str(path))
@@ -241,33 +302,55 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = True
             attn_bias="blk.0.attn_q.bias" in tensors, name=str(meta("general.name", "")))
     except ConfigError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if config_only:
+        return cfg
 
     n_tensors = sum(1 for name in tensors if name.startswith("blk."))
     bar = _Progress(n_tensors, f"loading {path.name}", progress)
 
-    def get(name: str):
+    def get(name: str, part=None):
         t = tensors.get(name)
         if t is None:
             return None
         expect = tuple(int(x) for x in reversed(t.shape))
+        data, later = t.data, None
+        if part is not None:                 # read only this rank's rows or columns of the file
+            axis, a, b = part
+            if axis == 0:
+                data = data[a:b]
+                expect = (b - a,) + expect[1:]
+            else:
+                bs, bb = gguf.GGML_QUANT_SIZES[t.tensor_type]
+                if data.ndim == 2 and data.dtype != np.uint8:     # F32/F16/BF16: one element a column
+                    data = data[:, a:b]
+                    expect = (expect[0], b - a)
+                elif a % bs == 0 and b % bs == 0 and data.ndim == 2:   # whole blocks of bytes
+                    data = data[:, a // bs * bb:b // bs * bb]
+                    expect = (expect[0], b - a)
+                else:                        # a cut inside a block: read the rows whole, then cut
+                    later = (a, b)
         if keep_quantized and t.tensor_type.name in GGUF_QUANT_TYPES and len(expect) == 2:
             try:
-                return from_gguf(t.data, t.tensor_type.name, *expect)
+                w = from_gguf(np.ascontiguousarray(data), t.tensor_type.name, *expect)
+                return w if later is None else w.select_cols(*later)
             except QuantError as e:
                 raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from None
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = gguf.quants.dequantize(np.ascontiguousarray(data), t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot read tensor {name!r} "
                                  f"({t.tensor_type.name}): {e}") from None
         arr = np.asarray(arr, dtype=np.float32)
         if arr.size != int(np.prod(expect)):
             raise ModelLoadError(f"{path}: tensor {name!r} is truncated or corrupt")
-        return torch.from_numpy(arr.reshape(expect).copy())
+        out = torch.from_numpy(arr.reshape(expect).copy())
+        return out if later is None else out[:, later[0]:later[1]].contiguous()
 
     try:
         # llama.cpp's llama/mistral files are already interleaved; qwen2 uses rotate-half
-        layers = _fuse(cfg, get, _GGUF_NAMES, cfg.n_layers, bar, interleave=(arch == "qwen2"))
+        layers = _fuse(cfg, get, _GGUF_NAMES, cfg.n_layers, bar, interleave=(arch == "qwen2"), shard=shard,
+                       quantized=keep_quantized and any(t.tensor_type.name in GGUF_QUANT_TYPES
+                                                        for t in tensors.values()))
         embed = get("token_embd.weight")
         norm = get("output_norm.weight")
         if norm is None:
@@ -277,7 +360,7 @@ def _load_gguf(path: Path, progress: bool, keep_quantized: bool = True
     finally:
         bar.close()
     _expect(embed, (cfg.vocab_size, cfg.hidden_size), "token_embd.weight")
-    weights = ModelWeights(cfg, embed, norm, lm_head, layers, freq)
+    weights = ModelWeights(_shard_config(cfg, shard, False), embed, norm, lm_head, layers, freq)
     try:
         tok = Tokenizer.from_gguf_fields(meta, path)
     except TokenizerError as e:
@@ -335,7 +418,7 @@ def hf_config_to_model_config(hf: dict, where: str = "config.json") -> ModelConf
         raise ModelLoadError(f"{where}: {e}") from None
 
 
-def _load_hf_dir(path: Path, progress: bool) -> tuple[ModelWeights, Tokenizer]:
+def _load_hf_dir(path: Path, progress: bool, shard=None) -> tuple[ModelWeights, Tokenizer]:
     from safetensors import SafetensorError, safe_open
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -359,17 +442,21 @@ def _load_hf_dir(path: Path, progress: bool) -> tuple[ModelWeights, Tokenizer]:
         raise ModelLoadError(f"{f}: corrupt safetensors file: {e}") from None
     bar = _Progress(sum(1 for k in index if k.startswith("model.layers.")), f"loading {path.name}", progress)
 
-    def get(name: str) -> Optional[torch.Tensor]:
+    def get(name: str, part=None) -> Optional[torch.Tensor]:
         h = index.get(name)
         if h is None:
             return None
         try:
-            return h.get_tensor(name).to(torch.float32)
+            if part is None:
+                return h.get_tensor(name).to(torch.float32)
+            axis, a, b = part                 # only this rank's rows or columns are read
+            sl = h.get_slice(name)
+            return (sl[a:b] if axis == 0 else sl[:, a:b]).to(torch.float32).contiguous()
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from None
 
     try:
-        layers = _fuse(cfg, get, _HF_NAMES, cfg.n_layers, bar, interleave=True)
+        layers = _fuse(cfg, get, _HF_NAMES, cfg.n_layers, bar, interleave=True, shard=shard)
     finally:
         bar.close()
     embed = get("model.embed_tokens.weight")
@@ -383,7 +470,7 @@ def _load_hf_dir(path: Path, progress: bool) -> tuple[ModelWeights, Tokenizer]:
         cfg = cfg.replace(tie_embeddings=True)
         lm_head = embed
     _expect(embed, (cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")
-    weights = ModelWeights(cfg, embed, norm, lm_head, layers)
+    weights = ModelWeights(_shard_config(cfg, shard, False), embed, norm, lm_head, layers)
     try:
         return weights, Tokenizer.from_hf_dir(path)
     except TokenizerError as e:

@@ -30,6 +30,23 @@ class BatchMeta:
     logit_rows: torch.Tensor  # [R] int64 rows of T whose next-token logits are wanted
     fresh_prefill: bool = False  # one sequence whose cache held nothing before this pass
 
+    _FIELDS = ("tokens", "positions", "slots", "page_table", "cu_q_lens", "kv_lens", "logit_rows")
+
+    def pack(self) -> tuple[list[int], torch.Tensor]:
+        """(sizes, one int64 tensor): what a tensor-parallel step sends the other ranks."""
+        B, P = self.page_table.shape
+        sizes = [self.tokens.numel(), B, P, self.logit_rows.numel(), int(self.fresh_prefill)]
+        return sizes, torch.cat([getattr(self, f).reshape(-1).to(torch.int64).cpu() for f in self._FIELDS])
+
+    @classmethod
+    def unpack(cls, sizes: list[int], payload: torch.Tensor, device: torch.device) -> "BatchMeta":
+        """The `BatchMeta` `pack` packed, on ``device``."""
+        T, B, P, R, fresh = sizes[:5]
+        t = payload.to(device).split([T, T, T, B * P, B + 1, B, R])
+        i32 = torch.int32
+        return cls(tokens=t[0], positions=t[1], slots=t[2], page_table=t[3].to(i32).view(B, P),
+                   cu_q_lens=t[4].to(i32), kv_lens=t[5].to(i32), logit_rows=t[6], fresh_prefill=bool(fresh))
+
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """[head_dim/2] float32 inverse frequencies, with the model's scaling applied."""
@@ -69,8 +86,12 @@ class PagedLlama:
     """A Llama-family decoder whose attention reads and writes the paged KV pool."""
 
     def __init__(self, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                 float32_head: bool = True):
+                 float32_head: bool = True, tp=None):
+        """``tp``: this rank's `tp.group.TPGroup` when ``weights`` are one rank's shard
+        (tensor parallelism): o and down are summed over the ranks, and rank 0
+        sends each step to the others first."""
         self.config = weights.config
+        self.tp = tp
         self.w = weights.to(device, dtype)
         self.device, self.dtype = device, dtype
         # float32_head: the final norm and lm_head run in float32 whatever the model dtype
@@ -97,7 +118,8 @@ class PagedLlama:
         self.rope_table = torch.view_as_real(self.rope)
         # ... and the whole layer stack is one C++ op (ops.llama_layers: the same ops without
         # ~35 Python calls a layer) on these lists of the layers' tensors; None: the Python loop
-        self.layer_stack = self._stack_args() if self.fused_elementwise else None
+        # (not with tensor parallelism: its all-reduces sit between the ops)
+        self.layer_stack = self._stack_args() if self.fused_elementwise and tp is None else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
         # A prompt into an empty file attends by scaled_dot_product_attention (flash attention)
         # on a GPU. Not on the CPU: there our paged kernel took 0.89-0.96x of SDPA's time for
@@ -106,9 +128,13 @@ class PagedLlama:
         self.fused_prefill = device.type == "cuda"
 
     @torch.inference_mode()
-    def forward(self, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
-        """Write the batch's K/V into the pool; return [R, vocab] float32 logits."""
+    def forward(self, meta: BatchMeta, kv: KVPool, head: bool = True) -> torch.Tensor | None:
+        """Write the batch's K/V into the pool; return [R, vocab] float32 logits
+        (``head`` False: the other ranks of a tensor-parallel group need none)."""
         c, w = self.config, self.w
+        if self.tp is not None and self.tp.rank == 0:
+            from .tp.group import STEP
+            self.tp.send(STEP, *meta.pack())
         x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
         if self.layer_stack is not None and not (meta.fresh_prefill and self.fused_prefill):
             # quant.qlinear_path(): the path QWeight.linear would ask qlinear for
@@ -118,6 +144,8 @@ class PagedLlama:
                                  quant.qlinear_path())                # [T, hidden]
         else:
             x = self._layers(x, meta, kv)
+        if not head:
+            return None
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
         x = self._norm(x.to(self.head_dtype), w.norm)
         if self.head_f32_out:
@@ -141,9 +169,14 @@ class PagedLlama:
             else:
                 o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
                                         meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
-            x, h = self._add_norm(x, linear(o.reshape(T, c.q_size), lw.wo), lw.mlp_norm)
+            attn = linear(o.reshape(T, c.q_size), lw.wo)
+            if self.tp is not None:                                 # row-parallel: sum the ranks' parts
+                self.tp.all_reduce(attn)
+            x, h = self._add_norm(x, attn, lw.mlp_norm)
             gu = linear(h, lw.w_gate_up)                            # [T, 2 * intermediate]
             down = linear(self._swiglu(gu), lw.w_down)
+            if self.tp is not None:
+                self.tp.all_reduce(down)
             if i + 1 < len(w.layers):                               # the residual and the next norm
                 x, h = self._add_norm(x, down, w.layers[i + 1].attn_norm)
             else:

@@ -216,6 +216,19 @@ class QWeight:
         return QWeight(self.qs[index].contiguous(), self.scales[index].contiguous(),
                        mins.contiguous(), self.kind, self.group, self.source)
 
+    def select_cols(self, start: int, stop: int) -> "QWeight":
+        """Columns ``[start, stop)`` as a new QWeight (a row-parallel shard): both
+        on a group boundary and a multiple of 32 apart, so every kept group is whole."""
+        k = self.in_features
+        if not 0 <= start < stop <= k or start % self.group or (stop - start) % 32 or stop % self.group:
+            raise QuantError(f"cannot cut columns [{start}, {stop}) of a quantized matrix with K={k} "
+                             f"in groups of {self.group}")
+        per = 2 if self.kind == U4 else 1
+        g0, g1 = start // self.group, stop // self.group
+        mins = self.mins[:, g0:g1].contiguous() if self.mins.numel() else self.mins
+        return QWeight(self.qs[:, start // per:stop // per].contiguous(), self.scales[:, g0:g1].contiguous(),
+                       mins, self.kind, self.group, self.source)
+
     def as_i8(self, group: int) -> "QWeight":
         """The same weights as i8 with groups of ``group`` (exact: only the storage widens)."""
         if self.kind == I8 and self.group == group:

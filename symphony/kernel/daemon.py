@@ -205,6 +205,8 @@ class Kernel:
             sup.supervise("LIP CPU governor", self._watch_cpu)
         self.sys.thread.start()
         sup.watchdog("syscall thread watchdog", self.sys.thread.is_alive, "the syscall thread died")
+        if getattr(self.engine, "tp", None) is not None:
+            sup.supervise("tensor-parallel ranks", self._watch_ranks)
         nofile = open_file_limit()                     # the soft limit raised to the hard one
         total = self.bounds.max_connections or max(2 * self.bounds.root_connections,
                                                    nofile - FD_RESERVE - 2 * self.max_lips)
@@ -283,6 +285,16 @@ class Kernel:
         except FileNotFoundError:
             pass
         log.info("kernel stopped (%d durable KV files synced)", len(synced or []))
+
+    async def _watch_ranks(self) -> None:
+        """Fail the kernel loudly once a tensor-parallel rank has exited (a
+        hung one is found by the next step's collective timing out)."""
+        while not self.supervision.stopping.is_set():
+            await asyncio.sleep(0.5)
+            why = self.engine.tp.dead()
+            if why:
+                self.supervision.fail_loudly(why)
+                return
 
     # ------------------------------------------------------------------ wiring
     def _threadsafe(self, fn):

@@ -383,10 +383,7 @@ class Data:
                     src_p.append(b.device), src_o.append(o), dst_p.append(nb.device), dst_o.append(off)
                 blocks.append(nb)
         if src_p:
-            pool = self.engine.kv.pool                      # [L, 2, pages, S, H, D]
-            dev = pool.device
-            t = lambda x: torch.tensor(x, device=dev)
-            pool[:, :, t(dst_p), t(dst_o)] = pool[:, :, t(src_p), t(src_o)]
+            self.engine.kv.copy_slots(src_p, src_o, dst_p, dst_o)
         try:
             hid = self.fs.create(who, path, mode)
         except BaseException:

@@ -15,6 +15,7 @@ the file system's choice (advice, then LRU), passed in as an iterator.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from collections import OrderedDict
@@ -51,14 +52,12 @@ class PagerStats:
 class Pager:
     def __init__(self, kv: KVPool, host_pages: int, swap_dir: Optional[Path], disk_pages: int):
         self.kv, self.alloc = kv, kv.allocator
-        pool = kv.pool
-        shape = list(pool.shape)                   # [n_layers, 2, pages, page_size, n_kv_heads, head_dim]
         self.host_max = max(host_pages, 0)
         self.host_chunks: list[torch.Tensor] = []  # [L, 2, HOST_CHUNK, S, H, D] each, made on demand
         self.host_free: list[int] = []             # free slots among those made
         self.host_lru: "OrderedDict[Block, None]" = OrderedDict()   # oldest first, for demotion
-        self.page_shape = [shape[0], shape[1]] + shape[3:]             # one page: [L, 2, S, H, D]
-        self.page_bytes = pool[:, :, 0].numel() * pool.element_size()
+        self.page_shape = kv.page_shape                                # one page: [L, 2, S, H, D]
+        self.page_bytes = math.prod(self.page_shape) * torch.empty((), dtype=kv.dtype).element_size()
         self.disk_pages = disk_pages if swap_dir is not None else 0
         self.disk_free: list[int] = []
         self.disk_next = 0
@@ -144,13 +143,13 @@ class Pager:
         to_disk, to_host = blocks[:n_disk], blocks[n_disk:]
         for b in to_disk:
             slot = self.disk_free.pop() if self.disk_free else self._grow_disk()
-            self._write_disk(slot, self.kv.pool[:, :, b.device])
+            self._write_disk(slot, self.kv.read_page(b.device))
             b.disk = slot
         if to_host:
             slots = [self.host_free.pop() for _ in to_host]
             for chunk, idx in self._by_chunk(slots):
-                self._copy(chunk, [slots[i] % HOST_CHUNK for i in idx], self.kv.pool,
-                           [to_host[i].device for i in idx])
+                self.kv.copy_out([to_host[i].device for i in idx], chunk,
+                                 [slots[i] % HOST_CHUNK for i in idx])
             for b, h in zip(to_host, slots):
                 b.host = h
                 self.host_lru[b] = None
@@ -167,19 +166,18 @@ class Pager:
         if not todo:
             return
         pages = self.alloc.allocate(len(todo))
-        dev = self.kv.pool.device
         on_host = [(b, p) for b, p in zip(todo, pages) if b.host >= 0]
         if on_host:
             for chunk, idx in self._by_chunk([b.host for b, _ in on_host]):
-                self._copy(self.kv.pool, [on_host[i][1] for i in idx], chunk,
-                           [on_host[i][0].host % HOST_CHUNK for i in idx])
+                self.kv.copy_in([on_host[i][1] for i in idx], chunk,
+                                [on_host[i][0].host % HOST_CHUNK for i in idx])
             for b, _ in on_host:
                 self.host_free.append(b.host)
                 self.host_lru.pop(b, None)
                 b.host = -1
         for b, p in zip(todo, pages):
             if b.disk >= 0:
-                self.kv.pool[:, :, p] = self._read_disk(b.disk).to(dev)
+                self.kv.write_page(p, self._read_disk(b.disk))
                 self.disk_free.append(b.disk)
                 b.disk = -1
                 self.stats.disk_reads += 1
@@ -204,32 +202,19 @@ class Pager:
         """A copy of a block's data, [n_layers, 2, page_size, n_kv_heads, head_dim], on the CPU
         (never a view of the pool, whose page may be reused once the block moves)."""
         if b.device >= 0:
-            return self.kv.pool[:, :, b.device].to("cpu", copy=True)
+            return self.kv.read_page(b.device)
         if b.host >= 0:
             return self._host_page(b.host).clone()
         return self._read_disk(b.disk)
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _copy(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
-        """dst[:, :, dst_idx[i]] = src[:, :, src_idx[i]] for pools [L, 2, pages, S, H, D].
-        Between CPU tensors a loop of page copies is 4-5x faster than fancy
-        indexing (measured); across devices one gather + one transfer is."""
-        if dst.device == src.device:
-            for d, s_ in zip(dst_idx, src_idx):
-                dst[:, :, d].copy_(src[:, :, s_])
-        else:
-            gathered = src[:, :, torch.tensor(src_idx, device=src.device)]
-            dst[:, :, torch.tensor(dst_idx, device=dst.device)] = gathered.to(dst.device, non_blocking=True)
-
     def _grow_host(self, n: int) -> None:
         """Make host chunks until ``n`` host slots are free or the tier is at ``host_pages``."""
-        pool = self.kv.pool
+        kv = self.kv
         while len(self.host_free) < n and self.host_capacity < self.host_max:
-            shape = list(pool.shape)
-            shape[2] = HOST_CHUNK
+            shape = self.page_shape[:2] + [HOST_CHUNK] + self.page_shape[2:]
             first = self.host_capacity
-            self.host_chunks.append(torch.empty(shape, dtype=pool.dtype, pin_memory=pool.is_cuda))
+            self.host_chunks.append(torch.empty(shape, dtype=kv.dtype, pin_memory=kv.device.type == "cuda"))
             self.host_free[:0] = range(self.host_capacity - 1, first - 1, -1)   # the last chunk may be cut short
             log.debug("host KV tier grew to %d pages", self.host_capacity)
 
@@ -267,4 +252,4 @@ class Pager:
         raw = os.pread(self._fd, self.page_bytes, slot * self.page_bytes)
         if len(raw) != self.page_bytes:
             raise NoSpace(f"swap file read of slot {slot} came back short")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.kv.pool.dtype).view(self.page_shape)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.kv.dtype).view(self.page_shape)

@@ -41,7 +41,10 @@ MAGIC = b"SYMKV001"
 
 
 def model_fingerprint(engine) -> str:
-    """Identifies the model and KV layout: config, dtype, and a sample of weights."""
+    """Identifies the model and KV layout: config, dtype, and a sample of weights
+    that rank 0 holds whole at every tensor-parallel size (the embedding, the
+    first query rows, the last layer's norms), so that a durable file is read
+    back at any --tp (its pages hold every KV head)."""
     cached = getattr(engine, "_kv_fingerprint", None)
     if cached:
         return cached
@@ -50,8 +53,8 @@ def model_fingerprint(engine) -> str:
     h = hashlib.sha256()
     h.update(orjson.dumps({k: str(v) for k, v in vars(c).items()}))
     h.update(str(engine.dtype).encode())
-    for t in (w.embed[:4], w.layers[0].wqkv[:4], w.layers[-1].w_down[:4]):
-        h.update(t.detach().float().cpu().numpy().tobytes())
+    for t in (w.embed[:4], w.layers[0].wqkv[:4], w.layers[-1].mlp_norm, w.norm):
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     engine._kv_fingerprint = h.hexdigest()
     return engine._kv_fingerprint
 
@@ -77,15 +80,16 @@ def sync_snapshot(fs, inode: Inode) -> SyncSnapshot:
     """Begin a sync of ``inode`` (a named file): its header now, its blocks held."""
     if not fs.config.durable_dir:
         raise InvalidArgument("this kernel has no durable directory (durable_dir) configured")
-    pool = fs.engine.kv.pool
+    kv = fs.engine.kv
+    L, _, _, H, D = kv.page_shape                         # whole pages: every KV head
     n = inode.length
     blocks = list(inode.blocks)
-    per_slot = pool.shape[0] * 2 * pool.shape[4] * pool.shape[5] * pool.element_size()
+    per_slot = L * 2 * H * D * torch.empty((), dtype=kv.dtype).element_size()
     header = orjson.dumps({
         "version": 1, "path": inode.path, "owner": inode.owner, "mode": inode.mode,
         "ctime": inode.ctime, "mtime": inode.mtime, "advice": inode.advice, "length": n,
-        "positions": inode.positions, "dtype": str(pool.dtype).replace("torch.", ""),
-        "page_shape": [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]],
+        "positions": inode.positions, "dtype": str(kv.dtype).replace("torch.", ""),
+        "page_shape": [L, 2, H, D],
         "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot})
     fs.refs.hold(blocks)
     return SyncSnapshot(inode.path, header, blocks, n)
@@ -201,25 +205,26 @@ def read_durable(fs, file: Path) -> tuple[dict, torch.Tensor]:
         header = orjson.loads(body[:hlen])
     except orjson.JSONDecodeError as e:
         raise CorruptFile(f"{file}: unreadable header: {e}") from None
-    pool = fs.engine.kv.pool
+    kv = fs.engine.kv
+    L, _, _, H, D = kv.page_shape
     # dtype and layout first: the fingerprint covers them too, but this says what differs
-    dtype = str(pool.dtype).replace("torch.", "")
+    dtype = str(kv.dtype).replace("torch.", "")
     if header.get("dtype") != dtype:
         raise CorruptFile(f"{file}: KV data is {header.get('dtype')} but this kernel runs {dtype} "
                           f"(written by a kernel with another --dtype)")
     n = header.get("length")
     shape = header.get("page_shape")
-    want = [pool.shape[0], pool.shape[1], pool.shape[4], pool.shape[5]]
+    want = [L, 2, H, D]
     if shape != want:
         raise CorruptFile(f"{file}: KV layout {shape} does not match this kernel's {want}")
     if header.get("model") != model_fingerprint(fs.engine):
         raise CorruptFile(f"{file}: written by a different model or KV layout (foreign file)")
     raw = body[hlen:]
-    per_slot = pool.shape[0] * 2 * pool.shape[4] * pool.shape[5] * pool.element_size()
+    per_slot = L * 2 * H * D * torch.empty((), dtype=kv.dtype).element_size()
     if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
         raise CorruptFile(f"{file}: data length does not match {n} tokens")
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(pool.dtype) if n else torch.empty(0, dtype=pool.dtype)
-    return header, data.view(pool.shape[0], 2, n, pool.shape[4], pool.shape[5])
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kv.dtype) if n else torch.empty(0, dtype=kv.dtype)
+    return header, data.view(L, 2, n, H, D)
 
 
 def load_durable(fs, file: Path) -> Inode:
@@ -232,10 +237,8 @@ def load_durable(fs, file: Path) -> Inode:
     n_pages = pages_for(n, S)
     fs.memory.make_room(n_pages, set())
     pages = fs.engine.kv.allocator.allocate(n_pages)
-    pool = fs.engine.kv.pool
     for i, p in enumerate(pages):
-        chunk = data[:, :, i * S:(i + 1) * S]
-        pool[:, :, p, :chunk.shape[2]] = chunk.to(pool.device)
+        fs.engine.kv.write_page(p, data[:, :, i * S:(i + 1) * S])
     owner = header["owner"]
     inode = Inode(owner, int(header["mode"]) & 0o777, 0)
     inode.blocks = [Block(p, owner, 0) for p in pages]

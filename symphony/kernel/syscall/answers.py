@@ -16,6 +16,7 @@ from typing import Callable
 
 import orjson
 
+from symphony.engine.tp.group import TPFailure
 from symphony.engine.engine import PredError
 from symphony.engine.page_allocator import OutOfPages
 from symphony.engine.sampler import SamplingError
@@ -74,6 +75,8 @@ class Answers:
                 t, code, msg = "InvalidArgument", "EINVAL", str(e)
             elif isinstance(e, OutOfPages):
                 t, code, msg = "NoSpace", "ENOSPC", str(e)
+            elif isinstance(e, TPFailure):                  # the kernel is shutting down: say why
+                t, code, msg = "SyscallError", "EIO", f"the model cannot run: {e}"
             else:
                 log.error("LIP %d: system call failed unexpectedly", lip.id, exc_info=e)
                 t, code, msg = "SyscallError", "EIO", f"internal error: {type(e).__name__}: {e}"

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
+from symphony.engine.tp.group import TPFailure
 from symphony.ipc import schema
 from symphony.ipc.layout import RingError
 from symphony.kvfs import KVFS
@@ -224,6 +225,13 @@ class SyscallServer:
         while not self.stop.is_set():
             try:
                 self._serve()
+            except TPFailure as e:            # a tensor-parallel rank is gone: the model cannot run;
+                log.critical("syscall thread: %s", e)   # the kernel shuts down, this thread serves on
+                if self.on_fatal is not None:           # (replies, the shutdown's commands) until then
+                    self.on_fatal(str(e))
+                for lip_id in self.sched.queued_lips():
+                    for c in self.sched.fail_lip(lip_id):
+                        c.fail(self.answers, e)
             except Exception as e:
                 log.exception("syscall thread: unexpected error; the loop goes on")
                 self.crashes.append(time.monotonic())

@@ -42,11 +42,18 @@ def test_flags_become_a_checked_config():
         _parse("--quantize", "int8", "--weights", "float").to_config()
 
 
-def test_gpus_names_one_device():
+def test_gpus_name_a_device_or_one_tensor_parallel_rank_each():
     assert _parse().device() == "cpu" and _parse("--gpus", " 1 ").device() == "cuda:1"
-    for bad in ("0,1", "x", ","):
-        with pytest.raises(ConfigError, match="--gpus: one GPU index is supported for now"):
+    two = _parse("--gpus", "0,1")
+    assert two.devices() == ["cuda:0", "cuda:1"] and two.device() == "cuda:0" and two.tp_size() == 2
+    assert _parse().tp_size() == 1 and _parse("--tp", "3").tp_size() == 3
+    for bad in ("x", ",", "0,0", "1,"):
+        with pytest.raises(ConfigError, match="--gpus: a GPU index or distinct indexes"):
             _parse("--gpus", bad).device()
+    for flags, msg in ((("--gpus", "0,1", "--tp", "3"), "disagrees with --gpus"), (("--tp", "0"), "1..64"),
+                       (("--nnodes", "2"), "--master-addr"), (("--tp", "2", "--tp-timeout", "0"), "--tp-timeout")):
+        with pytest.raises(ConfigError, match=msg):
+            _parse(*flags).tp_size()
 
 
 def test_dtype_choices_are_the_configs_dtypes():

@@ -1,0 +1,107 @@
+"""A tensor-parallel rank other than 0: ``python -m symphony.engine.tp.worker ...``
+(started by rank 0 on its machine, or by ``symphony-kernel --worker`` on another).
+
+It loads its shard of the model (reading only its part of the file), makes its
+part of the KV pool, joins the group and then does what rank 0 sends (group.py)
+until STOP.  Any error ends the process with a message on stderr and a
+non-zero status; rank 0 sees the group fail and shuts the kernel down.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+
+log = logging.getLogger("symphony.tp")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="symphony.engine.tp.worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init", required=True, help="torch.distributed init method (file:// or tcp://)")
+    p.add_argument("--config", required=True, help="the engine config as JSON (tp.launch.config_json)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--activations", default="auto")
+    return p
+
+
+def _hang_after(rank: int):
+    """Test hook: SYMPHONY_TP_TEST_HANG=RANK:STEPS makes that rank hang at step STEPS + 1."""
+    spec = os.environ.get("SYMPHONY_TP_TEST_HANG", "")
+    r, _, n = spec.partition(":")
+    return int(n) if spec and r.isdigit() and int(r) == rank and n.isdigit() else None
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    torch.set_num_threads(max(1, args.threads))
+    from ..kv_cache import KVPool
+    from ..loader import load_model
+    from ..model import BatchMeta, PagedLlama
+    from ..quant import prepare_weights, set_int8_activations
+    from .group import COPY_PAGE, COPY_SLOTS, GATHER, SCATTER, STEP, STOP, TPGroup
+    from .kv import local_pages, write_local
+    from .launch import config_from_json
+    from .shard import Shard
+    try:
+        cfg = config_from_json(args.config, args.device)
+        set_int8_activations(args.activations == "int8")
+        weights, _ = load_model(args.model, progress=False, keep_quantized=cfg.keep_quantized,
+                                shard=Shard(args.rank, args.size))
+        weights = prepare_weights(weights, cfg.keep_quantized, cfg.quantize)
+        group = TPGroup(args.rank, args.size, args.init, "nccl" if cfg.torch_device.type == "cuda" else "gloo",
+                        args.timeout, cfg.torch_device)
+        model = PagedLlama(weights, cfg.torch_device, cfg.torch_dtype, cfg.use_float32_head, tp=group)
+        kv = KVPool(weights.config, cfg)
+    except Exception as e:
+        print(f"symphony tp rank {args.rank}: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    log.info("rank %d of %d ready: %d KV pages of %d heads", args.rank, args.size, kv.num_pages,
+             weights.config.n_kv_heads)
+    steps, hang_after = 0, _hang_after(args.rank)
+    try:
+        while True:
+            op, a, payload = group.receive()
+            if op == STEP:
+                steps += 1
+                if hang_after is not None and steps > hang_after:
+                    log.warning("test hook: rank %d hangs", args.rank)
+                    while True:
+                        time.sleep(3600)
+                model.forward(BatchMeta.unpack(a, payload, cfg.torch_device), kv, head=False)
+            elif op == COPY_PAGE:
+                kv.copy_page(a[0], a[1], a[2])
+            elif op == COPY_SLOTS:
+                n = a[0]
+                v = payload.tolist()
+                kv.copy_slots(v[:n], v[n:2 * n], v[2 * n:3 * n], v[3 * n:])
+            elif op == GATHER:
+                group.gather(local_pages(kv.pool, payload.tolist()))
+            elif op == SCATTER:
+                pages = payload.tolist()
+                shape = list(kv.pool.shape)
+                like = torch.empty(shape[0], 2, len(pages), a[0], shape[4], shape[5], dtype=kv.pool.dtype)
+                write_local(kv.pool, pages, a[0], group.scatter(None, like))
+            elif op == STOP:
+                log.info("rank %d stops after %d steps", args.rank, steps)
+                group.close()
+                return 0
+            else:
+                raise RuntimeError(f"unknown command {op}")
+    except Exception as e:
+        print(f"symphony tp rank {args.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
