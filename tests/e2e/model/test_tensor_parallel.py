@@ -186,3 +186,20 @@ def test_every_kv_operation_runs_on_every_rank_and_durable_files_move_between_si
         fs1 = KVFS(engines(path), KVFSConfig(durable_dir=str(tmp_path / f"durable{written}")))
         want = fs1.pred(ALICE, fs1.open(ALICE, "/home/alice/a.kv", "rw"), [11])
         assert_close([again], [want], FLOAT_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs (NCCL)")
+def test_two_gpus_give_the_logits_of_one(tmp_path):
+    """--gpus 0,1: one rank per GPU over NCCL, bfloat16, against one GPU."""
+    path = tiny_file(tmp_path)
+    cfg = EngineConfig(device="cuda:0", page_size=4, num_pages=48)
+    weights, tok = load_model(path, progress=False, keep_quantized=False)
+    ref = Engine(weights, tok, cfg)
+    want = mixed_batches(ref)
+    t = TensorParallel.start(path, cfg, 2, read_model_config(path), devices=["cuda:0", "cuda:1"])
+    eng = Engine.load(path, cfg, progress=False, tp=t)
+    try:
+        assert_close([g.float().cpu() for g in mixed_batches(eng)], [w.float().cpu() for w in want], 2e-2)
+    finally:
+        eng.close()
