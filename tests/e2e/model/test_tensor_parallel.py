@@ -10,8 +10,8 @@ loaded whole (--tp 1).  Tolerances, as a share of the largest |logit|:
     |x| |W|); a rank's row is its slice of the columns, so its rounding differs
     from the whole row's, within the kernel's stated accuracy.
 
-Covered: mixed prefill / decode batches at --tp 2 and 4 (tiny models, float
-and quantized; a model whose 2 KV heads are replicated over 4 ranks), the
+Covered: mixed prefill / decode batches at --tp 4 on float weights (2 KV
+heads replicated over 4 ranks) and --tp 2 on Q4_0 weights (KV heads split), the
 embedded SmolLM2 at --tp 3, every KVFS page operation at --tp 2 (fork,
 copy-on-write, truncate, extract, merge, a swap round trip through the host
 and disk tiers, a suspension), durable files written at one size and read at
@@ -85,20 +85,20 @@ def assert_close(got, want, tol):
         assert err <= tol * scale, f"max |diff| {err:.3g} > {tol} x {scale:.3g}"
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [4])
 def test_float_ranks_give_the_logits_of_one(tmp_path, engines, tp):
     path = tiny_file(tmp_path)
     want = mixed_batches(engines(path))
     assert_close(mixed_batches(engines(path, tp)), want, FLOAT_TOL)
 
 
-@pytest.mark.parametrize("quant,tp", [("Q8_0", 2), ("Q4_0", 4), ("Q4_1", 2)])
+@pytest.mark.parametrize("quant,tp", [("Q4_0", 2)])
 def test_quantized_ranks_give_the_logits_of_one(tmp_path, engines, quant, tp):
     path = tiny_file(tmp_path, quant, **WIDE)                 # 4 query heads of 32: 2 KV heads, replicated at 4
     ref = engines(path)
     want = mixed_batches(ref)
     eng = engines(path, tp)
-    assert eng.model.w.is_quantized() and eng.model.config.n_kv_heads == (1 if tp == 4 else 1)
+    assert eng.model.w.is_quantized() and eng.model.config.n_kv_heads == 1
     assert_close(mixed_batches(eng), want, QUANT_TOL)
 
 
@@ -108,18 +108,7 @@ def test_the_embedded_model_at_three_ranks(engines):
     eng = engines(None, 3)
     assert eng.model.config.n_heads == 3 and eng.model.config.n_kv_heads == 1
     got = mixed_batches(eng)
-    assert_close(got, want, QUANT_TOL)
-    # greedy continuation agrees token for token
-    seqs = [e.new_sequence() for e in (ref, eng)]
-    prompt = ref.tokenizer.encode("The capital of France is")
-    outs = []
-    for e, s in zip((ref, eng), seqs):
-        t, text = prompt, []
-        for _ in range(12):
-            t = [int(e.pred(s, t).argmax())]
-            text += t
-        outs.append(text)
-    assert outs[0] == outs[1]
+    assert_close(got, want, QUANT_TOL)           # (greedy text through the kernel: test_tp_kernel.py)
 
 
 def test_sizes_that_do_not_split_are_refused_with_those_that_do():
@@ -176,16 +165,16 @@ def test_every_kv_operation_runs_on_every_rank_and_durable_files_move_between_si
         fs.close_all()
         eng.close()                                           # one group at a time in this process
     assert_close(results[2], results[1], FLOAT_TOL)
-    # a durable file written at --tp 2 read back at --tp 1 and at --tp 4, and the other way round
-    for written, read in ((2, 1), (1, 4)):
-        fs = KVFS(engines(path, read), KVFSConfig(durable_dir=str(tmp_path / f"durable{written}")))
+    # durable files hold every head: written at --tp 2 and read at --tp 1, written at 1 and read at 2
+    def cont(tp, written):
+        eng = engines(path, tp)
+        fs = KVFS(eng, KVFSConfig(durable_dir=str(tmp_path / f"durable{written}")))
         assert fs.restore_report["restored"] == ["/home/alice/a.kv"], fs.restore_report
-        h = fs.open(ALICE, "/home/alice/a.kv", "rw")
-        again = fs.pred(ALICE, h, [11])
-        fs.engine.close()
-        fs1 = KVFS(engines(path), KVFSConfig(durable_dir=str(tmp_path / f"durable{written}")))
-        want = fs1.pred(ALICE, fs1.open(ALICE, "/home/alice/a.kv", "rw"), [11])
-        assert_close([again], [want], FLOAT_TOL)
+        out = fs.pred(ALICE, fs.open(ALICE, "/home/alice/a.kv", "rw"), [11])
+        eng.close()
+        return out
+    want = cont(1, 1)
+    assert_close([cont(1, 2), cont(2, 1)], [want, want], FLOAT_TOL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
