@@ -179,7 +179,7 @@ def start_conversation(tok, text: str, cache: bool):
                     stats.update(preamble_reused=st["length"], preamble_computed=0, preamble_cache="hit")
                     return conv, Writer(conv, tok), stats
                 warn(f"ignoring {path}: owner {st['owner']}, mode {st['mode']:o}, {st['length']} tokens "
-                     f"(expected {me}, 0600, {len(ids)}); computing the preamble")
+                     f"(expected {me}, writable only by its owner, {len(ids)}); computing the preamble")
             named, stats["preamble_cache"] = False, "ignored"
     conv = kv.create()
     cw = Writer(conv, tok, text)
