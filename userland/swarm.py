@@ -4,7 +4,8 @@
     symphony run --grant read:/srv/notes userland/swarm.py "What is the codename of project Zephyr?" \\
         "And what is 12 * 12?"            # each argument is one user message, in order
     options: --max-steps N (tool calls in one agent turn, default 3), --max-tokens N (an answer's
-             length, default 96), --max-handoffs N (handoffs per user message, default 3)
+             length, default 96), --max-handoffs N (handoffs per user message, default 3),
+             --no-cache (compute the team preamble in this run, as if no run came before)
 
 Three agents, each with its own instructions and tools, share one conversation:
   Triage    routes the request: it can only transfer to Research or Math;
@@ -28,18 +29,36 @@ chat API) sends each agent's instructions first and the whole conversation after
 so every turn recomputes the conversation unless the server's cache holds that exact
 prefix; the closing JSON line counts both.
 
+The team preamble (the instructions every agent shares, which open the conversation)
+is computed once per kernel and user, not once per run: its KV is a cache file in the
+user's private KV directory, /home/<user>/swarm/preamble-<key>.kv (key: a hash of its
+tokens and the model's shape), and a run forks the conversation from it.  A cache file
+may be deleted by the kernel when KV memory is short and no run has it open; the next
+run finds it missing and computes it again (and names it again).  Two runs that both
+miss compute it both; the first to name it wins, the other goes on with its own copy.
+``--no-cache`` computes the preamble in the run, fed with the first user message.
+
 Sends each turn's record as it ends, then one JSON line: the answers, the turns (agent,
 moves, the conversation's length when the turn forked it, tokens fed in the fork), the
 handoffs, ``conversation_tokens`` (the file's length), ``conversation_fed`` (tokens fed
-to it: equal, so no conversation token was computed twice), ``fork_fed``,
-``tokens_fed`` (all pred input: the kernel's own count for this LIP), and
+to it in this run), ``fork_fed``, ``tokens_fed`` (all pred input in this run: what the
+kernel counts for this LIP),
 ``conversation_recomputed_without_forks`` (the conversation tokens a per-turn prompt
-would have computed again).
+would have computed again), and the preamble's cost: ``preamble_tokens``,
+``preamble_reused`` (the cache file's length as the kernel reports it: tokens not fed),
+``preamble_computed`` (fed in this run) and ``preamble_cache`` ("hit"; "created": computed
+and kept; "raced": computed while a concurrent run kept it; "ignored": a file there was
+not trustworthy; "off": --no-cache) and ``preamble_file`` (the cache file's path).
+``conversation_fed`` + ``preamble_reused`` =
+``conversation_tokens``: every conversation token was computed once, here or in the run
+that made the cache file.
 """
 import argparse
+import hashlib
+import sys
 from typing import NamedTuple
 
-from symphony.lip import kv, send, tokenizer
+from symphony.lip import AlreadyExists, NotFound, SyscallError, info, kv, send, tokenizer
 from symphony.lip.agents import Writer, calc, http_get, run_tool, search_files
 
 TOOLS = {"search": search_files, "http": http_get, "calc": calc}
@@ -98,10 +117,83 @@ def parse(args):
     p.add_argument("--max-steps", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--max-handoffs", type=int, default=3)
+    p.add_argument("--no-cache", action="store_true",
+                   help="compute the team preamble in this run instead of forking the user's cache file")
     a = p.parse_args(args)
     if not 0 <= a.max_steps <= 8 or not 1 <= a.max_tokens <= 512 or not 0 <= a.max_handoffs <= 8:
         p.error("--max-steps in [0, 8], --max-tokens in [1, 512], --max-handoffs in [0, 8]")
     return a
+
+
+def warn(msg: str) -> None:
+    print(f"swarm: {msg}", file=sys.stderr, flush=True)
+
+
+def start_conversation(tok, text: str, cache: bool):
+    """The conversation file and its Writer, the team preamble ``text`` in it, and what
+    the preamble cost: {"preamble_tokens", "preamble_reused", "preamble_computed",
+    "preamble_cache" ("off", "hit", "created", "raced" or "ignored"), "preamble_file"}.
+
+    With ``cache``, the preamble's KV is the file ``/home/<user>/swarm/preamble-<key>.kv``
+    (key: a hash of the preamble's tokens and the model's shape).  A trustworthy one
+    (the user's own, writable by nobody else, exactly the preamble's tokens) is forked,
+    copy-on-write, and nothing of the preamble is fed.  Otherwise the preamble is
+    computed in an anonymous file, which is then named (a fork: the pages are shared)
+    and advised "cache", so the kernel may delete it under memory pressure while no run
+    has it open; a concurrent run that named it first wins (AlreadyExists, "raced"),
+    and a missing or dropped file is simply computed again.  Without ``cache`` the
+    preamble is pending in the Writer and fed with the first user message."""
+    ids = tok.encode(text)
+    stats = {"preamble_tokens": len(ids), "preamble_reused": 0, "preamble_computed": len(ids),
+             "preamble_cache": "off", "preamble_file": None}
+    if not cache:
+        conv = kv.create()
+        return conv, Writer(conv, tok, text), stats
+    shape = info()
+    me = shape["user"]
+    key = hashlib.sha256(repr((ids, shape["vocab_size"], shape["max_context"])).encode()).hexdigest()[:20]
+    folder = f"/home/{me}/swarm"
+    path = stats["preamble_file"] = f"{folder}/preamble-{key}.kv"
+    named = True
+    try:
+        kv.mkdir(folder)                                     # private (0700)
+    except AlreadyExists:
+        pass
+    except SyscallError as e:
+        warn(f"no cache: {e}")
+        named = False
+    if named:
+        try:
+            cached = kv.open(path)
+        except NotFound:                                      # never made, or dropped: compute it
+            cached = None
+        except SyscallError as e:
+            warn(f"ignoring {path}: {e}")
+            cached, named = None, False
+        if cached is not None:
+            with cached:
+                st = cached.stat()                            # the file this handle holds
+                if (st["owner"] == me and not st["mode"] & 0o022 and st["length"] == len(ids)
+                        and st["next_position"] == len(ids)):
+                    conv = cached.fork()                      # copy-on-write: nothing computed
+                    stats.update(preamble_reused=st["length"], preamble_computed=0, preamble_cache="hit")
+                    return conv, Writer(conv, tok), stats
+                warn(f"ignoring {path}: owner {st['owner']}, mode {st['mode']:o}, {st['length']} tokens "
+                     f"(expected {me}, writable only by its owner, {len(ids)}); computing the preamble")
+            named, stats["preamble_cache"] = False, "ignored"
+    conv = kv.create()
+    cw = Writer(conv, tok, text)
+    cw.flush()
+    if named:
+        try:
+            with conv.fork(path) as kept:                     # named: shares conv's pages
+                kept.advise("cache")
+            stats["preamble_cache"] = "created"
+        except AlreadyExists:                                 # a concurrent run named it first
+            stats["preamble_cache"] = "raced"
+        except SyscallError as e:                             # e.g. the quota: run without it
+            warn(f"cannot keep {path}: {e}")
+    return conv, cw, stats
 
 
 def take_turn(agent: Agent, conv, tok, history: list, o, may_transfer: bool):
@@ -136,8 +228,8 @@ def main(*args):
     o = parse(args)
     tok = tokenizer()
     history = [{"role": "system", "content": TEAM}]
-    with kv.create() as conv:
-        cw = Writer(conv, tok, chat_piece(tok, [], history, False))
+    conv, cw, preamble = start_conversation(tok, chat_piece(tok, [], history, False), not o.no_cache)
+    with conv:
         answers, turns, handoffs, recomputable = [], [], [], 0
         for message in o.messages:
             user = [{"role": "user", "content": message}]
@@ -164,4 +256,5 @@ def main(*args):
         fork_fed = sum(t["fed"] for t in turns)
         send({"answers": answers, "turns": turns, "handoffs": handoffs,
               "conversation_tokens": len(conv), "conversation_fed": cw.fed, "fork_fed": fork_fed,
-              "tokens_fed": cw.fed + fork_fed, "conversation_recomputed_without_forks": recomputable})
+              "tokens_fed": cw.fed + fork_fed, "conversation_recomputed_without_forks": recomputable,
+              **preamble})

@@ -3,6 +3,7 @@ as a client program driving an OpenAI-compatible server (Symphony's gateway; lla
 
     python perf/paper/apps.py [--apps completion,got,react,swarm] [--concurrency 1,4,16]
                               [--programs 8] [--rounds 2] [--contenders lip,gateway,llamacpp] [--plot PNG]
+    python perf/paper/apps.py --agents 1,4,16,32 [--apps react,swarm] [--rounds 2] ...
 
 Each application is written twice over the same model, prompts and decoding choices:
   lip       the stock program through the kernel's socket (userland/generate.py, got.py,
@@ -23,15 +24,25 @@ Each application is written twice over the same model, prompts and decoding choi
               conclusion over the problem and both thoughts, recomputed);
   react       calc questions (react.py: thought, forced Action/Answer, forced tool name, input,
               observation; the client: the same steps as requests);
-  swarm       a calc question through Triage and Math (swarm.py; the client as OpenAI's Swarm
-              sends it: each agent turn is [the agent's instructions, then the conversation]).
+  swarm       a calc question through Triage and Math (swarm.py, which forks the team preamble
+              from its cache file, or computes it with --swarm-no-cache; the client as OpenAI's
+              Swarm sends it: each agent turn is [the agent's instructions, then the conversation]).
 Per point (app, contender, concurrency C): --programs programs, C at a time; programs/s and
 latency p50 (median over rounds, per-round spread), and the gain of the LIP over each client
 (lip programs/s / client programs/s per round), in the paper's form.  The contenders
 alternate within each round.  The plot shows programs/s per app and contender at the
 highest concurrency.  Client and LIP make the same kinds of steps but free text can differ
-in length between them (re-tokenised prompts): the table also gives generated tokens per
-program where the contender reports them.
+in length between them (re-tokenised prompts).
+
+--agents N,N,... is the many-agents workload (Autellix-style): for each N, N agent
+programs (ReAct and SWARM, over the same questions as above) start at once per contender
+and run to their ends; per N, end-to-end programs/s (N / the wall time of the batch) and
+the programs' latency p50 and p99, each a median over rounds with its per-round spread,
+and the LIP's gain over each client.  The SWARM LIP forks its team preamble from the
+cache file the warm-up left (userland/swarm.py), the clients' requests meet the
+gateway's prefix cache.  The plot then shows programs/s against N.
+llama.cpp is optional: without llama-cpp-python installed, the default contenders leave
+it out (naming it in --contenders then fails).
 """
 from __future__ import annotations
 
@@ -58,6 +69,7 @@ from bench_overload import load_tokenizer  # noqa: E402
 from symphony.client import Client  # noqa: E402
 
 APPS = ("completion", "got", "react", "swarm")
+AGENT_APPS = ("react", "swarm")
 CONTENDERS = ("lip", "gateway", "llamacpp")
 QUESTIONS = ["What is 37 * 91?", "What is 125 + 349?", "What is 64 / 8 + 3?", "What is 17 * 23 - 5?"]
 PROBLEMS = ["A farmer has 3 fields with 12 cows in each field. How many cows does the farmer have?",
@@ -213,7 +225,7 @@ def lip_args(app: str, i: int, o) -> tuple[str, list]:
         return "react.py", [QUESTIONS[i % len(QUESTIONS)]]
     if app == "swarm":
         return "swarm.py", [QUESTIONS[i % len(QUESTIONS)], "--max-steps", str(o.max_steps),
-                            "--max-tokens", str(o.max_tokens)]
+                            "--max-tokens", str(o.max_tokens)] + (["--no-cache"] if o.swarm_no_cache else [])
     return "got.py", [PROBLEMS[i % len(PROBLEMS)], "--thoughts", "4", "--keep", "2",
                       "--max-tokens", str(o.max_tokens)]
 
@@ -231,22 +243,41 @@ def run_lip(sock: str, app: str, i: int, o) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--apps", default=",".join(APPS))
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
-    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--apps", default=None, help=f"from {','.join(APPS)} (default: all; with --agents: "
+                                                 f"{','.join(AGENT_APPS)})")
+    ap.add_argument("--contenders", default=None,
+                    help=f"from {','.join(CONTENDERS)}, lip included (default: all; llamacpp only where "
+                         "llama-cpp-python is installed)")
+    ap.add_argument("--concurrency", default="1,4,16", help="programs at a time, per point (default 1,4,16)")
     ap.add_argument("--programs", type=int, default=8, help="programs per point (default 8)")
+    ap.add_argument("--agents", default=None, metavar="N,N,...",
+                    help="the many-agents workload instead of the application table: for each N, N "
+                         "ReAct / SWARM programs at once (e.g. 1,4,16,32); programs/s and latency "
+                         "p50/p99 per N")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-steps", type=int, default=2)
+    ap.add_argument("--swarm-no-cache", action="store_true",
+                    help="run swarm.py with --no-cache: its team preamble computed in every program")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
-    ap.add_argument("--plot", default=str(Path(__file__).with_name("apps.png")))
+    ap.add_argument("--plot", default=None, help="the plot's file (default apps.png, with --agents "
+                                                 "apps_agents.png, beside this script)")
     ap.add_argument("--json", default=None)
     o = ap.parse_args()
-    apps = [x for x in o.apps.split(",") if x]
-    contenders = [x for x in o.contenders.split(",") if x]
-    concs = [int(x) for x in o.concurrency.split(",")]
-    if set(apps) - set(APPS) or set(contenders) - set(CONTENDERS) or "lip" not in contenders or min(concs) < 1:
-        ap.error(f"--apps from {APPS}; --contenders from {CONTENDERS} with lip; --concurrency >= 1")
+    many = o.agents is not None
+    apps = [x for x in (o.apps or ",".join(AGENT_APPS if many else APPS)).split(",") if x]
+    contenders = [x for x in (o.contenders or ",".join(CONTENDERS)).split(",") if x]
+    if o.contenders is None and importlib.util.find_spec("llama_cpp") is None:
+        print("# llama-cpp-python is not installed: no llamacpp contender", flush=True)
+        contenders.remove("llamacpp")
+    try:
+        concs = [int(x) for x in (o.agents if many else o.concurrency).split(",")]
+    except ValueError:
+        ap.error("--concurrency and --agents are comma-separated integers")
+    if set(apps) - set(AGENT_APPS if many else APPS) or set(contenders) - set(CONTENDERS) \
+            or "lip" not in contenders or min(concs) < 1 or o.rounds < 1:
+        ap.error(f"--apps from {AGENT_APPS if many else APPS}; --contenders from {CONTENDERS} with lip; "
+                 f"--concurrency / --agents >= 1; --rounds >= 1")
     mods = {"react": stock("react"), "swarm": stock("swarm"), "got": stock("got")}
     from symphony.engine.loader import default_model_path
     tok = load_tokenizer(default_model_path())
@@ -254,9 +285,11 @@ def main() -> int:
     os.chmod(tmp, 0o755)                   # the gateway (another uid) reaches the socket there
     sym = Symphony(tmp, kv_memory_mb=512)
     llama = LlamaCpp(tmp, str(default_model_path()), o.threads) if "llamacpp" in contenders else None
-    print(f"# application table: SmolLM2-135M-Instruct Q4_1, {cpu_name()}, {os.cpu_count()} vCPUs, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {o.programs} programs per point, "
-          f"--max-tokens {o.max_tokens}", flush=True)
+    what = (f"many agents, N programs at once, N in {o.agents}" if many
+            else f"application table: {o.programs} programs per point")
+    print(f"# {what}; SmolLM2-135M-Instruct Q4_1, {cpu_name()}, {os.cpu_count()} vCPUs, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; --max-tokens {o.max_tokens}, "
+          f"--max-steps {o.max_steps}" + (", swarm.py --no-cache" if o.swarm_no_cache else ""), flush=True)
     clients = {"completion": client_completion, "react": client_react, "swarm": client_swarm, "got": client_got}
 
     def point(app, c, conc, programs) -> dict:
@@ -279,7 +312,7 @@ def main() -> int:
                 list(pool.map(one, range(programs)))
         finally:
             http.close()
-        return {"pps": programs / (time.perf_counter() - t0), "p50": pct(lat, 50)}
+        return {"pps": programs / (time.perf_counter() - t0), "p50": pct(lat, 50), "p99": pct(lat, 99)}
 
     res = {app: {c: {n: [] for n in concs} for c in contenders} for app in apps}
     try:
@@ -291,7 +324,7 @@ def main() -> int:
                 for n in concs:
                     order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
                     for c in order:
-                        res[app][c][n].append(point(app, c, n, o.programs))
+                        res[app][c][n].append(point(app, c, n, n if many else o.programs))
                     print(f"  round {r + 1}/{o.rounds} {app} x{n}: " + ", ".join(
                         f"{c} {res[app][c][n][-1]['pps']:.3f} programs/s" for c in contenders), flush=True)
     finally:
@@ -299,25 +332,40 @@ def main() -> int:
         if llama is not None:
             llama.stop()
 
-    def fmt(xs):
-        return spread(xs, 3)
+    print_table(res, apps, concs, contenders, many)
+    if o.json:
+        Path(o.json).write_text(json.dumps(res))
+    plot = o.plot or str(Path(__file__).with_name("apps_agents.png" if many else "apps.png"))
+    (plot_agents if many else plot_apps)(res, apps, concs, contenders, plot)
+    return 0
+
+
+def print_table(res: dict, apps, concs, contenders, many: bool) -> None:
+    """The markdown table: programs/s and the LIP's gains (median and per-round spread), latency
+    p50 (the application table: medians) or p50 and p99 (--agents: with their spread)."""
     others = [c for c in contenders if c != "lip"]
-    print("\nprograms/s, median (per-round spread); gain = lip / client per round; latency p50 s")
-    print("| app | concurrency | " + " | ".join(contenders) + " | " + " | ".join(f"gain vs {c}" for c in others)
-          + " | " + " | ".join(f"p50 {c}" for c in contenders) + " |")
-    print("|---" * (2 + 2 * len(contenders) + len(others)) + "|")
+    lats = ("p50", "p99") if many else ("p50",)
+    print("\nprograms/s, median (per-round spread); gain = lip / client per round; latency "
+          + ("p50 and p99 s, median (per-round spread)" if many else "p50 s"))
+    print(f"| app | {'agents' if many else 'concurrency'} | " + " | ".join(contenders) + " | "
+          + " | ".join(f"gain vs {c}" for c in others) + " | "
+          + " | ".join(f"{q} {c}" for q in lats for c in contenders) + " |")
+    print("|---" * (2 + len(contenders) + len(others) + len(lats) * len(contenders)) + "|")
     for app in apps:
         for n in concs:
             row = res[app]
-            cells = [fmt([x["pps"] for x in row[c][n]]) for c in contenders]
-            gains = [fmt([a["pps"] / b["pps"] for a, b in zip(row["lip"][n], row[c][n])]) for c in others]
-            lats = [f"{statistics.median(x['p50'] for x in row[c][n]):.2f}" for c in contenders]
-            print(f"| {app} | {n} | " + " | ".join(cells + gains + lats) + " |")
-    if o.json:
-        Path(o.json).write_text(json.dumps(res))
+            cells = [spread([x["pps"] for x in row[c][n]], 3) for c in contenders]
+            gains = [spread([a["pps"] / b["pps"] for a, b in zip(row["lip"][n], row[c][n])], 3) for c in others]
+            times = [spread([x[q] for x in row[c][n]], 2) if many
+                     else f"{statistics.median(x[q] for x in row[c][n]):.2f}" for q in lats for c in contenders]
+            print(f"| {app} | {n} | " + " | ".join(cells + gains + times) + " |")
+
+
+def plot_apps(res: dict, apps, concs, contenders, path: str) -> None:
+    """Programs/s per app and contender at the highest concurrency (bars)."""
     plt = pyplot()
     if plt is None:
-        return 0
+        return
     top = max(concs)
     fig, ax = plt.subplots(figsize=(6.4, 4))
     w = 0.8 / len(contenders)
@@ -328,8 +376,27 @@ def main() -> int:
     ax.set_ylabel(f"programs/s at {top} concurrent (median)")
     ax.set_title(f"Applications as LIPs vs OpenAI-API clients\nSmolLM2-135M Q4_1, {cpu_name()[:40]}", fontsize=9)
     ax.legend()
-    save(fig, o.plot)
-    return 0
+    save(fig, path)
+
+
+def plot_agents(res: dict, apps, concs, contenders, path: str) -> None:
+    """Programs/s against the number of concurrent agent programs, per app and contender."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for app, style in zip(apps, ("-", "--", ":")):
+        for c in contenders:
+            ax.plot(concs, [statistics.median(x["pps"] for x in res[app][c][n]) for n in concs], style,
+                    marker="o", label=f"{app} {c}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concs, [str(n) for n in concs])
+    ax.set_xlabel("agent programs at once")
+    ax.set_ylabel("programs/s (median)")
+    ax.set_title(f"Many concurrent agents: LIPs vs OpenAI-API clients\nSmolLM2-135M Q4_1, {cpu_name()[:40]}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    save(fig, path)
 
 
 if __name__ == "__main__":

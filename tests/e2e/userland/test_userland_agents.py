@@ -113,15 +113,63 @@ def test_swarm_hands_off_and_computes_the_conversation_once(kernel):
     for t in out["turns"]:
         assert t["moves"] and t["moves"][-1].startswith(("transfer to ", "answer: ")), t
         assert f"[{t['agent']}] " + "\n".join(t["moves"]) in r.stdout
-    # the shared conversation: every token computed once, and each turn forked it as it stood
-    # (a fork fed only the agent's instructions and its own moves, never the conversation)
-    assert out["conversation_fed"] == out["conversation_tokens"]
+    # the shared conversation: every token computed once (the preamble here or in the run that
+    # made its cache file), and each turn forked it as it stood (a fork fed only the agent's
+    # instructions and its own moves, never the conversation)
+    assert out["conversation_fed"] + out["preamble_reused"] == out["conversation_tokens"]
     lengths = [t["conversation_len"] for t in out["turns"]]
     assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
     assert all(t["fed"] < t["conversation_len"] for t in out["turns"]), out["turns"]
     assert out["conversation_recomputed_without_forks"] == sum(lengths) > out["conversation_tokens"]
     # the kernel's own count of this LIP's pred input agrees with the program's
     assert out["tokens_fed"] == out["conversation_fed"] + out["fork_fed"] == finished(kernel, args)["tokens"]
+
+
+def swarm(kernel, *args):
+    """One swarm.py run through the CLI: its closing JSON line, checked against the kernel's count."""
+    args = [*args, "--max-steps", "1", "--max-tokens", "16"]
+    out = json.loads(run_ok(kernel, SWARM, *args).stdout.splitlines()[-1])
+    assert out["tokens_fed"] == out["conversation_fed"] + out["fork_fed"] == finished(kernel, args)["tokens"]
+    assert out["preamble_reused"] + out["preamble_computed"] == out["preamble_tokens"] > 100
+    assert out["conversation_fed"] + out["preamble_reused"] == out["conversation_tokens"]
+    return out
+
+
+def test_swarm_keeps_the_preamble_in_a_cache_file(kernel):
+    c = kernel.client()
+    q = "What is 37 * 91?"
+    first = swarm(kernel, q)                                  # keeps the preamble (or found it kept)
+    path = first["preamble_file"]
+    assert path.startswith("/home/") and "/swarm/preamble-" in path
+    assert first["preamble_cache"] in ("created", "hit")
+    st = c.kv_stat(path)
+    assert st["advice"] == "cache" and st["length"] == first["preamble_tokens"] and st["mode"] & 0o077 == 0
+
+    second = swarm(kernel, q)                                 # feeds no preamble token
+    assert second["preamble_cache"] == "hit" and second["preamble_computed"] == 0
+    assert second["preamble_reused"] == second["preamble_tokens"]
+    assert second["answers"] == first["answers"] and second["turns"] == first["turns"]
+    assert second["tokens_fed"] == first["tokens_fed"] - first["preamble_computed"]
+
+    plain = swarm(kernel, q, "--no-cache")                    # the old way: fed with the first message
+    assert plain["preamble_cache"] == "off" and plain["preamble_file"] is None
+    assert plain["preamble_computed"] == plain["preamble_tokens"] and plain["preamble_reused"] == 0
+    assert plain["conversation_fed"] == plain["conversation_tokens"]
+    assert c.kv_stat(path)["length"] == first["preamble_tokens"]      # left as it was
+
+    c.kv_rm(path)                                             # dropped (as under memory pressure)
+    again = swarm(kernel, q)                                  # a miss: computed and kept again
+    assert again["preamble_cache"] == "created" and again["preamble_computed"] == again["preamble_tokens"]
+    assert again["answers"] == first["answers"]
+    assert c.kv_stat(path)["advice"] == "cache"
+
+    c.kv_rm(path)                                             # two cold runs at once: one keeps it
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda m: swarm(kernel, m), ["What is 12 * 12?", "What is 125 + 349?"]))
+    kinds = sorted(o["preamble_cache"] for o in both)
+    assert kinds in (["created", "hit"], ["created", "raced"]), kinds
+    assert c.kv_stat(path)["length"] == first["preamble_tokens"]
+    c.close()
 
 
 def test_swarm_refuses_bad_options(kernel):
