@@ -9,9 +9,10 @@ perf-only dependency) on the same GGUF with its prompt cache on. All stay up for
 rounds interleave the contenders (A B A B ...) so machine noise hits each alike. Reports medians
 and the per-round spread (min..max) of:
 
-  (a) one chat request at a time, greedy, --max-tokens-a tokens: the gateway vs the same serving
-      program run through the kernel's socket (`symphony run` without HTTP): generated tokens/s
-      and their ratio (target >= 0.95);
+  (a) one chat request at a time, not streamed, greedy, --max-tokens-a tokens: the gateway vs
+      the same serving program run through the kernel's socket (`symphony run` without HTTP)
+      with the very request the gateway makes of it (stream false included): generated
+      tokens/s and their ratio (target >= 0.95);
   (b) N concurrent clients (--clients), each a multi-turn conversation (--turns) that starts with
       the same ~1,000-token system prompt, streamed: aggregate generated tokens/s, time to first
       token p50 and p99, Symphony vs llama.cpp's server (targets: >= 2x at 16 clients; lower
@@ -222,27 +223,35 @@ def single_direct(sym: Symphony, request: dict) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def gateway_request(body: dict) -> dict:
+    """The serving program's request that the gateway without prefix caching makes of the
+    chat completion ``body``: built by the gateway's own code, so the two paths of (a) run
+    the same program on the same request."""
+    from symphony.gateway.completions import chat_request
+    from symphony.gateway.schema import ChatRequest, decode
+    req = chat_request(decode(json.dumps(body).encode(), ChatRequest), "placeholder")
+    req["cache"] = None                                       # --prefix-cache off
+    return req
+
+
 def bench_a(sym: Symphony, rounds: int, max_tokens: int) -> None:
     msgs = [{"role": "user", "content": "Write a short story about a robot who learns to play the violin."}]
-    req = {"mode": "chat", "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
-           "seed": None, "stop": [], "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": False,
-           "top_logprobs": 0, "response_format": None, "tools": [], "tool_choice": "none",
-           "parallel_tool_calls": True, "cache": None}
+    body = {"model": sym.model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0}
+    req = gateway_request(body)
     url = f"http://127.0.0.1:{sym.port_nocache}"
     gw, direct, ratio = [], [], []
     single_direct(sym, req)                                   # warm-up
     for _ in range(rounds):
         t0 = time.perf_counter()
-        r = httpx.post(url + "/v1/chat/completions", timeout=600,
-                       json={"model": sym.model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0})
+        r = httpx.post(url + "/v1/chat/completions", timeout=600, json=body)
         g = r.json()["usage"]["completion_tokens"] / (time.perf_counter() - t0)
         dt, n = single_direct(sym, req)
         d = n / dt
         gw.append(g)
         direct.append(d)
         ratio.append(g / d)
-    print(f"(a) one chat request, {max_tokens} tokens, greedy: gateway {spread(gw)} tok/s, through the kernel's "
-          f"socket {spread(direct)} tok/s: ratio {spread(ratio)}")
+    print(f"(a) one chat request, {max_tokens} tokens, greedy, stream {str(req['stream']).lower()}: gateway "
+          f"{spread(gw)} tok/s, through the kernel's socket {spread(direct)} tok/s: ratio {spread(ratio)}")
 
 
 def bench_b(sym: Symphony, llama, rounds: int, levels, turns: int, max_tokens: int) -> None:

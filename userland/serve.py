@@ -44,6 +44,8 @@ types and ranges; the program checks again and refuses bad input with an
   Call markup is never sent as text.
 * ``cache``: null (no prefix caching) or ``{"dir": KVFS_DIR, "trust": [USER,
   ...], "ttl"?: seconds (default 3600)}``: see Prefix caching.
+* ``stream`` (bool, default true): false when the client waits for the whole
+  answer; the output is then the same with fewer events (see Output).
 
 **Output** (``send``, in this order):
 
@@ -69,6 +71,14 @@ types and ranges; the program checks again and refuses bad input with an
 Choices run in threads on copy-on-write forks of the prompt's KV (computed
 once); their events interleave, each choice's in order.  Greedy output is
 deterministic.  Exit status 0.
+
+With ``stream`` false, a choice's first ``text`` or ``tool_call`` event goes
+at once and the ones after it are merged (symphony.lip.serving.Events): one
+``text`` event for the text between two other events (its logprobs
+concatenated), one ``tool_call`` event for the rest of a call's arguments,
+each at most ~32 KiB of JSON (more: several).  A 1,000-token answer is then
+2 text events instead of ~1,000 (with top_logprobs 20, one per ~20 tokens),
+and the events still concatenate to exactly the streamed answer.
 
 **Errors**: ``{"event": "error", "status": S, "code": C, "message": str,
 "param": str|null}``, nothing after it, exit status 2.  400
@@ -122,12 +132,15 @@ def main(*args):
     try:
         if len(args) != 1:
             raise BadRequest(f"serve takes one argument, the request as JSON ({len(args)} given)")
-        job = Job(Request.parse(args[0]), ev)
+        req = Request.parse(args[0])
+        ev = Events(coalesce=not req.stream)
+        job = Job(req, ev)
     except BadRequest as e:
         ev.error(400, e.code, str(e), e.param)
         return 2
     try:
         job.run()
+        ev.flush()
     except BadRequest as e:
         ev.error(400, e.code, str(e), e.param)
     except QuotaExceeded as e:

@@ -58,7 +58,8 @@ def chat_request(r: ChatRequest, attachments: str) -> dict:
            "response_format": output_format(fmt.type, fmt.json_schema.schema if fmt and fmt.json_schema else None,
                                             "response_format.json_schema") if fmt else None,
            "tools": offered, "tool_choice": choice,
-           "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls}
+           "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+           "stream": bool(r.stream)}
     if r.top_logprobs and not r.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return req
@@ -146,7 +147,7 @@ def completion_requests(r: CompletionRequest) -> list[dict]:
         raise ApiError(400, "echo together with logprobs is not supported", param="echo")
     s = _sampling(r, r.max_tokens)
     return [{"mode": "text", "prompt": x, "echo": r.echo, **s, "logprobs": r.logprobs is not None,
-             "top_logprobs": r.logprobs or 0} for x in prompts]
+             "top_logprobs": r.logprobs or 0, "stream": bool(r.stream)} for x in prompts]
 
 
 async def completions(gw, body: bytes, key, request):

@@ -108,7 +108,8 @@ def serve_request(r: ResponsesRequest, conversation: list[dict]) -> tuple[dict, 
            "logprobs": want_lp, "top_logprobs": r.top_logprobs or 0,
            "response_format": output_format(fmt.type, fmt.schema, "text.format") if fmt else None,
            "tools": offered, "tool_choice": choice,
-           "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls}
+           "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+           "stream": bool(r.stream)}
     echoed_tools = [{"type": "function", "name": t["name"], "description": t["description"] or None,
                      "parameters": t["parameters"], "strict": True} for t in tools]
     echoed_choice = r.tool_choice if r.tool_choice is not None else ("auto" if tools else "none")

@@ -14,9 +14,15 @@ serve.py's docstring defines:
     {"event": "done", "index", "finish_reason", "completion_tokens"}
     {"event": "error", "status", "code", "message", "param"}   (then exit 2)
 
+The request's ``stream`` is the client's: for an answer that is not
+streamed the program merges each choice's text into few events (the first
+piece at once, so the first token is still timed), and the gateway pays
+for a handful of frames instead of one per token.
+
 `ServeRun` spawns the program(s) (one per prompt of a batched completion),
 merges their events in arrival order (choice indexes offset per prompt),
-checks them, and counts usage and latency metrics as they pass.  A run's
+checks them, and counts usage and latency metrics as they pass (the gaps
+between pieces only when streamed: merged pieces are not tokens).  A run's
 first event is awaited before the HTTP response starts, so a request the
 program refuses still gets its own status, streamed or not.
 
@@ -77,6 +83,7 @@ class ServeRun:
         response it continues)."""
         self.gw, self.route, self.requests, self.n, self.key = gw, route, requests, n, key
         self.priority, self.pin, self.pinned_by = priority, pin, pinned_by
+        self.streamed = all(r.get("stream", True) for r in requests)
         self.kernel = None                           # the kernels.Kernel it runs on, once started
         self.sessions: list[LipSession] = []
         self.prompt_tokens = 0
@@ -218,7 +225,7 @@ class ServeRun:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.gw.metrics.ttft.labels(self.route).observe(now - self.started)
-            elif c.last_at is not None:
+            elif c.last_at is not None and self.streamed:
                 self.gw.metrics.itl.labels(self.route).observe(now - c.last_at)
             c.last_at = now
         if what == "text":

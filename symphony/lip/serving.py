@@ -2,8 +2,9 @@
 
 `Request.parse(text)` reads and checks the one JSON argument the gateway
 passes (raising `BadRequest` with the offending field); `Events` sends the
-program's output events, one thread at a time, and nothing after an error.
-The contract itself is documented in userland/serve.py.
+program's output events, one thread at a time, and nothing after an error;
+for a request that is not streamed it merges each choice's text into few
+events.  The contract itself is documented in userland/serve.py.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .tools import NAME
 __all__ = ["BadRequest", "Events", "Request"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+HELD_BYTES = 32 << 10           # a merged event's size bound: well inside a 64 KiB ring slot
 FORMATS = ("text", "json_object", "json_schema")
 
 
@@ -52,6 +54,7 @@ class Request:
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     cache: Optional[dict] = None
+    stream: bool = True
 
     @classmethod
     def parse(cls, text: str) -> "Request":
@@ -96,27 +99,102 @@ class Request:
         r.tool_choice = _tool_choice(d.get("tool_choice"), r.tools)
         r.parallel_tool_calls = _bool(d, "parallel_tool_calls", True)
         r.cache = _cache(d.get("cache"))
+        r.stream = _bool(d, "stream", True)
         return r
 
 
 class Events:
-    """Output events, sent whole from any thread; nothing after an ``error``."""
+    """Output events, sent whole from any thread; nothing after an ``error``.
 
-    def __init__(self):
-        self.lock, self.failed = threading.Lock(), False
+    With ``coalesce`` (a request with ``stream`` false), a choice's first
+    ``text`` or ``tool_call`` event goes at once (the gateway times the first
+    token by it) and the pieces after it are held and merged: text with text
+    (logprobs concatenated), a call's arguments with the same call's.  What
+    is held goes out before the choice's next event of another kind (a call
+    starting, ``done``), before an ``error``, at `flush`, or when the next
+    piece would take it past ``HELD_BYTES``.  Concatenated, the events carry
+    what the streamed ones would, in the same order.
+    """
+
+    def __init__(self, coalesce: bool = False):
+        self.lock, self.failed, self.coalesce = threading.Lock(), False, coalesce
+        self._held: dict = {}                         # choice index -> [event, its text pieces, size bound]
+        self._started: set = set()                    # choices whose first piece has gone
 
     def send(self, ev: dict) -> bool:
         with self.lock:
             if self.failed:
                 return False
-            send(ev)
+            if self.coalesce:
+                self._coalesce(ev)
+            else:
+                send(ev)
             return True
+
+    def flush(self) -> None:
+        """Send whatever is held."""
+        with self.lock:
+            if not self.failed:
+                self._flush_all()
 
     def error(self, status: int, code: str, message: str, param: Optional[str] = None) -> None:
         with self.lock:
             if not self.failed:
+                self._flush_all()
                 self.failed = True
                 send({"event": "error", "status": status, "code": code, "message": message, "param": param})
+
+    # -- coalescing (under the lock)
+    def _coalesce(self, ev: dict) -> None:
+        kind, i = ev.get("event"), ev.get("index")
+        if kind not in ("text", "tool_call"):
+            self._flush(i)
+            send(ev)
+            return
+        if i not in self._started:                    # the choice's first piece: at once
+            self._started.add(i)
+            send(ev)
+            return
+        held = self._held.get(i)
+        if held is not None and _merges(held[0], ev):
+            grown = held[2] + _piece_bytes(ev)
+            if grown <= HELD_BYTES:
+                held[1].append(ev["text" if kind == "text" else "arguments"])
+                if "logprobs" in ev:
+                    held[0].setdefault("logprobs", []).extend(ev["logprobs"])
+                held[2] = grown
+                return
+        self._flush(i)
+        h = dict(ev)
+        if "logprobs" in h:
+            h["logprobs"] = list(h["logprobs"])
+        self._held[i] = [h, [h["text" if kind == "text" else "arguments"]], len(orjson.dumps(h))]
+
+    def _flush(self, i) -> None:
+        held = self._held.pop(i, None)
+        if held is not None:
+            ev, pieces, _ = held
+            ev["text" if ev["event"] == "text" else "arguments"] = "".join(pieces)
+            send(ev)
+
+    def _flush_all(self) -> None:
+        for i in list(self._held):
+            self._flush(i)
+
+
+def _piece_bytes(ev: dict) -> int:
+    """At most the bytes merging ``ev`` adds to a held event's JSON."""
+    if ev["event"] == "text":
+        return len(orjson.dumps(ev["text"])) + len(orjson.dumps(ev.get("logprobs") or []))
+    return len(orjson.dumps(ev["arguments"]))
+
+
+def _merges(held: dict, ev: dict) -> bool:
+    """Whether ``ev`` continues the held event: text after text, or more
+    arguments of the call the held event is a piece of."""
+    if ev["event"] == "text":
+        return held["event"] == "text"
+    return held["event"] == "tool_call" and "name" not in ev and held.get("call") == ev.get("call")
 
 
 # ---------------------------------------------------------------- field checks

@@ -124,6 +124,22 @@ def test_models_chat_and_completions_streamed_equal_plain(gw):
     assert s == c.completions.create(model="tiny-test", prompt="a b c").choices[0].text == "a b c"
 
 
+def test_the_program_is_told_whether_the_client_streams(gw):
+    """``stream`` in the program's request is the client's, on every route: false lets it merge
+    its text into a few events (the not-streamed answers above are merged ones)."""
+    c, ask = oai(gw), [{"role": "user", "content": "REQUEST"}]
+    told = lambda text: json.loads(text)["stream"]                      # noqa: E731
+    assert told(c.chat.completions.create(model="tiny-test", messages=ask).choices[0].message.content) is False
+    assert told("".join(x.delta.content or "" for ch in c.chat.completions.create(
+        model="tiny-test", messages=ask, stream=True) for x in ch.choices)) is True
+    assert told(c.completions.create(model="tiny-test", prompt="REQUEST").choices[0].text) is False
+    assert told("".join(x.text for ch in c.completions.create(model="tiny-test", prompt="REQUEST", stream=True)
+                        for x in ch.choices)) is True
+    assert told(c.responses.create(model="tiny-test", input="REQUEST").output_text) is False
+    assert told("".join(e.delta for e in c.responses.create(model="tiny-test", input="REQUEST", stream=True)
+                        if e.type == "response.output_text.delta")) is True
+
+
 def test_tool_calls_chat_and_responses(gw):
     c = oai(gw)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -7,14 +7,17 @@ The last message (or the prompt) decides:
   "CRASH"                  -> an uncaught exception before any event
   "SLOW <n>"               -> n words, 0.2 s apart (for disconnects)
   "BIG <n>"                -> n words of 1 KiB each, as fast as the kernel takes them (slow readers)
+  "REQUEST"                -> the request it was given, as JSON text (one event)
   anything else            -> its words echoed, one text event each ("[i] " before choice i > 0)
 max_tokens cuts the words (finish "length"); logprobs are -0.5 per word.
 The prompt event reports 1 token per word of every message, cached 0.
+With "stream": false the events are merged as the contract says (symphony.lip.serving.Events).
 """
 import json
 import time
 
 from symphony.lip import send
+from symphony.lip.serving import Events
 
 
 def main(request):
@@ -34,16 +37,21 @@ def main(request):
               "param": "messages"})
         return 2
     send({"event": "prompt", "prompt_tokens": n_prompt, "cached_tokens": 0})
+    if last.startswith("REQUEST"):
+        send({"event": "text", "index": 0, "text": request})
+        send({"event": "done", "index": 0, "finish_reason": "stop", "completion_tokens": 1})
+        return 0
+    emit = Events(coalesce=r.get("stream") is False).send
     n = r.get("n", 1)
     if last.startswith("TOOL"):
         _, name, args = last.split(" ", 2)
         for i in range(n):
             third = max(1, len(args) // 3)
-            send({"event": "tool_call", "index": i, "call": 0, "id": f"call_{i}", "name": name,
+            emit({"event": "tool_call", "index": i, "call": 0, "id": f"call_{i}", "name": name,
                   "arguments": args[:third]})
-            send({"event": "tool_call", "index": i, "call": 0, "arguments": args[third:2 * third]})
-            send({"event": "tool_call", "index": i, "call": 0, "arguments": args[2 * third:]})
-            send({"event": "done", "index": i, "finish_reason": "tool_calls", "completion_tokens": 3})
+            emit({"event": "tool_call", "index": i, "call": 0, "arguments": args[third:2 * third]})
+            emit({"event": "tool_call", "index": i, "call": 0, "arguments": args[2 * third:]})
+            emit({"event": "done", "index": i, "finish_reason": "tool_calls", "completion_tokens": 3})
         return 0
     slow = last.startswith("SLOW")
     if slow or last.startswith("BIG"):
@@ -60,9 +68,9 @@ def main(request):
                 ev["logprobs"] = [{"token": text, "bytes": list(text.encode()), "logprob": -0.5,
                                    "top_logprobs": [{"token": text, "bytes": list(text.encode()), "logprob": -0.5}]
                                    * r.get("top_logprobs", 0)}]
-            send(ev)
+            emit(ev)
             if slow:
                 time.sleep(0.2)
-        send({"event": "done", "index": i, "finish_reason": "length" if len(words) > limit else "stop",
+        emit({"event": "done", "index": i, "finish_reason": "length" if len(words) > limit else "stop",
               "completion_tokens": len(out)})
     return 0

@@ -251,6 +251,39 @@ def test_structured_output_and_tools(kernel):
     assert done(outs)["finish_reason"] in ("stop", "length")
 
 
+def test_not_streamed_is_the_streamed_answer_in_a_few_events(kernel):
+    """stream false: every choice's text, logprobs, calls and done as streamed, token for
+    token, but in at most 2 text events a choice (the first piece at once, then the rest)
+    and 2 tool_call events a call, where streamed each token is an event."""
+    q = "Write a short poem about the sea."
+    _, outs, _ = serve(kernel, **chat(q, max_tokens=64))
+    whole = texts(outs)
+    stop = whole[len(whole) // 2:len(whole) // 2 + 4]
+    assert done(outs)["completion_tokens"] == 64 and stop.strip()
+    weather = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    cases = [(chat(q, max_tokens=64), 1),
+             (chat(q, max_tokens=64, stop=["@@", stop], logprobs=True, top_logprobs=2), 1),
+             (chat("Write one sentence about the sea.", max_tokens=24, temperature=1.0, seed=7, n=2), 2),
+             (dict(mode="chat", messages=weather, tools=WEATHER, tool_choice="required", max_tokens=40), 1)]
+    for req, n in cases:
+        status, streamed, _ = serve(kernel, **req)
+        status2, merged, _ = serve(kernel, **req, stream=False)
+        assert status == status2 == 0
+        well_formed(merged, n)
+        for i in range(n):
+            assert texts(merged, i) == texts(streamed, i) and calls(merged, i) == calls(streamed, i)
+            assert done(merged, i) == done(streamed, i)
+            lps = [[(x["token"], round(x["logprob"], 5)) for e in o if e["event"] == "text" and e["index"] == i
+                    for x in e.get("logprobs", [])] for o in (streamed, merged)]
+            assert lps[0] == lps[1]
+            count = lambda o, kind: sum(e["event"] == kind and e["index"] == i for e in o)   # noqa: E731
+            assert count(merged, "text") <= 2 and count(merged, "tool_call") <= 2 * len(calls(merged, i))
+            assert count(streamed, "text") + count(streamed, "tool_call") >= 5
+    assert texts(streamed) == "" and calls(merged)                        # the last case: a call, no text
+    status, merged, _ = serve(kernel, **cases[1][0], stream=False)
+    assert texts(merged) == whole[:whole.index(stop)] and done(merged)["finish_reason"] == "stop"
+
+
 def test_bad_requests_are_error_events(kernel):
     bad = [({"mode": "text", "prompt": "x " * 9000, "max_tokens": 5}, "context_length_exceeded", "prompt"),
            ({"mode": "text", "prompt": "hi", "max_tokens": 8192}, "context_length_exceeded", "prompt"),

@@ -1,0 +1,107 @@
+"""The serving program's request and events (symphony/lip/serving.py), without a kernel:
+``stream`` in the request, and the merging of a choice's text and call arguments when
+the client does not stream."""
+import orjson
+import pytest
+
+from symphony.lip import serving
+from symphony.lip.serving import HELD_BYTES, BadRequest, Events, Request
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    out = []
+    monkeypatch.setattr(serving, "send", lambda ev: out.append(orjson.loads(orjson.dumps(ev))))
+    return out
+
+
+def text(i, s, lp=None):
+    ev = {"event": "text", "index": i, "text": s}
+    if lp is not None:
+        ev["logprobs"] = [{"token": s, "bytes": list(s.encode()), "logprob": lp, "top_logprobs": []}]
+    return ev
+
+
+def call(i, k, args, name=None):
+    ev = {"event": "tool_call", "index": i, "call": k}
+    if name:
+        ev.update(id=f"call_{i}{k}", name=name)
+    ev["arguments"] = args
+    return ev
+
+
+def done(i):
+    return {"event": "done", "index": i, "finish_reason": "stop", "completion_tokens": 3}
+
+
+def replay(events, coalesce):
+    ev = Events(coalesce=coalesce)
+    for e in events:
+        assert ev.send(e)
+    ev.flush()
+
+
+def content(events):
+    """Per choice: its text, its logprobs, its calls {k: [name, arguments]}, its events' kinds in order."""
+    out = {}
+    for e in events:
+        c = out.setdefault(e.get("index"), {"text": "", "logprobs": [], "calls": {}, "kinds": []})
+        if e["event"] == "text":
+            c["text"] += e["text"]
+            c["logprobs"] += e.get("logprobs", [])
+        elif e["event"] == "tool_call":
+            c["calls"].setdefault(e["call"], [e.get("name"), ""])[1] += e["arguments"]
+        if not c["kinds"] or c["kinds"][-1] != e["event"]:
+            c["kinds"].append(e["event"])
+    return out
+
+
+def test_stream_is_a_field_true_by_default():
+    base = {"mode": "text", "prompt": "hi"}
+    assert Request.parse(orjson.dumps(base)).stream is True
+    assert Request.parse(orjson.dumps(dict(base, stream=None))).stream is True
+    assert Request.parse(orjson.dumps(dict(base, stream=False))).stream is False
+    with pytest.raises(BadRequest) as e:
+        Request.parse(orjson.dumps(dict(base, stream="no")))
+    assert e.value.param == "stream"
+
+
+def test_streamed_events_pass_one_by_one(sent):
+    evs = [text(0, "a"), text(0, "b"), call(0, 0, "{", "f"), call(0, 0, "}"), done(0)]
+    replay(evs, coalesce=False)
+    assert sent == evs
+
+
+def test_not_streamed_merges_each_choices_text_and_call_arguments(sent):
+    """Two choices interleaved: text (with logprobs), then a call in pieces, then done. Each
+    choice's first piece goes at once; the rest of its text is one event, the rest of each
+    call one event; the content and its order are the streamed events'."""
+    evs = []
+    for k in range(40):
+        evs += [text(0, f"w{k} ", -0.5), text(1, f"v{k} ", -0.25)]
+    evs += [call(0, 0, '{"a":', "f"), call(0, 0, " 1"), call(0, 0, "}"), call(0, 1, "{", "g"), call(0, 1, "}"),
+            done(0), done(1)]
+    replay(evs, coalesce=False)
+    streamed = list(sent)
+    sent.clear()
+    replay(evs, coalesce=True)
+    assert content(sent) == content(streamed)
+    kinds = [(e["index"], e["event"], e.get("name")) for e in sent]
+    assert kinds == [(0, "text", None), (1, "text", None),          # the first pieces, at once
+                     (0, "text", None),                             # the rest of choice 0's text
+                     (0, "tool_call", "f"), (0, "tool_call", "g"),  # each call whole
+                     (0, "done", None), (1, "text", None), (1, "done", None)]
+    assert sent[2]["logprobs"] == [x for e in evs[2:80:2] for x in e["logprobs"]]
+
+
+def test_a_merged_event_stays_small_and_an_error_sends_what_was_held(sent):
+    piece = "x" * 1000
+    ev = Events(coalesce=True)
+    for _ in range(200):
+        ev.send(text(0, piece, -1.0))
+    ev.error(500, "internal_error", "boom")
+    assert not ev.send(text(0, "late"))                             # nothing after an error
+    assert sent[-1]["event"] == "error" and all(e["event"] == "text" for e in sent[:-1])
+    assert "".join(e["text"] for e in sent[:-1]) == piece * 200
+    assert len(sent) - 1 < 50                                       # of 200 pieces of ~5 KB with their logprobs
+    assert all(len(orjson.dumps(e)) <= HELD_BYTES for e in sent)
