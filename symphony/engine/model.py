@@ -17,6 +17,7 @@ from .quant import QWeight, embedding, linear
 from .config import ModelConfig, RopeScaling
 from .kv_cache import KVPool
 from .weights import ModelWeights
+from .tp.group import STEP
 
 
 @dataclass
@@ -133,7 +134,6 @@ class PagedLlama:
         (``head`` False: the other ranks of a tensor-parallel group need none)."""
         c, w = self.config, self.w
         if self.tp is not None and self.tp.rank == 0:
-            from .tp.group import STEP
             self.tp.send(STEP, *meta.pack())
         x = embedding(meta.tokens, w.embed, self.dtype)            # [T, hidden]
         if self.layer_stack is not None and not (meta.fresh_prefill and self.fused_prefill):

@@ -75,33 +75,18 @@ class TensorParallel:
         ``master`` "host:port" and ``nnodes`` > 1, the ranks of the other nodes
         join from their own ``symphony-kernel --worker``) and join the group as
         rank 0.  ``model``: the whole model's config, read from the file."""
-        from .shard import check_tp
-        from ..loader import has_quantized_tensors
-        check_tp(model, size, config.quantize is not None
-                 or (config.keep_quantized and has_quantized_tensors(path)))
-        local_ranks = size // nnodes if nnodes > 1 else size
-        if nnodes > 1 and size % nnodes:
-            raise ConfigError(f"--tp {size} does not split over --nnodes {nnodes}")
+        num_pages = _checked_pages(path, config, size, model, nnodes)
+        local_ranks = size // nnodes
         tmp = None
         if master:
             init = f"tcp://{master}"
         else:
             tmp = tempfile.mkdtemp(prefix="symphony-tp-")
             init = f"file://{Path(tmp) / 'rendezvous'}"
-        from .shard import local_config
-        num_pages = config.resolve_num_pages(local_config(model, Shard(0, size)))
         cfg_text = config_json(config, num_pages)
         threads = threads or max(1, (os.cpu_count() or 1) // local_ranks)
-        procs = []
-        for r in range(1, local_ranks):
-            dev = devices[r] if devices else "cpu"
-            argv = [sys.executable, "-m", "symphony.engine.tp.worker", "--rank", str(r), "--size", str(size),
-                    "--init", init, "--config", cfg_text, "--device", dev, "--threads", str(threads),
-                    "--timeout", str(timeout_s), "--activations", activations]
-            if path is not None:
-                argv += ["--model", str(path)]
-            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-            log.info("tensor-parallel rank %d of %d: pid %d on %s", r, size, procs[-1].pid, dev)
+        procs = [_spawn(path, r, size, init, cfg_text, devices[r] if devices else "cpu", threads, timeout_s,
+                        activations) for r in range(1, local_ranks)]
         backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
         try:
             group = _join(0, size, init, backend, timeout_s, config.torch_device, procs)
@@ -142,6 +127,30 @@ class TensorParallel:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def _checked_pages(path, config: EngineConfig, size: int, model: ModelConfig, nnodes: int) -> int:
+    """The KV pages every rank's pool holds, once ``size`` ranks over ``nnodes`` machines are
+    checked to split ``model`` as ``config`` keeps the file's weights (ConfigError otherwise)."""
+    from ..loader import has_quantized_tensors
+    from .shard import check_tp, local_config
+    if size % nnodes:
+        raise ConfigError(f"--tp {size} does not split over --nnodes {nnodes}")
+    check_tp(model, size, config.quantize is not None or (config.keep_quantized and has_quantized_tensors(path)))
+    return config.resolve_num_pages(local_config(model, Shard(0, size)))
+
+
+def _spawn(path, rank: int, size: int, init: str, cfg_text: str, device: str, threads: int,
+           timeout_s: float, activations: str) -> subprocess.Popen:
+    """Start the worker process of rank ``rank`` (worker.py)."""
+    argv = [sys.executable, "-m", "symphony.engine.tp.worker", "--rank", str(rank), "--size", str(size),
+            "--init", init, "--config", cfg_text, "--device", device, "--threads", str(threads),
+            "--timeout", str(timeout_s), "--activations", activations]
+    if path is not None:
+        argv += ["--model", str(path)]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    log.info("tensor-parallel rank %d of %d: pid %d on %s", rank, size, proc.pid, device)
+    return proc
+
+
 def _join(rank: int, size: int, init: str, backend: str, timeout_s: float, device, procs) -> TPGroup:
     """Join the group, failing clearly if a local rank exits before it joins."""
     import threading
@@ -174,27 +183,12 @@ def run_node(path, config: EngineConfig, size: int, nnodes: int, node_rank: int,
     process, until node 0's kernel stops them.  The first non-zero exit status, else 0."""
     if node_rank < 1:
         raise ConfigError("--worker runs the ranks of another machine: --node-rank must be 1 or more")
-    if size % nnodes:
-        raise ConfigError(f"--tp {size} does not split over --nnodes {nnodes}")
-    from .shard import check_tp, local_config
     from ..loader import read_model_config
-    from ..loader import has_quantized_tensors
-    model = read_model_config(path)
-    check_tp(model, size, config.quantize is not None or (config.keep_quantized and has_quantized_tensors(path)))
+    cfg_text = config_json(config, _checked_pages(path, config, size, read_model_config(path), nnodes))
     local = size // nnodes
-    num_pages = config.resolve_num_pages(local_config(model, Shard(0, size)))
     threads = max(1, (os.cpu_count() or 1) // local)
-    procs = []
-    for i in range(local):
-        r = node_rank * local + i
-        argv = [sys.executable, "-m", "symphony.engine.tp.worker", "--rank", str(r), "--size", str(size),
-                "--init", f"tcp://{master}", "--config", config_json(config, num_pages),
-                "--device", devices[i] if devices else "cpu", "--threads", str(threads),
-                "--timeout", str(timeout_s), "--activations", activations]
-        if path is not None:
-            argv += ["--model", str(path)]
-        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-        log.info("tensor-parallel rank %d of %d: pid %d", r, size, procs[-1].pid)
+    procs = [_spawn(path, node_rank * local + i, size, f"tcp://{master}", cfg_text,
+                    devices[i] if devices else "cpu", threads, timeout_s, activations) for i in range(local)]
     status = 0
     for p in procs:
         code = p.wait()
