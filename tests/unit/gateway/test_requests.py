@@ -34,3 +34,18 @@ def test_stream_reaches_the_program(route, body, stream):
     assert reqs and all(r["stream"] is bool(stream) for r in reqs)
     for r in reqs:
         assert Request.parse(orjson.dumps(dict(r, cache=None))).stream is bool(stream)
+
+
+def test_kv_files_a_client_sends_are_bounded():
+    """A hostile POST /v1/lips: too many kv_files, an empty one, a path past 4 KiB, not a list:
+    each a 400 naming kv_files (the router asks every kernel about each file it keeps)."""
+    import orjson
+    import pytest
+    from symphony.gateway.errors import ApiError
+    from symphony.gateway.schema import MAX_KV_FILES, LipRequest
+    ok = decode(orjson.dumps({"program": "chat", "kv_files": ["/home/a/x.kv"] * MAX_KV_FILES}), LipRequest)
+    assert len(ok.kv_files) == MAX_KV_FILES
+    for bad in (["/x"] * (MAX_KV_FILES + 1), [""], ["/" + "a" * 4096], "/x"):
+        with pytest.raises(ApiError) as e:
+            decode(orjson.dumps({"program": "chat", "kv_files": bad}), LipRequest)
+        assert e.value.status == 400 and e.value.param and "kv_files" in e.value.param
