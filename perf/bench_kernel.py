@@ -2,7 +2,8 @@
 
     python perf/bench_kernel.py [--steps 64] [--rounds 5] [--lips 32] [--lip-steps 32]
                                 [--conc-rounds 3] [--spawns 50] [--many 200] [--kv-memory-mb 512]
-                                [--parts 1234] [--timeout 300]
+                                [--null-calls 2000] [--null-lips 4] [--null-rounds 2]
+                                [--parts 1234] [--gpus N] [--timeout 300]
 
 Starts ``symphony-kernel`` in a subprocess on its own socket (as tests/conftest.py's
 KernelProc does, with ``--kv-memory-mb 512``) and loads the same model in this
@@ -32,12 +33,30 @@ kernel and its zygote), and parts 1-2 add the ratio over "quiet" rounds only
    pred ~10 tokens, 4 greedy decode steps, send the tokens, exit.  Counts those
    that exit with status 0 and a result; reports the wall time and how many
    match an in-process (batched) greedy reference.
+5. the null system call as a LIP sees it (not in the default parts: a busy round on
+   the CPU takes minutes).  The null call is NOP (op 0, `symphony.ipc.abi`): an empty
+   body (schema ``Empty``) and a handler that returns ``{}`` (kernel/syscall/calls/info.py)
+   without touching the engine or KVFS; INFO, the cheapest public call
+   (``symphony.lip.info()``), builds a dict of the LIP's grants and the model's shape.
+   There is no public nop(), so the probe LIP calls ``symphony.lip.runtime._sys(abi.NOP)``,
+   the path every library call takes (schema build, ring call, reply parse).  The
+   syscall thread (kernel/syscall/server.py) reads every ring call and answers this
+   one inline; it is the thread that runs each forward pass too, so with the model
+   busy a null call waits for the step in progress.  One probe LIP stays up for the whole part; per round it makes
+   --null-calls calls back to back, each timed in the LIP with perf_counter_ns, first
+   with the kernel idle, then while --null-lips LIPs decode greedily (a pred loop each,
+   past its prefill, killed after the round), --null-rounds times (idle, busy, idle,
+   busy, ...).  Reported: p50 / p99 / max per condition over all calls, the p50 of
+   each round, busy / idle, and the decode tokens/s the busy LIPs got while the probe
+   ran (``Client.stats()`` batch_calls over the round), with forward passes/s and
+   calls per pass.  Parts 3 and 5 load no in-process engine.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import queue
 import resource
 import statistics
 import sys
@@ -102,6 +121,52 @@ def main(text, steps="4"):
     send({"n_prompt": len(ids), "tokens": out})
 '''
 
+LIP_NULL = r'''
+import time
+from symphony.ipc import abi
+from symphony.lip import recv, send
+from symphony.lip.runtime import _sys
+
+CHUNK = 8192                                    # latencies per message (a message is at most 1 MiB)
+
+def main(n):
+    n = int(n)
+    for _ in range(min(n, 200)):                # warm-up
+        _sys(abi.NOP)
+    send("ready")
+    while recv() == "go":                       # one round of n calls per "go"; end of input: exit
+        ns, clock = [], time.perf_counter_ns
+        t0 = time.perf_counter()
+        for _ in range(n):
+            a = clock()
+            _sys(abi.NOP)
+            ns.append(clock() - a)
+        t1 = time.perf_counter()
+        for i in range(0, n, CHUNK):
+            send({"ns": ns[i:i + CHUNK]})
+        send({"t0": t0, "t1": t1})
+'''
+
+LIP_BUSY = r'''
+import time
+from symphony.lip import kv, pred, send, tokenize
+
+def main(text, max_s):
+    ids = tokenize(text)
+    deadline = time.perf_counter() + float(max_s)
+    steps = 0
+    with kv.create() as f:
+        t = pred(f, ids, output="argmax")
+        for _ in range(4):                      # warm-up
+            t = pred(f, [t], output="argmax")
+        send("ready")
+        while time.perf_counter() < deadline:   # until killed (or max_s)
+            t = pred(f, [t], output="argmax")
+            steps += 1
+            if steps % 256 == 0:                # keep the context (and the step's cost) bounded
+                f.truncate(len(ids))
+    send({"steps": steps})
+'''
 
 # ---------------------------------------------------------------- CPU used by other processes
 TICK = os.sysconf("SC_CLK_TCK")
@@ -176,7 +241,8 @@ class KernelProc(_TestKernelProc):
 
 class LipConn(threading.Thread):
     """One LIP on its own connection, run from its own thread: spawn, then read
-    its events until exit.  A ``"ready"`` message sets ``self.ready``."""
+    its events until exit.  A ``"ready"`` message sets ``self.ready``; every
+    other message becomes ``self.result`` and is queued on ``self.outs``."""
 
     def __init__(self, socket: str, source: str, args, *, filename: str, timeout: float,
                  barrier: threading.Barrier | None = None, kv_tokens: int | None = None):
@@ -185,6 +251,7 @@ class LipConn(threading.Thread):
         self.socket, self.source, self.args, self.filename = socket, source, list(args), filename
         self.timeout, self.barrier = timeout, barrier
         self.ready = threading.Event()
+        self.outs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.client = None
         self.lip = None
         self.result = None
@@ -209,6 +276,7 @@ class LipConn(threading.Thread):
                         self.ready.set()
                     else:
                         self.result, self.t_out = ev.get("data"), time.perf_counter()
+                        self.outs.put(self.result)
                 elif kind in ("stdout", "stderr"):
                     self.stderr += ev.get("data", "")
                 elif kind == "exit":
@@ -367,6 +435,91 @@ def many_lips(k: KernelProc, n: int, timeout: float) -> tuple[list[LipConn], flo
     return conns, wall, texts
 
 
+def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, watch: CpuWatch) -> list[dict]:
+    """Part 5: one probe LIP makes ``n`` null calls per round, with the kernel idle and then
+    with ``n_busy`` LIPs decoding, ``rounds`` times (idle, busy, idle, busy, ...).  One dict per
+    round and condition: ``busy``, ``ns`` (each call's round trip), ``span`` (seconds),
+    ``tok_s`` / ``passes`` / ``calls`` (the kernel's decode over the round) and ``others``
+    (% of the CPUs other processes took)."""
+    probe = LipConn(k.socket, LIP_NULL, [str(n)], filename="null.py", timeout=timeout)
+    probe.start()
+    probe.ready.wait(timeout)
+    if probe.error is not None or probe.exit is not None or probe.lip is None:
+        raise RuntimeError("null-call probe LIP failed: " + probe.describe())
+    out = []
+    try:
+        with k.client(timeout=timeout) as ctl:
+            for _ in range(rounds):
+                for busy in (False, True):
+                    decoders = _start_decoders(k, n_busy, timeout) if busy else []
+                    try:
+                        out.append(_probe_round(probe, ctl, decoders, timeout, watch))
+                    finally:
+                        _stop_decoders(ctl, decoders, timeout)
+    finally:
+        if probe.exit is None and probe.error is None:
+            probe.client.send_input(probe.lip, None)           # end of input: the probe exits
+        probe.join(timeout)
+        probe.close()
+    if probe.exit is None or probe.exit.get("status") != 0:
+        raise RuntimeError("null-call probe LIP did not exit cleanly: " + probe.describe())
+    return out
+
+
+def _start_decoders(k: KernelProc, n: int, timeout: float) -> list[LipConn]:
+    """``n`` LIPs decoding greedily until killed, each past its prefill and warm-up steps."""
+    conns = [LipConn(k.socket, LIP_BUSY, [f"Item {i}: the quick brown fox jumps over the", str(timeout)],
+                     filename="busy.py", timeout=timeout, kv_tokens=512) for i in range(n)]
+    for c in conns:
+        c.start()
+    for c in conns:
+        c.ready.wait(timeout)
+    bad = [c for c in conns if c.error is not None or c.exit is not None or c.lip is None]
+    if bad:
+        raise RuntimeError(f"{len(bad)}/{n} decoding LIPs failed to start; first: " + bad[0].describe())
+    return conns
+
+
+def _stop_decoders(ctl: Client, conns: list[LipConn], timeout: float) -> None:
+    for c in conns:
+        if c.lip is not None and c.exit is None:
+            try:
+                ctl.kill(c.lip)
+            except Exception:                   # it exited meanwhile: its thread has the event
+                pass
+    for c in conns:
+        c.join(timeout)
+        c.close()
+
+
+def _probe_round(probe: LipConn, ctl: Client, decoders: list[LipConn], timeout: float,
+                 watch: CpuWatch) -> dict:
+    # the LIPs alive now are the zygote's children: their CPU is ours, not other processes'
+    w = CpuWatch(*watch.pids, *(c for p in watch.pids if p for c in _children(p)))
+    before = ctl.stats()
+    w.start()
+    t0 = time.perf_counter()
+    probe.client.send_input(probe.lip, "go")
+    ns = []
+    while True:
+        try:
+            m = probe.outs.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError("null-call probe LIP sent no result: " + probe.describe()) from None
+        if "ns" not in m:
+            break
+        ns += m["ns"]
+    dt = time.perf_counter() - t0
+    others = w.stop()
+    after = ctl.stats()
+    gone = [c for c in decoders if c.exit is not None or c.error is not None]
+    if gone:
+        raise RuntimeError(f"{len(gone)} decoding LIPs stopped during the probe; first: " + gone[0].describe())
+    calls = after["batch_calls"] - before["batch_calls"]
+    return {"busy": bool(decoders), "ns": ns, "span": m["t1"] - m["t0"], "dt": dt, "tok_s": calls / dt,
+            "passes": after["batches"] - before["batches"], "calls": calls, "others": others}
+
+
 QUIET = 20.0        # a round is "quiet" when other processes took < 20% of the CPUs in both halves
 
 
@@ -392,16 +545,20 @@ def main():
     ap.add_argument("--conc-rounds", type=int, default=3, help="concurrent interleaved rounds (default 3)")
     ap.add_argument("--spawns", type=int, default=50, help="sequential spawns timed (default 50)")
     ap.add_argument("--many", type=int, default=200, help="LIPs spawned at once in part 4 (default 200)")
+    ap.add_argument("--null-calls", type=int, default=2000, help="part 5: null calls per round and condition "
+                    "(default 2000)")
+    ap.add_argument("--null-lips", type=int, default=4, help="part 5: LIPs decoding in a busy round (default 4)")
+    ap.add_argument("--null-rounds", type=int, default=2, help="part 5: interleaved idle/busy rounds (default 2)")
     ap.add_argument("--kv-memory-mb", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=300, help="per-LIP client timeout, seconds")
     ap.add_argument("--gpus", default=None, metavar="N",
                     help="run both contenders on GPU N (the kernel with --gpus N; default: the CPU)")
-    ap.add_argument("--parts", default="1234", help="which parts to run, e.g. 14 (default 1234)")
+    ap.add_argument("--parts", default="1234", help="which parts to run, e.g. 14 or 5 (default 1234)")
     args = ap.parse_args()
     parts = set(args.parts)
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # one socket per concurrent LIP
-    want = 4 * max(args.many, args.lips) + 256
+    want = 4 * max(args.many, args.lips, args.null_lips) + 256
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
@@ -410,12 +567,14 @@ def main():
              else "CPU (float32)")
     print(f"# SmolLM2-135M-Instruct, {where}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch threads per process", flush=True)
-    t_load = time.perf_counter()
-    eng = Engine.load(config=EngineConfig(device=device, page_size=16, kv_memory_bytes=256 * 2**20),
-                      progress=False)
-    ids = eng.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    print(f"# in-process engine loaded in {time.perf_counter() - t_load:.1f} s; prompt {len(ids)} tokens",
-          flush=True)
+    eng = ids = None
+    if parts & {"1", "2", "4"}:                                    # the parts with an in-process contender
+        t_load = time.perf_counter()
+        eng = Engine.load(config=EngineConfig(device=device, page_size=16, kv_memory_bytes=256 * 2**20),
+                          progress=False)
+        ids = eng.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+        print(f"# in-process engine loaded in {time.perf_counter() - t_load:.1f} s; prompt {len(ids)} tokens",
+              flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-kernel-"))
     t_load = time.perf_counter()
     k = KernelProc(tmp, "--kv-memory-mb", str(args.kv_memory_mb), "--max-lips", "256", "--max-lips-per-user", "256",
@@ -425,7 +584,7 @@ def main():
     others: dict[str, list[float]] = {}
     t_bench = time.perf_counter()
     n, s = args.lips, args.lip_steps
-    prompts = [ids[:-1] + [i + 100] for i in range(n)]             # distinct prompts of equal length
+    prompts = [ids[:-1] + [i + 100] for i in range(n)] if ids else []   # distinct prompts of equal length
     out: dict = {}
     try:
         # ------------------------------------------------ warm-up (both sides, every path used)
@@ -502,6 +661,22 @@ def main():
             with k.client() as c:
                 st, ps = c.stats(), c.ps()
             out["4"] = (conns, wall, ref, st, ps, k.problems(log_mark))
+
+        # ------------------------------------------------ 5. the null system call, idle and busy
+        if "5" in parts:
+            print(f"\n## 5. null system call (NOP) round trip in a LIP: {args.null_calls} calls per round, "
+                  f"idle vs {args.null_lips} LIPs decoding, {args.null_rounds} interleaved rounds", flush=True)
+            log_mark = len(k.read_log())
+            res = null_calls(k, args.null_calls, args.null_lips, args.null_rounds, args.timeout, watch)
+            for i, r in enumerate(res):
+                what = (f"busy ({args.null_lips} LIPs decoding {r['tok_s']:.0f} tok/s, "
+                        f"{r['calls'] / max(r['passes'], 1):.1f} calls/pass, {r['passes'] / r['dt']:.0f} passes/s)"
+                        if r["busy"] else f"idle (decode {r['tok_s']:.0f} tok/s)")
+                print(f"  round {i // 2 + 1}/{args.null_rounds} {what}: p50 {pct(r['ns'], 50) / 1e3:.1f} us, "
+                      f"p99 {pct(r['ns'], 99) / 1e3:.1f} us, max {max(r['ns']) / 1e3:.1f} us, {len(r['ns'])} calls "
+                      f"in {r['span']:.2f} s; other processes' CPU {r['others']:.0f}%", flush=True)
+            others["5"] = [r["others"] for r in res]
+            out["5"] = (res, k.problems(log_mark))
     finally:
         rc = k.stop()
 
@@ -578,6 +753,27 @@ def main():
                 print("  FAILED " + c.describe())
         if problems:
             print("* kernel log, warnings/errors during part 4:")
+            for line in problems:
+                print("    " + line)
+    if "5" in out:
+        res, problems = out["5"]
+        cond = {False: [r for r in res if not r["busy"]], True: [r for r in res if r["busy"]]}
+        us = {b: [x / 1e3 for r in rs for x in r["ns"]] for b, rs in cond.items()}
+        print(f"\n| null call (NOP) round trip, in the LIP | calls | p50 us | p99 us | max us | p50 per round us |")
+        print("|---|---|---|---|---|---|")
+        for b, label in ((False, "kernel idle"), (True, f"{args.null_lips} LIPs decoding")):
+            print(f"| {label} | {len(us[b])} | {pct(us[b], 50):.1f} | {pct(us[b], 99):.1f} | {max(us[b]):.1f} | "
+                  + ", ".join(f"{pct(r['ns'], 50) / 1e3:.1f}" for r in cond[b]) + " |")
+        busy = cond[True]
+        print(f"\n* busy / idle: p50 **{pct(us[True], 50) / pct(us[False], 50):.1f}x**, p99 "
+              f"{pct(us[True], 99) / pct(us[False], 99):.1f}x, max {max(us[True]) / max(us[False]):.1f}x")
+        print(f"* while the probe ran, the {args.null_lips} decoding LIPs got {med(r['tok_s'] for r in busy):.0f} "
+              f"tok/s (median over busy rounds; per round " + ", ".join(f"{r['tok_s']:.0f}" for r in busy)
+              + f") in {med(r['passes'] / r['dt'] for r in busy):.0f} forward passes/s of "
+              f"{med(r['calls'] / max(r['passes'], 1) for r in busy):.1f} calls each; idle rounds decoded "
+              f"{sum(r['calls'] for r in cond[False])} tokens")
+        if problems:
+            print("* kernel log, warnings/errors during part 5:")
             for line in problems:
                 print("    " + line)
     if rc != 0:
