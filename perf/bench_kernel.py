@@ -435,10 +435,10 @@ def many_lips(k: KernelProc, n: int, timeout: float) -> tuple[list[LipConn], flo
     return conns, wall, texts
 
 
-def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, watch: CpuWatch) -> list[dict]:
+def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, watch: CpuWatch):
     """Part 5: one probe LIP makes ``n`` null calls per round, with the kernel idle and then
-    with ``n_busy`` LIPs decoding, ``rounds`` times (idle, busy, idle, busy, ...).  One dict per
-    round and condition: ``busy``, ``ns`` (each call's round trip), ``span`` (seconds),
+    with ``n_busy`` LIPs decoding, ``rounds`` times (idle, busy, idle, busy, ...).  Yields a dict
+    per round and condition as it ends: ``busy``, ``ns`` (each call's round trip), ``span`` (seconds),
     ``tok_s`` / ``passes`` / ``calls`` (the kernel's decode over the round) and ``others``
     (% of the CPUs other processes took)."""
     probe = LipConn(k.socket, LIP_NULL, [str(n)], filename="null.py", timeout=timeout)
@@ -446,16 +446,16 @@ def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, 
     probe.ready.wait(timeout)
     if probe.error is not None or probe.exit is not None or probe.lip is None:
         raise RuntimeError("null-call probe LIP failed: " + probe.describe())
-    out = []
     try:
         with k.client(timeout=timeout) as ctl:
             for _ in range(rounds):
                 for busy in (False, True):
                     decoders = _start_decoders(k, n_busy, timeout) if busy else []
                     try:
-                        out.append(_probe_round(probe, ctl, decoders, timeout, watch))
+                        r = _probe_round(probe, ctl, decoders, timeout, watch)
                     finally:
                         _stop_decoders(ctl, decoders, timeout)
+                    yield r
     finally:
         if probe.exit is None and probe.error is None:
             probe.client.send_input(probe.lip, None)           # end of input: the probe exits
@@ -463,7 +463,6 @@ def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, 
         probe.close()
     if probe.exit is None or probe.exit.get("status") != 0:
         raise RuntimeError("null-call probe LIP did not exit cleanly: " + probe.describe())
-    return out
 
 
 def _start_decoders(k: KernelProc, n: int, timeout: float) -> list[LipConn]:
@@ -667,8 +666,10 @@ def main():
             print(f"\n## 5. null system call (NOP) round trip in a LIP: {args.null_calls} calls per round, "
                   f"idle vs {args.null_lips} LIPs decoding, {args.null_rounds} interleaved rounds", flush=True)
             log_mark = len(k.read_log())
-            res = null_calls(k, args.null_calls, args.null_lips, args.null_rounds, args.timeout, watch)
-            for i, r in enumerate(res):
+            res = []
+            for i, r in enumerate(null_calls(k, args.null_calls, args.null_lips, args.null_rounds, args.timeout,
+                                             watch)):
+                res.append(r)
                 what = (f"busy ({args.null_lips} LIPs decoding {r['tok_s']:.0f} tok/s, "
                         f"{r['calls'] / max(r['passes'], 1):.1f} calls/pass, {r['passes'] / r['dt']:.0f} passes/s)"
                         if r["busy"] else f"idle (decode {r['tok_s']:.0f} tok/s)")
