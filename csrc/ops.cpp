@@ -57,6 +57,10 @@ TORCH_LIBRARY(symphony, m) {
   // each row x[t] ([T, N]): pair (2i, 2i+1) as the complex x[2i] + i x[2i+1] times
   // table[positions[t], i] = (cos, sin) of positions[t] * inv_freq[i] (table [P, head_dim/2, 2]).
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table, int heads) -> ()");
+  // dense_gemv: x [M, K] @ w [N, K]^T for a few rows (M <= 4 on CUDA), float32 out when
+  // float_out, else x's dtype. CUDA: 16-bit x and w, the decode GEMV (csrc/cuda/dense.cu);
+  // CPU: torch's matmul in float32, for reference.
+  m.def("dense_gemv(Tensor x, Tensor w, bool float_out) -> Tensor");
   // llama_layers: PagedLlama's decoder layer stack in one op (float32 CPU; csrc/cpu/layers.cpp
   // documents the arguments): x [T, H] -> x after the last layer; writes K/V into kv_pool.
   m.def(

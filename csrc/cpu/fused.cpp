@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
 #include <torch/library.h>
 
 #include "fused.h"
@@ -126,7 +127,22 @@ void rope_inplace(at::Tensor& x, const at::Tensor& positions, const at::Tensor& 
   });
 }
 
+// x @ w^T in float32 (the CPU reference of the CUDA decode GEMV, csrc/cuda/dense.cu)
+at::Tensor dense_gemv_cpu(const at::Tensor& x, const at::Tensor& w, bool float_out) {
+  constexpr const char* op = "symphony::dense_gemv";
+  SYM_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
+  SYM_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x must be [M, K] and w [N, K], got shapes ",
+            x.sizes(), " and ", w.sizes());
+  SYM_CHECK(w.size(1) == x.size(1), op, ": x has ", x.size(1), " columns but w has ", w.size(1));
+  SYM_CHECK(x.scalar_type() == w.scalar_type() && at::isFloatingType(x.scalar_type()), op,
+            ": x and w must share a floating-point dtype, got ", x.scalar_type(), " and ",
+            w.scalar_type());
+  at::Tensor y = at::matmul(x.to(at::kFloat), w.to(at::kFloat).t());
+  return float_out ? y : y.to(x.scalar_type());
+}
+
 TORCH_LIBRARY_IMPL(symphony, CPU, m) {
+  m.impl("dense_gemv", &dense_gemv_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
   m.impl("rope_", &rope_inplace);
 }

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops, quant
+from .cuda_kernels import CudaKernels
 from .quant import QWeight, embedding, linear
 from .config import ModelConfig, RopeScaling
 from .kv_cache import KVPool
@@ -115,12 +116,21 @@ class PagedLlama:
         self.rope = torch.polar(torch.ones_like(angles), angles).to(device)
         # float32 on the CPU: RoPE and SwiGLU by the fused C++ ops (csrc/cpu/fused.cpp) on the
         # same table as real (cos, sin) pairs, [max_context, head_dim/2, 2]; torch's code otherwise
-        self.fused_elementwise = device.type == "cpu" and dtype == torch.float32
         self.rope_table = torch.view_as_real(self.rope)
-        # ... and the whole layer stack is one C++ op (ops.llama_layers: the same ops without
-        # ~35 Python calls a layer) on these lists of the layers' tensors; None: the Python loop
-        # (not with tensor parallelism: its all-reduces sit between the ops)
-        self.layer_stack = self._stack_args() if self.fused_elementwise and tp is None else None
+        # On a GPU: our CUDA kernels where they were checked (element-wise) and measured faster
+        # (the GEMV of a few rows) at start-up, before any graph is captured (cuda_kernels.py)
+        self.kernels = CudaKernels.build(
+            device, dtype, c, [m for lw in self.w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)],
+            self.lm_head if self.head_f32_out else None, self._head_torch)
+        self.fused_elementwise = (device.type == "cpu" and dtype == torch.float32) or self.kernels.elementwise
+        # float32 norm weights for the fused RMSNorm ops (converted once, not every call)
+        self._norm32 = {id(t): t.float() for lw in self.w.layers for t in (lw.attn_norm, lw.mlp_norm)}
+        self._norm32[id(self.w.norm)] = self.w.norm.float()
+        # ... and on the CPU the whole layer stack is one C++ op (ops.llama_layers: the same ops
+        # without ~35 Python calls a layer) on these lists of the layers' tensors; None: the
+        # Python loop (not with tensor parallelism: its all-reduces sit between the ops)
+        self.layer_stack = (self._stack_args() if self.fused_elementwise and device.type == "cpu"
+                            and tp is None else None)
         self.scale = 1.0 / math.sqrt(c.head_dim)
         # A prompt into an empty file attends by scaled_dot_product_attention (flash attention)
         # on a GPU. Not on the CPU: there our paged kernel took 0.89-0.96x of SDPA's time for
@@ -149,8 +159,19 @@ class PagedLlama:
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
         x = self._norm(x.to(self.head_dtype), w.norm)
         if self.head_f32_out:
-            return torch.mm(x, self.lm_head.t(), out_dtype=torch.float32)   # [R, vocab]
+            return self.kernels.head(x, self.lm_head, self._head_torch)  # [R, vocab] float32
         return linear(x, self.lm_head).float()                      # [R, vocab]
+
+    @staticmethod
+    def _head_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """float32 logits of a 16-bit head by cuBLAS (float32 accumulation and output)."""
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    def _linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w^T (+ bias)``: our GEMV where it was chosen, else `quant.linear`."""
+        if bias is None and isinstance(w, torch.Tensor) and self.kernels.gemv:
+            return self.kernels.linear(x, w)
+        return linear(x, w, bias)
 
     def _layers(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """The decoder layers in Python: embeddings x ``[T, hidden]`` -> the residual stream
@@ -160,7 +181,7 @@ class PagedLlama:
         rot = None if self.fused_elementwise else self.rope[meta.positions].unsqueeze(1)  # [T, 1, head_dim/2]
         h = self._norm(x, w.layers[0].attn_norm) if w.layers else x
         for i, lw in enumerate(w.layers):
-            qkv = linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
+            qkv = self._linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
             q, k, v = self._rotate(qkv, meta.positions, rot)        # [T, heads, head_dim] each
             k_cache, v_cache = kv.layer(i)
             ops.write_kv(k, v, k_cache, v_cache, meta.slots)         # token-strided views are fine
@@ -169,12 +190,12 @@ class PagedLlama:
             else:
                 o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
                                         meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
-            attn = linear(o.reshape(T, c.q_size), lw.wo)
+            attn = self._linear(o.reshape(T, c.q_size), lw.wo)
             if self.tp is not None:                                 # row-parallel: sum the ranks' parts
                 self.tp.all_reduce(attn)
             x, h = self._add_norm(x, attn, lw.mlp_norm)
-            gu = linear(h, lw.w_gate_up)                            # [T, 2 * intermediate]
-            down = linear(self._swiglu(gu), lw.w_down)
+            gu = self._linear(h, lw.w_gate_up)                      # [T, 2 * intermediate]
+            down = self._linear(self._swiglu(gu), lw.w_down)
             if self.tp is not None:
                 self.tp.all_reduce(down)
             if i + 1 < len(w.layers):                               # the residual and the next norm
@@ -229,20 +250,30 @@ class PagedLlama:
         return F.silu(gu[:, :i]) * gu[:, i:]
 
     def _fused_norm(self, x: torch.Tensor) -> bool:
-        """Whether the C++ RMSNorm ops take x (float32 on the CPU; torch's otherwise)."""
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+        """Whether our RMSNorm ops take x (float32 on the CPU, any dtype on a GPU whose kernels
+        were checked; torch's otherwise)."""
+        if x.dim() != 2:
+            return False
+        if x.device.type == "cpu":
+            return x.dtype == torch.float32
+        return self.kernels.elementwise
+
+    def _w32(self, weight: torch.Tensor) -> torch.Tensor:
+        """A norm's weight as float32 (the model's own converted once)."""
+        w32 = self._norm32.get(id(weight))
+        return weight.float() if w32 is None else w32
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the rows of x ``[T, hidden]`` (the model's eps)."""
         if self._fused_norm(x):
-            return ops.rms_norm(x, weight.float(), self.config.rms_eps)
+            return ops.rms_norm(x, self._w32(weight), self.config.rms_eps)
         return F.rms_norm(x, (self.config.hidden_size,), weight.to(x.dtype), self.config.rms_eps)
 
     def _add_norm(self, x: torch.Tensor, r: torch.Tensor,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and the following RMSNorm: ``(x + r, norm(x + r))``, ``[T, hidden]``."""
-        if self._fused_norm(x) and r.dtype == torch.float32:
-            return ops.add_rms_norm(x, r, weight.float(), self.config.rms_eps)
+        if self._fused_norm(x) and r.dtype == x.dtype:
+            return ops.add_rms_norm(x, r, self._w32(weight), self.config.rms_eps)
         s = x + r
         return s, F.rms_norm(s, (self.config.hidden_size,), weight.to(s.dtype), self.config.rms_eps)
 

@@ -60,6 +60,7 @@ __all__ = [
     "silu_mul",
     "rope_",
     "llama_layers",
+    "dense_gemv",
     "qlinear_reference",
     "quantize_act_reference",
     "qdequant_reference",
@@ -170,7 +171,8 @@ def qdequant(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: i
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the rows of x ``[T, H]`` (float32, CPU) with weight w ``[H]``:
+    """RMSNorm of the rows of x ``[T, H]`` (float32 on the CPU; float32, float16 or bfloat16 on
+    CUDA, computed in float32) with a float32 weight w ``[H]``:
     ``x * rsqrt(mean(x^2) + eps) * w``, one op instead of F.rms_norm's ~10 small ones."""
     if not _loaded:
         load()
@@ -179,7 +181,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next RMSNorm at once (float32, CPU): ``(s, rms_norm(s, w))``
+    """The residual add and the next RMSNorm at once (dtypes as `rms_norm`; on CUDA s is
+    rounded to x's dtype before the norm, as torch's ``x + r``): ``(s, rms_norm(s, w))``
     with ``s = x + r``, both ``[T, H]``."""
     if not _loaded:
         load()
@@ -187,7 +190,8 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU of a fused gate/up projection (float32, CPU): ``gu [T, 2I]`` ->
+    """The SwiGLU of a fused gate/up projection (float32 on the CPU; float32, float16 or
+    bfloat16 on CUDA, computed in float32): ``gu [T, 2I]`` ->
     ``silu(gu[:, :I]) * gu[:, I:]``, ``[T, I]``; rows of gu may be strided. One op for four
     (two slices, silu, mul); its exp is within 2 ulp (``silu_mul_reference``)."""
     if not _loaded:
@@ -196,7 +200,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int) -> None:
-    """Rotary embedding in place (float32, CPU): rotate the first ``heads`` heads of each row of
+    """Rotary embedding in place (x float32 on the CPU; float32, float16 or bfloat16 on CUDA,
+    where a position outside the table leaves its row unrotated instead of raising): rotate the first ``heads`` heads of each row of
     ``x [T, N]`` (rows may be strided), head_dim = ``2 * table.shape[1]`` values each, pair
     ``(2i, 2i + 1)`` by the angle ``positions[t] * inv_freq[i]`` whose ``(cos, sin)`` is
     ``table[positions[t], i]`` (``table``: float32 ``[max_positions, head_dim / 2, 2]``, the
@@ -205,6 +210,17 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: 
     if not _loaded:
         load()
     torch.ops.symphony.rope_(x, positions, table, int(heads))
+
+
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    """``x @ w^T`` for ``x [M, K]`` and a dense ``w [N, K]``: ``[M, N]``, float32 when
+    ``float_out``, else x's dtype. On CUDA the decode GEMV (csrc/cuda/dense.cu): float16 or
+    bfloat16 x and w alike, 1 to 4 rows, K a multiple of 8, rows of x contiguous and 16-byte
+    aligned, w contiguous; float32 accumulation. On the CPU torch's float32 matmul (a reference).
+    The engine uses it where it measured it faster than cuBLAS (``engine.cuda_kernels``)."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.dense_gemv(x, w, bool(float_out))
 
 
 def llama_layers(x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
@@ -298,6 +314,12 @@ def _rope_fake(x, positions, table, heads) -> None:
     return None
 
 
+def _dense_gemv_fake(x, w, float_out):
+    torch._check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1])
+    return torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32 if float_out else x.dtype,
+                       device=x.device)
+
+
 def _llama_layers_fake(x, positions, rope_table, kv_pool, slots, page_table, cu_q_lens, kv_lens,
                        norms, mats, kinds, groups, biases, n_heads, n_kv_heads, scale, eps, qpath):
     torch._check(x.dim() == 2 and kv_pool.dim() == 6)
@@ -329,6 +351,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("symphony::silu_mul", _silu_mul_fake)
     torch.library.register_fake("symphony::rope_", _rope_fake)
     torch.library.register_fake("symphony::llama_layers", _llama_layers_fake)
+    torch.library.register_fake("symphony::dense_gemv", _dense_gemv_fake)
     _fakes_registered = True
 
 
