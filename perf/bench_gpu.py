@@ -425,6 +425,10 @@ def parse_args():
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after the timings, profile STEPS decode steps at batch 16 of each engine "
                          "(torch.profiler, CPU + CUDA) and print where the time goes")
+    ap.add_argument("--profile-batches", default="16", help="batch sizes --profile profiles (default 16)")
+    ap.add_argument("--torch-kernels", action="store_true",
+                    help="CUDA: also time the engine with torch's kernels only (SYMPHONY_CUDA_KERNELS=off), "
+                         "against ours (symphony/engine/cuda_kernels.py) in the same run")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args()
     gpu = torch.device(args.device).type == "cuda"
@@ -490,7 +494,10 @@ def main():
         on = getattr(cfg, "use_graphs", None)
         label = "symphony" if on is None or len(modes) == 1 and device.type != "cuda" else \
             f"symphony, cuda_graphs {'on' if on else 'off'}"
-        variants.append((label, cfg))
+        variants.append((label, cfg, None))
+    if device.type == "cuda" and args.torch_kernels:
+        # the same engine with torch's kernels only (SYMPHONY_CUDA_KERNELS=off): what ours gain
+        variants.append(("symphony, torch's kernels", engine_config(args, device, dtype, None), "off"))
     say("symphony: loading the C++/CUDA ops (the first use on a machine builds them: a minute or "
         "more with CUDA)...")
     ops.load()
@@ -499,11 +506,24 @@ def main():
         sys.exit("symphony's CUDA kernels are not built (no CUDA toolkit found, or the build failed: "
                  "see above), so the engine cannot run on the GPU")
     engines = []
-    for label, cfg in variants:
+    for label, cfg, kernels in variants:
         capture = device.type == "cuda" and getattr(cfg, "use_graphs", False)
         say(f"{label}: building the engine on {device}/{dtype}"
             + (" (captures its decode CUDA graphs)..." if capture else "..."))
-        engines.append((label, Engine(weights, tok, cfg)))
+        saved = os.environ.get("SYMPHONY_CUDA_KERNELS")
+        if kernels is not None:
+            os.environ["SYMPHONY_CUDA_KERNELS"] = kernels
+        try:
+            eng = Engine(weights, tok, cfg)
+        finally:
+            if kernels is not None:
+                if saved is None:
+                    os.environ.pop("SYMPHONY_CUDA_KERNELS", None)
+                else:
+                    os.environ["SYMPHONY_CUDA_KERNELS"] = saved
+        for line in getattr(getattr(eng.model, "kernels", None), "summary", lambda: [])():
+            print(f"    {label}: {line}", flush=True)
+        engines.append((label, eng))
     del weights
 
     # ---------------------------------------------------------------- correctness
@@ -655,11 +675,18 @@ def main():
         lines.append(f"* {n} / transformers: decode " + ", ".join(
             f"batch-{b} **{fmt(r[f'batch_{b}'], '.2f')}x**" for b in args.batches)
             + f"; TTFT **{r['ttft_speedup']:.2f}x** faster.")
-    if len(engines) == 2:
-        (ng, _), (ne, _) = engines
+    graph_modes = [n for n, e in engines if "torch's kernels" not in n]
+    if len(graph_modes) == 2:
+        ng, ne = graph_modes
         lines.append("* cuda_graphs on / off: " + ", ".join(
             f"batch-{b} {fmt(div(out[ng]['tok_s'][b], out[ne]['tok_s'][b]), '.2f')}x"
             for b in args.batches) + ".")
+    tk = [n for n, _ in engines if "torch's kernels" in n]
+    if tk:
+        lines.append(f"* our kernels / torch's kernels (same engine, graphs on): " + ", ".join(
+            f"batch-{b} {fmt(div(out[engines[0][0]]['tok_s'][b], out[tk[0]]['tok_s'][b]), '.2f')}x"
+            for b in args.batches) + f"; batch-1 step {fmt(out[engines[0][0]]['b1_step_ms'], '.3f')} ms vs "
+            f"{fmt(out[tk[0]]['b1_step_ms'], '.3f')} ms.")
     first = engines[0][0]
     o = out[first]
     lines.append(
@@ -677,8 +704,9 @@ def main():
           flush=True)
 
     if args.profile:
-        for label, eng in engines:
-            profile_decode(label, eng, dec_lists[:min(16, maxb)], args.profile, sync)
+        for b in [int(x) for x in args.profile_batches.split(",") if x.strip()]:
+            for label, eng in engines:
+                profile_decode(label, eng, dec_lists[:min(b, maxb)], args.profile, sync)
 
     if args.json:
         Path(args.json).write_text(json.dumps(dict(

