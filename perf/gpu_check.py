@@ -275,12 +275,13 @@ def stage_first(p: Pass) -> None:
     p.run("build_cuda", [sys.executable, "-c", "import time; t = time.time(); from symphony.engine import ops; "
                          "ops.load(); print('cuda kernels', ops.cuda_available(), round(time.time() - t, 1), 's')"],
           240, tail=3)
+    files = p.test_files or ["tests/unit/engine/test_cuda_kernels.py", "tests/unit/engine/test_ops.py",
+                             "tests/unit/engine/test_ops_fused.py", "tests/unit/engine/test_graphs.py",
+                             "tests/unit/engine/test_engine.py", "tests/unit/engine/test_quant.py",
+                             "tests/unit/engine/test_runner.py", "tests/unit/kvfs/test_kvfs.py"]
     p.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-rfEs",
                          "--tb=short", "--timeout", "100", "--junitxml", str(p.logs / "cuda_tests.xml"),
-                         "tests/unit/engine/test_cuda_kernels.py", "tests/unit/engine/test_ops.py",
-                         "tests/unit/engine/test_ops_fused.py", "tests/unit/engine/test_graphs.py",
-                         "tests/unit/engine/test_engine.py", "tests/unit/engine/test_quant.py",
-                         "tests/unit/engine/test_runner.py", "tests/unit/kvfs/test_kvfs.py"], 110, tail=30)
+                         *files], 110, tail=30)
     p.run("bench_gpu", [sys.executable, "perf/bench_gpu.py", "--rounds", "3", "--steps", "64", "--profile", "8",
                         "--profile-batches", "1,16", "--no-eager", "--torch-kernels", *p.bench_gpu_args,
                         "--json", str(p.logs / "bench_gpu.json")], 280, tail=60)
@@ -372,12 +373,14 @@ def main():
     ap.add_argument("--budget", type=float, default=480)
     ap.add_argument("--ids", default="gpu_tests.txt", help="tests: a file of test ids, one a line")
     ap.add_argument("--workers", type=int, default=6, help="tests: pytest-xdist workers")
+    ap.add_argument("--tests", default="", help="first: comma-separated test files of its CUDA test stage")
     ap.add_argument("--skip", default="", help="comma-separated stages to leave out (bench_gpu_ops)")
     ap.add_argument("--bench-gpu-args", default="",
                     help="extra perf/bench_gpu.py flags, e.g. '--no-hf --no-eager' when a loan is short")
     args = ap.parse_args()
     p = Pass(Path(args.out), args.budget)
     p.skip = set(filter(None, args.skip.split(",")))
+    p.test_files = [t for t in args.tests.split(",") if t]
     p.bench_gpu_args = args.bench_gpu_args.split()
     if args.phase == "prep":                     # a fresh machine: wheels, model part a, the CUDA build
         stage_install(p)

@@ -137,12 +137,16 @@ DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)
 
 @cuda
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("T,H", [(1, 2048), (7, 576), (3, 33), (2, 1)])
-def test_cuda_rms_norms_match_torch(dtype, tol, T, H):
+@pytest.mark.parametrize("T,H,strided", [(1, 2048, False), (7, 576, False), (2, 8192, False),
+                                         (2, 8200, False), (1, 2048, True), (7, 576, True),
+                                         (3, 33, False), (2, 1, True)])
+def test_cuda_rms_norms_match_torch(dtype, tol, T, H, strided):
+    """16-byte vectors (16-bit contiguous rows of up to 8,192 values) and the scalar kernel
+    (float32, misaligned or strided rows, odd or larger H)."""
     _need_cuda_ops()
     torch.manual_seed(T + H)
     wide = torch.randn(T, H + 3, device="cuda", dtype=dtype)
-    x = wide[:, 1:H + 1]                                            # strided rows
+    x = wide[:, 1:H + 1] if strided else torch.randn(T, H, device="cuda", dtype=dtype)
     r, w = torch.randn(T, H, device="cuda", dtype=dtype), torch.randn(H, device="cuda")
     got = ops.rms_norm(x, w, 1e-5)
     want = F.rms_norm(x.float(), (H,), w, 1e-5)
@@ -216,7 +220,7 @@ def test_cuda_dense_gemv_rejects_bad_input():
         ops.dense_gemv(x[:1, :60].contiguous(), w[:, :60].contiguous(), False)
     with pytest.raises(RuntimeError, match="16-byte boundary"):
         ops.dense_gemv(x.view(-1)[1:65].view(1, 64), w, False)
-    with pytest.raises(RuntimeError, match="both float16 or both bfloat16"):
+    with pytest.raises(RuntimeError, match="must both be float16 or both bfloat16"):
         ops.dense_gemv(x[:1].float(), w.float(), False)
     with pytest.raises(RuntimeError, match="one device"):
         ops.dense_gemv(x[:1].cpu(), w, False)

@@ -181,7 +181,7 @@ class PredCalls:
     def _deliver_all(self, items: list, results: list) -> None:
         """Fail what failed, advance what has more chunks, reply to the rest:
         every call's copies to the host are queued first, then waited for once."""
-        finals = []
+        finals, tokens = [], []                  # tokens: (index in finals, call, ids on the device)
         for (c, start, n), r in zip(items, results):
             if r.error is not None:
                 self.sched.drop(c)                   # its other chunks never run
@@ -193,10 +193,26 @@ class PredCalls:
             c.stage = Stage.REPLYING
             c.proc.preds += 1
             c.proc.tokens += len(c.tokens)
+            if c.want.output in ("argmax", "sample") and isinstance(r.value, torch.Tensor):
+                tokens.append((len(finals), c, r.value))
+                finals.append(None)
+                continue
             try:
                 finals.append((c, self._copy_out(c, r.value)))
             except Exception as e:
                 c.fail(self.answers, e)
+        if tokens:                               # every call's token ids in one copy to the host
+            try:
+                ids = torch.cat([v.reshape(-1).long() for _, _, v in tokens]).to("cpu", non_blocking=True)
+            except Exception as e:
+                for _, c, _ in tokens:
+                    c.fail(self.answers, e)
+                tokens = []
+            off = 0
+            for i, c, v in tokens:
+                finals[i] = (c, self._reply_tokens(c, ids, off, v.numel()))
+                off += v.numel()
+        finals = [f for f in finals if f is not None]
         if finals and self.sync_device:
             torch.cuda.current_stream(self.engine.device).synchronize()
         for c, reply in finals:
@@ -231,10 +247,16 @@ class PredCalls:
                 view[rows:] = lp_h.numpy()
                 self.answers.reply(lip, slot, cid, {"length": length}, (abi.ARENA_TOPK, 2 * rows, k))
             return reply_topk
-        toks_h = value.to("cpu", non_blocking=True)               # [rows] token ids
+        return self._reply_tokens(c, value.reshape(-1).to("cpu", non_blocking=True), 0, value.numel())
+
+    def _reply_tokens(self, c: PredCall, ids: torch.Tensor, off: int, n: int):
+        """The reply of an argmax or sample call whose ``n`` token ids are ``ids[off:off + n]`` on
+        the host (once the copies are done)."""
+        lip, slot, cid = c.proc, c.slot, c.call_id
+        length = self.fs.handles[c.kv].inode.length
 
         def reply_tokens():
-            toks = toks_h.tolist()
+            toks = ids[off:off + n].tolist()
             self.answers.reply(lip, slot, cid, {"length": length, "token": toks[-1], "tokens": toks})
         return reply_tokens
 
