@@ -9,9 +9,10 @@
 //     The engine times it against cuBLAS for each of its weight shapes at start-up and uses
 //     whichever is faster (symphony/engine/cuda_kernels.py).
 //   rms_norm, add_rms_norm: one block per row; the sum of squares in float32, the residual sum
-//     rounded to x's dtype first (as torch's x + r is), the output rounded once. 16-bit rows of
-//     up to 8,192 values (a multiple of 8, 16-byte aligned) go by 16-byte vectors held in
-//     registers; other rows by a scalar kernel that reads them twice.
+//     rounded to x's dtype first (as torch's x + r is), the output rounded once. add_rms_norm
+//     also takes a float32 residual stream x with a 16-bit r: the sum stays float32, the normed
+//     output takes r's dtype. Rows of up to 8,192 values (a multiple of 8, 16-byte aligned) with
+//     a 16-bit output go by 16-byte vectors held in registers; others by a scalar kernel.
 //   silu_mul, rope_: one thread per output value / rotated pair, float32 math, rounded once.
 //
 // Every kernel takes float32, float16 or bfloat16 (dense_gemv: 16-bit only). Positions given to
@@ -227,34 +228,37 @@ at::Tensor dense_gemv_cuda(const at::Tensor& x, const at::Tensor& w, bool float_
 }
 
 // ------------------------------------------------------------------ RMSNorm
-// out[t] = s * rsqrt(mean(s^2) + eps) * w with s = x[t] (+ r[t], rounded to T, written to sum[t])
-template <typename T>
-__global__ void rms_norm_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ r,
-                                int64_t ldr, const float* __restrict__ w, T* __restrict__ sum,
-                                T* __restrict__ out, int64_t H, float eps) {
+// out[t] = s * rsqrt(mean(s^2) + eps) * w with s = x[t] (+ r[t], written to sum[t]). x and sum
+// are TX, r and out TO: the same 16-bit type, or a float32 residual stream (TX = float) added
+// to a 16-bit layer output, normed into the 16-bit input of the next matrix. The sum is
+// rounded to TX before the norm, as torch's x + r is.
+template <typename TX, typename TO>
+__global__ void rms_norm_kernel(const TX* __restrict__ x, int64_t ldx, const TO* __restrict__ r,
+                                int64_t ldr, const float* __restrict__ w, TX* __restrict__ sum,
+                                TO* __restrict__ out, int64_t H, float eps) {
   const int64_t t = blockIdx.x;
-  const T* xr = x + t * ldx;
-  const T* rr = r ? r + t * ldr : nullptr;
+  const TX* xr = x + t * ldx;
+  const TO* rr = r ? r + t * ldr : nullptr;
   float ss = 0.f;
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-    float v = Conv<T>::load(xr + h);
+    float v = Conv<TX>::load(xr + h);
     if (rr) {
-      T s;
-      Conv<T>::store(&s, v + Conv<T>::load(rr + h));
+      TX s;
+      Conv<TX>::store(&s, v + Conv<TO>::load(rr + h));
       sum[t * H + h] = s;
-      v = Conv<T>::load(&s);
+      v = Conv<TX>::load(&s);
     }
     ss = fmaf(v, v, ss);
   }
   const float scale = rsqrtf(block_sum(ss) / float(H) + eps);
-  const T* src = rr ? sum + t * H : xr;
+  const TX* src = rr ? sum + t * H : xr;
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x)
-    Conv<T>::store(out + t * H + h, Conv<T>::load(src + h) * scale * w[h]);
+    Conv<TO>::store(out + t * H + h, Conv<TX>::load(src + h) * scale * w[h]);
 }
 
-// The same for 16-bit rows of H % 8 == 0 values, H <= kNormThreads * 8 * kNormVecs, every row
-// 16-byte aligned: 16-byte loads and stores, the row kept in registers between the two passes
-// (the scalar kernel above reads it twice, one element at a time: ~6 us a row on an H200).
+// The same for rows of H % 8 == 0 values, H <= kNormThreads * 8 * kNormVecs, every row 16-byte
+// aligned, a 16-bit TO: 16-byte loads and stores, the row kept in registers between the two
+// passes (the scalar kernel above reads it twice, one element at a time: ~6 us a row on an H200).
 constexpr int kNormThreads = 256;
 constexpr int kNormVecs = 4;
 
@@ -265,8 +269,20 @@ __device__ __forceinline__ float round_to(float v) {
   return Conv<T>::load(&r);
 }
 
+// 8 consecutive values widened, and written back rounded (16-byte aligned).
 template <typename T>
-__device__ __forceinline__ uint4 pack8(const float* f) {
+__device__ __forceinline__ void load8(const T* p, float* f) {
+  unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
+}
+
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float* f) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float* f) {
   unsigned short h[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -274,14 +290,21 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
     Conv<T>::store(&r, f[j]);
     h[j] = *reinterpret_cast<const unsigned short*>(&r);
   }
-  return make_uint4(uint32_t(h[0]) | (uint32_t(h[1]) << 16), uint32_t(h[2]) | (uint32_t(h[3]) << 16),
-                    uint32_t(h[4]) | (uint32_t(h[5]) << 16), uint32_t(h[6]) | (uint32_t(h[7]) << 16));
+  *reinterpret_cast<uint4*>(p) =
+      make_uint4(uint32_t(h[0]) | (uint32_t(h[1]) << 16), uint32_t(h[2]) | (uint32_t(h[3]) << 16),
+                 uint32_t(h[4]) | (uint32_t(h[5]) << 16), uint32_t(h[6]) | (uint32_t(h[7]) << 16));
 }
 
-template <typename T>
+template <>
+__device__ __forceinline__ void store8<float>(float* p, const float* f) {
+  *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+  *reinterpret_cast<float4*>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+template <typename TX, typename TO>
 __global__ void __launch_bounds__(kNormThreads)
-rms_norm_vec_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ r, int64_t ldr,
-                    const float* __restrict__ w, T* __restrict__ sum, T* __restrict__ out,
+rms_norm_vec_kernel(const TX* __restrict__ x, int64_t ldx, const TO* __restrict__ r, int64_t ldr,
+                    const float* __restrict__ w, TX* __restrict__ sum, TO* __restrict__ out,
                     int64_t H, float eps) {
   const int64_t t = blockIdx.x;
   float v[kNormVecs][8];
@@ -290,13 +313,13 @@ rms_norm_vec_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ 
   for (int i = 0; i < kNormVecs; ++i) {
     const int64_t k = (int64_t(threadIdx.x) + int64_t(i) * kNormThreads) * 8;
     if (k < H) {
-      unpack8<T>(*reinterpret_cast<const uint4*>(x + t * ldx + k), v[i]);
+      load8<TX>(x + t * ldx + k, v[i]);
       if (r) {
         float rv[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(r + t * ldr + k), rv);
+        load8<TO>(r + t * ldr + k, rv);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[i][j] = round_to<T>(v[i][j] + rv[j]);
-        *reinterpret_cast<uint4*>(sum + t * H + k) = pack8<T>(v[i]);
+        for (int j = 0; j < 8; ++j) v[i][j] = round_to<TX>(v[i][j] + rv[j]);
+        store8<TX>(sum + t * H + k, v[i]);
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) ss = fmaf(v[i][j], v[i][j], ss);
@@ -313,20 +336,43 @@ rms_norm_vec_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ 
       float o[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) o[j] = v[i][j] * scale * wf[j];
-      *reinterpret_cast<uint4*>(out + t * H + k) = pack8<T>(o);
+      store8<TO>(out + t * H + k, o);
     }
   }
 }
 
-// Whether the vector kernel takes these rows (x's and r's starts and strides checked by the caller).
-bool norm_vec_ok(const at::Tensor& x, const at::Tensor* r, const at::Tensor& w) {
+bool is16(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Whether the vector kernel takes these rows: a 16-bit output, 16-byte aligned rows.
+bool norm_vec_ok(const at::Tensor& x, const at::Tensor* r, const at::Tensor& w, at::ScalarType out) {
   const int64_t H = x.size(1);
   auto aligned = [](const at::Tensor& a) {
     return reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && (a.size(0) <= 1 || a.stride(0) % 8 == 0);
   };
-  return (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) && H % 8 == 0 &&
-         H <= int64_t(kNormThreads) * 8 * kNormVecs && aligned(x) && (r == nullptr || aligned(*r)) &&
-         reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0;
+  return is16(out) && H % 8 == 0 && H <= int64_t(kNormThreads) * 8 * kNormVecs && aligned(x) &&
+         (r == nullptr || aligned(*r)) && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0;
+}
+
+// Launches the vector or the scalar kernel for TX rows x (+ TO rows r) into sum (TX), out (TO).
+template <typename TX, typename TO>
+void launch_norm(bool vec, const at::Tensor& x, const at::Tensor* r, const at::Tensor& w,
+                 at::Tensor* sum, at::Tensor& out, double eps, cudaStream_t stream) {
+  const int64_t T = x.size(0), H = x.size(1);
+  const TX* xp = static_cast<const TX*>(x.data_ptr());
+  const TO* rp = r ? static_cast<const TO*>(r->data_ptr()) : nullptr;
+  TX* sp = sum ? static_cast<TX*>(sum->data_ptr()) : nullptr;
+  TO* op = static_cast<TO*>(out.data_ptr());
+  const int64_t ldr = r ? r->stride(0) : 0;
+  if (vec) {
+    rms_norm_vec_kernel<TX, TO><<<unsigned(T), kNormThreads, 0, stream>>>(
+        xp, x.stride(0), rp, ldr, w.data_ptr<float>(), sp, op, H, float(eps));
+  } else {
+    int threads = 32;
+    while (threads < 256 && threads < H) threads *= 2;
+    rms_norm_kernel<TX, TO><<<unsigned(T), threads, 0, stream>>>(
+        xp, x.stride(0), rp, ldr, w.data_ptr<float>(), sp, op, H, float(eps));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
@@ -341,12 +387,6 @@ void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
   SYM_CHECK(x.size(0) < (int64_t(1) << 31), op, ": too many rows: ", x.size(0));
 }
 
-int norm_threads(int64_t H) {
-  int n = 32;
-  while (n < 256 && n < H) n *= 2;
-  return n;
-}
-
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_norm("symphony::rms_norm", x, w);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -354,22 +394,10 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || H == 0) return out;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool vec = norm_vec_ok(x, nullptr, w);
+  const bool vec = norm_vec_ok(x, nullptr, w, x.scalar_type());
   dispatch_types(x.scalar_type(), "symphony::rms_norm", [&](auto tag) {
     using T_ = decltype(tag);
-    if constexpr (!std::is_same_v<T_, float>) {
-      if (vec) {
-        rms_norm_vec_kernel<T_><<<unsigned(T), kNormThreads, 0, stream>>>(
-            static_cast<const T_*>(x.data_ptr()), x.stride(0), nullptr, 0, w.data_ptr<float>(),
-            nullptr, static_cast<T_*>(out.data_ptr()), H, float(eps));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-    }
-    rms_norm_kernel<T_><<<unsigned(T), norm_threads(H), 0, stream>>>(
-        static_cast<const T_*>(x.data_ptr()), x.stride(0), nullptr, 0, w.data_ptr<float>(),
-        nullptr, static_cast<T_*>(out.data_ptr()), H, float(eps));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_norm<T_, T_>(vec, x, nullptr, w, nullptr, out, eps, stream);
   });
   return out;
 }
@@ -380,32 +408,24 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const 
   check_norm(op, x, w);
   check_norm(op, r, w);
   SYM_CHECK(r.sizes() == x.sizes(), op, ": x and r shapes differ: ", x.sizes(), " vs ", r.sizes());
-  SYM_CHECK(r.scalar_type() == x.scalar_type(), op, ": x and r dtypes differ: ", x.scalar_type(),
-            " vs ", r.scalar_type());
+  const bool mixed = x.scalar_type() == at::kFloat && is16(r.scalar_type());
+  SYM_CHECK(r.scalar_type() == x.scalar_type() || mixed, op,
+            ": r must have x's dtype, or x be float32 and r 16-bit; got ", x.scalar_type(), " and ",
+            r.scalar_type());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t T = x.size(0), H = x.size(1);
   at::Tensor sum = at::empty({T, H}, x.options());
-  at::Tensor out = at::empty({T, H}, x.options());
+  at::Tensor out = at::empty({T, H}, r.options());
   if (T == 0 || H == 0) return {sum, out};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool vec = norm_vec_ok(x, &r, w);
-  dispatch_types(x.scalar_type(), op, [&](auto tag) {
-    using T_ = decltype(tag);
-    if constexpr (!std::is_same_v<T_, float>) {
-      if (vec) {
-        rms_norm_vec_kernel<T_><<<unsigned(T), kNormThreads, 0, stream>>>(
-            static_cast<const T_*>(x.data_ptr()), x.stride(0), static_cast<const T_*>(r.data_ptr()),
-            r.stride(0), w.data_ptr<float>(), static_cast<T_*>(sum.data_ptr()),
-            static_cast<T_*>(out.data_ptr()), H, float(eps));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
+  const bool vec = norm_vec_ok(x, &r, w, r.scalar_type());
+  dispatch_types(r.scalar_type(), op, [&](auto tag) {
+    using TO = decltype(tag);
+    if (mixed) {
+      if constexpr (!std::is_same_v<TO, float>) launch_norm<float, TO>(vec, x, &r, w, &sum, out, eps, stream);
+    } else {
+      launch_norm<TO, TO>(vec, x, &r, w, &sum, out, eps, stream);
     }
-    rms_norm_kernel<T_><<<unsigned(T), norm_threads(H), 0, stream>>>(
-        static_cast<const T_*>(x.data_ptr()), x.stride(0), static_cast<const T_*>(r.data_ptr()),
-        r.stride(0), w.data_ptr<float>(), static_cast<T_*>(sum.data_ptr()),
-        static_cast<T_*>(out.data_ptr()), H, float(eps));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {sum, out};
 }

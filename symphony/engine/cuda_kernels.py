@@ -144,6 +144,10 @@ class CudaKernels:
             s, n = ops.add_rms_norm(x, r, w, eps)
             ok = ok and close(s, x + r, "add_rms_norm's sum") and close(
                 n, F.rms_norm((x + r).float(), (H,), w, eps), "add_rms_norm")
+            if ok and dtype != torch.float32:       # the model's float32 residual stream
+                s, n = ops.add_rms_norm(x.float(), r, w, eps)
+                ok = close(s, x.float() + r.float(), "add_rms_norm's float32 sum") and close(
+                    n, F.rms_norm(x.float() + r.float(), (H,), w, eps), "add_rms_norm (float32 residual)")
             I = c.intermediate_size
             gu = rnd(T, 2 * I)
             ok = ok and close(ops.silu_mul(gu), F.silu(gu[:, :I].float()) * gu[:, I:].float(), "silu_mul")

@@ -96,6 +96,11 @@ class PagedLlama:
         self.tp = tp
         self.w = weights.to(device, dtype)
         self.device, self.dtype = device, dtype
+        # A 16-bit model keeps its residual stream in float32: each layer's output is added
+        # without rounding, and only the norms' outputs (the matrices' inputs) are 16-bit. A
+        # bfloat16 residual rounds 2 x n_layers times (steps of 1/128 of its size) and flipped
+        # SmolLM2's near-tie first answer token on a GPU (perf/RESULTS.md, "GPU").
+        self.residual_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         # float32_head: the final norm and lm_head run in float32 whatever the model dtype
         # (bfloat16 logits step by 0.125 near 20 and tie close candidates: SmolLM2's greedy
         # answer changes; perf/RESULTS.md). It costs a float32 copy of lm_head, read every
@@ -157,7 +162,7 @@ class PagedLlama:
         if not head:
             return None
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]
-        x = self._norm(x.to(self.head_dtype), w.norm)
+        x = self._norm(x, w.norm).to(self.head_dtype)
         if self.head_f32_out:
             return self.kernels.head(x, self.lm_head, self._head_torch)  # [R, vocab] float32
         return linear(x, self.lm_head).float()                      # [R, vocab]
@@ -179,7 +184,8 @@ class PagedLlama:
         c, w = self.config, self.w
         T = meta.tokens.shape[0]
         rot = None if self.fused_elementwise else self.rope[meta.positions].unsqueeze(1)  # [T, 1, head_dim/2]
-        h = self._norm(x, w.layers[0].attn_norm) if w.layers else x
+        x = x.to(self.residual_dtype)
+        h = self._norm(x, w.layers[0].attn_norm).to(self.dtype) if w.layers else x
         for i, lw in enumerate(w.layers):
             qkv = self._linear(h, lw.wqkv, None if lw.bqkv is None else lw.bqkv.to(h.dtype))
             q, k, v = self._rotate(qkv, meta.positions, rot)        # [T, heads, head_dim] each
@@ -271,11 +277,13 @@ class PagedLlama:
 
     def _add_norm(self, x: torch.Tensor, r: torch.Tensor,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add and the following RMSNorm: ``(x + r, norm(x + r))``, ``[T, hidden]``."""
-        if self._fused_norm(x) and r.dtype == x.dtype:
+        """The residual add and the following RMSNorm: ``(x + r, norm(x + r))``, ``[T, hidden]``;
+        the sum in x's dtype (the residual stream's), the norm in r's (the model's)."""
+        if self._fused_norm(x) and (r.dtype == x.dtype or x.is_cuda):
             return ops.add_rms_norm(x, r, self._w32(weight), self.config.rms_eps)
         s = x + r
-        return s, F.rms_norm(s, (self.config.hidden_size,), weight.to(s.dtype), self.config.rms_eps)
+        return s, F.rms_norm(s, (self.config.hidden_size,), weight.to(s.dtype),
+                             self.config.rms_eps).to(r.dtype)
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a whole prompt over its own K/V ([T, heads, head_dim]

@@ -30,7 +30,9 @@ class ReferenceLlama:
         weights = weights.dequantized()   # quantized matrices: the same values, as float32
         self.w = weights.to(torch.device(device), dtype)
         self.device, self.dtype = torch.device(device), dtype
-        # float32 final norm and head in every dtype, as the paged model does
+        # float32 final norm and head in every dtype, and a float32 residual stream for a 16-bit
+        # model (the norms' outputs, the matrices' inputs, in dtype), as the paged model does
+        self.residual_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         self.lm_head = self.w.lm_head if dtype == torch.float32 else weights.lm_head.to(self.device, torch.float32)
         self.inv_freq = rope_inv_freq(self.config, weights.rope_freq_factors).to(self.device)
 
@@ -66,9 +68,9 @@ class ReferenceLlama:
         rep = c.n_heads // c.n_kv_heads
         # query i sits at slot start+i and sees slots 0..start+i
         mask = torch.ones(n, total, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        x = w.embed[tokens]
+        x = w.embed[tokens].to(self.residual_dtype)
         for i, lw in enumerate(w.layers):
-            h = F.rms_norm(x, (c.hidden_size,), lw.attn_norm.to(x.dtype), c.rms_eps)
+            h = F.rms_norm(x, (c.hidden_size,), lw.attn_norm.to(x.dtype), c.rms_eps).to(self.dtype)
             qkv = h @ lw.wqkv.t()
             if lw.bqkv is not None:
                 qkv = qkv + lw.bqkv.to(qkv.dtype)
@@ -81,7 +83,7 @@ class ReferenceLlama:
             vv = cache.v[i, :total].repeat_interleave(rep, dim=1).transpose(0, 1)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)  # [heads, n, d]
             x = x + o.transpose(0, 1).reshape(n, c.q_size) @ lw.wo.t()
-            h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps)
+            h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps).to(self.dtype)
             gate, up = (h @ lw.w_gate_up.t()).split(c.intermediate_size, dim=-1)
             x = x + (F.silu(gate) * up) @ lw.w_down.t()
         cache.length = total

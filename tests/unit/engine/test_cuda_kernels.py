@@ -154,6 +154,14 @@ def test_cuda_rms_norms_match_torch(dtype, tol, T, H, strided):
     s, n = ops.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(s, x + r)                                    # rounded as torch rounds
     torch.testing.assert_close(n.float(), F.rms_norm((x + r).float(), (H,), w, 1e-5), rtol=tol, atol=tol)
+    if dtype != torch.float32:          # a float32 residual stream plus a 16-bit layer output
+        xf = x.float() * 3
+        s, n = ops.add_rms_norm(xf, r, w, 1e-5)
+        assert s.dtype == torch.float32 and n.dtype == dtype
+        assert torch.equal(s, xf + r.float())                        # not rounded
+        torch.testing.assert_close(n.float(), F.rms_norm(xf + r.float(), (H,), w, 1e-5), rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="r must have x's dtype, or x be float32 and r 16-bit"):
+        ops.add_rms_norm(x.half(), r.float(), w, 1e-5)                 # 16-bit x, float32 r
 
 
 @cuda
