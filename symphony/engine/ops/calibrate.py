@@ -82,8 +82,8 @@ VERSION = 1
 class Calibration:
     """qlinear's automatic choices: ``choices[(mode, kind)]`` one path per bucket (``rows``: the
     buckets' first rows); ``times[(kind, rows timed, path)]`` the median seconds a call measured
-    (empty when read from a cache written without them); ``source`` "calibrated", "cache" or
-    "off" (the rule; no choices); ``complete`` whether every cell was timed, ``steady``
+    (empty when read from a cache written without them); ``source`` "calibrated", "cache",
+    "off" or "failed" (the last two: the rule, no choices); ``complete`` whether every cell was timed, ``steady``
     whether the timings were steady (`UNSTEADY`; both: cacheable)."""
 
     rows: tuple[int, ...]
@@ -97,8 +97,9 @@ class Calibration:
 
     def describe(self) -> str:
         """The choices as one line: ``-1 u4: 1 row 11, 2-31 11, ...; ...``."""
-        if self.source == "off":
-            return f"calibration off ({ENV}=off): the built-in rule of csrc/cpu/qlinear.cpp"
+        if not self.choices:
+            why = f"{ENV}=off" if self.source == "off" else "it failed"
+            return f"qlinear calibration off ({why}): the built-in rule of csrc/cpu/qlinear.cpp"
         spans = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(self.rows, self.rows[1:])]
         spans.append(f"{self.rows[-1]}+")
         cells = "; ".join(f"{mode} {KIND_NAMES[kind]}: " + ", ".join(
@@ -116,35 +117,44 @@ class Calibration:
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
+def setting() -> str:
+    """``$SYMPHONY_QLINEAR_CALIBRATION``: auto (also when unset), force or off; ValueError
+    naming the variable for anything else."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in SETTINGS:
+        raise ValueError(f"{ENV} must be one of {', '.join(SETTINGS)}, got {value!r}")
+    return value
+
+
 def ensure() -> Calibration:
     """Install qlinear's automatic choices for this CPU and the calling thread's torch thread
-    count (call it on the thread that runs the model), as ``$SYMPHONY_QLINEAR_CALIBRATION``
-    says, and log them. Once per process and thread count: later calls return the same
-    `Calibration` without measuring or logging. ValueError for an unknown setting."""
+    count (call it on the thread that runs the model), as `setting` says, and log them. Once
+    per process, setting and thread count: later calls return the same `Calibration` without
+    measuring or logging. ValueError for an unknown setting. A calibration that fails (an op
+    raising) is logged and leaves the rule."""
     from . import load
-    setting = os.environ.get(ENV, "").strip().lower() or "auto"
-    if setting not in SETTINGS:
-        raise ValueError(f"{ENV} must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    mode = setting()
     load()
     threads = torch.get_num_threads()
     with _lock:
-        done = _installed.get((setting, threads))
+        done = _installed.get((mode, threads))
         if done is not None:
             return done
         clear()                                  # the rule, while measuring and if off
-        if setting == "off":
-            calib = Calibration((), {}, {}, "off")
-        else:
+        calib = Calibration((), {}, {}, "off")
+        if mode != "off":
             path, key = cache_path(threads), cache_key(threads)
-            calib = read_cache(path, key) if setting == "auto" else None
-            if calib is None:
-                calib = measure()
-                if calib.complete and calib.steady:
-                    calib.cache = write_cache(path, key, calib)
+            try:
+                calib = (read_cache(path, key) if mode == "auto" else None) or measure()
+            except RuntimeError as e:
+                logger.warning("qlinear calibration failed (%s): the built-in rule decides", e)
+                calib = Calibration((), {}, {}, "failed")
+            if calib.source == "calibrated" and calib.complete and calib.steady:
+                calib.cache = write_cache(path, key, calib)
             install(calib)
         logger.info("%s", calib.describe())
         _installed.clear()
-        _installed[(setting, threads)] = calib
+        _installed[(mode, threads)] = calib
         return calib
 
 
@@ -180,8 +190,8 @@ def measure(budget_s: float = BUDGET_S) -> Calibration:
 
 
 def install(calib: Calibration) -> None:
-    """Hand the choices to the ops library (an "off" calibration clears them: the rule)."""
-    if calib.source == "off":
+    """Hand the choices to the ops library (an "off" or "failed" one clears them: the rule)."""
+    if not calib.choices:
         clear()
         return
     flat = [p for mode in MODES for kind in KINDS for p in calib.choices[(mode, kind)]]
@@ -262,8 +272,8 @@ def read_cache(path: Path, key: dict) -> Optional[Calibration]:
                    for mode in MODES for kind in KINDS}
         if any(len(c) != len(rows) for c in choices.values()):
             raise ValueError("a choice per bucket expected")
-        times = {(int(k), int(m), int(p)): float(t) * 1e-6
-                 for k, by_m in data.get("times_us", {}).items()
+        times = {(int(k), int(m), int(p)): float(t)
+                 for k, by_m in data.get("times_s", {}).items()
                  for m, by_p in by_m.items() for p, t in by_p.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         logger.warning("qlinear calibration cache %s is corrupt (%s): ignored, calibrating again",
@@ -284,11 +294,11 @@ def write_cache(path: Path, key: dict, calib: Calibration) -> Optional[Path]:
     """Write ``calib`` to ``path`` atomically; the path, or None (logged) if it cannot be."""
     times: dict = {}
     for (kind, m, p), t in sorted(calib.times.items()):
-        times.setdefault(str(kind), {}).setdefault(str(m), {})[str(p)] = round(t * 1e6, 2)
+        times.setdefault(str(kind), {}).setdefault(str(m), {})[str(p)] = t
     data = {"key": key, "rows": list(calib.rows),
             "choices": {str(mode): {str(kind): calib.choices[(mode, kind)] for kind in KINDS}
                         for mode in MODES},
-            "times_us": times}
+            "times_s": times}
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
