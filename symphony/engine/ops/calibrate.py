@@ -14,7 +14,7 @@ it measures there:
   interleaved), each a fixed number of calls. A path more than `PRUNE` times slower than the
   fastest at a bucket is not timed at the larger ones (the dense GEMM excepted: its
   dequantization is a fixed cost that more rows amortize), nor, within a bucket, one whose
-  first call was. The whole is bounded by `BUDGET_S`; if that runs out, the cells not yet timed
+  first call was; the rule's choices always are (they are the baselines below). The whole is bounded by `BUDGET_S`; if that runs out, the cells not yet timed
   keep the rule's choice and the result is not cached either.
 * **The choice.** Per (mode, kind, bucket) the path the mode may take with the lowest median,
   if it beats the rule's choice by more than `MARGIN` and each of its repetitions was faster
@@ -173,7 +173,9 @@ def measure(budget_s: float = BUDGET_S) -> Calibration:
         alive = list(candidates)
         for _, m, calls in BUCKETS:
             x = torch.randn(m, SHAPE[1], generator=gen)       # [M, K]
-            got = _time_paths(x, w, kind, alive, calls, deadline)
+            rules = {_rule(mode, m, kind) for mode in MODES}  # always timed: the baselines
+            got = _time_paths(x, w, kind, [p for p in candidates if p in alive or p in rules],
+                              rules, calls, deadline)
             if got is None:
                 complete = False
                 continue
@@ -336,11 +338,11 @@ def _weight(kind: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     return qs, scales, mins, 32
 
 
-def _time_paths(x: torch.Tensor, w, kind: int, paths: list[int], calls: int,
+def _time_paths(x: torch.Tensor, w, kind: int, paths: list[int], keep: set[int], calls: int,
                 deadline: float) -> Optional[dict[int, list[float]]]:
-    """The seconds a call of each path on x took, `REPS` repetitions (leaving out paths whose
-    first call took more than `PRUNE` times the fastest first call), or None if the deadline
-    passed first."""
+    """The seconds a call of each path on x took, `REPS` repetitions (leaving out paths not in
+    ``keep`` whose first call took more than `PRUNE` times the fastest first call), or None if
+    the deadline passed first."""
     qs, scales, mins, group = w
     op = torch.ops.symphony.qlinear
 
@@ -356,7 +358,7 @@ def _time_paths(x: torch.Tensor, w, kind: int, paths: list[int], calls: int,
             return None
         first[p] = run(p)
     quick = min(first.values())
-    timed = [p for p in paths if first[p] <= PRUNE * quick]
+    timed = [p for p in paths if p in keep or first[p] <= PRUNE * quick]
     samples: dict[int, list[float]] = {p: [] for p in timed}
     for _ in range(REPS):
         if time.perf_counter() > deadline:
@@ -370,15 +372,20 @@ def _choose(mode: int, kind: int, m: int, allowed: list[int],
             samples: dict[tuple[int, int, int], list[float]]) -> int:
     """The path ``mode`` takes at ``m`` rows: the timed one with the lowest median if it beats
     the rule's choice clearly (module docstring), else the rule's."""
-    from . import qlinear_path_for
-    rule = qlinear_path_for(mode, m, SHAPE[0], SHAPE[1], kind)
+    rule = _rule(mode, m, kind)
     timed = {p: samples[(kind, m, p)] for p in allowed if (kind, m, p) in samples}
     if not timed:
         return rule
     med = {p: statistics.median(s) for p, s in timed.items()}
     best = min(med, key=lambda p: (med[p], p))
-    if rule not in timed:                       # left out after one call: far slower than best
-        return best
+    if rule not in timed:                       # (not timed: the budget ran out)
+        return rule
     if med[best] * (1 + MARGIN) < med[rule] and max(timed[best]) < min(timed[rule]):
         return best
     return rule
+
+
+def _rule(mode: int, m: int, kind: int) -> int:
+    """The rule's choice (resolve_path with no table) for ``m`` rows of the timed shape."""
+    from . import qlinear_path_for
+    return qlinear_path_for(mode, m, SHAPE[0], SHAPE[1], kind)

@@ -137,7 +137,8 @@ def expected_auto_at(mode: int, m: int, kind: int) -> int:
 
 def test_choose_needs_a_clear_win_over_the_rule():
     """A path replaces the rule's only if its median beats the rule's by the margin and each of
-    its repetitions beats each of the rule's; otherwise (a near tie, an overlap) the rule's."""
+    its repetitions beats each of the rule's; otherwise (a near tie, an overlap, the rule's not
+    timed) the rule's."""
     allowed = calibrate.auto_paths(-1)
     rule = ops.qlinear_path_for(-1, 1, *calibrate.SHAPE, U4)
     other = next(p for p in allowed if p != rule)
@@ -148,7 +149,7 @@ def test_choose_needs_a_clear_win_over_the_rule():
     assert pick([10, 10, 10, 10, 10], [9.8, 9.8, 9.8, 9.8, 9.8]) == rule          # within the margin
     assert pick([10, 10, 10, 10, 10], [5, 5, 5, 5, 11]) == rule                   # overlapping
     assert pick([5, 5, 5, 5, 5], [10, 10, 10, 10, 10]) == rule
-    assert calibrate._choose(-1, U4, 1, allowed, {(U4, 1, other): [1.0]}) == other   # rule not timed
+    assert calibrate._choose(-1, U4, 1, allowed, {(U4, 1, other): [1.0]}) == rule    # no baseline
 
 
 # ------------------------------------------------------------------ the cache
