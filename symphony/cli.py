@@ -92,9 +92,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"symphony: {e}") from None
     try:
         engine = eargs.load(cfg)
+        engine.calibrate_kernels()
     except ModelLoadError as e:
         print(f"symphony: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:                     # $SYMPHONY_QLINEAR_CALIBRATION
+        raise SystemExit(f"symphony: {e}") from None
     tok = engine.tokenizer
     if args.cmd == "chat":
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \

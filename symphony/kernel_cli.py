@@ -224,9 +224,12 @@ def build(cfg: KernelConfig, log: logging.Logger):
 
 
 def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int):
-    if engine.model.w.is_quantized() and engine.device.type == "cpu":
-        from .engine.quant import describe_cpu_kernels
-        log.info("quantized weights: %s", describe_cpu_kernels())
+    # (the quantized kernels are calibrated and logged by the syscall thread, which runs them)
+    from .engine.ops import calibrate
+    try:
+        calibrate.setting()
+    except ValueError as e:
+        raise StartupError(str(e)) from e
     _warm_up(engine)
     from .kernel.daemon import Kernel
     from .kernel.syscall.proc import ServedLips

@@ -19,7 +19,9 @@
 //   * dense (prefill): W is dequantized into a float32 scratch of up to 8 MiB (in pieces of rows
 //     beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill runs at the float32
 //     path's speed while the model stays quantized in memory.
-// resolve_path below says which the automatic choices (-1, -2) take.
+// resolve_path below says which the automatic choices (-1, -2) take: the rule written there from
+// micro-benchmarks on one CPU, or, once a start-up calibration has timed the paths on this CPU
+// (symphony/engine/ops/calibrate.py), the fastest it measured (qlinear_set_auto).
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -275,10 +278,55 @@ void check_path(const char* op, int64_t path) {
               "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
 }
 
+// Whether this CPU runs path p (>= 0): what rows_fn / qlinear_q8 require of it.
+bool cpu_runs(int64_t p) {
+  switch (p) {
+    case kScalar: case kDense: case kQ8Scalar: return true;
+    case kAvx2: case kQ8Avx2: case kQ8T8Avx2: case kQ15T8Avx2: return cpu_has_avx2();
+    case kAvx512: return cpu_has_avx512();
+    case kQ8AvxVnni: return cpu_has_avxvnni();
+    case kQ8Avx512Vnni: case kQ8T16Avx512Vnni: case kQ15T16Avx512Vnni: return cpu_has_avx512vnni();
+    default: return false;
+  }
+}
+
+// Whether the automatic choice `mode` (-1, -2) may take path p: -1 the float-accurate paths
+// (float32 register kernels, the dense GEMM, the 15-bit kernels), -2 the int8-activation
+// kernels and the dense GEMM.
+bool auto_may_take(int64_t mode, int64_t p) {
+  if (mode == kAuto)
+    return p == kScalar || p == kAvx2 || p == kAvx512 || p == kDense || p == kQ15T16Avx512Vnni ||
+           p == kQ15T8Avx2;
+  return p == kDense || (p >= kQ8Scalar && p <= kQ8T16Avx512Vnni) || p == kQ8T8Avx2;
+}
+
+// The automatic choices measured on this CPU (symphony/engine/ops/calibrate.py sets them with
+// qlinear_set_auto): for each mode (-1, -2), weight kind (u4, i8) and bucket of rows (bucket b:
+// from lo[b] rows up to the next bucket's first), a concrete path. n_buckets == 0: none set, the
+// rule of resolve_path applies. Set once at start-up; atomics so that a qlinear running on
+// another thread meanwhile reads a valid path (the old choice or the new) for every cell.
+constexpr int kMaxBuckets = 8;
+struct AutoTable {
+  std::atomic<int64_t> n_buckets{0};
+  std::atomic<int64_t> lo[kMaxBuckets];
+  std::atomic<int64_t> path[2][2][kMaxBuckets];  // [mode: -1, -2][kind][bucket]
+};
+AutoTable g_auto;
+
+// The table's path for an automatic choice, or -1 where none is set.
+int64_t table_path(int64_t mode, int64_t M, int64_t kind) {
+  const int64_t nb = g_auto.n_buckets.load(std::memory_order_acquire);
+  if (nb == 0) return -1;
+  int64_t b = 0;
+  while (b + 1 < nb && M >= g_auto.lo[b + 1].load(std::memory_order_relaxed)) ++b;
+  return g_auto.path[mode == kAuto ? 0 : 1][kind][b].load(std::memory_order_relaxed);
+}
+
 // Always a concrete path (>= 0): what the kernel's log line and the tests read is the kernel
-// that runs.
+// that runs. A measured table (qlinear_set_auto) takes precedence over the rule below.
 int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path >= 0) return path;
+  if (const int64_t p = table_path(path, M, d.kind); p >= 0) return p;
   const bool t16 = cpu_has_avx512vnni();
   const bool t8 = !t16 && cpu_has_avx2();
   if (path == kAutoQ8) {
@@ -389,6 +437,44 @@ int64_t qlinear_path_for(int64_t path, int64_t M, int64_t N, int64_t K, int64_t 
   return resolve_path(path, M, d);
 }
 
+// The paths the automatic choice `mode` (-1, -2) may take on this CPU, ascending: what a
+// calibration times and what qlinear_set_auto accepts.
+std::vector<int64_t> qlinear_auto_paths(int64_t mode) {
+  SYM_CHECK(mode == kAuto || mode == kAutoQ8, "symphony::qlinear_auto_paths: mode must be -1 or -2, got ",
+              mode);
+  std::vector<int64_t> out;
+  for (int64_t p = kScalar; p <= kQ15T8Avx2; ++p)
+    if (cpu_runs(p) && auto_may_take(mode, p)) out.push_back(p);
+  return out;
+}
+
+// Sets the automatic choices (see AutoTable): `rows` the buckets' first row counts (ascending,
+// rows[0] == 1, at most kMaxBuckets), `paths` [mode -1, -2][kind u4, i8][bucket] flattened, each
+// one qlinear_auto_paths(mode) holds. Empty `rows` (and `paths`) clears the table: the rule.
+void qlinear_set_auto(at::IntArrayRef rows, at::IntArrayRef paths) {
+  constexpr const char* op = "symphony::qlinear_set_auto";
+  const int64_t nb = int64_t(rows.size());
+  SYM_CHECK(nb <= kMaxBuckets && int64_t(paths.size()) == 4 * nb, op, ": expected at most ",
+              kMaxBuckets, " buckets and 4 paths a bucket, got ", nb, " buckets and ", paths.size(),
+              " paths");
+  for (int64_t b = 0; b < nb; ++b)
+    SYM_CHECK(b == 0 ? rows[0] == 1 : rows[b] > rows[b - 1], op,
+                ": bucket rows must start at 1 and ascend, got ", rows);
+  for (int64_t i = 0; i < 4 * nb; ++i) {
+    const int64_t mode = i < 2 * nb ? kAuto : kAutoQ8;
+    SYM_CHECK(cpu_runs(paths[i]) && auto_may_take(mode, paths[i]), op, ": path ", paths[i],
+                " (mode ", mode, ", kind ", (i / nb) % 2, ", bucket ", i % nb,
+                ") is not one the automatic choice may take on this CPU");
+  }
+  g_auto.n_buckets.store(0, std::memory_order_release);  // the rule while the cells change
+  for (int64_t b = 0; b < nb; ++b) {
+    g_auto.lo[b].store(rows[b], std::memory_order_relaxed);
+    for (int64_t i = 0; i < 4; ++i)
+      g_auto.path[i / 2][i % 2][b].store(paths[i * nb + b], std::memory_order_relaxed);
+  }
+  g_auto.n_buckets.store(nb, std::memory_order_release);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(symphony, CPU, m) {
@@ -401,6 +487,8 @@ TORCH_LIBRARY_IMPL(symphony, CPU, m) {
 TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qcpu_features() -> int", &qcpu_features);
   m.def("qlinear_path_for(int path, int M, int N, int K, int kind) -> int", &qlinear_path_for);
+  m.def("qlinear_auto_paths(int mode) -> int[]", &qlinear_auto_paths);
+  m.def("qlinear_set_auto(int[] rows, int[] paths) -> ()", &qlinear_set_auto);
 }
 
 }  // namespace symphony

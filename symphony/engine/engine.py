@@ -113,6 +113,22 @@ class Engine:
         engine.model_id = src.stem if src.suffix == ".gguf" else src.name   # what clients call the model
         return engine
 
+    def calibrate_kernels(self):
+        """With quantized weights on the CPU: install qlinear's automatic choices as measured on
+        this CPU for the calling thread's torch thread count (`ops.calibrate.ensure`: from the
+        cache or a calibration of under two seconds; once per process and thread count) and log
+        them and the kernels a matrix then takes by rows. Call it on the thread that runs the
+        model. Returns the `ops.calibrate.Calibration`, or None (nothing to do)."""
+        if self.device.type != "cpu" or not self.model.w.is_quantized():
+            return None
+        from . import ops
+        from .ops import calibrate
+        from .quant import describe_cpu_kernels
+        ops.load()
+        calib = calibrate.ensure()
+        log.info("quantized weights: %s", describe_cpu_kernels())
+        return calib
+
     def close(self) -> None:
         """Release what outlives the process's memory: the other tensor-parallel
         ranks are told to stop and waited for.  Idempotent."""

@@ -155,7 +155,9 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
     (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
     register; 9 the same with x rounded to 15 bits (AVX-512 VNNI); 10 and 11 int8 and 15-bit
     x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register). `qlinear_path_for` says
-    which kernel a choice takes for a given M on this CPU.
+    which kernel a choice takes for a given M on this CPU. Once `calibrate.ensure` has run
+    (at engine start), -1 and -2 take the paths it measured fastest on this CPU instead of
+    the rule above (among the same candidates; see ``ops/calibrate.py``).
     """
     if not _loaded:
         load()
@@ -259,7 +261,8 @@ def qcpu_features() -> dict[str, bool]:
 def qlinear_path_for(path: int, m: int, n: int, k: int, kind: int) -> int:
     """The kernel ``qlinear(..., path)`` runs on this CPU for ``m`` rows of x and an ``[n, k]``
     weight of ``kind`` (0 u4, 1 i8): the automatic choices (-1, -2) resolved, as qlinear
-    itself resolves them; a forced path is returned as it is."""
+    itself resolves them (by the calibrated table when one is installed); a forced path is
+    returned as it is."""
     if not _loaded:
         load()
     return int(torch.ops.symphony.qlinear_path_for(int(path), int(m), int(n), int(k), int(kind)))

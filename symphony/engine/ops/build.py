@@ -153,6 +153,12 @@ def _build_dir(with_cuda: bool) -> Path:
     env = os.environ.get("SYMPHONY_BUILD_DIR")
     if env:
         return Path(env).expanduser()
+    return Path.home() / ".cache" / "symphony" / "ops" / build_hash(with_cuda)
+
+
+def build_hash(with_cuda: bool) -> str:
+    """What a build of the ops is made of, 16 hex digits: the sources' bytes, torch, Python, the
+    compiler flags and the CPU signature (the default build directory's name)."""
     h = hashlib.sha256(b"staged sources\n")     # compiled from ~/.cache/symphony/src/<hash>
     h.update(_read_sources(csrc_dir())[0].encode())
     h.update(torch.__version__.encode())
@@ -160,7 +166,7 @@ def _build_dir(with_cuda: bool) -> Path:
     h.update(f"py={sys.version_info[:2]}".encode())
     h.update(" ".join(_cflags() + (_cuda_flags() if with_cuda else [])).encode())
     h.update(_cpu_signature().encode())
-    return Path.home() / ".cache" / "symphony" / "ops" / h.hexdigest()[:16]
+    return h.hexdigest()[:16]
 
 
 def _lock_timeout() -> float:
@@ -297,6 +303,12 @@ def _build_and_load(with_cuda: bool) -> None:
     with _build_lock(build_dir):
         staged = _stage_sources(root)
         _load_locked(build_dir, [str(staged / s) for s in names], with_cuda, staged)
+    global loaded_build
+    loaded_build = (build_dir, build_hash(with_cuda))
+
+
+# (build directory, build_hash) of the library this process loaded; None before it did
+loaded_build: Optional[tuple[Path, str]] = None
 
 
 def _load_locked(build_dir: Path, sources: list, with_cuda: bool, root: Path) -> None:

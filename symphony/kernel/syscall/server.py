@@ -204,6 +204,11 @@ class SyscallServer:
             torch.set_num_threads(self.compute_threads)   # per thread (OpenMP): this one runs the model
         self.compute_threads = torch.get_num_threads()
         log.info("syscall thread running (%d compute threads)", self.compute_threads)
+        try:                                # here: the thread count and the thread that compute
+            self.engine.calibrate_kernels()
+        except Exception:                   # noqa: BLE001 - the rule of the ops still serves
+            log.exception("syscall thread: calibrating the quantized kernels failed; "
+                          "their built-in rule decides")
         profile_to = os.environ.get("SYMPHONY_PROFILE_SYSCALLS")
         try:
             if profile_to:                  # a diagnosis aid: cProfile of this thread, written at stop

@@ -27,6 +27,7 @@ import torch
 
 from modelfiles import random_gguf_blocks
 from symphony.engine import ops
+from symphony.engine.ops import calibrate
 from symphony.engine import quant
 from symphony.engine.quant import I8, U4, QuantError, QWeight
 
@@ -36,8 +37,11 @@ TYPES = quant.GGUF_QUANT_TYPES
 @pytest.fixture(autouse=True, scope="module")
 def _ops_loaded():
     """Some tests call torch.ops.symphony.* directly, which exists only once the library is
-    loaded: load it first, so that any test here also runs alone (pytest FILE::TEST)."""
+    loaded: load it first, so that any test here also runs alone (pytest FILE::TEST). No
+    measured choices installed (ops/calibrate.py): the automatic choices follow the rule tested
+    here."""
     ops.load()
+    calibrate.clear()
 
 
 def _cpu_flags() -> set[str]:

@@ -1,0 +1,290 @@
+"""qlinear's automatic choices by measured speed (symphony/engine/ops/calibrate.py): a table of
+choices reaches qlinear and the layer stack (every path a choice may take gives the forced
+path's outputs, within the tolerances of test_quant.py and tests/e2e/model/test_quant_engine.py),
+a calibration gives a valid table, the cache round-trips, a corrupt, foreign or impossible cache
+is ignored with one log line and never trusted, and switching calibration off restores the rule.
+
+Tolerances, logits of the tiny quantized model vs the same model dequantized (test_quant_engine's
+docstring): float paths 1e-4 of their scale, 15-bit paths (9, 11) 1e-3, int8 paths 0.1.
+"""
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import random_weights, tiny_config
+from symphony.engine import ops
+from symphony.engine.config import EngineConfig
+from symphony.engine.engine import Engine
+from symphony.engine.ops import build, calibrate
+from symphony.engine.quant import I8, U4, force_qlinear_path
+from unit.engine.test_quant import assert_linear_close, assert_q8_close, expected_auto, gguf_weight
+
+FLOAT_PATHS = (0, 1, 2, 3)
+ROWS = tuple(b[0] for b in calibrate.BUCKETS)
+
+
+@pytest.fixture(autouse=True)
+def _rule_after(monkeypatch):
+    """Each test starts and ends with no table in the ops (the rule) and no calibration setting."""
+    ops.load()
+    monkeypatch.delenv(calibrate.ENV, raising=False)
+    calibrate.clear()
+    yield
+    calibrate.clear()
+
+
+def table_of(mode: int, path: int) -> calibrate.Calibration:
+    """Every cell of ``mode`` takes ``path``; the other mode's the dense GEMM (allowed to both)."""
+    choices = {(md, k): [path if md == mode else 3] * len(ROWS) for md in calibrate.MODES
+               for k in calibrate.KINDS}
+    return calibrate.Calibration(ROWS, choices, {}, "calibrated")
+
+
+def every_auto_path():
+    ops.load()
+    return [pytest.param(mode, p, id=f"{mode}:{p}") for mode in calibrate.MODES
+            for p in calibrate.auto_paths(mode)]
+
+
+# ------------------------------------------------------------------ the table reaches the kernels
+@pytest.mark.parametrize("mode, path", every_auto_path())
+def test_table_choice_is_the_forced_path_op(mode, path):
+    """qlinear's automatic choice, with a table naming ``path`` in every bucket, runs ``path``
+    bit for bit at row counts of every bucket, within the op-level tolerances."""
+    calibrate.install(table_of(mode, path))
+    for qtype in ("Q4_1", "Q8_0"):
+        qw, want = gguf_weight(qtype, 37, 256)
+        w = torch.from_numpy(want)
+        for m in (1, 5, 40, 70):
+            assert ops.qlinear_path_for(mode, m, 37, 256, qw.kind) == path
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+            with force_qlinear_path(mode):
+                y = qw.linear(x)
+            assert torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path))
+            if path in FLOAT_PATHS:
+                assert_linear_close(y, x, w)
+            elif path in (9, 11):                         # 15-bit x: test_quant's bound
+                wd, xd = w.double(), x.double()
+                err = (y.double() - xd @ wd.t()).abs()
+                assert bool((err <= 3.1e-5 * (xd.abs() @ wd.abs().t()) + 1e-6).all())
+            else:
+                assert_q8_close(y, x, qw, w, path)
+
+
+def _logits(eng, toks=(5, 17, 3, 99, 42, 8, 1)):
+    """Logits of a 5-token prompt and two decode steps on a new sequence, [7, vocab]."""
+    kv = eng.new_sequence()
+    out = [eng.pred(kv, list(toks[:5]), all_logits=True)] + [eng.pred(kv, [t]).unsqueeze(0) for t in toks[5:]]
+    eng.release(kv)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_table_choice_reaches_the_layer_stack(quantize):
+    """The model (one llama_layers call a pass) under each mode with a table naming each path
+    it may take gives the logits of that path forced, within the engine-level tolerances of the
+    dequantized model's."""
+    w = random_weights(tiny_config(), seed=3)
+    eng = Engine(w, None, EngineConfig(page_size=4, num_pages=64, quantize=quantize))
+    assert eng.model.layer_stack is not None
+    ref = _logits(Engine(eng.model.w.dequantized(), None, EngineConfig(page_size=4, num_pages=64)))
+    scale = ref.abs().max()
+    for mode in calibrate.MODES:
+        for path in calibrate.auto_paths(mode):
+            with force_qlinear_path(path):
+                forced = _logits(eng)
+            calibrate.install(table_of(mode, path))
+            with force_qlinear_path(mode):
+                auto = _logits(eng)
+            calibrate.clear()
+            assert torch.equal(auto, forced), (mode, path)
+            tol = 1e-4 if path in FLOAT_PATHS else 1e-3 if path in (9, 11) else 0.1
+            assert (auto - ref).abs().max() <= tol * scale, (mode, path)
+
+
+# ------------------------------------------------------------------ calibration
+def test_calibration_gives_a_valid_table(monkeypatch):
+    """A short calibration (smaller shape and repetitions) times only paths a choice may take,
+    picks per cell one the mode may take, the rule's or the fastest timed, and installed,
+    qlinear's choices follow it bucket by bucket."""
+    monkeypatch.setattr(calibrate, "SHAPE", (256, 128))
+    monkeypatch.setattr(calibrate, "REPS", 3)
+    calib = calibrate.measure(budget_s=30.0)
+    assert calib.source == "calibrated" and calib.complete and calib.rows == ROWS
+    for mode in calibrate.MODES:
+        allowed = calibrate.auto_paths(mode)
+        for kind in calibrate.KINDS:
+            assert {q for (k, _, q) in calib.times if k == kind} <= set(calibrate.auto_paths(-1) + calibrate.auto_paths(-2))
+            for (_, m, _), p in zip(calibrate.BUCKETS, calib.choices[(mode, kind)]):
+                timed = {q: calib.times[(kind, m, q)] for q in allowed if (kind, m, q) in calib.times}
+                assert p in allowed and timed, (mode, kind, m)
+                assert p == expected_auto_at(mode, m, kind) or timed.get(p) == min(timed.values())
+    calibrate.install(calib)
+    for mode in calibrate.MODES:
+        for kind in calibrate.KINDS:
+            for b, (first, _, _) in enumerate(calibrate.BUCKETS):
+                last = calibrate.BUCKETS[b + 1][0] - 1 if b + 1 < len(ROWS) else 1000
+                for m in (first, last):
+                    assert ops.qlinear_path_for(mode, m, 64, 64, kind) == calib.choices[(mode, kind)][b]
+
+
+def expected_auto_at(mode: int, m: int, kind: int) -> int:
+    """The rule's choice for the calibration's shape (the table cleared)."""
+    return ops.qlinear_path_for(mode, m, calibrate.SHAPE[0], calibrate.SHAPE[1], kind)
+
+
+def test_choose_needs_a_clear_win_over_the_rule():
+    """A path replaces the rule's only if its median beats the rule's by the margin and each of
+    its repetitions beats each of the rule's; otherwise (a near tie, an overlap, the rule's not
+    timed) the rule's."""
+    allowed = calibrate.auto_paths(-1)
+    rule = ops.qlinear_path_for(-1, 1, *calibrate.SHAPE, U4)
+    other = next(p for p in allowed if p != rule)
+
+    def pick(rule_s, other_s):
+        return calibrate._choose(-1, U4, 1, allowed, {(U4, 1, rule): rule_s, (U4, 1, other): other_s})
+    assert pick([10, 10, 10, 10, 10], [5, 5, 5, 5, 5]) == other
+    assert pick([10, 10, 10, 10, 10], [9.8, 9.8, 9.8, 9.8, 9.8]) == rule          # within the margin
+    assert pick([10, 10, 10, 10, 10], [5, 5, 5, 5, 11]) == rule                   # overlapping
+    assert pick([5, 5, 5, 5, 5], [10, 10, 10, 10, 10]) == rule
+    assert calibrate._choose(-1, U4, 1, allowed, {(U4, 1, other): [1.0]}) == rule    # no baseline
+
+
+# ------------------------------------------------------------------ the cache
+@pytest.fixture
+def fake_build(tmp_path, monkeypatch):
+    """The cache in tmp_path; a measurement that takes no time and counts its calls (every cell
+    the dense GEMM, which every CPU runs and both modes may take)."""
+    monkeypatch.setattr(build, "loaded_build", (tmp_path, build.loaded_build[1]))
+    calls = []
+
+    def fake_measure(budget_s=calibrate.BUDGET_S):
+        calls.append(budget_s)
+        choices = {(md, k): [3] * len(ROWS) for md in calibrate.MODES for k in calibrate.KINDS}
+        return calibrate.Calibration(ROWS, choices, {(U4, 1, 3): 1e-4}, "calibrated", True, True, 0.01)
+    monkeypatch.setattr(calibrate, "measure", fake_measure)
+    return tmp_path / f"qlinear-calibration-{torch.get_num_threads()}t.json", calls
+
+
+def test_cache_round_trips(fake_build, caplog):
+    path, calls = fake_build
+    caplog.set_level(logging.INFO, logger="symphony.ops")
+    first = calibrate.ensure()
+    assert calls and first.source == "calibrated" and first.cache == path and path.is_file()
+    assert "calibrated in" in caplog.text and "-1 u4: 1 3, 2-31 3, 32-63 3, 64+ 3" in caplog.text
+    assert calibrate.ensure() is first and len(calls) == 1                  # once per process
+    calibrate.clear()
+    caplog.clear()
+    again = calibrate.ensure()
+    assert len(calls) == 1 and again.source == "cache"
+    assert (again.rows, again.choices, again.times) == (first.rows, first.choices, first.times)
+    assert f"from the cache {path}" in caplog.text
+    assert ops.qlinear_path_for(-1, 1, 64, 64, U4) == 3                      # installed
+    assert not list(path.parent.glob("*.tmp"))                               # written by rename
+    # read directly: the same calibration
+    read = calibrate.read_cache(path, calibrate.cache_key(torch.get_num_threads()))
+    assert read is not None and read.choices == first.choices
+
+
+def _warnings(caplog, path) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name == "symphony.ops" and str(path) in r.getMessage()]
+
+
+def _valid_cache(path, choices=None, **key_over):
+    key = dict(calibrate.cache_key(torch.get_num_threads()), **key_over)
+    data = {"key": key, "rows": list(ROWS), "times_s": {},
+            "choices": {str(md): {str(k): (choices or {}).get((md, k), [3] * len(ROWS))
+                                  for k in calibrate.KINDS} for md in calibrate.MODES}}
+    path.write_text(json.dumps(data))
+
+
+def _lacking_float_path() -> int:
+    """A path the float choice (-1) cannot take on this CPU (12: one no CPU has)."""
+    return next((p for p in (2, 9, 1, 11) if p not in calibrate.auto_paths(-1)), 12)
+
+
+@pytest.mark.parametrize("bad", ["corrupt", "truncated", "foreign-cpu", "other-threads", "other-build",
+                                 "lacking-path", "wrong-mode-path", "bad-buckets"])
+def test_bad_cache_is_ignored_with_one_log_line(fake_build, caplog, bad):
+    path, calls = fake_build
+    if bad == "corrupt":
+        path.write_text("{not json")
+    elif bad == "truncated":
+        _valid_cache(path)
+        path.write_text(path.read_text()[:40])
+    elif bad == "foreign-cpu":
+        _valid_cache(path, cpu=dict(calibrate.cpu_identity(), model_name="Some Other CPU", flags="0" * 16))
+    elif bad == "other-threads":
+        _valid_cache(path, threads=torch.get_num_threads() + 7)
+    elif bad == "other-build":
+        _valid_cache(path, build="0123456789abcdef")
+    elif bad == "lacking-path":
+        _valid_cache(path, {(-1, U4): [_lacking_float_path()] + [3] * (len(ROWS) - 1)})
+    elif bad == "wrong-mode-path":                      # an int8 kernel for the float choice
+        _valid_cache(path, {(-1, I8): [3, 3, 4, 3]})
+    else:
+        data = json.loads((_valid_cache(path), path.read_text())[1])
+        data["rows"] = [1, 2, 16, 64]
+        path.write_text(json.dumps(data))
+    caplog.set_level(logging.INFO, logger="symphony.ops")
+    calib = calibrate.ensure()
+    assert len(_warnings(caplog, path)) == 1, caplog.text
+    assert calls, "a cache that cannot be trusted was used"
+    assert calib.source == "calibrated"
+    fresh = json.loads(path.read_text())                # replaced by the fresh calibration
+    assert fresh["key"] == calibrate.cache_key(torch.get_num_threads())
+
+
+def test_lacking_path_is_never_installed(fake_build, caplog):
+    """Even read directly, a cache naming a path this CPU lacks gives no table."""
+    path, _ = fake_build
+    lacking = _lacking_float_path()
+    _valid_cache(path, {(-1, U4): [lacking] * len(ROWS)})
+    caplog.set_level(logging.INFO, logger="symphony.ops")
+    assert calibrate.read_cache(path, calibrate.cache_key(torch.get_num_threads())) is None
+    assert f"path(s) [{lacking}]" in caplog.text
+    with pytest.raises(RuntimeError, match="qlinear_set_auto"):            # nor by the op itself
+        calibrate.install(calibrate.Calibration(ROWS, {(md, k): [lacking if md == -1 else 3] * len(ROWS)
+                                                       for md in calibrate.MODES for k in calibrate.KINDS},
+                                                {}, "cache"))
+
+
+def test_force_recalibrates_and_off_restores_the_rule(fake_build, monkeypatch, caplog):
+    path, calls = fake_build
+    rule = {(mode, m, kind): ops.qlinear_path_for(mode, m, 1536, 576, kind)
+            for mode in calibrate.MODES for m in (1, 8, 48, 128) for kind in calibrate.KINDS}
+    _valid_cache(path)
+    assert calibrate.ensure().source == "cache" and not calls
+    monkeypatch.setenv(calibrate.ENV, "force")
+    assert calibrate.ensure().source == "calibrated" and len(calls) == 1
+    assert ops.qlinear_path_for(-1, 1, 1536, 576, U4) == 3
+    monkeypatch.setenv(calibrate.ENV, "off")
+    caplog.set_level(logging.INFO, logger="symphony.ops")
+    off = calibrate.ensure()
+    assert off.source == "off" and len(calls) == 1 and f"{calibrate.ENV}=off" in caplog.text
+    for (mode, m, kind), p in rule.items():
+        assert ops.qlinear_path_for(mode, m, 1536, 576, kind) == p
+    # the rule test_quant.py writes down, for a weight of 3 * 2^18 weights and more
+    qw, _ = gguf_weight("Q8_0", 1536, 512)
+    for m in (1, 8, 40, 64):
+        for mode in calibrate.MODES:
+            assert ops.qlinear_path_for(mode, m, 1536, 512, qw.kind) == expected_auto(mode, m, qw)
+    monkeypatch.setenv(calibrate.ENV, "sometimes")
+    with pytest.raises(ValueError, match=calibrate.ENV):
+        calibrate.ensure()
+
+
+def test_engine_calibrates_only_quantized_cpu_models(fake_build, caplog):
+    """Engine.calibrate_kernels: a float model needs nothing; a quantized one installs and logs
+    the choices, then the kernels a matrix takes by rows."""
+    path, calls = fake_build
+    caplog.set_level(logging.INFO)
+    dense = Engine(random_weights(tiny_config(), seed=0), None, EngineConfig(page_size=4, num_pages=16))
+    assert dense.calibrate_kernels() is None and not calls
+    q = Engine(random_weights(tiny_config(), seed=0), None, EngineConfig(page_size=4, num_pages=16, quantize="int8"))
+    assert q.calibrate_kernels().source == "calibrated" and len(calls) == 1
+    assert "qlinear paths by rows" in caplog.text
+    assert "quantized weights: automatic choice (--activations auto): any number of rows: dense" in caplog.text
