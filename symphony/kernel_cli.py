@@ -215,6 +215,11 @@ def build(cfg: KernelConfig, log: logging.Logger):
     # spinning: every region pays a futex wake-up, and a decode step took 2.6x as long on 2
     # cores (perf/RESULTS.md). Here everything computes on one thread.
     torch.set_num_threads(1)
+    from .engine import cuda_kernels
+    try:
+        cuda_kernels.mode_from_env()                # a bad $SYMPHONY_CUDA_KERNELS, before loading
+    except ValueError as e:
+        raise StartupError(str(e)) from e
     engine = cfg.engine.load(cfg.engine_config)
     try:
         return _build(cfg, log, engine, compute_threads if engine.tp is None or cfg.threads else engine.tp.threads)

@@ -208,6 +208,17 @@ def test_only_the_syscall_thread_computes_with_several_threads(own_kernels):
     assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts
 
 
+def test_a_bad_cuda_kernels_setting_stops_the_kernel_before_the_model_loads(monkeypatch, caplog, tmp_path):
+    from symphony.kernel_cli import kernel_main
+    monkeypatch.setenv("SYMPHONY_CUDA_KERNELS", "fastest")
+    loaded = []
+    monkeypatch.setattr("symphony.engine.loader.load_model", lambda *a, **k: loaded.append(a))
+    with caplog.at_level("ERROR"):
+        assert kernel_main(["--socket", str(tmp_path / "k.sock")]) == 1
+    assert "SYMPHONY_CUDA_KERNELS must be one of auto, off, on, got 'fastest'" in caplog.text
+    assert not loaded
+
+
 def test_threads_flag_is_checked(capsys):
     from symphony.kernel_cli import kernel_main
     for bad in ("0", "-2", "many"):
