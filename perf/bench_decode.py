@@ -294,6 +294,11 @@ def main():
     def cfg(**kw):
         return EngineConfig(page_size=16, kv_memory_bytes=kv_bytes, **kw)
     engines = {"quantized": Engine(weights, tok, cfg(weights="quantized"))}
+    # qlinear's automatic choices as the kernel makes them: calibrated on this CPU at this
+    # thread count (SYMPHONY_QLINEAR_CALIBRATION=off: the fixed rule)
+    calib = engines["quantized"].calibrate_kernels()
+    if calib is not None:
+        print(f"# qlinear calibration: {calib.describe()}", flush=True)
     if not args.no_int8:                          # the same weights (shared), its own KV pool
         engines["int8"] = Engine(weights, tok, cfg(weights="quantized"))
     ref = None
