@@ -294,16 +294,8 @@ def stage_second(p: Pass) -> None:
     if not stage_model(p):
         return
     env = _kernel_test_env(p)
-    demo = (
-        "set -x; S=/tmp/gk/k.sock; mkdir -p /tmp/gk; chmod 755 /tmp/gk; "
-        "python3 -c 'import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())' --gpus 0 "
-        "--socket $S > /tmp/gk/kernel.log 2>&1 & KP=$!; "
-        "for i in $(seq 120); do grep -q 'ready on' /tmp/gk/kernel.log && break; sleep 0.5; done; "
-        "export SYMPHONY_SOCKET=$S; "
-        "time python3 -m symphony.cli run chat 'What is the capital of France? Answer in one sentence.'; "
-        "python3 -m symphony.cli ps; kill $KP; wait $KP; echo kernel exit $?; "
-        "grep -i -E 'cuda kernels|graph|warn|error' /tmp/gk/kernel.log | head -40")
-    p.run("kernel_demo", demo, 60, shell=True, tail=30)
+    p.run("kernel_demo", _demo("", "grep -i -E 'cuda kernels|graph|warn|error' /tmp/gk/kernel.log | head -40"),
+          60, shell=True, tail=30)
     prof = str(p.logs / "syscalls.prof")           # where the kernel's host time goes at 64 LIPs
     if "bench_kernel" not in p.skip:
         stage_bench_kernel(p, prof)
@@ -345,18 +337,22 @@ def _kernel_test_env(p: Pass) -> dict:
     return dict(p.env, SYMPHONY_TEST_KERNEL_ARGS="--gpus 0", OMP_NUM_THREADS="2")
 
 
+def _demo(more: str, after: str) -> str:
+    """A shell command: the kernel on GPU 0, the stock chat program (then ``more``), ps, the
+    kernel stopped, then ``after`` (a look at its log)."""
+    return ("set -x; S=/tmp/gk/k.sock; mkdir -p /tmp/gk; chmod 755 /tmp/gk; "
+            "python3 -c 'import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())' --gpus 0 "
+            "--socket $S > /tmp/gk/kernel.log 2>&1 & KP=$!; "
+            "for i in $(seq 120); do grep -q 'ready on' /tmp/gk/kernel.log && break; sleep 0.5; done; "
+            "export SYMPHONY_SOCKET=$S; "
+            "time python3 -m symphony.cli run chat 'What is the capital of France? Answer in one sentence.'; "
+            + more + "python3 -m symphony.cli ps; kill $KP; wait $KP; echo kernel exit $?; " + after)
+
+
 def stage_kernel(p: Pass) -> None:
     env = _kernel_test_env(p)
-    demo = (
-        "set -x; S=/tmp/gk/k.sock; mkdir -p /tmp/gk; chmod 755 /tmp/gk; "
-        "python3 -c 'import sys; from symphony.cli import kernel_main; sys.exit(kernel_main())' --gpus 0 "
-        "--socket $S > /tmp/gk/kernel.log 2>&1 & KP=$!; "
-        "for i in $(seq 120); do grep -q 'ready on' /tmp/gk/kernel.log && break; sleep 0.5; done; "
-        "export SYMPHONY_SOCKET=$S; "
-        "time python3 -m symphony.cli run chat 'What is the capital of France? Answer in one sentence.'; "
-        "time python3 -m symphony.cli run complete 'The three primary colors are'; "
-        "python3 -m symphony.cli ps; kill $KP; wait $KP; echo kernel exit $?; tail -40 /tmp/gk/kernel.log")
-    p.run("kernel_demo", demo, 90, shell=True, tail=30)
+    p.run("kernel_demo", _demo("time python3 -m symphony.cli run complete 'The three primary colors are'; ",
+                               "tail -40 /tmp/gk/kernel.log"), 90, shell=True, tail=30)
     p.run("kernel_tests", [sys.executable, "-m", "pytest", "-v", "-n", "6", "-p", "no:cacheprovider", "-rfE",
                            "--tb=short", "--timeout", "100", "--junitxml", str(p.logs / "kernel_tests.xml"),
                            "tests/e2e/cli/test_cli_programs.py", "tests/e2e/userland/test_userland_basic.py",

@@ -216,8 +216,10 @@ def build(cfg: KernelConfig, log: logging.Logger):
     # cores (perf/RESULTS.md). Here everything computes on one thread.
     torch.set_num_threads(1)
     from .engine import cuda_kernels
-    try:
-        cuda_kernels.mode_from_env()                # a bad $SYMPHONY_CUDA_KERNELS, before loading
+    from .engine.ops import calibrate
+    try:                                            # bad settings in the environment, before loading
+        cuda_kernels.mode_from_env()
+        calibrate.setting()
     except ValueError as e:
         raise StartupError(str(e)) from e
     engine = cfg.engine.load(cfg.engine_config)
@@ -230,11 +232,6 @@ def build(cfg: KernelConfig, log: logging.Logger):
 
 def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int):
     # (the quantized kernels are calibrated and logged by the syscall thread, which runs them)
-    from .engine.ops import calibrate
-    try:
-        calibrate.setting()
-    except ValueError as e:
-        raise StartupError(str(e)) from e
     _warm_up(engine)
     from .kernel.daemon import Kernel
     from .kernel.syscall.proc import ServedLips

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "../check.h"
+#include "../checks.h"
 
 namespace symphony {
 namespace {
@@ -491,21 +492,8 @@ void rope_cuda(at::Tensor& x, const at::Tensor& positions, const at::Tensor& tab
   constexpr const char* op = "symphony::rope_";
   SYM_CHECK(x.is_cuda() && positions.device() == x.device() && table.device() == x.device(), op,
             ": x, positions and table must be on one CUDA device");
-  SYM_CHECK(x.dim() == 2, op, ": x must be 2-D [T, N], got shape ", x.sizes());
-  SYM_CHECK(table.scalar_type() == at::kFloat, op, ": table must be float32, got ",
-            table.scalar_type());
-  SYM_CHECK(table.dim() == 3 && table.size(2) == 2 && table.is_contiguous(), op,
-            ": table must be a contiguous [max_positions, head_dim / 2, 2] (cos, sin) table, "
-            "got shape ", table.sizes());
-  const int64_t T = x.size(0), half = table.size(1), head_dim = 2 * half;
-  SYM_CHECK(heads >= 0 && heads * head_dim <= x.size(1), op, ": ", heads, " heads of ", head_dim,
-            " values do not fit in rows of ", x.size(1));
-  SYM_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op,
-            ": the rows of x must be contiguous (stride(1) == 1), got strides ", x.strides());
-  SYM_CHECK(positions.dim() == 1 && positions.size(0) == T, op,
-            ": positions must be 1-D [T] with T = ", T, ", got shape ", positions.sizes());
-  SYM_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), op,
-            ": positions must be contiguous int64, got ", positions.scalar_type());
+  const int64_t half = check_rope_args(op, x, positions, table, heads);
+  const int64_t T = x.size(0);
   const int64_t total = T * heads * half;
   if (total == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());

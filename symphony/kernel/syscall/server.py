@@ -276,7 +276,7 @@ class SyscallServer:
                     continue
                 # every queued call waits for device pages: idle until something changes
             if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
-                self.door.wait(lane_s, self._has_calls)   # LIPs (nice 19) get the CPU it leaves
+                self.door.wait(lane_s, self._has_calls)   # LIPs get the CPU it leaves (busy ones reniced to 19)
             elif not busy:
                 wait = 0.05                    # short: muted LIP bells are polled
                 if self._dirty:                # wake in time to publish what was done (and to count
