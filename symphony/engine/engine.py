@@ -119,14 +119,11 @@ class Engine:
         cache or a calibration of under two seconds; once per process and thread count) and log
         them and the kernels a matrix then takes by rows. Call it on the thread that runs the
         model. Returns the `ops.calibrate.Calibration`, or None (nothing to do)."""
-        if self.device.type != "cpu" or not self.model.w.is_quantized():
-            return None
-        from . import ops
         from .ops import calibrate
         from .quant import describe_cpu_kernels
-        ops.load()
-        calib = calibrate.ensure()
-        log.info("quantized weights: %s", describe_cpu_kernels())
+        calib = calibrate.ensure_for(self.device, self.model.w.is_quantized())
+        if calib is not None:
+            log.info("quantized weights: %s", describe_cpu_kernels())
         return calib
 
     def close(self) -> None:

@@ -71,6 +71,14 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
     return inv.to(torch.float32)
 
 
+def residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a model's residual stream: float32 for a 16-bit model (each layer's output is
+    added without rounding; only the norms' outputs, the matrices' inputs, are 16-bit: a
+    bfloat16 stream rounds 2 x n_layers times, to steps of 1/128 of its size, and flipped
+    SmolLM2's near-tie first answer token on a GPU, perf/RESULTS.md "GPU"), else the model's."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _mm_float32_out(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch.mm gives float32 output from ``dtype`` inputs on ``device`` (CUDA, torch
     2.8 and later)."""
@@ -96,11 +104,7 @@ class PagedLlama:
         self.tp = tp
         self.w = weights.to(device, dtype)
         self.device, self.dtype = device, dtype
-        # A 16-bit model keeps its residual stream in float32: each layer's output is added
-        # without rounding, and only the norms' outputs (the matrices' inputs) are 16-bit. A
-        # bfloat16 residual rounds 2 x n_layers times (steps of 1/128 of its size) and flipped
-        # SmolLM2's near-tie first answer token on a GPU (perf/RESULTS.md, "GPU").
-        self.residual_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.residual_dtype = residual_dtype(dtype)
         # float32_head: the final norm and lm_head run in float32 whatever the model dtype
         # (bfloat16 logits step by 0.125 near 20 and tie close candidates: SmolLM2's greedy
         # answer changes; perf/RESULTS.md). It costs a float32 copy of lm_head, read every

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .model import rope_inv_freq
+from .model import residual_dtype, rope_inv_freq
 from .weights import ModelWeights
 
 
@@ -32,7 +32,7 @@ class ReferenceLlama:
         self.device, self.dtype = torch.device(device), dtype
         # float32 final norm and head in every dtype, and a float32 residual stream for a 16-bit
         # model (the norms' outputs, the matrices' inputs, in dtype), as the paged model does
-        self.residual_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.residual_dtype = residual_dtype(dtype)
         self.lm_head = self.w.lm_head if dtype == torch.float32 else weights.lm_head.to(self.device, torch.float32)
         self.inv_freq = rope_inv_freq(self.config, weights.rope_freq_factors).to(self.device)
 

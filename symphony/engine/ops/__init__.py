@@ -185,7 +185,8 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next RMSNorm at once (dtypes as `rms_norm`; on CUDA s is
     rounded to x's dtype before the norm, as torch's ``x + r``): ``(s, rms_norm(s, w))``
-    with ``s = x + r``, both ``[T, H]``."""
+    with ``s = x + r``, both ``[T, H]``. On CUDA x may also be a float32 residual stream and r
+    16-bit: s stays float32 and the norm comes out in r's dtype."""
     if not _loaded:
         load()
     return torch.ops.symphony.add_rms_norm(x, r, w, float(eps))
@@ -203,9 +204,9 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int) -> None:
     """Rotary embedding in place (x float32 on the CPU; float32, float16 or bfloat16 on CUDA,
-    where a position outside the table leaves its row unrotated instead of raising): rotate the first ``heads`` heads of each row of
-    ``x [T, N]`` (rows may be strided), head_dim = ``2 * table.shape[1]`` values each, pair
-    ``(2i, 2i + 1)`` by the angle ``positions[t] * inv_freq[i]`` whose ``(cos, sin)`` is
+    where a position outside the table leaves its row unrotated instead of raising): rotate
+    the first ``heads`` heads of each row of ``x [T, N]`` (rows may be strided), head_dim =
+    ``2 * table.shape[1]`` values each, pair ``(2i, 2i + 1)`` by the angle ``positions[t] * inv_freq[i]`` whose ``(cos, sin)`` is
     ``table[positions[t], i]`` (``table``: float32 ``[max_positions, head_dim / 2, 2]``, the
     complex ``e^{i pos freq}`` table viewed as real). The complex multiply of the model, in one
     op instead of ~10 (``rope_reference``)."""

@@ -126,6 +126,12 @@ def setting() -> str:
     return value
 
 
+def ensure_for(device: torch.device, quantized: bool) -> Optional[Calibration]:
+    """`ensure` for a model on ``device`` whose weights are ``quantized`` or not: only quantized
+    weights on the CPU take qlinear's automatic choices; None otherwise."""
+    return ensure() if device.type == "cpu" and quantized else None
+
+
 def ensure() -> Calibration:
     """Install qlinear's automatic choices for this CPU and the calling thread's torch thread
     count (call it on the thread that runs the model), as `setting` says, and log them. Once

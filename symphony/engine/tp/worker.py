@@ -63,9 +63,8 @@ def main(argv=None) -> int:
                         args.timeout, cfg.torch_device)
         model = PagedLlama(weights, cfg.torch_device, cfg.torch_dtype, cfg.use_float32_head, tp=group)
         kv = KVPool(weights.config, cfg)
-        if weights.is_quantized() and cfg.torch_device.type == "cpu":
-            from ..ops import calibrate
-            calibrate.ensure()                  # qlinear's choices timed here (this thread computes)
+        from ..ops import calibrate
+        calibrate.ensure_for(cfg.torch_device, weights.is_quantized())   # timed here: this thread computes
     except Exception as e:
         print(f"symphony tp rank {args.rank}: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -181,7 +181,7 @@ class PredCalls:
     def _deliver_all(self, items: list, results: list) -> None:
         """Fail what failed, advance what has more chunks, reply to the rest:
         every call's copies to the host are queued first, then waited for once."""
-        finals, tokens = [], []                  # tokens: (index in finals, call, ids on the device)
+        finals, tokens = [], []                  # tokens: (call, its token ids on the device)
         for (c, start, n), r in zip(items, results):
             if r.error is not None:
                 self.sched.drop(c)                   # its other chunks never run
@@ -193,9 +193,8 @@ class PredCalls:
             c.stage = Stage.REPLYING
             c.proc.preds += 1
             c.proc.tokens += len(c.tokens)
-            if c.want.output in ("argmax", "sample") and isinstance(r.value, torch.Tensor):
-                tokens.append((len(finals), c, r.value))
-                finals.append(None)
+            if c.want.output in ("argmax", "sample"):
+                tokens.append((c, r.value))
                 continue
             try:
                 finals.append((c, self._copy_out(c, r.value)))
@@ -203,16 +202,15 @@ class PredCalls:
                 c.fail(self.answers, e)
         if tokens:                               # every call's token ids in one copy to the host
             try:
-                ids = torch.cat([v.reshape(-1).long() for _, _, v in tokens]).to("cpu", non_blocking=True)
+                ids = torch.cat([v.reshape(-1).long() for _, v in tokens]).to("cpu", non_blocking=True)
             except Exception as e:
-                for _, c, _ in tokens:
+                for c, _ in tokens:
                     c.fail(self.answers, e)
                 tokens = []
             off = 0
-            for i, c, v in tokens:
-                finals[i] = (c, self._reply_tokens(c, ids, off, v.numel()))
+            for c, v in tokens:
+                finals.append((c, self._reply_tokens(c, ids, off, v.numel())))
                 off += v.numel()
-        finals = [f for f in finals if f is not None]
         if finals and self.sync_device:
             torch.cuda.current_stream(self.engine.device).synchronize()
         for c, reply in finals:
@@ -223,10 +221,10 @@ class PredCalls:
                 c.fail(self.answers, e)
 
     def _copy_out(self, c: PredCall, value):
-        """Queue the copy of a call's result (computed on the device by the
-        runner) to the host, into the LIP's arena where it is an array; returns
-        the function that replies once the copies are done.  No call waits for
-        the device on its own."""
+        """Queue the copy of a logits or top-k call's result (computed on the
+        device by the runner) into the LIP's arena; returns the function that
+        replies once the copies are done.  No call waits for the device on its
+        own (token ids: `_deliver_all` copies every call's at once)."""
         lip, slot, cid = c.proc, c.slot, c.call_id
         length = self.fs.handles[c.kv].inode.length
         out = c.want.output
@@ -236,18 +234,16 @@ class PredCalls:
             torch.from_numpy(view).copy_(value, non_blocking=True)   # a DMA into the pinned arena
             return lambda: self.answers.reply(lip, slot, cid, {"length": length},
                                               (abi.ARENA_LOGITS, rows, self.vocab))
-        if out == "topk":
-            lp, ids = value                                       # [rows, k] float32, [rows, k] int32
-            rows, k = lp.shape
-            lp_h, ids_h = lp.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
+        lp, ids = value                                           # topk: [rows, k] float32, [rows, k] int32
+        rows, k = lp.shape
+        lp_h, ids_h = lp.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
 
-            def reply_topk():
-                view = lip.ring.arena(slot, 2 * rows, k)
-                view[:rows] = ids_h.numpy().view(np.float32)
-                view[rows:] = lp_h.numpy()
-                self.answers.reply(lip, slot, cid, {"length": length}, (abi.ARENA_TOPK, 2 * rows, k))
-            return reply_topk
-        return self._reply_tokens(c, value.reshape(-1).to("cpu", non_blocking=True), 0, value.numel())
+        def reply_topk():
+            view = lip.ring.arena(slot, 2 * rows, k)
+            view[:rows] = ids_h.numpy().view(np.float32)
+            view[rows:] = lp_h.numpy()
+            self.answers.reply(lip, slot, cid, {"length": length}, (abi.ARENA_TOPK, 2 * rows, k))
+        return reply_topk
 
     def _reply_tokens(self, c: PredCall, ids: torch.Tensor, off: int, n: int):
         """The reply of an argmax or sample call whose ``n`` token ids are ``ids[off:off + n]`` on
