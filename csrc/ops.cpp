@@ -36,7 +36,7 @@ TORCH_LIBRARY(symphony, m) {
   // (csrc/cpu/qlinear.cpp resolve_path); 0 scalar, 1 AVX2, 2 AVX-512 (float register kernels),
   // 3 dequantize + torch GEMM, 4 int8 scalar, 5 int8 AVX2, 6 int8 AVX-VNNI, 7 int8 AVX-512 VNNI,
   // 8 int8 AVX-512 VNNI 16-row tiles, 9 15-bit AVX-512 VNNI, 10 int8 AVX2 8-row tiles, 11 15-bit
-  // AVX2 8-row tiles force one (CPU; CUDA ignores it).
+  // AVX2 8-row tiles, 12 15-bit AVX2 row kernel force one (CPU; CUDA ignores it).
   m.def(
       "qlinear(Tensor x, Tensor qs, Tensor scales, Tensor mins, int kind, int group, "
       "int path=-1) -> Tensor");

@@ -12,7 +12,7 @@ from symphony.engine.weights import random_weights
 #   30 layers (1 / 2000 of the logits' scale; int8 activations move them by 1 / 27)
 TINY_ATOL = 1e-4
 _FLAGS = set(open("/proc/cpuinfo").read().split())
-# ... and on AVX2 CPUs without AVX-512 (the 8-row tiles, path 11, below 32 rows)
+# ... and on AVX2 CPUs without AVX-512 (paths 12 and 11, below 32 rows)
 SMOLLM_ATOL = 2e-2 if "avx512_vnni" in _FLAGS or ({"avx2", "fma"} <= _FLAGS and "avx512f" not in _FLAGS) else 2e-3
 
 # Reduced precision on the CPU (weights, activations and KV pool in the dtype; final norm and

@@ -83,14 +83,12 @@ inline int64_t act_block_pos(int64_t b, bool permute64) {
 // rounded to 1/32766 of its block's largest value: products equal the float32 ones to ~3e-5
 // of |x| |W|, where int8 rounds to 1/254. corr [M, ldq / 16] = -128 * (sum of qx over each
 // block) (for i8 weights: see qkernels_t16_x86.cpp). quantize_act_avx512 does it. (Paths
-// 10 / 11 split qx as hi = max(qx >> 7, -127), lo = qx - 128 hi instead: quantize_act15_avx2.)
+// 10 - 12 split qx as hi = max(qx >> 7, -127), lo = qx - 128 hi instead: quantize_act_avx2.)
 using RowsQ8Fn = void (*)(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
                           int64_t n0, int64_t n1);
 void rows_q8_scalar(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                     int64_t n1);
 #if defined(__x86_64__) || defined(_M_X64)
-void rows_q8_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
-                  int64_t n1);
 void rows_q8_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                      int64_t n1);
 void rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
@@ -106,12 +104,19 @@ void quantize_act_avx512(const float* x, int64_t ldx, int64_t M, int64_t K, int6
 void rows_q8_t16_avx512vnni(const QView& w, const QAct& a, const int32_t* xcorr, int64_t M,
                             float* out, int64_t ldo, int64_t n0, int64_t n1);
 // Paths 10 and 11 (qkernels_t16_avx2.cpp): 8 weight rows a tile on AVX2 (vpmaddubsw), x plain
-// (quantize_act without permute64 / bias128), 15-bit if a.lo is set, split by quantize_act15_avx2
+// (quantize_act without permute64 / bias128), 15-bit if a.lo is set, split by quantize_act_avx2
 // as hi = max(qx >> 7, -127), lo = qx - 128 hi (both -127..127, see that file).
 void rows_q8_t8_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                      int64_t n1);
-void quantize_act15_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group,
-                         int8_t* hi, int8_t* lo, float* d, float* s, int64_t ldq);
+// Paths 5 and 12 (qkernels_rows_avx2.cpp): the AVX2 row kernels, int8 x or 15-bit x (a.lo set,
+// split as for paths 10 / 11); x in permute64 order for u4 weights, plain for i8 ones.
+void rows_q8_r4_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                     int64_t n1);
+// quantize_act with AVX2 (lo null: the same bits as the scalar code, permute64 as there, no
+// bias128), or (lo not null) x rounded to 15 bits, hi = max(qx >> 7, -127) and lo = qx - 128 hi
+// (both -127..127: vpsignb can give them an i8 weight's sign).
+void quantize_act_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t group, int8_t* hi,
+                       int8_t* lo, float* d, float* s, int64_t ldq, bool permute64);
 #endif
 
 }  // namespace qcpu

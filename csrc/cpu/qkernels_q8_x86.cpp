@@ -1,4 +1,4 @@
-// The int8-activation kernels of qlinear (qkernels.h: paths 5 AVX2, 6 AVX-VNNI, 7 AVX-512 VNNI).
+// The int8-activation row kernels of qlinear (qkernels.h: paths 6 AVX-VNNI, 7 AVX-512 VNNI).
 // x arrives quantized to int8 per block of 32 (quantize_act); each weight group's product is an
 // integer dot product, scaled once by scale * d and accumulated in float32. Every set is
 // compiled for its own instruction set (target pragmas) and only called after a cpuid check, as
@@ -19,24 +19,90 @@ constexpr int64_t kPrefetchRows = 16;  // as in qkernels_x86.cpp
 
 
 // ============================================================================================
-// AVX2 (vpmaddubsw) and AVX-VNNI: one source, two instruction sets
+// AVX-VNNI (vpdpbusd on 256-bit registers). One step is 32 values (two x blocks of 16).
+// Unsigned x signed products: u4 weights are unsigned as they are; i8 weights give |w| and move
+// their sign onto x (vpsignb). (AVX2 without VNNI: qkernels_rows_avx2.cpp.)
 // ============================================================================================
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define Q8_VNNI 0
-#define Q8_NAME(x) x##_q8avx2
-#include "qkernels_q8_avx2.inc"
-#undef Q8_NAME
-#undef Q8_VNNI
-#pragma GCC pop_options
-
-#pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
-#define Q8_VNNI 1
-#define Q8_NAME(x) x##_q8avxvnni
-#include "qkernels_q8_avx2.inc"
-#undef Q8_NAME
-#undef Q8_VNNI
+
+// Integer dot product of 4-byte groups: lane i = sum_{j<4} a[4i + j] * b[4i + j].
+inline __m256i dot_avxvnni(__m256i a_u8, __m256i b_s8) {
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a_u8, b_s8);
+}
+
+template <int NB, int MB>
+inline void tile_avxvnni(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n,
+                          int64_t m) {
+  __m256 acc[NB][MB];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < MB; ++j) acc[b][j] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const int64_t G = w.n_groups, nb = a.ldq / 16, steps = w.K / 32;
+  const bool u4 = w.kind == kQU4, g16 = w.group == 16;
+  for (int64_t st = 0; st < steps; ++st) {
+    __m256i wv[NB];
+    __m256 ws[NB];
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* row = w.qs + (n + b) * w.row_bytes;
+      const float* sc = w.scales + (n + b) * G;
+      if (u4) {
+        const uint8_t* p = row + st * 16;
+        if ((st & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+        ws[b] = _mm256_set1_ps(sc[st]);
+      } else {
+        const uint8_t* p = row + st * 32;
+        if ((st & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
+        wv[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        ws[b] = g16 ? _mm256_set_m128(_mm_set1_ps(sc[2 * st + 1]), _mm_set1_ps(sc[2 * st]))
+                    : _mm256_set1_ps(sc[st]);
+      }
+    }
+    for (int j = 0; j < MB; ++j) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m + j) * a.ldq + st * 32));
+      const float* dp = a.d + (m + j) * nb + 2 * st;   // lanes 0-3: block 2st, 4-7: 2st + 1
+      const __m256 xd = _mm256_set_m128(_mm_broadcast_ss(dp + 1), _mm_broadcast_ss(dp));
+      for (int b = 0; b < NB; ++b) {
+        const __m256i isum = u4 ? dot_avxvnni(wv[b], xq)
+                                : dot_avxvnni(_mm256_abs_epi8(wv[b]), _mm256_sign_epi8(xq, wv[b]));
+        acc[b][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws[b], xd), acc[b][j]);
+      }
+    }
+  }
+  if (w.mins)  // + sum_g mins[n, g] * s[m, g], into the same accumulators
+    for (int64_t g = 0; g < G; g += 8) {
+      const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(G - g, 8))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256 mv[NB];
+      for (int b = 0; b < NB; ++b) mv[b] = _mm256_maskload_ps(w.mins + (n + b) * G + g, k);
+      for (int j = 0; j < MB; ++j) {
+        const __m256 sv = _mm256_maskload_ps(a.s + (m + j) * G + g, k);
+        for (int b = 0; b < NB; ++b) acc[b][j] = _mm256_fmadd_ps(mv[b], sv, acc[b][j]);
+      }
+    }
+  for (int j = 0; j < MB; ++j)
+    for (int b = 0; b < NB; ++b) {
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[b][j]), _mm256_extractf128_ps(acc[b][j], 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      out[(m + j) * ldo + n + b] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    }
+}
+
+inline void rows_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
+                          int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile_avxvnni<2, 4>(w, a, out, ldo, n, m);
+    for (; m + 2 <= M; m += 2) tile_avxvnni<2, 2>(w, a, out, ldo, n, m);
+    for (; m < M; ++m) tile_avxvnni<2, 1>(w, a, out, ldo, n, m);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) tile_avxvnni<1, 1>(w, a, out, ldo, n, m);
+}
+
 #pragma GCC pop_options
 
 // ============================================================================================
@@ -150,17 +216,11 @@ inline void tile_512(const QView& w, const QAct& a, float* out, int64_t ldo, int
 
 }  // namespace
 
-__attribute__((target("avx2,fma"))) void rows_q8_avx2(const QView& w, const QAct& a, int64_t M,
-                                                      float* out, int64_t ldo, int64_t n0,
-                                                      int64_t n1) {
-  rows_q8avx2(w, a, M, out, ldo, n0, n1);
-}
-
 __attribute__((target("avx2,fma,avxvnni"))) void rows_q8_avxvnni(const QView& w, const QAct& a,
                                                                  int64_t M, float* out,
                                                                  int64_t ldo, int64_t n0,
                                                                  int64_t n1) {
-  rows_q8avxvnni(w, a, M, out, ldo, n0, n1);
+  rows_avxvnni(w, a, M, out, ldo, n0, n1);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))) void

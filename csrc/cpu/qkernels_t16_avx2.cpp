@@ -16,7 +16,7 @@
 //     (vpsignb), |pair| <= 2 * 128 * 127 = 32512, widened by vpmaddwd after each step. This
 //     needs |x| <= 127 (the negation of -128 wraps), so the 15-bit x of this path is stored
 //     split as hi = max(qx >> 7, -127), lo = qx - 128 hi (both -127..127; qx = 128 hi + lo),
-//     not as quantize_act_avx512's qx & 127 (`quantize_act15_avx2`).
+//     not as quantize_act_avx512's qx & 127 (`quantize_act_avx2`).
 //
 // Accumulation per activation block b of row m and weight group g (x quantized per block of 16,
 // qkernels.h): acc[m] += (d[m, b] * scales[n, g]) * isum, then acc[m] += mins[n, g] * s[m, g];
@@ -204,44 +204,6 @@ __attribute__((target("avx2,fma"))) void rows_q8_t8_avx2(const QView& w, const Q
                                                          int64_t n1) {
   if (a.lo) tiles_kind<true>(w, a, M, out, ldo, n0, n1);
   else tiles_kind<false>(w, a, M, out, ldo, n0, n1);
-}
-
-// One block of 16 values of x rounded to 15 bits (qkernels.h: d = amax / 16383, qx =
-// round_half_even(x / d)) with the float32 steps of quantize_act_avx512, stored as this file's
-// hi / lo pair (hi >= -127); returns d, and the sum of qx in `sum`.
-__attribute__((target("avx2,fma"))) inline float quantize_block15(const float* xb, int8_t* h,
-                                                                  int8_t* l, int32_t& sum) {
-  constexpr float kQmax = 16383.f;
-  float amax = 0.f;
-  for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(xb[i]));
-  const float dv = amax / kQmax, id = dv != 0.f ? 1.f / dv : 0.f;
-  sum = 0;
-  for (int i = 0; i < 16; ++i) {
-    const int32_t q = int32_t(std::clamp(std::nearbyint(xb[i] * id), -kQmax, kQmax));
-    const int32_t top = std::max(q >> 7, -127);  // (q >> 7 is -128 only for q < -16256)
-    h[i] = int8_t(top);
-    l[i] = int8_t(q - 128 * top);
-    sum += q;
-  }
-  return dv;
-}
-
-__attribute__((target("avx2,fma"))) void quantize_act15_avx2(const float* x, int64_t ldx,
-                                                             int64_t M, int64_t K, int64_t group,
-                                                             int8_t* hi, int8_t* lo, float* d,
-                                                             float* s, int64_t ldq) {
-  const int64_t nb = ldq / 16, G = K / group;
-  std::memset(hi, 0, size_t(M * ldq));  // the pad past K: qx = 0 (d = 0)
-  std::memset(lo, 0, size_t(M * ldq));
-  for (int64_t m = 0; m < M; ++m) {
-    if (s) std::fill(s + m * G, s + (m + 1) * G, 0.f);
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t sum = 0;
-      const int64_t at = m * ldq + b * 16;
-      d[m * nb + b] = b * 16 < K ? quantize_block15(x + m * ldx + b * 16, hi + at, lo + at, sum) : 0.f;
-      if (s && b * 16 < K) s[m * G + b * 16 / group] += d[m * nb + b] * float(sum);
-    }
-  }
 }
 
 }  // namespace qcpu

@@ -12,6 +12,8 @@
 //     AVX-VNNI, AVX2 vpmaddubsw, scalar; qkernels_q8_x86.cpp; path 8: 16 weight rows a register,
 //     qkernels_t16_x86.cpp). The result differs from the float product by the rounding of x (at
 //     most half a step of its block per value): the result is W times the rounded x.
+//   * paths 5 / 12: int8 / 15-bit x, the AVX2 row kernels for a few rows of x (decode): each
+//     weight row read once, 4 at a time, two u4 groups a load (qkernels_rows_avx2.cpp).
 //   * paths 10 / 11: int8 / 15-bit x in 8-row tiles on AVX2 alone (qkernels_t16_avx2.cpp).
 //   * the 15-bit kernels (path 9, AVX-512 VNNI): the same with x rounded to 15 bits per block
 //     (two vpdpbusd a product), within ~3e-5 of |x| |W| of the float product; the automatic
@@ -100,11 +102,12 @@ using namespace qcpu;
 enum Path : int64_t {
   kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
   kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7, kQ8T16Avx512Vnni = 8,
-  kQ15T16Avx512Vnni = 9, kQ8T8Avx2 = 10, kQ15T8Avx2 = 11,
+  kQ15T16Avx512Vnni = 9, kQ8T8Avx2 = 10, kQ15T8Avx2 = 11, kQ15RowsAvx2 = 12,
 };
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
 constexpr int64_t kRowM = 2;     // the 15-bit path's 16-row tiles from this many rows on
+constexpr int64_t kRowsAvx2 = 4;  // AVX2 alone: the row kernels (5, 12) below this many rows
 
 // The SIMD paths this CPU runs (cpuid, once).
 struct CpuFeatures {
@@ -151,18 +154,15 @@ RowsFn rows_fn(int64_t path) {
   return rows_scalar;
 }
 
-// The int8-activation kernel of a path (kAuto: the best this CPU has).
+// The int8-activation row kernel of paths 4, 6, 7 (kAuto: the best of them this CPU has).
 RowsQ8Fn rows_q8_fn(int64_t path) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (path == kAuto)
-    path = cpu_has_avx512vnni() ? kQ8Avx512Vnni : cpu_has_avxvnni() ? kQ8AvxVnni
-           : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
+  if (path == kAuto) path = cpu_has_avx512vnni() ? kQ8Avx512Vnni : cpu_has_avxvnni() ? kQ8AvxVnni : kQ8Scalar;
   if (path == kQ8Avx512Vnni)
     return require(cpu_has_avx512vnni(), rows_q8_avx512vnni, path, "int8, AVX-512 VNNI",
                    "avx512f/bw/vl/dq/vnni");
   if (path == kQ8AvxVnni)
     return require(cpu_has_avxvnni(), rows_q8_avxvnni, path, "int8, AVX-VNNI", "avx_vnni");
-  if (path == kQ8Avx2) return require(cpu_has_avx2(), rows_q8_avx2, path, "int8, AVX2", "avx2/fma");
 #else
   SYM_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
@@ -215,21 +215,25 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
       for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { rows_q8_avx512vnni(w, a, M, out, w.N, n0, n1); });
     return;
   }
-  if (path == kQ8T8Avx2 || path == kQ15T8Avx2) {  // 8-row tiles, AVX2 (qkernels_t16_avx2.cpp)
-    const bool split = path == kQ15T8Avx2;
-    require(cpu_has_avx2(), 0, path, split ? "15-bit, AVX2, 8-row tiles" : "int8, AVX2, 8-row tiles",
+  if (path == kQ8Avx2 || path == kQ15RowsAvx2 || path == kQ8T8Avx2 || path == kQ15T8Avx2) {
+    // AVX2: the row kernels (5, 12; qkernels_rows_avx2.cpp) or the 8-row tiles (10, 11;
+    // qkernels_t16_avx2.cpp); 15-bit x for 12 and 11
+    const bool split = path == kQ15RowsAvx2 || path == kQ15T8Avx2;
+    const bool rows = path == kQ8Avx2 || path == kQ15RowsAvx2;
+    require(cpu_has_avx2(), 0, path, rows ? (split ? "15-bit, AVX2, row kernel" : "int8, AVX2, row kernel")
+                                          : (split ? "15-bit, AVX2, 8-row tiles" : "int8, AVX2, 8-row tiles"),
             "avx2/fma");
     QAct a{qbuf.data(), dbuf.data(), s, ldq};
     if (split) {
       lbuf.resize(M * ldq);
       a.lo = lbuf.data();
-      quantize_act15_avx2(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), lbuf.data(),
-                          dbuf.data(), s, ldq);
-    } else {
-      quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
-                   false, false);
     }
-    for_row_blocks(w, M, 8, [&](int64_t n0, int64_t n1) { rows_q8_t8_avx2(w, a, M, out, w.N, n0, n1); });
+    quantize_act_avx2(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), split ? lbuf.data() : nullptr,
+                      dbuf.data(), s, ldq, rows && w.kind == kQU4);
+    if (rows)
+      for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { rows_q8_r4_avx2(w, a, M, out, w.N, n0, n1); });
+    else
+      for_row_blocks(w, M, 8, [&](int64_t n0, int64_t n1) { rows_q8_t8_avx2(w, a, M, out, w.N, n0, n1); });
     return;
   }
 #endif
@@ -270,19 +274,24 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 //       with MKL kept to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AVX2 CPU), 8% and 28%
 //       more with its AVX-512 code here. With AVX-512 but no VNNI the float AVX-512 kernel
 //       (path 2) is 1.1-1.8x faster than path 11 at 4 rows: as before.
+// Below kRowsAvx2 rows on AVX2 without AVX-512 VNNI: the row kernels (path 5 for -2, 12 for
+// -1), from micro-benchmarks on an AMD EPYC Zen 3, one thread (perf/RESULTS.md): at one row
+// 1.9-2.1x the 8-row tiles on SmolLM2-135M's layer matrices read from memory, 1.3-1.4x at two;
+// at four rows and more the tiles are faster.
 void check_path(const char* op, int64_t path) {
-  SYM_CHECK(path >= kAutoQ8 && path <= kQ15T8Avx2, op, ": path must be -2 (auto, int8 "
+  SYM_CHECK(path >= kAutoQ8 && path <= kQ15RowsAvx2, op, ": path must be -2 (auto, int8 "
               "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
               "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
               "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
-              "10 (int8 AVX2, 8-row tiles) or 11 (15-bit AVX2, 8-row tiles), got ", path);
+              "10 (int8 AVX2, 8-row tiles), 11 (15-bit AVX2, 8-row tiles) or 12 (15-bit AVX2, row "
+              "kernel), got ", path);
 }
 
 // Whether this CPU runs path p (>= 0): what rows_fn / qlinear_q8 require of it.
 bool cpu_runs(int64_t p) {
   switch (p) {
     case kScalar: case kDense: case kQ8Scalar: return true;
-    case kAvx2: case kQ8Avx2: case kQ8T8Avx2: case kQ15T8Avx2: return cpu_has_avx2();
+    case kAvx2: case kQ8Avx2: case kQ8T8Avx2: case kQ15T8Avx2: case kQ15RowsAvx2: return cpu_has_avx2();
     case kAvx512: return cpu_has_avx512();
     case kQ8AvxVnni: return cpu_has_avxvnni();
     case kQ8Avx512Vnni: case kQ8T16Avx512Vnni: case kQ15T16Avx512Vnni: return cpu_has_avx512vnni();
@@ -296,7 +305,7 @@ bool cpu_runs(int64_t p) {
 bool auto_may_take(int64_t mode, int64_t p) {
   if (mode == kAuto)
     return p == kScalar || p == kAvx2 || p == kAvx512 || p == kDense || p == kQ15T16Avx512Vnni ||
-           p == kQ15T8Avx2;
+           p == kQ15T8Avx2 || p == kQ15RowsAvx2;
   return p == kDense || (p >= kQ8Scalar && p <= kQ8T16Avx512Vnni) || p == kQ8T8Avx2;
 }
 
@@ -332,11 +341,12 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path == kAutoQ8) {
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
     if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)))
-      return t8 ? kQ8T8Avx2 : cpu_has_avxvnni() ? kQ8AvxVnni : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
+      return t8 ? (M < kRowsAvx2 ? kQ8Avx2 : kQ8T8Avx2) : cpu_has_avxvnni() ? kQ8AvxVnni
+             : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
     return kDense;
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
-  if (t8 && !cpu_has_avx512()) return kQ15T8Avx2;
+  if (t8 && !cpu_has_avx512()) return M < kRowsAvx2 ? kQ15RowsAvx2 : kQ15T8Avx2;
   if (t16) return kQ15T16Avx512Vnni;
   return cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
 }
@@ -443,7 +453,7 @@ std::vector<int64_t> qlinear_auto_paths(int64_t mode) {
   SYM_CHECK(mode == kAuto || mode == kAutoQ8, "symphony::qlinear_auto_paths: mode must be -1 or -2, got ",
               mode);
   std::vector<int64_t> out;
-  for (int64_t p = kScalar; p <= kQ15T8Avx2; ++p)
+  for (int64_t p = kScalar; p <= kQ15RowsAvx2; ++p)
     if (cpu_runs(p) && auto_may_take(mode, p)) out.push_back(p);
   return out;
 }

@@ -5,7 +5,7 @@ groups of 32: Q8_0) weights.
 
 Paths (``quant.PATH_NAMES``): -1 / -2 the automatic float-accurate / int8-activation choices,
 0 / 4 scalar, 1 / 5 AVX2, 2 AVX-512, 3 dense GEMM on the dequantized weight, 6 AVX-VNNI,
-7 / 8 / 9 AVX-512 VNNI, 10 / 11 AVX2 8-row tiles; the ones this CPU lacks are skipped, and the
+7 / 8 / 9 AVX-512 VNNI, 10 / 11 AVX2 8-row tiles, 12 the 15-bit AVX2 row kernel; the ones this CPU lacks are skipped, and the
 scalar ones (0, 4) at 512 rows too (seconds a call). Each call reads the next of enough copies
 of the weight to overflow the last-level cache twice, so that decode-sized calls read DRAM as a
 model's decode step does, not a cache-hot matrix.
@@ -25,14 +25,15 @@ KINDS = {"u4": "int4", "i8": "int8"}
 # as tests/unit/engine/test_quant.py names them
 PATH_IDS = {-1: "auto", -2: "auto-int8", 0: "scalar", 1: "avx2", 2: "avx512", 3: "dense",
             4: "int8-scalar", 5: "int8-avx2", 6: "int8-avxvnni", 7: "int8-avx512vnni",
-            8: "int8-avx512vnni-t16", 9: "15bit-avx512vnni", 10: "int8-avx2-t8", 11: "15bit-avx2-t8"}
+            8: "int8-avx512vnni-t16", 9: "15bit-avx512vnni", 10: "int8-avx2-t8", 11: "15bit-avx2-t8",
+            12: "15bit-avx2-rows"}
 
 
 def _cpu_paths() -> list[int]:
     f = ops.qcpu_features()
     paths = [-1, -2, 0, 3, 4]
     if f["avx2"]:
-        paths += [1, 5, 10, 11]
+        paths += [1, 5, 10, 11, 12]
     if f["avx512"]:
         paths.append(2)
     if f["avx_vnni"]:

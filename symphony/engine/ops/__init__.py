@@ -43,7 +43,7 @@ import threading
 import torch
 
 from .build import _build_and_load, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401
-from .reference import (paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
+from .reference import (FIFTEEN_BIT_PATHS, paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
                         quantize_act_reference, rope_reference, silu_mul_reference,
                         write_kv_reference)
 
@@ -62,6 +62,7 @@ __all__ = [
     "llama_layers",
     "dense_gemv",
     "qlinear_reference",
+    "FIFTEEN_BIT_PATHS",
     "quantize_act_reference",
     "qdequant_reference",
     "write_kv_reference",
@@ -146,15 +147,17 @@ def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch
 
     ``path`` (CPU only): -1 picks a kernel by M and the CPU's features whose result is the
     float32 product with the dequantized weight up to ~3e-5 of ``|x| @ |W|^T`` (15-bit
-    activations below 64 rows on AVX-512 VNNI CPUs and below 32 on AVX2 ones without AVX-512,
+    activations below 64 rows on AVX-512 VNNI CPUs and below 32 on AVX2 ones without AVX-512
+    (the row kernel 12 below 4 rows, the 8-row tiles 11 from there),
     float32 register kernels below 32 rows elsewhere, the dense GEMM beyond); -2 the best
     int8-activation kernel (for every M on AVX-512 VNNI; dense from 32 rows elsewhere); the others force one (one this CPU lacks raises):
     float32 register kernels 0 scalar, 1 AVX2, 2 AVX-512; 3 dequantize + torch GEMM;
     int8-activation kernels (x rounded to int8 per block of 16 values, integer dot products:
     the product of W with that rounded x, see ``qlinear_reference``) 4 scalar, 5 AVX2
-    (``vpmaddubsw``), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
+    (``vpmaddubsw``, 4 weight rows at a time), 6 AVX-VNNI, 7 AVX-512 VNNI, 8 AVX-512 VNNI with 16 weight rows a
     register; 9 the same with x rounded to 15 bits (AVX-512 VNNI); 10 and 11 int8 and 15-bit
-    x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register). `qlinear_path_for` says
+    x on AVX2 alone (``vpmaddubsw``, 8 weight rows a register); 12 x rounded to 15 bits in
+    path 5's row kernel (AVX2). `qlinear_path_for` says
     which kernel a choice takes for a given M on this CPU. Once `calibrate.ensure` has run
     (at engine start), -1 and -2 take the paths it measured fastest on this CPU instead of
     the rule above (among the same candidates; see ``ops/calibrate.py``).

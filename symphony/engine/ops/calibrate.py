@@ -8,8 +8,8 @@ it measures there:
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
   kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMM), forced,
   on one ``[1536, 576]`` weight per kind (u4, i8; random but seeded), at the row count that
-  stands for each bucket of rows (`BUCKETS`, from the rule's own thresholds: 1 row, 2-31, 32-63,
-  64 and more, timed at 1, 8, 48 and 128 rows: the kernel's prefill chunk), with the calling
+  stands for each bucket of rows (`BUCKETS`, from the rule's own thresholds: 1 row, 2-3, 4-31,
+  32-63, 64 and more, timed at 1, 2, 8, 48 and 128 rows: the kernel's prefill chunk), with the calling
   thread's torch thread count. Each time is the median of `REPS` repetitions (the paths
   interleaved), each a fixed number of calls. A path more than `PRUNE` times slower than the
   fastest at a bucket is not timed at the larger ones (the dense GEMM excepted: its
@@ -68,7 +68,7 @@ KINDS = (0, 1)                          # u4, i8 (csrc/quant.h)
 KIND_NAMES = {0: "u4", 1: "i8"}
 DENSE = 3
 # (first row of the bucket, rows timed for it, calls a repetition)
-BUCKETS = ((1, 1, 8), (2, 8, 4), (32, 48, 1), (64, 128, 1))
+BUCKETS = ((1, 1, 8), (2, 2, 8), (4, 8, 4), (32, 48, 1), (64, 128, 1))
 SHAPE = (1536, 576)                     # [N, K] of the weights timed
 REPS = 5
 PRUNE = 3.0
@@ -96,7 +96,7 @@ class Calibration:
     cache: Optional[Path] = None
 
     def describe(self) -> str:
-        """The choices as one line: ``-1 u4: 1 row 11, 2-31 11, ...; ...``."""
+        """The choices as one line: ``-1 u4: 1 12, 2-3 12, 4-31 11, ...; ...``."""
         if not self.choices:
             why = f"{ENV}=off" if self.source == "off" else "it failed"
             return f"qlinear calibration off ({why}): the built-in rule of csrc/cpu/qlinear.cpp"

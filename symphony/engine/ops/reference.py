@@ -44,16 +44,20 @@ def quantize_act_reference(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tens
     return q.to(torch.int8 if qmax <= 127 else torch.int16).reshape(m, k), d
 
 
+# the qlinear paths that round x to 15 bits (the other integer-activation paths, 4-10: int8)
+FIFTEEN_BIT_PATHS = frozenset({9, 11, 12})
+
+
 def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                       kind: int, group: int, path: int = -1) -> torch.Tensor:
     """Reference qlinear: the float64 product with the dequantized weight, rounded to float32.
-    Paths 4-11 (integer activations) multiply x as those paths round it
-    (``quantize_act_reference``: ``d * q`` per block of 16, 15 bits for paths 9 and 11, 8 for the
-    others) instead of x itself; their kernels compute the same with integer dot products per
+    Paths 4-12 (integer activations) multiply x as those paths round it
+    (``quantize_act_reference``: ``d * q`` per block of 16, 15 bits for `FIFTEEN_BIT_PATHS`, 8
+    for the others) instead of x itself; their kernels compute the same with integer dot products per
     block (mins included: they take the rounded x's sums)."""
     w = qdequant_reference(qs, scales, mins, kind, group)
     if path >= 4:
-        q, d = quantize_act_reference(x, 16383 if path in (9, 11) else 127)
+        q, d = quantize_act_reference(x, 16383 if path in FIFTEEN_BIT_PATHS else 127)
         x = q.double() * d.double().repeat_interleave(16, dim=1)            # [M, K] as rounded
     return (x.double() @ w.double().t()).float()
 

@@ -5,7 +5,7 @@ a calibration gives a valid table, the cache round-trips, a corrupt, foreign or 
 is ignored with one log line and never trusted, and switching calibration off restores the rule.
 
 Tolerances, logits of the tiny quantized model vs the same model dequantized (test_quant_engine's
-docstring): float paths 1e-4 of their scale, 15-bit paths (9, 11) 1e-3, int8 paths 0.1.
+docstring): float paths 1e-4 of their scale, 15-bit paths (9, 11, 12) 1e-3, int8 paths 0.1.
 """
 import json
 import logging
@@ -65,7 +65,7 @@ def test_table_choice_is_the_forced_path_op(mode, path):
             assert torch.equal(y, ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path))
             if path in FLOAT_PATHS:
                 assert_linear_close(y, x, w)
-            elif path in (9, 11):                         # 15-bit x: test_quant's bound
+            elif path in ops.FIFTEEN_BIT_PATHS:                 # 15-bit x: test_quant's bound
                 wd, xd = w.double(), x.double()
                 err = (y.double() - xd @ wd.t()).abs()
                 assert bool((err <= 3.1e-5 * (xd.abs() @ wd.abs().t()) + 1e-6).all())
@@ -100,7 +100,7 @@ def test_table_choice_reaches_the_layer_stack(quantize):
                 auto = _logits(eng)
             calibrate.clear()
             assert torch.equal(auto, forced), (mode, path)
-            tol = 1e-4 if path in FLOAT_PATHS else 1e-3 if path in (9, 11) else 0.1
+            tol = 1e-4 if path in FLOAT_PATHS else 1e-3 if path in ops.FIFTEEN_BIT_PATHS else 0.1
             assert (auto - ref).abs().max() <= tol * scale, (mode, path)
 
 
@@ -173,7 +173,7 @@ def test_cache_round_trips(fake_build, caplog):
     caplog.set_level(logging.INFO, logger="symphony.ops")
     first = calibrate.ensure()
     assert calls and first.source == "calibrated" and first.cache == path and path.is_file()
-    assert "calibrated in" in caplog.text and "-1 u4: 1 3, 2-31 3, 32-63 3, 64+ 3" in caplog.text
+    assert "calibrated in" in caplog.text and "-1 u4: 1 3, 2-3 3, 4-31 3, 32-63 3, 64+ 3" in caplog.text
     assert calibrate.ensure() is first and len(calls) == 1                  # once per process
     calibrate.clear()
     caplog.clear()

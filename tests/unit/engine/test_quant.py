@@ -78,6 +78,7 @@ Q8_PATHS = [
     pytest.param(9, id="15bit-avx512vnni", marks=pytest.mark.skipif(not HAS_AVX512_VNNI, reason="this CPU has no AVX-512 VNNI: the 15-bit path cannot run here")),
     pytest.param(10, id="int8-avx2-t8", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the int8 AVX2 8-row-tile path cannot run here")),
     pytest.param(11, id="15bit-avx2-t8", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the 15-bit AVX2 8-row-tile path cannot run here")),
+    pytest.param(12, id="15bit-avx2-rows", marks=pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: the 15-bit AVX2 row-kernel path cannot run here")),
 ]
 # the best int8-activation path this CPU runs at one row (the one the automatic choice takes)
 Q8_BEST = 7 if HAS_AVX512_VNNI else 6 if HAS_AVX_VNNI else 5 if HAS_AVX2 else 4
@@ -85,7 +86,7 @@ Q8_BEST = 7 if HAS_AVX512_VNNI else 6 if HAS_AVX_VNNI else 5 if HAS_AVX2 else 4
 
 def qmax_of(path: int) -> int:
     """The largest |qx| of an integer-activation path's rounding of x: 16383 for the 15-bit paths."""
-    return 16383 if path in (9, 11) else 127
+    return 16383 if path in ops.FIFTEEN_BIT_PATHS else 127
 
 
 def gguf_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QWeight, np.ndarray]:
@@ -207,13 +208,14 @@ def test_int8_paths_agree_and_round_like_the_reference():
         assert torch.equal(y, want_x), p
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: paths 10 and 11 cannot run here")
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2+FMA: paths 5, 10, 11 and 12 cannot run here")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-def test_avx2_tiles_extremes(qtype):
-    """Paths 10 / 11 at the ends of the byte ranges: i8 weights of -128 and 127 (|w| = 128 goes
+def test_avx2_kernels_extremes(qtype):
+    """The AVX2 row kernels (5, 12) and 8-row tiles (10, 11) at the ends of the byte ranges: i8 weights of -128 and 127 (|w| = 128 goes
     to vpmaddubsw unsigned, x takes w's sign), x blocks whose largest value is negative (qx =
     -127, or -16383 whose qx >> 7 is -128: split as -127 and a negative low part), N = 8 + 1
-    (a full tile and a one-row tail), M = 1..6 (the 4-row blocks and their remainders)."""
+    (a full tile and a one-row tail; the row kernels: two 4-row blocks and a tail), M = 1..6 (the
+    tiles' 4-row blocks, the row kernels' pairs, and their remainders)."""
     k = 96
     qw, want = gguf_weight(qtype, 9, k, seed=8)
     if qtype == "Q8_0":                       # every byte either extreme, scale 1
@@ -224,7 +226,7 @@ def test_avx2_tiles_extremes(qtype):
     for m in range(1, 7):
         x = torch.rand(m, k, generator=g) * 2 - 1
         x[:, ::16] = -1.5                     # the largest |x| of every block, negative
-        for path in (10, 11):
+        for path in (5, 10, 11, 12):
             y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
             assert_q8_close(y, x, qw, torch.from_numpy(want), path)
 
@@ -254,7 +256,7 @@ def test_force_qlinear_path_validates_and_restores():
     with quant.force_qlinear_path(4):
         assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 4))
     assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
-    for bad in (12, -3, "7", 1.0, True):
+    for bad in (13, -3, "7", 1.0, True):
         with pytest.raises(ValueError, match="qlinear path"):
             quant.force_qlinear_path(bad)
 
@@ -286,10 +288,14 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
     if path == -2:
         if HAS_AVX512_VNNI:
             return 7 if m < 2 else 8
-        return (10 if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
+        return ((10 if m >= 4 else 5) if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
         return 3 if m >= 64 else 9
-    return 3 if m >= 32 else 11 if t8 and not HAS_AVX512 else 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
+    if m >= 32:
+        return 3
+    if t8 and not HAS_AVX512:
+        return 12 if m < 4 else 11
+    return 2 if HAS_AVX512 else 1 if HAS_AVX2 else 0
 
 
 def test_qlinear_path_for_is_the_choice_qlinear_makes():
@@ -303,7 +309,7 @@ def test_qlinear_path_for_is_the_choice_qlinear_makes():
             for path in (-1, -2):
                 assert ops.qlinear_path_for(path, m, n, k, qw.kind) == expected_auto(path, m, qw), (qtype, m, path)
         assert ops.qlinear_path_for(3, 1, n, k, qw.kind) == 3
-    for bad in ((12, 1, 8, 8, U4), (-3, 1, 8, 8, U4), (-1, 0, 8, 8, U4), (-1, 1, 0, 8, U4), (-1, 1, 8, 8, 2)):
+    for bad in ((13, 1, 8, 8, U4), (-3, 1, 8, 8, U4), (-1, 0, 8, 8, U4), (-1, 1, 0, 8, U4), (-1, 1, 8, 8, 2)):
         with pytest.raises(RuntimeError, match="qlinear_path_for"):
             ops.qlinear_path_for(*bad)
     dense_from = next(m for m in range(1, 257) if ops.qlinear_path_for(-1, m, 576, 576, U4) == 3)
@@ -384,7 +390,7 @@ def _args(**over):
     (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
-    (dict(path=12), "path must be"),
+    (dict(path=13), "path must be"),
     (dict(mins=torch.empty(0)), "u4 weights need mins"),
     (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
