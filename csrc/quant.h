@@ -7,14 +7,17 @@
 //                                            byte j holds element 32g+j (low nibble) and element
 //                                            32g+16+j (high nibble), unsigned 0..15; group = 32.
 //   kind 1, "i8"  qs     int8  [N, K]       one signed byte per element; group = 16 or 32.
-//                 scales float32 [N, K/group]
-//                 mins   float32 [N, K/group], or empty (no offset)
+//                 scales float32 or float16 [N, K/group]
+//                 mins   the same dtype [N, K/group], or empty (no offset)
 //
 //   W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group]
 //
 // Every GGUF format we load maps onto one of the two exactly (symphony/engine/quant.py does the
 // repacking): Q4_0 (min = -8 d), Q4_1, Q4_K (scale d*sc, min -dmin*m: both exact in float32)
-// are u4; Q8_0, Q5_K (0..31) and Q6_K (-32..31, group 16) are i8.
+// are u4; Q8_0, Q5_K (0..31) and Q6_K (-32..31, group 16) are i8. Q4_0, Q4_1 and Q8_0 keep the
+// file's float16 scales (and mins) as they are: 2 bytes a group, not 4, of what a decode step
+// reads. Float16 scales are a CPU layout: the CPU kernels widen them, a block of rows at a time,
+// into float32 (exactly) before the same code runs; the CUDA kernels take float32 scales.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +34,7 @@ struct QDims {
   int64_t N, K, group, n_groups;
   QKind kind;
   bool has_min;
+  bool half;  // float16 scales and mins
 };
 
 inline void check_qkind(const char* op, int64_t kind) {
@@ -56,22 +60,22 @@ inline QDims check_qweight(const char* op, const at::Tensor& qs, const at::Tenso
   }
   SYM_CHECK(K > 0 && K % 32 == 0, op, ": K must be a positive multiple of 32, got ", K);
   const int64_t G = K / group;
-  SYM_CHECK(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
-              scales.scalar_type());
+  SYM_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, op,
+            ": scales must be float32 or float16, got ", scales.scalar_type());
   SYM_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G, op,
               ": scales must be [N, K/group] = [", N, ", ", G, "], got ", scales.sizes());
   const bool has_min = mins.numel() > 0;
   SYM_CHECK(has_min || kind != kQU4, op, ": u4 weights need mins (Q4_0's are -8 * scale), got an "
               "empty mins tensor");
   if (has_min) {
-    SYM_CHECK(mins.scalar_type() == at::kFloat, op, ": mins must be float32, got ",
-                mins.scalar_type());
     SYM_CHECK(mins.sizes() == scales.sizes(), op, ": mins shape ", mins.sizes(),
                 " differs from scales shape ", scales.sizes());
+    SYM_CHECK(mins.scalar_type() == scales.scalar_type(), op, ": mins must have the scales' dtype (",
+              scales.scalar_type(), "), got ", mins.scalar_type());
   }
   SYM_CHECK(scales.device() == qs.device() && mins.device() == qs.device(), op,
               ": qs, scales and mins must be on one device");
-  return {N, K, group, G, static_cast<QKind>(kind), has_min};
+  return {N, K, group, G, static_cast<QKind>(kind), has_min, scales.scalar_type() == at::kHalf};
 }
 
 }  // namespace symphony

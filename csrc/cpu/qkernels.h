@@ -12,13 +12,17 @@
 namespace symphony {
 namespace qcpu {
 
-// A quantized weight, as raw pointers (see csrc/quant.h for the layout).
+// A quantized weight, as raw pointers (see csrc/quant.h for the layout). The kernels read float32
+// scales and mins; a weight with float16 ones (scales16 set) reaches them through qlinear.cpp's
+// with_float_scales, which widens a block of rows at a time into `scales` / `mins`.
 struct QView {
   const uint8_t* qs;     // [N, row_bytes]
   const float* scales;   // [N, n_groups]
   const float* mins;     // [N, n_groups] or nullptr
   int64_t N, K, group, n_groups, row_bytes;
   QKind kind;
+  const uint16_t* scales16 = nullptr;  // float16 [N, n_groups] (then scales / mins are unset)
+  const uint16_t* mins16 = nullptr;    // float16 [N, n_groups] or nullptr
 };
 
 // x: float32 [M, K] (row stride ldx); out: float32 [M, ldo], columns n0..n1 written.

@@ -29,7 +29,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -170,13 +175,69 @@ RowsQ8Fn rows_q8_fn(int64_t path) {
   return rows_q8_scalar;
 }
 
-// fn(n0, n1) over W's rows in blocks of `rb` rows, split across threads: at least ~64K
-// weights a thread (smaller matrices are not worth waking a second thread for).
+// Rows of a weight with float16 scales are widened this many at a time (a multiple of every
+// kernel's row block: 4, 8, 16), into buffers of the calling thread that stay in its L1 / L2.
+constexpr int64_t kWidenRows = 64;
+
+#if defined(__x86_64__) || defined(_M_X64)
+// float16 -> float32 with F16C, 8 at a time; returns how many it converted
+__attribute__((target("avx,f16c"))) int64_t widen_f16_f16c(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  return i;
+}
+#endif
+
+// float16 -> float32 (exact), n values
+void widen_f16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  if (f16c) i = widen_f16_f16c(src, dst, n);
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+
+// f(v, r0, r1, s0) over rows [n0, n1) of w, where rows r0..r1 of view v are w's rows from s0 on:
+// one call with v = w (r0 = s0 = n0, r1 = n1) when w's scales are float32; for float16 scales
+// one call a piece of at most `step` rows, v viewing that piece alone (r0 = 0, r1 its rows, N =
+// r1) with its scales and mins widened to float32 in this thread's buffers.
+template <class F>
+void with_float_scales(const QView& w, int64_t n0, int64_t n1, int64_t step, const F& f) {
+  if (!w.scales16) return f(w, n0, n1, n0);
+  static thread_local std::vector<float> sbuf, mbuf;
+  const int64_t G = w.n_groups;
+  for (int64_t s0 = n0; s0 < n1; s0 += step) {
+    const int64_t s1 = std::min(n1, s0 + step);
+    sbuf.resize(size_t(step * G));
+    QView v = w;
+    v.qs = w.qs + s0 * w.row_bytes;
+    v.N = s1 - s0;
+    v.scales16 = v.mins16 = nullptr;
+    widen_f16(w.scales16 + s0 * G, sbuf.data(), (s1 - s0) * G);
+    v.scales = sbuf.data();
+    if (w.mins16) {
+      mbuf.resize(size_t(step * G));
+      widen_f16(w.mins16 + s0 * G, mbuf.data(), (s1 - s0) * G);
+      v.mins = mbuf.data();
+    }
+    f(v, int64_t(0), s1 - s0, s0);
+  }
+}
+
+// fn(v, n0, n1, o) over W's rows in blocks of `rb` rows, split across threads: at least ~64K
+// weights a thread (smaller matrices are not worth waking a second thread for). The kernel
+// computes rows n0..n1 of view v into columns n0..n1 of o: v = w and o = out, or, for float16
+// scales, a view of kWidenRows rows at most (with_float_scales) and o = out + its first row.
 template <class Fn>
-void for_row_blocks(const QView& w, int64_t M, int64_t rb, const Fn& fn) {
+void for_row_blocks(const QView& w, int64_t M, int64_t rb, float* out, const Fn& fn) {
   const int64_t blocks = (w.N + rb - 1) / rb;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (rb * w.K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(b0 * rb, std::min(w.N, b1 * rb)); });
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    with_float_scales(w, b0 * rb, std::min(w.N, b1 * rb), kWidenRows,
+                      [&](const QView& v, int64_t r0, int64_t r1, int64_t s0) { fn(v, r0, r1, out + (s0 - r0)); });
+  });
 }
 
 // x @ W^T by the integer-activation kernels: quantize x once (this thread), then split W's rows.
@@ -187,8 +248,9 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   static thread_local std::vector<int32_t> cbuf;
   qbuf.resize(M * ldq);
   dbuf.resize(M * nb);
-  if (w.mins) sbuf.resize(M * w.n_groups);
-  float* s = w.mins ? sbuf.data() : nullptr;
+  const bool has_min = w.mins || w.mins16;
+  if (has_min) sbuf.resize(M * w.n_groups);
+  float* s = has_min ? sbuf.data() : nullptr;
 #if defined(__x86_64__) || defined(_M_X64)
   if (path == kQ8Avx512Vnni || path == kQ8T16Avx512Vnni || path == kQ15T16Avx512Vnni ||
       (path == kAuto && cpu_has_avx512vnni())) {
@@ -210,9 +272,13 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
                         !t16 && w.kind == kQU4, !t16 && w.kind == kQI8);
     const int32_t* xcorr = cbuf.data();  // (the lambda runs on other threads: their cbuf is not ours)
     if (t16)
-      for_row_blocks(w, M, 16, [&](int64_t n0, int64_t n1) { rows_q8_t16_avx512vnni(w, a, xcorr, M, out, w.N, n0, n1); });
+      for_row_blocks(w, M, 16, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
+        rows_q8_t16_avx512vnni(v, a, xcorr, M, o, w.N, n0, n1);
+      });
     else
-      for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { rows_q8_avx512vnni(w, a, M, out, w.N, n0, n1); });
+      for_row_blocks(w, M, 4, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
+        rows_q8_avx512vnni(v, a, M, o, w.N, n0, n1);
+      });
     return;
   }
   if (path == kQ8Avx2 || path == kQ15RowsAvx2 || path == kQ8T8Avx2 || path == kQ15T8Avx2) {
@@ -231,9 +297,13 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
     quantize_act_avx2(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), split ? lbuf.data() : nullptr,
                       dbuf.data(), s, ldq, rows && w.kind == kQU4);
     if (rows)
-      for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { rows_q8_r4_avx2(w, a, M, out, w.N, n0, n1); });
+      for_row_blocks(w, M, 4, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
+        rows_q8_r4_avx2(v, a, M, o, w.N, n0, n1);
+      });
     else
-      for_row_blocks(w, M, 8, [&](int64_t n0, int64_t n1) { rows_q8_t8_avx2(w, a, M, out, w.N, n0, n1); });
+      for_row_blocks(w, M, 8, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
+        rows_q8_t8_avx2(v, a, M, o, w.N, n0, n1);
+      });
     return;
   }
 #endif
@@ -246,7 +316,9 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   quantize_act(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), dbuf.data(), s, ldq,
                wide && w.kind == kQU4, wide && w.kind == kQI8);
   const QAct a{qbuf.data(), dbuf.data(), s, ldq};
-  for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { fn(w, a, M, out, w.N, n0, n1); });
+  for_row_blocks(w, M, 4, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
+    fn(v, a, M, o, w.N, n0, n1);
+  });
 }
 
 // The path an automatic choice (-1, -2) takes for M rows of x and this weight; a forced path as is.
@@ -361,22 +433,36 @@ DequantFn dequant_fn() {
 
 QView view_of(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
               const QDims& d) {
-  return {static_cast<const uint8_t*>(qs.data_ptr()),
-          scales.data_ptr<float>(), d.has_min ? mins.data_ptr<float>() : nullptr,
+  QView v{static_cast<const uint8_t*>(qs.data_ptr()), nullptr, nullptr,
           d.N, d.K, d.group, d.n_groups, qs.size(1), d.kind};
+  if (d.half) {
+    v.scales16 = static_cast<const uint16_t*>(scales.data_ptr());
+    v.mins16 = d.has_min ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+  } else {
+    v.scales = scales.data_ptr<float>();
+    v.mins = d.has_min ? mins.data_ptr<float>() : nullptr;
+  }
+  return v;
+}
+
+// deq(rows n0..n1 of w) into dst ([n1 - n0, K]), through with_float_scales
+void dequant_into(DequantFn deq, const QView& w, float* dst, int64_t n0, int64_t n1) {
+  with_float_scales(w, n0, n1, kWidenRows, [&](const QView& v, int64_t r0, int64_t r1, int64_t s0) {
+    deq(v, dst + (s0 - n0) * w.K, r0, r1);
+  });
 }
 
 at::Tensor qdequant_cpu(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
                         int64_t kind, int64_t group) {
   const QDims d = check_qweight("symphony::qdequant", qs, scales, mins, kind, group);
   SYM_CHECK(qs.device().is_cpu(), "symphony::qdequant: CPU tensors expected");
-  at::Tensor out = at::empty({d.N, d.K}, scales.options());
+  at::Tensor out = at::empty({d.N, d.K}, scales.options().dtype(at::kFloat));
   if (d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
   float* o = out.data_ptr<float>();
   const DequantFn deq = dequant_fn();
   at::parallel_for(0, d.N, std::max<int64_t>(1, 16384 / d.K),
-                   [&](int64_t n0, int64_t n1) { deq(w, o + n0 * d.K, n0, n1); });
+                   [&](int64_t n0, int64_t n1) { dequant_into(deq, w, o + n0 * d.K, n0, n1); });
   return out;
 }
 
@@ -402,13 +488,13 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     // The scratch is kept per thread (8 MiB at most), so no call pays page faults for it.
     const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
     static thread_local at::Tensor scratch;
-    if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options());
+    if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options().dtype(at::kFloat));
     const DequantFn deq = dequant_fn();
     for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
       const int64_t n1 = std::min(d.N, n0 + tn);
       at::Tensor t = scratch.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K});
       float* tp = t.data_ptr<float>();
-      at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { deq(w, tp + (a - n0) * d.K, a, b); });
+      at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_into(deq, w, tp + (a - n0) * d.K, a, b); });
       if (n1 - n0 == d.N) return at::mm(x, t.t());
       out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
     }
@@ -422,7 +508,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const float* xp = x.data_ptr<float>();
   float* op_ = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  for_row_blocks(w, M, 4, [&](int64_t n0, int64_t n1) { fn(w, xp, ldx, M, op_, d.N, n0, n1); });
+  for_row_blocks(w, M, 4, op_, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
+    fn(v, xp, ldx, M, o, d.N, n0, n1);
+  });
   return out;
 }
 

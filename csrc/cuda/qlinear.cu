@@ -105,6 +105,8 @@ __global__ void qdequant_kernel(QArgs a, float* __restrict__ out) {
 
 QArgs args_of(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
               const QDims& d) {
+  SYM_CHECK(!d.half, "symphony::qlinear / qdequant on CUDA: the scales are float16, a CPU layout; "
+            "QWeight.to widens them to float32 when it moves a weight to a GPU");
   return {static_cast<const uint8_t*>(qs.data_ptr()), scales.data_ptr<float>(),
           d.has_min ? mins.data_ptr<float>() : nullptr,
           d.N, d.K, d.group, d.n_groups, qs.size(1), static_cast<int>(d.kind)};

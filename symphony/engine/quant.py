@@ -4,20 +4,26 @@ A `QWeight` is a matrix W ``[N, K]`` in one of two layouts the kernels read (``c
 
     kind 0 "u4": qs uint8 [N, K/2]   (group g: 16 bytes, byte j = element 32g+j | element 32g+16+j << 4)
     kind 1 "i8": qs int8  [N, K]
-    scales float32 [N, K/group], mins float32 [N, K/group] or empty
+    scales float32 or float16 [N, K/group], mins the same dtype [N, K/group] or empty
     W[n, k] = scales[n, k // group] * q[n, k] + mins[n, k // group]
 
 Every GGUF format below is repacked into one of them without changing a single weight (the
-kernels and the ``gguf`` package's dequantizer agree to a float32 ulp): the per-group scale of a
-K-quant, ``d * sc``, is a float16 times a 6- or 8-bit integer and exact in float32.
+kernels and the ``gguf`` package's dequantizer agree to a float32 ulp). Q4_0, Q4_1 and Q8_0
+keep the file's float16 scales (and Q4_1's float16 mins; Q4_0's min, -8 d, is a float16 too),
+so that a decode step reads 2 bytes a group for each, not 4. The per-group scale of a K-quant,
+``d * sc``, is a float16 times a 6- or 8-bit integer: exact in float32, not in float16, so
+K-quants keep float32 scales.
 
-    GGUF    ours           bytes/weight (file -> memory)
-    Q4_0    u4, g32        0.5625 -> 0.75
-    Q4_1    u4, g32        0.625  -> 0.75
-    Q4_K    u4, g32        0.5625 -> 0.75
-    Q8_0    i8, g32        1.0625 -> 1.125
-    Q5_K    i8, g32 + min  0.6875 -> 1.25
-    Q6_K    i8, g16        0.8203 -> 1.25
+    GGUF    ours                     bytes/weight (file -> memory)
+    Q4_0    u4, g32, float16 scales  0.5625 -> 0.625
+    Q4_1    u4, g32, float16 scales  0.625  -> 0.625
+    Q4_K    u4, g32                  0.5625 -> 0.75
+    Q8_0    i8, g32, float16 scales  1.0625 -> 1.0625
+    Q5_K    i8, g32 + min            0.6875 -> 1.25
+    Q6_K    i8, g16                  0.8203 -> 1.25
+
+Float16 scales are a CPU layout (the CPU kernels widen them exactly, a block of rows at a time);
+`QWeight.to` a GPU widens them to float32.
 
 Other quantized GGUF types (Q5_0, Q2_K, IQ*, ...) are dequantized to float at load.
 """
@@ -133,8 +139,8 @@ class QWeight:
     """A quantized matrix ``[N, K]`` (see the module docstring for the layout)."""
 
     qs: torch.Tensor          # uint8 [N, K/2] (u4) or int8 [N, K] (i8)
-    scales: torch.Tensor      # float32 [N, K/group]
-    mins: torch.Tensor        # float32 [N, K/group], or empty: no offset
+    scales: torch.Tensor      # float32 or float16 [N, K/group]
+    mins: torch.Tensor        # the scales' dtype [N, K/group], or empty: no offset
     kind: int
     group: int
     source: str = ""          # where the bits came from ("Q4_1", "int8", ...)
@@ -152,6 +158,10 @@ class QWeight:
                              f"{tuple(self.qs.shape)} with groups of {self.group}")
         if self.mins.numel() and self.mins.shape != self.scales.shape:
             raise QuantError("mins and scales shapes differ")
+        if self.scales.dtype not in (torch.float32, torch.float16):
+            raise QuantError(f"scales must be float32 or float16, got {self.scales.dtype}")
+        if self.mins.numel() and self.mins.dtype != self.scales.dtype:
+            raise QuantError(f"mins ({self.mins.dtype}) and scales ({self.scales.dtype}) dtypes differ")
 
     # ---------------------------------------------------------------- shape
     @property
@@ -204,10 +214,12 @@ class QWeight:
 
     # ---------------------------------------------------------------- transforms
     def to(self, device=None, dtype=None) -> "QWeight":
-        """Move to ``device``; ``dtype`` is ignored (quantized weights keep their bits)."""
+        """Move to ``device``; ``dtype`` is ignored (quantized weights keep their bits). Float16
+        scales and mins become float32 off the CPU (the CUDA kernels read float32; exact)."""
         if device is None or torch.device(device) == self.device:
             return self
-        return QWeight(self.qs.to(device), self.scales.to(device), self.mins.to(device),
+        sd = self.scales.dtype if torch.device(device).type == "cpu" else torch.float32
+        return QWeight(self.qs.to(device), self.scales.to(device, sd), self.mins.to(device, sd),
                        self.kind, self.group, self.source)
 
     def select_rows(self, index: torch.Tensor) -> "QWeight":
@@ -228,6 +240,12 @@ class QWeight:
         mins = self.mins[:, g0:g1].contiguous() if self.mins.numel() else self.mins
         return QWeight(self.qs[:, start // per:stop // per].contiguous(), self.scales[:, g0:g1].contiguous(),
                        mins, self.kind, self.group, self.source)
+
+    def with_float32_scales(self) -> "QWeight":
+        """The same weight with float32 scales and mins (exact); itself if they are."""
+        if self.scales.dtype == torch.float32:
+            return self
+        return QWeight(self.qs, self.scales.float(), self.mins.float(), self.kind, self.group, self.source)
 
     def as_i8(self, group: int) -> "QWeight":
         """The same weights as i8 with groups of ``group`` (exact: only the storage widens)."""
@@ -255,6 +273,8 @@ class QWeight:
         if not same:
             g = min(p.group for p in parts)
             parts = [p.as_i8(g) for p in parts]
+        if len({p.scales.dtype for p in parts}) > 1:               # float16 and float32: widen
+            parts = [p.with_float32_scales() for p in parts]
         any_min = any(p.mins.numel() for p in parts)
         mins = [p.mins if p.mins.numel() or not any_min else torch.zeros_like(p.scales)
                 for p in parts]
@@ -298,9 +318,10 @@ def cat_rows(parts: Sequence[Weight]) -> Weight:
 # -------------------------------------------------------------------------------- GGUF
 
 
-def _f16(b: np.ndarray, off: int) -> np.ndarray:
-    """float16 at byte offset ``off`` of every block -> float32 [..., 1]."""
-    return np.ascontiguousarray(b[..., off:off + 2]).view(np.float16).astype(np.float32)
+def _f16(b: np.ndarray, off: int, keep: bool = False) -> np.ndarray:
+    """float16 at byte offset ``off`` of every block -> float32 [..., 1] (``keep``: float16)."""
+    h = np.ascontiguousarray(b[..., off:off + 2]).view(np.float16)
+    return h if keep else h.astype(np.float32)
 
 
 def _pack_u4(vals: np.ndarray) -> np.ndarray:
@@ -336,16 +357,21 @@ def from_gguf(data: np.ndarray, qtype: str, n: int, k: int) -> QWeight:
         raise QuantError(f"{qtype}: {raw.size} bytes for a [{n}, {k}] tensor, expected {n * nb * bb}")
     b = raw.reshape(n, nb, bb)
     t = torch.from_numpy
-    if qtype in ("Q4_0", "Q4_1"):
-        d = _f16(b, 0)[..., 0]                                          # [n, nb]
-        mins = -8.0 * d if qtype == "Q4_0" else _f16(b, 2)[..., 0]
+    if qtype in ("Q4_0", "Q4_1"):                                       # float16 scales, mins
+        d = _f16(b, 0, keep=True)[..., 0]                               # [n, nb]
+        if qtype == "Q4_0":
+            mins = (np.float16(-8) * d).astype(np.float16)               # exact unless |d| > 8188
+            if not np.isfinite(mins).all():                              # then in float32
+                d, mins = d.astype(np.float32), -8.0 * d.astype(np.float32)
+        else:
+            mins = _f16(b, 2, keep=True)[..., 0]
         qs = b[:, :, 2:18] if qtype == "Q4_0" else b[:, :, 4:20]        # our u4 layout already
-        return QWeight(t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(d.copy()),
-                       t(np.ascontiguousarray(mins, np.float32)), U4, 32, qtype)
+        return QWeight(t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(np.ascontiguousarray(d)),
+                       t(np.ascontiguousarray(mins)), U4, 32, qtype)
     if qtype == "Q8_0":
-        d = _f16(b, 0)[..., 0]
+        d = _f16(b, 0, keep=True)[..., 0]                               # float16 scales
         qs = np.ascontiguousarray(b[:, :, 2:34]).view(np.int8).reshape(n, k)
-        return QWeight(t(qs), t(d.copy()), torch.empty(0), I8, 32, qtype)
+        return QWeight(t(qs), t(np.ascontiguousarray(d)), torch.empty(0, dtype=torch.float16), I8, 32, qtype)
     if qtype in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b, 0), _f16(b, 2)                                 # [n, nb, 1]
         sc, m = _k4_scales(b[:, :, 4:16])                                # [n, nb, 8]

@@ -250,6 +250,58 @@ def test_qlinear_strided_rows_and_threads(path):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("path", PATHS + Q8_PATHS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_float16_scales_equal_float32(qtype, path):
+    """Q4_0 / Q4_1 / Q8_0 keep the file's float16 scales (and mins) in memory; every path widens
+    them exactly, a block of 64 rows at a time, so its result is bit for bit that of the same
+    weight with float32 scales: N = 150 (two blocks and a tail), M = 1, 3, 8, 33 and 70, one to
+    three threads; qdequant and the embedding lookup too."""
+    qw, want = gguf_weight(qtype, 150, 96, seed=11)
+    assert qw.scales.dtype == torch.float16
+    assert qw.mins.dtype == torch.float16 or not qw.mins.numel()
+    q32 = qw.with_float32_scales()
+    assert q32.scales.dtype == torch.float32 and torch.equal(q32.scales, qw.scales.float())
+    assert qw.nbytes() < q32.nbytes()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (1, 3, 8, 33, 70):
+                x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+                a = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
+                b = ops.qlinear(x, q32.qs, q32.scales, q32.mins, q32.kind, q32.group, path)
+                assert torch.equal(a, b), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(qw.dequantize(), q32.dequantize())
+    np.testing.assert_allclose(qw.dequantize().numpy(), want, rtol=1e-6, atol=1e-6)
+    idx = torch.tensor([[0, 149], [64, 3]])
+    assert torch.equal(qw.rows(idx), q32.rows(idx))
+
+
+def test_float16_scales_layout_rules():
+    """Float16 scales: mins of another dtype, or scales of a third, are refused (QWeight and the
+    op); moving off the CPU widens them (the CUDA kernels read float32), on it keeps them;
+    stacking a float16-scale weight with a float32 one widens both, exactly."""
+    qw, _ = gguf_weight("Q4_1", 6, 64, seed=2)
+    with pytest.raises(QuantError, match="dtypes differ"):
+        QWeight(qw.qs, qw.scales, qw.mins.float(), U4, 32)
+    with pytest.raises(QuantError, match="float32 or float16"):
+        QWeight(qw.qs, qw.scales.double(), qw.mins.double(), U4, 32)
+    with pytest.raises(RuntimeError, match="mins must have the scales' dtype"):
+        ops.qlinear(torch.randn(1, 64), qw.qs, qw.scales, qw.mins.float(), U4, 32, -1)
+    assert qw.to("cpu") is qw
+    moved = qw.to("meta")
+    assert moved.scales.dtype == torch.float32 and moved.mins.dtype == torch.float32
+    k4, _ = gguf_weight("Q4_K", 3, 256, seed=3)                 # K-quants keep float32 scales
+    assert k4.scales.dtype == torch.float32
+    q4, _ = gguf_weight("Q4_0", 3, 256, seed=4)
+    both = QWeight.cat([q4, k4])
+    assert both.scales.dtype == torch.float32
+    assert torch.equal(both.dequantize(), torch.cat([q4.dequantize(), k4.dequantize()]))
+
+
 def test_force_qlinear_path_validates_and_restores():
     qw, _ = gguf_weight("Q4_1", 5, 64)
     x = torch.randn(1, 64)
