@@ -25,6 +25,8 @@
 // micro-benchmarks on one CPU, or, once a start-up calibration has timed the paths on this CPU
 // (symphony/engine/ops/calibrate.py), the fastest it measured (qlinear_set_auto).
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
+// A weight with float16 scales and mins (csrc/quant.h) runs the same kernels: each thread widens
+// the scales of 64 rows at a time into float32 buffers of its own (with_float_scales), exactly.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
