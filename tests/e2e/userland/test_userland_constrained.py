@@ -140,10 +140,13 @@ def test_watermark_separates_and_needs_the_key(kernel):
           f"z watermarked: {z_marked}\nz plain:       {z_plain}\nz other key:   {z_other}")
     # a sampled answer may end early (EOS), and which one does depends on how the kernel batched
     # the 16 runs (a batch's rows round differently from a lone row's): the z statistics need
-    # 20 scored tokens, so they are checked on the answers that have them, nearly all
+    # 20 scored tokens, so they are checked on the answers that have them, nearly all. With a green
+    # share p of about 0.75 (gamma 0.25), z ~ (p - gamma) sqrt(T) / sqrt(gamma (1 - gamma)) ~ 1.15
+    # sqrt(T): about 5 at 20 tokens, 7 at 40; so z > 5 is asked of the answers of 40 or more
     long_marked = [o for o in outs[:len(PROMPTS)] if o["total"] >= 20]
     assert sum(o["total"] >= 20 for o in outs) >= len(outs) - 2, [o["total"] for o in outs]
-    assert all(o["z"] > 5 for o in long_marked), z_marked
+    assert all(o["z"] > 5 for o in long_marked if o["total"] >= 40), \
+        [(o["z"], o["total"]) for o in outs[:len(PROMPTS)]]
     assert all(o["watermarked"] for o in long_marked)                 # z > 4, the default threshold
     # unwatermarked text (plain sampling; or watermarked under another key) is N(0, 1)
     # under the null: none flagged, and their mean is near 0 (sd of the mean of 16: 0.25)
