@@ -8,16 +8,18 @@
 //                                            32g+16+j (high nibble), unsigned 0..15; group = 32.
 //   kind 1, "i8"  qs     int8  [N, K]       one signed byte per element; group = 16 or 32.
 //                 scales float32 or float16 [N, K/group]
-//                 mins   the same dtype [N, K/group], or empty (no offset)
+//                 mins   the same dtype [N, K/group], or empty: no offset for i8, -8 * scale for
+//                        u4 (Q4_0's q - 8, kept as the file keeps it: no bytes for the mins)
 //
 //   W[n, k] = scales[n, k/group] * q[n, k] + mins[n, k/group]
 //
 // Every GGUF format we load maps onto one of the two exactly (symphony/engine/quant.py does the
 // repacking): Q4_0 (min = -8 d), Q4_1, Q4_K (scale d*sc, min -dmin*m: both exact in float32)
 // are u4; Q8_0, Q5_K (0..31) and Q6_K (-32..31, group 16) are i8. Q4_0, Q4_1 and Q8_0 keep the
-// file's float16 scales (and mins) as they are: 2 bytes a group, not 4, of what a decode step
-// reads. Float16 scales are a CPU layout: the CPU kernels widen them, a block of rows at a time,
-// into float32 (exactly) before the same code runs; the CUDA kernels take float32 scales.
+// file's float16 scales (and Q4_1's mins) as they are: 2 bytes a group, not 4, of what a decode
+// step reads. Float16 scales and u4 weights without mins are CPU layouts: the CPU kernels widen
+// the scales (exactly) and write out the implied mins, a block of rows at a time, before the
+// same code runs; the CUDA kernels take float32 scales and mins.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,9 +66,7 @@ inline QDims check_qweight(const char* op, const at::Tensor& qs, const at::Tenso
             ": scales must be float32 or float16, got ", scales.scalar_type());
   SYM_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G, op,
               ": scales must be [N, K/group] = [", N, ", ", G, "], got ", scales.sizes());
-  const bool has_min = mins.numel() > 0;
-  SYM_CHECK(has_min || kind != kQU4, op, ": u4 weights need mins (Q4_0's are -8 * scale), got an "
-              "empty mins tensor");
+  const bool has_min = mins.numel() > 0;  // u4 without mins: -8 * scale (Q4_0)
   if (has_min) {
     SYM_CHECK(mins.sizes() == scales.sizes(), op, ": mins shape ", mins.sizes(),
                 " differs from scales shape ", scales.sizes());

@@ -25,8 +25,9 @@
 // micro-benchmarks on one CPU, or, once a start-up calibration has timed the paths on this CPU
 // (symphony/engine/ops/calibrate.py), the fastest it measured (qlinear_set_auto).
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
-// A weight with float16 scales and mins (csrc/quant.h) runs the same kernels: each thread widens
-// the scales of 64 rows at a time into float32 buffers of its own (with_float_scales), exactly.
+// A weight with float16 scales and mins, or a u4 one with implied mins (csrc/quant.h), runs the
+// same kernels: each thread widens the scales of 64 rows at a time into float32 buffers of its
+// own, and writes out the implied mins (with_float_scales), exactly.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -201,28 +202,46 @@ void widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
 }
 
+// Whether w is read through with_float_scales' buffers: float16 scales, or a u4 weight whose
+// mins are implied (-8 * scale).
+inline bool needs_widening(const QView& w) {
+  return w.scales16 || (w.kind == kQU4 && !w.mins && !w.mins16);
+}
+
 // f(v, r0, r1, s0) over rows [n0, n1) of w, where rows r0..r1 of view v are w's rows from s0 on:
-// one call with v = w (r0 = s0 = n0, r1 = n1) when w's scales are float32; for float16 scales
-// one call a piece of at most `step` rows, v viewing that piece alone (r0 = 0, r1 its rows, N =
-// r1) with its scales and mins widened to float32 in this thread's buffers.
+// one call with v = w (r0 = s0 = n0, r1 = n1) when the kernels can read w as it is; otherwise
+// (needs_widening) one call a piece of at most `step` rows, v viewing that piece alone (r0 = 0,
+// r1 its rows, N = r1) with float32 scales and mins: float16 ones widened, and a u4 weight's
+// implied mins (-8 * scale) written out, in this thread's buffers.
 template <class F>
 void with_float_scales(const QView& w, int64_t n0, int64_t n1, int64_t step, const F& f) {
-  if (!w.scales16) return f(w, n0, n1, n0);
+  if (!needs_widening(w)) return f(w, n0, n1, n0);
   static thread_local std::vector<float> sbuf, mbuf;
   const int64_t G = w.n_groups;
+  const bool implied = w.kind == kQU4 && !w.mins && !w.mins16;
   for (int64_t s0 = n0; s0 < n1; s0 += step) {
-    const int64_t s1 = std::min(n1, s0 + step);
-    sbuf.resize(size_t(step * G));
+    const int64_t s1 = std::min(n1, s0 + step), n = (s1 - s0) * G;
     QView v = w;
     v.qs = w.qs + s0 * w.row_bytes;
     v.N = s1 - s0;
     v.scales16 = v.mins16 = nullptr;
-    widen_f16(w.scales16 + s0 * G, sbuf.data(), (s1 - s0) * G);
-    v.scales = sbuf.data();
+    if (w.scales16) {
+      sbuf.resize(size_t(step * G));
+      widen_f16(w.scales16 + s0 * G, sbuf.data(), n);
+      v.scales = sbuf.data();
+    } else {
+      v.scales = w.scales + s0 * G;
+    }
     if (w.mins16) {
       mbuf.resize(size_t(step * G));
-      widen_f16(w.mins16 + s0 * G, mbuf.data(), (s1 - s0) * G);
+      widen_f16(w.mins16 + s0 * G, mbuf.data(), n);
       v.mins = mbuf.data();
+    } else if (implied) {
+      mbuf.resize(size_t(step * G));
+      for (int64_t i = 0; i < n; ++i) mbuf[i] = -8.f * v.scales[i];  // exact
+      v.mins = mbuf.data();
+    } else if (w.mins) {
+      v.mins = w.mins + s0 * G;
     }
     f(v, int64_t(0), s1 - s0, s0);
   }
@@ -230,8 +249,9 @@ void with_float_scales(const QView& w, int64_t n0, int64_t n1, int64_t step, con
 
 // fn(v, n0, n1, o) over W's rows in blocks of `rb` rows, split across threads: at least ~64K
 // weights a thread (smaller matrices are not worth waking a second thread for). The kernel
-// computes rows n0..n1 of view v into columns n0..n1 of o: v = w and o = out, or, for float16
-// scales, a view of kWidenRows rows at most (with_float_scales) and o = out + its first row.
+// computes rows n0..n1 of view v into columns n0..n1 of o: v = w and o = out, or (float16
+// scales, implied mins) a view of kWidenRows rows at most (with_float_scales) and o = out + its
+// first row.
 template <class Fn>
 void for_row_blocks(const QView& w, int64_t M, int64_t rb, float* out, const Fn& fn) {
   const int64_t blocks = (w.N + rb - 1) / rb;
@@ -250,7 +270,7 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   static thread_local std::vector<int32_t> cbuf;
   qbuf.resize(M * ldq);
   dbuf.resize(M * nb);
-  const bool has_min = w.mins || w.mins16;
+  const bool has_min = w.mins || w.mins16 || w.kind == kQU4;  // u4: mins stored or implied
   if (has_min) sbuf.resize(M * w.n_groups);
   float* s = has_min ? sbuf.data() : nullptr;
 #if defined(__x86_64__) || defined(_M_X64)

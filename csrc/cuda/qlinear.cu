@@ -105,8 +105,10 @@ __global__ void qdequant_kernel(QArgs a, float* __restrict__ out) {
 
 QArgs args_of(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
               const QDims& d) {
-  SYM_CHECK(!d.half, "symphony::qlinear / qdequant on CUDA: the scales are float16, a CPU layout; "
-            "QWeight.to widens them to float32 when it moves a weight to a GPU");
+  SYM_CHECK(!d.half && (d.has_min || d.kind != kQU4), "symphony::qlinear / qdequant on CUDA: ",
+            d.half ? "the scales are float16" : "a u4 weight without mins", ", a CPU layout; "
+            "QWeight.to widens the scales to float32 and writes the mins out when it moves a weight "
+            "to a GPU");
   return {static_cast<const uint8_t*>(qs.data_ptr()), scales.data_ptr<float>(),
           d.has_min ? mins.data_ptr<float>() : nullptr,
           d.N, d.K, d.group, d.n_groups, qs.size(1), static_cast<int>(d.kind)};

@@ -6,24 +6,25 @@ A `QWeight` is a matrix W ``[N, K]`` in one of two layouts the kernels read (``c
     kind 1 "i8": qs int8  [N, K]
     scales float32 or float16 [N, K/group], mins the same dtype [N, K/group] or empty
     W[n, k] = scales[n, k // group] * q[n, k] + mins[n, k // group]
+    (empty mins: no offset for i8, -8 * scales for u4: Q4_0's q - 8)
 
 Every GGUF format below is repacked into one of them without changing a single weight (the
 kernels and the ``gguf`` package's dequantizer agree to a float32 ulp). Q4_0, Q4_1 and Q8_0
-keep the file's float16 scales (and Q4_1's float16 mins; Q4_0's min, -8 d, is a float16 too),
-so that a decode step reads 2 bytes a group for each, not 4. The per-group scale of a K-quant,
+keep the file's float16 scales (and Q4_1's float16 mins; Q4_0's, -8 d, are implied, not stored),
+so that a decode step reads the file's bytes. The per-group scale of a K-quant,
 ``d * sc``, is a float16 times a 6- or 8-bit integer: exact in float32, not in float16, so
 K-quants keep float32 scales.
 
     GGUF    ours                     bytes/weight (file -> memory)
-    Q4_0    u4, g32, float16 scales  0.5625 -> 0.625
+    Q4_0    u4, g32, float16 scales  0.5625 -> 0.5625
     Q4_1    u4, g32, float16 scales  0.625  -> 0.625
     Q4_K    u4, g32                  0.5625 -> 0.75
     Q8_0    i8, g32, float16 scales  1.0625 -> 1.0625
     Q5_K    i8, g32 + min            0.6875 -> 1.25
     Q6_K    i8, g16                  0.8203 -> 1.25
 
-Float16 scales are a CPU layout (the CPU kernels widen them exactly, a block of rows at a time);
-`QWeight.to` a GPU widens them to float32.
+Float16 scales and implied u4 mins are CPU layouts (the CPU kernels widen the scales exactly and
+write the mins out, a block of rows at a time); `QWeight.to` a GPU makes both float32 tensors.
 
 Other quantized GGUF types (Q5_0, Q2_K, IQ*, ...) are dequantized to float at load.
 """
@@ -140,7 +141,7 @@ class QWeight:
 
     qs: torch.Tensor          # uint8 [N, K/2] (u4) or int8 [N, K] (i8)
     scales: torch.Tensor      # float32 or float16 [N, K/group]
-    mins: torch.Tensor        # the scales' dtype [N, K/group], or empty: no offset
+    mins: torch.Tensor        # the scales' dtype [N, K/group], or empty: none (i8), -8 scales (u4)
     kind: int
     group: int
     source: str = ""          # where the bits came from ("Q4_1", "int8", ...)
@@ -214,13 +215,17 @@ class QWeight:
 
     # ---------------------------------------------------------------- transforms
     def to(self, device=None, dtype=None) -> "QWeight":
-        """Move to ``device``; ``dtype`` is ignored (quantized weights keep their bits). Float16
-        scales and mins become float32 off the CPU (the CUDA kernels read float32; exact)."""
+        """Move to ``device``; ``dtype`` is ignored (quantized weights keep their bits). Off the
+        CPU, float16 scales and mins become float32 and a u4 weight's implied mins are written
+        out (the CUDA kernels read float32 mins; exact)."""
         if device is None or torch.device(device) == self.device:
             return self
-        sd = self.scales.dtype if torch.device(device).type == "cpu" else torch.float32
-        return QWeight(self.qs.to(device), self.scales.to(device, sd), self.mins.to(device, sd),
-                       self.kind, self.group, self.source)
+        if torch.device(device).type == "cpu":
+            return QWeight(self.qs.to(device), self.scales.to(device), self.mins.to(device),
+                           self.kind, self.group, self.source)
+        w = self.with_float32_scales()
+        return QWeight(w.qs.to(device), w.scales.to(device), w.stored_mins().to(device),
+                       w.kind, w.group, w.source)
 
     def select_rows(self, index: torch.Tensor) -> "QWeight":
         """The rows ``index`` (a permutation, say) as a new QWeight."""
@@ -247,6 +252,17 @@ class QWeight:
             return self
         return QWeight(self.qs, self.scales.float(), self.mins.float(), self.kind, self.group, self.source)
 
+    def stored_mins(self) -> torch.Tensor:
+        """The mins as a tensor of the scales' shape and dtype: a u4 weight's implied ones (-8 *
+        scales, exact; float16 scales above 8188 would overflow: QuantError) written out; an i8
+        weight without mins gives its empty tensor."""
+        if self.mins.numel() or self.kind != U4:
+            return self.mins
+        mins = (self.scales * -8).contiguous()
+        if not bool(torch.isfinite(mins).all()) and bool(torch.isfinite(self.scales).all()):
+            raise QuantError("the implied mins (-8 * scale) overflow float16: use with_float32_scales()")
+        return mins
+
     def as_i8(self, group: int) -> "QWeight":
         """The same weights as i8 with groups of ``group`` (exact: only the storage widens)."""
         if self.kind == I8 and self.group == group:
@@ -259,8 +275,10 @@ class QWeight:
         rep = self.group // group
         if rep < 1:
             raise QuantError(f"cannot regroup groups of {self.group} into {group}")
-        sc = self.scales.repeat_interleave(rep, dim=1)
-        mn = self.mins.repeat_interleave(rep, dim=1) if self.mins.numel() else self.mins
+        w = self if self.mins.numel() else self.with_float32_scales()    # implied u4 mins: float32
+        sc = w.scales.repeat_interleave(rep, dim=1)
+        mins = w.stored_mins()                                       # i8 has no implied mins
+        mn = mins.repeat_interleave(rep, dim=1) if mins.numel() else mins
         return QWeight(q.contiguous(), sc.contiguous(), mn.contiguous(), I8, group, self.source)
 
     @staticmethod
@@ -275,9 +293,18 @@ class QWeight:
             parts = [p.as_i8(g) for p in parts]
         if len({p.scales.dtype for p in parts}) > 1:               # float16 and float32: widen
             parts = [p.with_float32_scales() for p in parts]
+        if len({bool(p.mins.numel()) for p in parts}) > 1:        # some stored, some not:
+            def written(p: QWeight) -> QWeight:                      # write them all out
+                if p.mins.numel():
+                    return p
+                p = p.with_float32_scales()
+                mins = p.stored_mins() if p.kind == U4 else torch.zeros_like(p.scales)
+                return QWeight(p.qs, p.scales, mins, p.kind, p.group, p.source)
+            parts = [written(p) for p in parts]
+            if len({p.scales.dtype for p in parts}) > 1:
+                parts = [p.with_float32_scales() for p in parts]
         any_min = any(p.mins.numel() for p in parts)
-        mins = [p.mins if p.mins.numel() or not any_min else torch.zeros_like(p.scales)
-                for p in parts]
+        mins = [p.mins for p in parts]
         src = "+".join(dict.fromkeys(p.source for p in parts))
         return QWeight(torch.cat([p.qs for p in parts]).contiguous(),
                        torch.cat([p.scales for p in parts]).contiguous(),
@@ -359,15 +386,11 @@ def from_gguf(data: np.ndarray, qtype: str, n: int, k: int) -> QWeight:
     t = torch.from_numpy
     if qtype in ("Q4_0", "Q4_1"):                                       # float16 scales, mins
         d = _f16(b, 0, keep=True)[..., 0]                               # [n, nb]
-        if qtype == "Q4_0":
-            mins = (np.float16(-8) * d).astype(np.float16)               # exact unless |d| > 8188
-            if not np.isfinite(mins).all():                              # then in float32
-                d, mins = d.astype(np.float32), -8.0 * d.astype(np.float32)
-        else:
-            mins = _f16(b, 2, keep=True)[..., 0]
+        # Q4_0: q - 8, the mins (-8 d) implied; Q4_1: the file's mins
+        mins = torch.empty(0, dtype=torch.float16) if qtype == "Q4_0" else t(_f16(b, 2, keep=True)[..., 0].copy())
         qs = b[:, :, 2:18] if qtype == "Q4_0" else b[:, :, 4:20]        # our u4 layout already
         return QWeight(t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(np.ascontiguousarray(d)),
-                       t(np.ascontiguousarray(mins)), U4, 32, qtype)
+                       mins, U4, 32, qtype)
     if qtype == "Q8_0":
         d = _f16(b, 0, keep=True)[..., 0]                               # float16 scales
         qs = np.ascontiguousarray(b[:, :, 2:34]).view(np.int8).reshape(n, k)

@@ -28,6 +28,8 @@ def qdequant_reference(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
     w = q.double() * scales.double().repeat_interleave(group, dim=1)
     if mins.numel():
         w = w + mins.double().repeat_interleave(group, dim=1)
+    elif kind == 0:                                 # u4 without mins: -8 * scale (Q4_0)
+        w = w - 8 * scales.double().repeat_interleave(group, dim=1)
     return w.float()
 
 

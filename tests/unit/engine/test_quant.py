@@ -253,14 +253,16 @@ def test_qlinear_strided_rows_and_threads(path):
 @pytest.mark.parametrize("path", PATHS + Q8_PATHS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_float16_scales_equal_float32(qtype, path):
-    """Q4_0 / Q4_1 / Q8_0 keep the file's float16 scales (and mins) in memory; every path widens
-    them exactly, a block of 64 rows at a time, so its result is bit for bit that of the same
-    weight with float32 scales: N = 150 (two blocks and a tail), M = 1, 3, 8, 33 and 70, one to
-    three threads; qdequant and the embedding lookup too."""
+    """Q4_0 / Q4_1 / Q8_0 keep the file's float16 scales (and Q4_1's mins; Q4_0's, -8 d, are
+    implied) in memory; every path widens the scales exactly and writes implied mins out, a block
+    of 64 rows at a time, so its result is bit for bit that of the same weight with float32 scales
+    and stored mins: N = 150 (two blocks and a tail), M = 1, 3, 8, 33 and 70, one to three
+    threads; qdequant and the embedding lookup too."""
     qw, want = gguf_weight(qtype, 150, 96, seed=11)
     assert qw.scales.dtype == torch.float16
-    assert qw.mins.dtype == torch.float16 or not qw.mins.numel()
+    assert (qw.mins.numel() == 0) == (qtype != "Q4_1") and (qw.mins.dtype == torch.float16 or not qw.mins.numel())
     q32 = qw.with_float32_scales()
+    q32 = QWeight(q32.qs, q32.scales, q32.stored_mins(), q32.kind, q32.group)   # mins stored
     assert q32.scales.dtype == torch.float32 and torch.equal(q32.scales, qw.scales.float())
     assert qw.nbytes() < q32.nbytes()
     before = torch.get_num_threads()
@@ -294,6 +296,16 @@ def test_float16_scales_layout_rules():
     assert qw.to("cpu") is qw
     moved = qw.to("meta")
     assert moved.scales.dtype == torch.float32 and moved.mins.dtype == torch.float32
+    q0, want0 = gguf_weight("Q4_0", 4, 64, seed=5)             # implied mins: written out off the CPU
+    assert q0.mins.numel() == 0 and q0.to("meta").mins.shape == q0.scales.shape
+    assert torch.equal(q0.stored_mins(), q0.scales * -8)
+    np.testing.assert_allclose(ops.qdequant_reference(q0.qs, q0.scales, q0.mins, U4, 32).numpy(), want0,
+                               rtol=1e-6, atol=1e-6)
+    q41, _ = gguf_weight("Q4_1", 3, 64, seed=6)                 # stacked with stored mins: written out
+    mixed = QWeight.cat([q0, q41])
+    assert mixed.mins.shape == mixed.scales.shape
+    assert torch.equal(mixed.dequantize(), torch.cat([q0.dequantize(), q41.dequantize()]))
+    assert torch.equal(q0.as_i8(16).dequantize(), q0.dequantize())
     k4, _ = gguf_weight("Q4_K", 3, 256, seed=3)                 # K-quants keep float32 scales
     assert k4.scales.dtype == torch.float32
     q4, _ = gguf_weight("Q4_0", 3, 256, seed=4)
@@ -443,7 +455,6 @@ def _args(**over):
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
     (dict(path=13), "path must be"),
-    (dict(mins=torch.empty(0)), "u4 weights need mins"),
     (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
      "multiple of 32"),
