@@ -41,27 +41,29 @@ namespace {
 // a 576-wide u4 matrix is 288 bytes), which the hardware prefetcher alone follows late.
 constexpr int64_t kAhead = 2;
 
-// The int32 dot products of 4-byte lanes of w (unsigned bytes) and x (signed bytes), int8 x or
-// 15-bit x (128 * (w . hi) + (w . lo)).
+// The int32 sums of 4-byte lanes of u (unsigned bytes) times x (signed bytes): int8 x (xh), or
+// 15-bit x as 128 (u . xh) + (u . xl).
 template <bool SPLIT>
-inline __m256i dot_u(__m256i w, const int8_t* hi, const int8_t* lo, int64_t at) {
+inline __m256i dot(__m256i u, __m256i xh, __m256i xl) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + at));
-  if constexpr (!SPLIT) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), ones);
-  const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + at));
-  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xh), _mm256_set1_epi16(128)),
-                          _mm256_madd_epi16(_mm256_maddubs_epi16(w, xl), ones));
+  if constexpr (!SPLIT) return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xh), ones);
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xh), _mm256_set1_epi16(128)),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(u, xl), ones));
 }
 
-// The same for signed weights: |w| times x with w's sign.
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// dot with unsigned weights w and x's 32 bytes at `at` (its hi / lo halves for 15-bit x)
 template <bool SPLIT>
-inline __m256i dot_s(__m256i aw, __m256i w, const int8_t* hi, const int8_t* lo, int64_t at) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i xh = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + at)), w);
-  if constexpr (!SPLIT) return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xh), ones);
-  const __m256i xl = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + at)), w);
-  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xh), _mm256_set1_epi16(128)),
-                          _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xl), ones));
+inline __m256i dot_u(__m256i w, const QAct& a, int64_t at) {
+  return dot<SPLIT>(w, load32(a.q + at), SPLIT ? load32(a.lo + at) : __m256i{});
+}
+
+// The same for signed weights w (|w| in aw): |w| times x with w's sign.
+template <bool SPLIT>
+inline __m256i dot_s(__m256i aw, __m256i w, const QAct& a, int64_t at) {
+  return dot<SPLIT>(aw, _mm256_sign_epi8(load32(a.q + at), w),
+                    SPLIT ? _mm256_sign_epi8(load32(a.lo + at), w) : __m256i{});
 }
 
 // Lanes 0-3: f[0], lanes 4-7: f[1] (one 8-byte broadcast and an in-lane permute).
@@ -99,8 +101,8 @@ inline void step_u4(const QView& w, const QAct& a, const uint8_t* const (&row)[N
     const __m256 ws = TAIL ? _mm256_set1_ps(sc[b][2 * st]) : pair_ps(sc[b] + 2 * st);
     for (int j = 0; j < MB; ++j) {
       const int64_t at = (m + j) * a.ldq + st * 64;
-      const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u<SPLIT>(wl, a.q, a.lo, at)), xd_lo[j]);
-      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u<SPLIT>(wh, a.q, a.lo, at + 32)), xd_hi[j], lo);
+      const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u<SPLIT>(wl, a, at)), xd_lo[j]);
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u<SPLIT>(wh, a, at + 32)), xd_hi[j], lo);
       acc[b][j] = _mm256_fmadd_ps(t, ws, acc[b][j]);
     }
   }
@@ -136,7 +138,7 @@ inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t
         const __m256i av = _mm256_abs_epi8(v);
         const __m256 ws = KIND == 1 ? _mm256_set1_ps(sc[b][st]) : pair_ps(sc[b] + 2 * st);
         for (int j = 0; j < MB; ++j) {
-          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_s<SPLIT>(av, v, a.q, a.lo, (m + j) * a.ldq + st * 32)), xd[j]);
+          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_s<SPLIT>(av, v, a, (m + j) * a.ldq + st * 32)), xd[j]);
           acc[b][j] = _mm256_fmadd_ps(t, ws, acc[b][j]);
         }
       }

@@ -150,36 +150,36 @@ Fn require(bool has, Fn fn, int64_t path, const char* name, const char* needs) {
   return fn;
 }
 
+// The float32 register kernel of paths 0-2 (a concrete path: resolve_path has resolved -1 / -2).
 RowsFn rows_fn(int64_t path) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (path == kAvx512) return require(cpu_has_avx512(), rows_avx512, path, "AVX-512", "avx512f/bw/vl/dq");
   if (path == kAvx2) return require(cpu_has_avx2(), rows_avx2, path, "AVX2", "avx2/fma");
-  if (path == kAuto) return cpu_has_avx512() ? rows_avx512 : cpu_has_avx2() ? rows_avx2 : rows_scalar;
 #else
-  SYM_CHECK(path == kAuto || path == kScalar, "symphony::qlinear: path ", path,
+  SYM_CHECK(path == kScalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
 #endif
   return rows_scalar;
 }
 
-// The int8-activation row kernel of paths 4, 6, 7 (kAuto: the best of them this CPU has).
+// The int8-activation row kernel of paths 4, 6, 7.
 RowsQ8Fn rows_q8_fn(int64_t path) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (path == kAuto) path = cpu_has_avx512vnni() ? kQ8Avx512Vnni : cpu_has_avxvnni() ? kQ8AvxVnni : kQ8Scalar;
   if (path == kQ8Avx512Vnni)
     return require(cpu_has_avx512vnni(), rows_q8_avx512vnni, path, "int8, AVX-512 VNNI",
                    "avx512f/bw/vl/dq/vnni");
   if (path == kQ8AvxVnni)
     return require(cpu_has_avxvnni(), rows_q8_avxvnni, path, "int8, AVX-VNNI", "avx_vnni");
 #else
-  SYM_CHECK(path == kAuto || path == kQ8Scalar, "symphony::qlinear: path ", path,
+  SYM_CHECK(path == kQ8Scalar, "symphony::qlinear: path ", path,
               " needs an x86-64 CPU");
 #endif
   return rows_q8_scalar;
 }
 
-// Rows of a weight with float16 scales are widened this many at a time (a multiple of every
-// kernel's row block: 4, 8, 16), into buffers of the calling thread that stay in its L1 / L2.
+// Rows of a weight with float16 scales or implied mins are widened this many at a time (a
+// multiple of every kernel's row block: 4, 8, 16), into buffers of the calling thread that stay
+// in its L1 / L2.
 constexpr int64_t kWidenRows = 64;
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -202,23 +202,20 @@ void widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
 }
 
-// Whether w is read through with_float_scales' buffers: float16 scales, or a u4 weight whose
-// mins are implied (-8 * scale).
-inline bool needs_widening(const QView& w) {
-  return w.scales16 || (w.kind == kQU4 && !w.mins && !w.mins16);
-}
+// Whether w is a u4 weight whose mins are implied (-8 * scale: csrc/quant.h).
+inline bool implied_mins(const QView& w) { return w.kind == kQU4 && !w.mins && !w.mins16; }
 
 // f(v, r0, r1, s0) over rows [n0, n1) of w, where rows r0..r1 of view v are w's rows from s0 on:
 // one call with v = w (r0 = s0 = n0, r1 = n1) when the kernels can read w as it is; otherwise
-// (needs_widening) one call a piece of at most `step` rows, v viewing that piece alone (r0 = 0,
+// (float16 scales, implied mins) one call a piece of at most `step` rows, v viewing that piece alone (r0 = 0,
 // r1 its rows, N = r1) with float32 scales and mins: float16 ones widened, and a u4 weight's
 // implied mins (-8 * scale) written out, in this thread's buffers.
 template <class F>
 void with_float_scales(const QView& w, int64_t n0, int64_t n1, int64_t step, const F& f) {
-  if (!needs_widening(w)) return f(w, n0, n1, n0);
+  const bool implied = implied_mins(w);
+  if (!w.scales16 && !implied) return f(w, n0, n1, n0);
   static thread_local std::vector<float> sbuf, mbuf;
   const int64_t G = w.n_groups;
-  const bool implied = w.kind == kQU4 && !w.mins && !w.mins16;
   for (int64_t s0 = n0; s0 < n1; s0 += step) {
     const int64_t s1 = std::min(n1, s0 + step), n = (s1 - s0) * G;
     QView v = w;
@@ -270,12 +267,11 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
   static thread_local std::vector<int32_t> cbuf;
   qbuf.resize(M * ldq);
   dbuf.resize(M * nb);
-  const bool has_min = w.mins || w.mins16 || w.kind == kQU4;  // u4: mins stored or implied
+  const bool has_min = w.mins || w.mins16 || implied_mins(w);
   if (has_min) sbuf.resize(M * w.n_groups);
   float* s = has_min ? sbuf.data() : nullptr;
 #if defined(__x86_64__) || defined(_M_X64)
-  if (path == kQ8Avx512Vnni || path == kQ8T16Avx512Vnni || path == kQ15T16Avx512Vnni ||
-      (path == kAuto && cpu_has_avx512vnni())) {
+  if (path == kQ8Avx512Vnni || path == kQ8T16Avx512Vnni || path == kQ15T16Avx512Vnni) {
     require(cpu_has_avx512vnni(), 0, path, path == kQ15T16Avx512Vnni ? "15-bit, AVX-512 VNNI"
             : path == kQ8T16Avx512Vnni ? "int8, AVX-512 VNNI, 16-row tiles" : "int8, AVX-512 VNNI",
             "avx512f/bw/vl/dq/vnni");
@@ -435,8 +431,7 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   if (path == kAutoQ8) {
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
     if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)))
-      return t8 ? (M < kRowsAvx2 ? kQ8Avx2 : kQ8T8Avx2) : cpu_has_avxvnni() ? kQ8AvxVnni
-             : cpu_has_avx2() ? kQ8Avx2 : kQ8Scalar;
+      return t8 ? (M < kRowsAvx2 ? kQ8Avx2 : kQ8T8Avx2) : kQ8Scalar;  // (no AVX2 without t8)
     return kDense;
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;

@@ -291,8 +291,6 @@ class QWeight:
         if not same:
             g = min(p.group for p in parts)
             parts = [p.as_i8(g) for p in parts]
-        if len({p.scales.dtype for p in parts}) > 1:               # float16 and float32: widen
-            parts = [p.with_float32_scales() for p in parts]
         if len({bool(p.mins.numel()) for p in parts}) > 1:        # some stored, some not:
             def written(p: QWeight) -> QWeight:                      # write them all out
                 if p.mins.numel():
@@ -301,8 +299,8 @@ class QWeight:
                 mins = p.stored_mins() if p.kind == U4 else torch.zeros_like(p.scales)
                 return QWeight(p.qs, p.scales, mins, p.kind, p.group, p.source)
             parts = [written(p) for p in parts]
-            if len({p.scales.dtype for p in parts}) > 1:
-                parts = [p.with_float32_scales() for p in parts]
+        if len({p.scales.dtype for p in parts}) > 1:               # float16 and float32: widen
+            parts = [p.with_float32_scales() for p in parts]
         any_min = any(p.mins.numel() for p in parts)
         mins = [p.mins for p in parts]
         src = "+".join(dict.fromkeys(p.source for p in parts))
@@ -387,7 +385,8 @@ def from_gguf(data: np.ndarray, qtype: str, n: int, k: int) -> QWeight:
     if qtype in ("Q4_0", "Q4_1"):                                       # float16 scales, mins
         d = _f16(b, 0, keep=True)[..., 0]                               # [n, nb]
         # Q4_0: q - 8, the mins (-8 d) implied; Q4_1: the file's mins
-        mins = torch.empty(0, dtype=torch.float16) if qtype == "Q4_0" else t(_f16(b, 2, keep=True)[..., 0].copy())
+        mins = (torch.empty(0, dtype=torch.float16) if qtype == "Q4_0"
+                else t(np.ascontiguousarray(_f16(b, 2, keep=True)[..., 0])))
         qs = b[:, :, 2:18] if qtype == "Q4_0" else b[:, :, 4:20]        # our u4 layout already
         return QWeight(t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(np.ascontiguousarray(d)),
                        mins, U4, 32, qtype)
