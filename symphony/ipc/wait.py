@@ -261,10 +261,12 @@ class WaitSet:
                 end = t0 + budget
                 pc = time.perf_counter_ns
                 yld = spin.yielder()
-                while pc() < end:
-                    if ready():
-                        spin.won(budget)
+                while True:                        # ready() at least once more, however late
+                    if ready():                    # this thread got here (a preempted spin
+                        spin.won(budget)           # still sees what came meanwhile)
                         return True
+                    if pc() >= end:
+                        break
                     yld()
         now = time.monotonic()
         deadline = None if timeout is None else now + max(0.0, timeout)

@@ -577,6 +577,7 @@ def test_waitset_spin_and_block():
         t0 = time.monotonic()
         assert db.wait(1.0, ready) is True
         assert time.monotonic() - t0 < 0.5
+        assert flag[0] == 2                # the spin asks at least once, however late it starts
         # blocking wait woken from another thread; no ready callable
         threading.Timer(0.05, db.ring).start()
         t0 = time.monotonic()
