@@ -5,8 +5,10 @@
 // are applied once per 8 rows and the 8 results stored with one instruction.
 //
 // The weights stay row-major (csrc/quant.h) and are transposed as they are read: 8 rows x 16
-// bytes -> 4 ymm (dword d of the 8 rows). There is no prepared-tile buffer: every block of
-// activation rows transposes again (the AVX-512 kernels' `Buffered` source is for M > 8).
+// bytes -> 4 ymm (dword d of the 8 rows). For one block of activation rows (M <= kRowsT8) the
+// tile is transposed as it is used (`Tile8`); for more, once into a per-thread buffer (`Prepared8`:
+// the unpacked bytes and the group's 8 scales / mins, G x 320 bytes) that every block of rows
+// reads, so the transposes and the scale gathers are paid once a tile, not once a block of rows.
 //
 // vpmaddubsw multiplies unsigned bytes by signed ones and adds pairs into int16 with saturation:
 //   * u4 weights (0..15) are the unsigned operand: |pair| <= 2 * 15 * 128, so the 4 steps of a
@@ -29,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "qkernels.h"
 
@@ -108,6 +111,32 @@ struct Tile8 {
   }
 };
 
+// A tile transposed once: for each group g, kWk ymm of weights (`Tile8::group`'s wk) and the 8
+// scales and 8 mins; filled by `prepare8` (rows past the end repeat the last one).
+constexpr int64_t kWk = 8;  // ymm of weights a group (groups of 32 or 16 values)
+struct Prepared8 {
+  const __m256i* wb;  // [G][kWk]
+  const float* sm;    // [G][16]: 8 scales, then 8 mins
+  int64_t n;
+
+  void group(int64_t g, __m256i (&wk)[8], __m256& sv, __m256& mv) const {
+    for (int64_t i = 0; i < kWk; ++i) wk[i] = _mm256_load_si256(wb + g * kWk + i);
+    sv = _mm256_load_ps(sm + g * 16);
+    mv = _mm256_load_ps(sm + g * 16 + 8);
+  }
+};
+
+inline void prepare8(const Tile8& src, __m256i* wb, float* sm) {
+  for (int64_t g = 0; g < src.w.n_groups; ++g) {
+    __m256i wk[8] = {};
+    __m256 sv, mv = _mm256_setzero_ps();
+    src.group(g, wk, sv, mv);
+    for (int64_t i = 0; i < kWk; ++i) _mm256_store_si256(wb + g * kWk + i, wk[i]);
+    _mm256_store_ps(sm + g * 16, sv);
+    _mm256_store_ps(sm + g * 16 + 8, mv);
+  }
+}
+
 // The int32 dot products, per lane, of one block of 16: the 8 rows' wb[0..3] with x's 16 bytes
 // (wa: |wb| for i8 weights, unused for u4).
 template <bool I8>
@@ -132,10 +161,9 @@ inline __m256i block_dot(const __m256i* wa, const __m256i* wb, const int8_t* xb)
 
 // Activation rows m .. m + MB - 1 against the tile, over the whole K, stored to out (the first
 // `rows` columns from n).
-template <int MB, bool I8, bool MINS, bool SPLIT>
-inline void tile_rows(const Tile8& src, const QAct& a, int64_t m, float* out, int64_t ldo,
+template <int MB, bool I8, bool MINS, bool SPLIT, class Src>
+inline void tile_rows(const QView& w, const Src& src, const QAct& a, int64_t m, float* out, int64_t ldo,
                       int64_t rows, const __m256i& keep) {
-  const QView& w = src.w;
   const int64_t G = w.n_groups, nb = a.ldq / 16, bpg = w.group / 16;
   __m256 acc[MB] = {};
   for (int64_t g = 0; g < G; ++g) {
@@ -166,19 +194,49 @@ inline void tile_rows(const Tile8& src, const QAct& a, int64_t m, float* out, in
   }
 }
 
+template <int MB, bool I8, bool MINS, bool SPLIT, class Src>
+void tile_all_rows(const QView& w, const Src& src, const QAct& a, int64_t M, float* out, int64_t ldo,
+                   int64_t rows, const __m256i& keep) {
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB) tile_rows<MB, I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep);
+  switch (M - m) {
+#define SYMPHONY_T8_REST(r) \
+  case r:                   \
+    if constexpr (r < MB) tile_rows<(r < MB ? r : 1), I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep); \
+    break;
+    SYMPHONY_T8_REST(1) SYMPHONY_T8_REST(2) SYMPHONY_T8_REST(3)
+#undef SYMPHONY_T8_REST
+    default:
+      break;
+  }
+}
+
 template <bool I8, bool MINS, bool SPLIT>
 void tiles_of(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
               int64_t n1) {
+  // the prepared tile (M > kRowsT8), per thread, 32-byte aligned: G x kWk ymm of weights, then
+  // G x 16 floats
+  static thread_local std::vector<uint8_t> buf;
+  const bool prepared = M > kRowsT8;
+  __m256i* wb = nullptr;
+  float* sm = nullptr;
+  if (prepared) {
+    buf.resize(size_t(w.n_groups) * (kWk + 2) * 32 + 32);
+    wb = reinterpret_cast<__m256i*>(buf.data() + (32 - reinterpret_cast<uintptr_t>(buf.data()) % 32) % 32);
+    sm = reinterpret_cast<float*>(wb + w.n_groups * kWk);
+  }
   for (int64_t n = n0; n < n1; n += 8) {
     const int64_t rows = std::min<int64_t>(8, n1 - n);
     const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(rows)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const Tile8 src(w, n, rows);
-    int64_t m = 0;
-    for (; m + kRowsT8 <= M; m += kRowsT8) tile_rows<kRowsT8, I8, MINS, SPLIT>(src, a, m, out, ldo, rows, keep);
-    if (M - m == 3) tile_rows<3, I8, MINS, SPLIT>(src, a, m, out, ldo, rows, keep);
-    else if (M - m == 2) tile_rows<2, I8, MINS, SPLIT>(src, a, m, out, ldo, rows, keep);
-    else if (M - m == 1) tile_rows<1, I8, MINS, SPLIT>(src, a, m, out, ldo, rows, keep);
+    const Tile8 tile(w, n, rows);
+    if (prepared) {
+      prepare8(tile, wb, sm);
+      const Prepared8 src{wb, sm, n};
+      tile_all_rows<kRowsT8, I8, MINS, SPLIT>(w, src, a, M, out, ldo, rows, keep);
+    } else {
+      tile_all_rows<kRowsT8, I8, MINS, SPLIT>(w, tile, a, M, out, ldo, rows, keep);
+    }
   }
 }
 
