@@ -13,7 +13,6 @@ package on load.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
@@ -253,52 +252,21 @@ def has_quantized_tensors(path: Union[str, Path, None] = None) -> bool:
     return _gguf_header(path)[1]
 
 
-# (path, device, inode, size, mtime) -> (config, has quantized tensors): a kernel start asks both
-# of the same file more than once (the arguments, the tensor-parallel launch)
-_headers: dict[tuple, tuple[ModelConfig, bool]] = {}
-
-
 def _gguf_header(path: Path) -> tuple[ModelConfig, bool]:
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    got = _headers.get(key)
-    if got is None:
-        reader = _gguf_reader(path)
-        got = (_load_gguf(path, False, config_only=True, reader=reader),
-               any(t.tensor_type.name in GGUF_QUANT_TYPES for t in reader.tensors))
-        if len(_headers) >= 8:
-            _headers.clear()
-        _headers[key] = got
-    return got
+    """The config of a GGUF file and whether it holds quantized matrices, reading no weights."""
+    reader = _gguf_reader(path)
+    return (_load_gguf(path, False, config_only=True, reader=reader),
+            any(t.tensor_type.name in GGUF_QUANT_TYPES for t in reader.tensors))
 
 
 def _gguf_reader(path: Path):
-    """The ``gguf`` package's reader of ``path``, over a plain ndarray view of its memory map: the
-    reader slices its ``data`` once per metadata element (a 49,152-token vocabulary: ~300,000
-    slices), and a numpy memmap's slicing costs ~3x a plain array's (4.0 s -> 1.3 s for the
-    embedded model's file). The view keeps the map alive (its base)."""
+    """The ``gguf`` package's reader of ``path`` (`gguf_reader.reader_class`: the same parse, held
+    more cheaply), with its errors as ModelLoadError."""
+    from .gguf_reader import reader_class
     try:
-        return _reader_class()(str(path))
+        return reader_class()(str(path))
     except Exception as e:  # the gguf package raises ValueError/struct.error/... on bad files
         raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
-
-
-@functools.cache
-def _reader_class():
-    import gguf
-
-    class Reader(gguf.GGUFReader):
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, v):
-            self._plain = v.view(np.ndarray) if isinstance(v, np.memmap) else v
-    return Reader
 
 
 def _load_gguf(path: Path, progress: bool, keep_quantized: bool = True, shard=None, config_only: bool = False,

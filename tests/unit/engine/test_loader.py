@@ -1,6 +1,7 @@
 """Loading GGUF files and Hugging Face directories; tokenizers from metadata."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +190,63 @@ def test_hf_config_rope_in_both_transformers_formats():
     assert plain.rope_theta == 250000.0 and plain.rope_scaling.kind == "none"
     with pytest.raises(ModelLoadError, match="rope_parameters"):
         hf_config_to_model_config({**base, "rope_parameters": [1, 2]})
+
+
+def _same_file_as_the_package_reads_it(path):
+    import gguf
+    from symphony.engine.gguf_reader import reader_class
+    ours, theirs = reader_class()(str(path)), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for name, f in theirs.fields.items():
+        g = ours.fields[name]
+        assert (g.offset, g.name, g.types) == (f.offset, f.name, f.types), name
+        assert g.contents() == f.contents(), name
+        assert len(g.data) == len(f.data), name
+        if g.data and g.data != [-1]:
+            assert g.contents(len(g.data) - 1) == f.contents(len(f.data) - 1), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.n_bytes, a.data_offset) == (b.tensor_type, b.n_bytes, b.data_offset)
+        assert list(a.shape) == list(b.shape) and np.array_equal(a.data, b.data), a.name
+    return ours
+
+
+def test_the_fast_gguf_reader_reads_what_the_package_reads(tmp_path):
+    import gguf
+    cfg = tiny_hf_config()
+    p = write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg))
+    _same_file_as_the_package_reads_it(p)
+    # every array element type, empty arrays and non-ASCII strings
+    w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    w.add_array("t.str", ["", "é€", "a" * 300])
+    w.add_array("t.empty", [])
+    w.add_array("t.f32", [1.5, -2.25])
+    w.add_array("t.i32", [-1, 7, 2**31 - 1])
+    w.add_array("t.bool", [True, False])
+    w.add_key_value("t.u64", [2**63 + 5], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT64)
+    w.add_key_value("t.i8", [-128, 127], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT8)
+    w.add_tensor("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = _same_file_as_the_package_reads_it(tmp_path / "a.gguf")
+    assert r.fields["t.str"].contents() == ["", "é€", "a" * 300]
+    assert r.fields["t.u64"].contents() == [2**63 + 5]
+
+
+def test_the_embedded_model_reads_as_the_package_reads_it():
+    from symphony.engine.loader import default_model_path
+    r = _same_file_as_the_package_reads_it(default_model_path())
+    assert len(r.fields["tokenizer.ggml.tokens"].contents()) == 49152
+
+
+def test_an_array_running_past_the_file_is_a_load_error(tmp_path):
+    cfg = tiny_hf_config()
+    p = write_gguf(tmp_path / "m.gguf", cfg, hf_state_dict(cfg))
+    data = bytearray(p.read_bytes())
+    at = data.find(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4   # the count
+    data[at:at + 8] = (2**40).to_bytes(8, "little")
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_model(p)
