@@ -3,8 +3,8 @@
 ``gguf.GGUFReader`` parses every metadata value into numpy views of the file's memory map:
 one or two views per element of an array, so a 49,152-token vocabulary with its merges is
 ~300,000 views and ~4 s on the embedded model's file, at every kernel start and in every
-tensor-parallel rank. `Reader` is that reader with two changes, both in how it holds what it
-parsed, not in what it parses:
+tensor-parallel rank. `Reader` is that reader with three changes, all in how it holds what it
+parsed or how fast, not in what it parses:
 
 * its ``data`` is a plain ndarray view of the memory map (numpy's memmap subclass makes each
   slice ~3x dearer; the view keeps the map alive as its base);
@@ -35,7 +35,7 @@ def reader_class():
     from gguf import GGUFValueType
 
     string, array = GGUFValueType.STRING, GGUFValueType.ARRAY
-    # fixed-size element types: (struct format, size)
+    # fixed-size element types: their struct / memoryview format
     fixed = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
              GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
              GGUFValueType.FLOAT32: "f", GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
