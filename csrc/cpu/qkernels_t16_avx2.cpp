@@ -194,21 +194,15 @@ inline void tile_rows(const QView& w, const Src& src, const QAct& a, int64_t m, 
   }
 }
 
-template <int MB, bool I8, bool MINS, bool SPLIT, class Src>
+// Every row of x against one tile (src: `Tile8` or `Prepared8`), kRowsT8 rows at a time.
+template <bool I8, bool MINS, bool SPLIT, class Src>
 void tile_all_rows(const QView& w, const Src& src, const QAct& a, int64_t M, float* out, int64_t ldo,
                    int64_t rows, const __m256i& keep) {
   int64_t m = 0;
-  for (; m + MB <= M; m += MB) tile_rows<MB, I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep);
-  switch (M - m) {
-#define SYMPHONY_T8_REST(r) \
-  case r:                   \
-    if constexpr (r < MB) tile_rows<(r < MB ? r : 1), I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep); \
-    break;
-    SYMPHONY_T8_REST(1) SYMPHONY_T8_REST(2) SYMPHONY_T8_REST(3)
-#undef SYMPHONY_T8_REST
-    default:
-      break;
-  }
+  for (; m + kRowsT8 <= M; m += kRowsT8) tile_rows<kRowsT8, I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep);
+  if (M - m == 3) tile_rows<3, I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep);
+  else if (M - m == 2) tile_rows<2, I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep);
+  else if (M - m == 1) tile_rows<1, I8, MINS, SPLIT>(w, src, a, m, out, ldo, rows, keep);
 }
 
 template <bool I8, bool MINS, bool SPLIT>
@@ -233,9 +227,9 @@ void tiles_of(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
     if (prepared) {
       prepare8(tile, wb, sm);
       const Prepared8 src{wb, sm, n};
-      tile_all_rows<kRowsT8, I8, MINS, SPLIT>(w, src, a, M, out, ldo, rows, keep);
+      tile_all_rows<I8, MINS, SPLIT>(w, src, a, M, out, ldo, rows, keep);
     } else {
-      tile_all_rows<kRowsT8, I8, MINS, SPLIT>(w, tile, a, M, out, ldo, rows, keep);
+      tile_all_rows<I8, MINS, SPLIT>(w, tile, a, M, out, ldo, rows, keep);
     }
   }
 }
