@@ -301,12 +301,10 @@ class QWeight:
             parts = [written(p) for p in parts]
         if len({p.scales.dtype for p in parts}) > 1:               # float16 and float32: widen
             parts = [p.with_float32_scales() for p in parts]
-        any_min = any(p.mins.numel() for p in parts)
-        mins = [p.mins for p in parts]
-        src = "+".join(dict.fromkeys(p.source for p in parts))
+        src = "+".join(dict.fromkeys(p.source for p in parts))   # (all parts have mins, or none)
         return QWeight(torch.cat([p.qs for p in parts]).contiguous(),
                        torch.cat([p.scales for p in parts]).contiguous(),
-                       torch.cat(mins).contiguous() if any_min else parts[0].mins,
+                       torch.cat([p.mins for p in parts]).contiguous() if parts[0].mins.numel() else parts[0].mins,
                        parts[0].kind, parts[0].group, src)
 
 
