@@ -17,9 +17,10 @@
 // repacking): Q4_0 (min = -8 d), Q4_1, Q4_K (scale d*sc, min -dmin*m: both exact in float32)
 // are u4; Q8_0, Q5_K (0..31) and Q6_K (-32..31, group 16) are i8. Q4_0, Q4_1 and Q8_0 keep the
 // file's float16 scales (and Q4_1's mins) as they are: 2 bytes a group, not 4, of what a decode
-// step reads. Float16 scales and u4 weights without mins are CPU layouts: the CPU kernels widen
-// the scales (exactly) and write out the implied mins, a block of rows at a time, before the
-// same code runs; the CUDA kernels take float32 scales and mins.
+// step reads. Float16 scales and u4 weights without mins are CPU layouts: the AVX2 row kernels
+// (the decode paths 5 and 12) read them as they are; the other CPU kernels widen the scales
+// (exactly) and write out the implied mins, a block of rows at a time, before the same code
+// runs; the CUDA kernels take float32 scales and mins.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -113,7 +113,9 @@ void rows_q8_t16_avx512vnni(const QView& w, const QAct& a, const int32_t* xcorr,
 void rows_q8_t8_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                      int64_t n1);
 // Paths 5 and 12 (qkernels_rows_avx2.cpp): the AVX2 row kernels, int8 x or 15-bit x (a.lo set,
-// split as for paths 10 / 11); x in permute64 order for u4 weights, plain for i8 ones.
+// split as for paths 10 / 11); x in permute64 order for u4 weights, plain for i8 ones. They read
+// float16 scales and mins (w.scales16 / w.mins16; needs F16C) and a u4 weight's implied mins
+// (-8 * scale) as they are, with the same results as widened ones.
 void rows_q8_r4_avx2(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                      int64_t n1);
 // quantize_act with AVX2 (lo null: the same bits as the scalar code, permute64 as there, no

@@ -17,6 +17,11 @@
 // quantize_act15_avx2 splits them (qkernels.h); one product each, combined with vpmaddwd by 128
 // and by 1. u4 pairs stay within int16 (2 * 15 * 127); i8 pairs (2 * 128 * 127 = 32512) too.
 //
+// Scales and mins are read as the weight holds them: float32, or the file's float16 (widened
+// exactly with F16C as they are loaded), and a u4 weight without mins gets its implied -8 *
+// scale computed in place; the same bits as qlinear's widening pass (with_float_scales) gives
+// the other kernels, without that pass over every scale of the matrix before each product.
+//
 // The result is W times the rounded x (qkernels.h), equal to rows_q8_scalar (path 4) for int8
 // x and to path 11 for 15-bit x up to float32 summation order.
 #if defined(__x86_64__) || defined(_M_X64)
@@ -34,7 +39,7 @@ namespace qcpu {
 namespace {
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 // The weights of the tile kAhead tiles on are prefetched as this one is read, a cache line at a
 // time and at the same offset in each row: the NB rows of a tile are NB short streams (a row of
@@ -72,6 +77,31 @@ inline __m256 pair_ps(const float* f) {
   return _mm256_permutevar_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
+// The same from two float16 values (the file's scales, widened exactly).
+inline __m256 pair_ps(const uint16_t* f) {
+  int32_t two;
+  std::memcpy(&two, f, sizeof two);
+  const __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two)));
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// All lanes: f[0].
+inline __m256 bcast_ps(const float* f) { return _mm256_broadcast_ss(f); }
+inline __m256 bcast_ps(const uint16_t* f) { return _mm256_set1_ps(_cvtsh_ss(*f)); }
+
+// n (1..8) scales from p, float32 or float16, in lanes 0..n-1 (the rest 0).
+inline __m256 load8_ps(const float* p, int64_t n) {
+  if (n == 8) return _mm256_loadu_ps(p);
+  const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, k);
+}
+inline __m256 load8_ps(const uint16_t* p, int64_t n) {
+  if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  uint16_t t[8] = {};
+  std::memcpy(t, p, size_t(n) * sizeof *p);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
 // Lanes 0-3: f[0], lanes 4-7: f[2].
 inline __m256 pair2_ps(const float* f) {
   const __m256 v = _mm256_castps128_ps256(_mm_loadu_ps(f));
@@ -80,9 +110,9 @@ inline __m256 pair2_ps(const float* f) {
 
 // One step of the u4 kernel: weight bytes 32 st .. (two groups; TAIL: the last group alone, when
 // K % 64 == 32: the permute64 layout puts its two x blocks at bytes 0 and 32 of the step).
-template <int NB, int MB, bool TAIL, bool SPLIT>
+template <int NB, int MB, bool TAIL, bool SPLIT, class S>
 inline void step_u4(const QView& w, const QAct& a, const uint8_t* const (&row)[NB],
-                    const float* const (&sc)[NB], int64_t m, int64_t st, __m256 (&acc)[NB][MB]) {
+                    const S* const (&sc)[NB], int64_t m, int64_t st, __m256 (&acc)[NB][MB]) {
   const int64_t nb = a.ldq / 16;
   const __m256i nib = _mm256_set1_epi8(0x0F);
   __m256 xd_lo[MB], xd_hi[MB];
@@ -98,7 +128,7 @@ inline void step_u4(const QView& w, const QAct& a, const uint8_t* const (&row)[N
                                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), 0)
                            : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i wl = _mm256_and_si256(v, nib), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-    const __m256 ws = TAIL ? _mm256_set1_ps(sc[b][2 * st]) : pair_ps(sc[b] + 2 * st);
+    const __m256 ws = TAIL ? bcast_ps(sc[b] + 2 * st) : pair_ps(sc[b] + 2 * st);
     for (int j = 0; j < MB; ++j) {
       const int64_t at = (m + j) * a.ldq + st * 64;
       const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u<SPLIT>(wl, a, at)), xd_lo[j]);
@@ -108,24 +138,38 @@ inline void step_u4(const QView& w, const QAct& a, const uint8_t* const (&row)[N
   }
 }
 
+// The weight scales as S: float32 (w.scales) or float16 (w.scales16).
+inline const float* scales_of(const QView& w, const float*) { return w.scales; }
+inline const uint16_t* scales_of(const QView& w, const uint16_t*) { return w.scales16; }
+
+// n (1..8) mins of weight row r from group g on: stored (float32 or float16), or a u4 weight's
+// implied -8 * scale (exact, as with_float_scales in qlinear.cpp writes them out).
+template <class S>
+inline __m256 mins8(const QView& w, int64_t r, int64_t g, int64_t n) {
+  const int64_t at = r * w.n_groups + g;
+  if (w.mins) return load8_ps(w.mins + at, n);
+  if (w.mins16) return load8_ps(w.mins16 + at, n);
+  return _mm256_mul_ps(load8_ps(scales_of(w, static_cast<const S*>(nullptr)) + at, n), _mm256_set1_ps(-8.f));
+}
+
 // out[m + j, n + b] for b < NB, j < MB: x rows m.., weight rows n... KIND 0: u4; 1: i8 groups
 // of 32; 2: i8 groups of 16.
-template <int NB, int MB, int KIND, bool SPLIT>
+template <int NB, int MB, int KIND, bool SPLIT, class S>
 inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n, int64_t m) {
   const int64_t G = w.n_groups, nb = a.ldq / 16;
   const uint8_t* row[NB];
-  const float* sc[NB];
+  const S* sc[NB];
   for (int b = 0; b < NB; ++b) {
     row[b] = w.qs + (n + b) * w.row_bytes;
-    sc[b] = w.scales + (n + b) * G;
+    sc[b] = scales_of(w, static_cast<const S*>(nullptr)) + (n + b) * G;
   }
   __m256 acc[NB][MB];
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm256_setzero_ps();
   if constexpr (KIND == 0) {
     const int64_t full = w.K / 64;
-    for (int64_t st = 0; st < full; ++st) step_u4<NB, MB, false, SPLIT>(w, a, row, sc, m, st, acc);
-    if (w.K % 64) step_u4<NB, MB, true, SPLIT>(w, a, row, sc, m, full, acc);
+    for (int64_t st = 0; st < full; ++st) step_u4<NB, MB, false, SPLIT, S>(w, a, row, sc, m, st, acc);
+    if (w.K % 64) step_u4<NB, MB, true, SPLIT, S>(w, a, row, sc, m, full, acc);
   } else {
     const int64_t steps = w.K / 32;
     for (int64_t st = 0; st < steps; ++st) {
@@ -136,7 +180,7 @@ inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t
         if ((st & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * NB * w.row_bytes), _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
         const __m256i av = _mm256_abs_epi8(v);
-        const __m256 ws = KIND == 1 ? _mm256_set1_ps(sc[b][st]) : pair_ps(sc[b] + 2 * st);
+        const __m256 ws = KIND == 1 ? bcast_ps(sc[b] + st) : pair_ps(sc[b] + 2 * st);
         for (int j = 0; j < MB; ++j) {
           const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_s<SPLIT>(av, v, a, (m + j) * a.ldq + st * 32)), xd[j]);
           acc[b][j] = _mm256_fmadd_ps(t, ws, acc[b][j]);
@@ -144,14 +188,14 @@ inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t
       }
     }
   }
-  if (w.mins)  // + sum_g mins[n, g] * s[m, g]
+  if (w.mins || w.mins16 || (KIND == 0 && a.s))  // + sum_g mins[n, g] * s[m, g]
     for (int64_t g = 0; g < G; g += 8) {
-      const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(G - g, 8))),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const int64_t c = std::min<int64_t>(G - g, 8);
+      __m256 mv[NB];
+      for (int b = 0; b < NB; ++b) mv[b] = mins8<S>(w, n + b, g, c);
       for (int j = 0; j < MB; ++j) {
-        const __m256 sv = _mm256_maskload_ps(a.s + (m + j) * G + g, k);
-        for (int b = 0; b < NB; ++b)
-          acc[b][j] = _mm256_fmadd_ps(_mm256_maskload_ps(w.mins + (n + b) * G + g, k), sv, acc[b][j]);
+        const __m256 sv = load8_ps(a.s + (m + j) * G + g, c);
+        for (int b = 0; b < NB; ++b) acc[b][j] = _mm256_fmadd_ps(mv[b], sv, acc[b][j]);
       }
     }
   for (int j = 0; j < MB; ++j) {
@@ -165,29 +209,36 @@ inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t
   }
 }
 
-template <int KIND, bool SPLIT>
+template <int KIND, bool SPLIT, class S>
 void rows_kind(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                int64_t n1) {
   int64_t n = n0;
   if (M == 1) {
-    for (; n + 4 <= n1; n += 4) tile<4, 1, KIND, SPLIT>(w, a, out, ldo, n, 0);
+    for (; n + 4 <= n1; n += 4) tile<4, 1, KIND, SPLIT, S>(w, a, out, ldo, n, 0);
   } else {
     for (; n + 2 <= n1; n += 2) {
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) tile<2, 2, KIND, SPLIT>(w, a, out, ldo, n, m);
-      if (m < M) tile<2, 1, KIND, SPLIT>(w, a, out, ldo, n, m);
+      for (; m + 2 <= M; m += 2) tile<2, 2, KIND, SPLIT, S>(w, a, out, ldo, n, m);
+      if (m < M) tile<2, 1, KIND, SPLIT, S>(w, a, out, ldo, n, m);
     }
   }
   for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) tile<1, 1, KIND, SPLIT>(w, a, out, ldo, n, m);
+    for (int64_t m = 0; m < M; ++m) tile<1, 1, KIND, SPLIT, S>(w, a, out, ldo, n, m);
+}
+
+template <bool SPLIT, class S>
+void rows_scaled(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                 int64_t n1) {
+  if (w.kind == kQU4) rows_kind<0, SPLIT, S>(w, a, M, out, ldo, n0, n1);
+  else if (w.group == 32) rows_kind<1, SPLIT, S>(w, a, M, out, ldo, n0, n1);
+  else rows_kind<2, SPLIT, S>(w, a, M, out, ldo, n0, n1);
 }
 
 template <bool SPLIT>
 void rows_split(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                 int64_t n1) {
-  if (w.kind == kQU4) rows_kind<0, SPLIT>(w, a, M, out, ldo, n0, n1);
-  else if (w.group == 32) rows_kind<1, SPLIT>(w, a, M, out, ldo, n0, n1);
-  else rows_kind<2, SPLIT>(w, a, M, out, ldo, n0, n1);
+  if (w.scales16) rows_scaled<SPLIT, uint16_t>(w, a, M, out, ldo, n0, n1);
+  else rows_scaled<SPLIT, float>(w, a, M, out, ldo, n0, n1);
 }
 
 // One block of 16 values: d = amax / qmax, q = round_half_even(x / d) (x * (1 / d), as the
@@ -226,7 +277,7 @@ inline int32_t hsum(__m256i v) {
 
 }  // namespace
 
-__attribute__((target("avx2,fma"))) void rows_q8_r4_avx2(const QView& w, const QAct& a, int64_t M,
+__attribute__((target("avx2,fma,f16c"))) void rows_q8_r4_avx2(const QView& w, const QAct& a, int64_t M,
                                                          float* out, int64_t ldo, int64_t n0,
                                                          int64_t n1) {
   if (a.lo) rows_split<true>(w, a, M, out, ldo, n0, n1);

@@ -119,7 +119,7 @@ constexpr int64_t kRowsAvx2 = 4;  // AVX2 alone: the row kernels (5, 12) below t
 
 // The SIMD paths this CPU runs (cpuid, once).
 struct CpuFeatures {
-  bool avx2 = false, avx512 = false, avxvnni = false, avx512vnni = false;
+  bool avx2 = false, avx512 = false, avxvnni = false, avx512vnni = false, f16c = false;
 };
 
 const CpuFeatures& cpu_features() {
@@ -127,6 +127,7 @@ const CpuFeatures& cpu_features() {
     CpuFeatures c;
 #if defined(__x86_64__) || defined(_M_X64)
     c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    c.f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
     c.avx512 = c.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     c.avxvnni = c.avx2 && __builtin_cpu_supports("avxvnni");
@@ -196,8 +197,7 @@ __attribute__((target("avx,f16c"))) int64_t widen_f16_f16c(const uint16_t* src, 
 void widen_f16(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__x86_64__) || defined(_M_X64)
-  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  if (f16c) i = widen_f16_f16c(src, dst, n);
+  if (cpu_features().f16c) i = widen_f16_f16c(src, dst, n);
 #endif
   for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
 }
@@ -248,12 +248,14 @@ void with_float_scales(const QView& w, int64_t n0, int64_t n1, int64_t step, con
 // weights a thread (smaller matrices are not worth waking a second thread for). The kernel
 // computes rows n0..n1 of view v into columns n0..n1 of o: v = w and o = out, or (float16
 // scales, implied mins) a view of kWidenRows rows at most (with_float_scales) and o = out + its
-// first row.
+// first row. A kernel that reads float16 scales and implied mins itself (`as_is`) always gets
+// v = w.
 template <class Fn>
-void for_row_blocks(const QView& w, int64_t M, int64_t rb, float* out, const Fn& fn) {
+void for_row_blocks(const QView& w, int64_t M, int64_t rb, float* out, const Fn& fn, bool as_is = false) {
   const int64_t blocks = (w.N + rb - 1) / rb;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (rb * w.K * std::max<int64_t>(M, 1)));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    if (as_is) return fn(w, b0 * rb, std::min(w.N, b1 * rb), out);
     with_float_scales(w, b0 * rb, std::min(w.N, b1 * rb), kWidenRows,
                       [&](const QView& v, int64_t r0, int64_t r1, int64_t s0) { fn(v, r0, r1, out + (s0 - r0)); });
   });
@@ -314,10 +316,10 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
     }
     quantize_act_avx2(x.data_ptr<float>(), x.stride(0), M, w.K, w.group, qbuf.data(), split ? lbuf.data() : nullptr,
                       dbuf.data(), s, ldq, rows && w.kind == kQU4);
-    if (rows)
+    if (rows)  // (these read float16 scales and implied mins as they are: no widening pass)
       for_row_blocks(w, M, 4, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
         rows_q8_r4_avx2(v, a, M, o, w.N, n0, n1);
-      });
+      }, cpu_features().f16c);
     else
       for_row_blocks(w, M, 8, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
         rows_q8_t8_avx2(v, a, M, o, w.N, n0, n1);

@@ -250,15 +250,17 @@ def test_qlinear_strided_rows_and_threads(path):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("k", [96, 352])
 @pytest.mark.parametrize("path", PATHS + Q8_PATHS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_float16_scales_equal_float32(qtype, path):
+def test_float16_scales_equal_float32(qtype, path, k):
     """Q4_0 / Q4_1 / Q8_0 keep the file's float16 scales (and Q4_1's mins; Q4_0's, -8 d, are
-    implied) in memory; every path widens the scales exactly and writes implied mins out, a block
-    of 64 rows at a time, so its result is bit for bit that of the same weight with float32 scales
-    and stored mins: N = 150 (two blocks and a tail), M = 1, 3, 8, 33 and 70, one to three
-    threads; qdequant and the embedding lookup too."""
-    qw, want = gguf_weight(qtype, 150, 96, seed=11)
+    implied) in memory; the AVX2 row kernels (5, 12) read them as they are, every other path widens
+    the scales exactly and writes implied mins out, a block of 64 rows at a time, so each result is
+    bit for bit that of the same weight with float32 scales and stored mins: N = 150 (two blocks
+    and a tail), K = 96 and 352 (3 and 11 groups: the row kernels take mins 8 groups at a time),
+    M = 1, 3, 8, 33 and 70, one to three threads; qdequant and the embedding lookup too."""
+    qw, want = gguf_weight(qtype, 150, k, seed=11)
     assert qw.scales.dtype == torch.float16
     assert (qw.mins.numel() == 0) == (qtype != "Q4_1") and (qw.mins.dtype == torch.float16 or not qw.mins.numel())
     q32 = qw.with_float32_scales()
@@ -270,7 +272,7 @@ def test_float16_scales_equal_float32(qtype, path):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             for m in (1, 3, 8, 33, 70):
-                x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 a = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
                 b = ops.qlinear(x, q32.qs, q32.scales, q32.mins, q32.kind, q32.group, path)
                 assert torch.equal(a, b), (threads, m)
