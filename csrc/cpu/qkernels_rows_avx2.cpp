@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "qkernels.h"
 
@@ -139,8 +140,11 @@ inline void step_u4(const QView& w, const QAct& a, const uint8_t* const (&row)[N
 }
 
 // The weight scales as S: float32 (w.scales) or float16 (w.scales16).
-inline const float* scales_of(const QView& w, const float*) { return w.scales; }
-inline const uint16_t* scales_of(const QView& w, const uint16_t*) { return w.scales16; }
+template <class S>
+inline const S* scales_of(const QView& w) {
+  if constexpr (std::is_same_v<S, float>) return w.scales;
+  else return w.scales16;
+}
 
 // n (1..8) mins of weight row r from group g on: stored (float32 or float16), or a u4 weight's
 // implied -8 * scale (exact, as with_float_scales in qlinear.cpp writes them out).
@@ -149,7 +153,7 @@ inline __m256 mins8(const QView& w, int64_t r, int64_t g, int64_t n) {
   const int64_t at = r * w.n_groups + g;
   if (w.mins) return load8_ps(w.mins + at, n);
   if (w.mins16) return load8_ps(w.mins16 + at, n);
-  return _mm256_mul_ps(load8_ps(scales_of(w, static_cast<const S*>(nullptr)) + at, n), _mm256_set1_ps(-8.f));
+  return _mm256_mul_ps(load8_ps(scales_of<S>(w) + at, n), _mm256_set1_ps(-8.f));
 }
 
 // out[m + j, n + b] for b < NB, j < MB: x rows m.., weight rows n... KIND 0: u4; 1: i8 groups
@@ -161,7 +165,7 @@ inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t
   const S* sc[NB];
   for (int b = 0; b < NB; ++b) {
     row[b] = w.qs + (n + b) * w.row_bytes;
-    sc[b] = scales_of(w, static_cast<const S*>(nullptr)) + (n + b) * G;
+    sc[b] = scales_of<S>(w) + (n + b) * G;
   }
   __m256 acc[NB][MB];
   for (int b = 0; b < NB; ++b)
@@ -188,7 +192,7 @@ inline void tile(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t
       }
     }
   }
-  if (w.mins || w.mins16 || (KIND == 0 && a.s))  // + sum_g mins[n, g] * s[m, g]
+  if (KIND == 0 || w.mins || w.mins16)  // + sum_g mins[n, g] * s[m, g] (u4: stored or implied)
     for (int64_t g = 0; g < G; g += 8) {
       const int64_t c = std::min<int64_t>(G - g, 8);
       __m256 mv[NB];
