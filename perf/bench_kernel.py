@@ -450,9 +450,11 @@ def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, 
         with k.client(timeout=timeout) as ctl:
             for _ in range(rounds):
                 for busy in (False, True):
+                    base = ctl.stats()
                     decoders = _start_decoders(k, n_busy, timeout) if busy else []
                     try:
                         r = _probe_round(probe, ctl, decoders, timeout, watch)
+                        r["decoded"] = ctl.stats()["batch_calls"] - base["batch_calls"]
                     finally:
                         _stop_decoders(ctl, decoders, timeout)
                     yield r

@@ -18,7 +18,8 @@ to ``kv`` (RoPE positions ``positions``, by default continuing after the last
 one), runs one forward pass and returns float32 next-token logits for the last
 token (``[vocab]``), or for every token (``[n, vocab]``) with ``all_logits``.
 `pred_batch` runs many such calls, on different sequences, mixed prefill and
-decode, as ONE forward pass.  A call with bad arguments raises `PredError`
+decode, as ONE forward pass; a `PredRequest`'s ``want`` asks for another result
+than logits (``Want("argmax")``: the greedy token ids, chosen on the device).  A call with bad arguments raises `PredError`
 (or `OutOfPages`) before anything changes: no sequence is touched, no page is
 taken; a failing forward pass changes nothing either.
 
@@ -42,7 +43,7 @@ from .graphs import DecodeGraphs
 from .kv_cache import KVPool, KVSequence
 from .model import PagedLlama
 from .page_allocator import OutOfPages
-from .runner import EngineStats, ModelStep, Runner, StepCall, StepOutput, run_planned
+from .runner import EngineStats, ModelStep, Runner, StepCall, StepOutput, Want, run_planned
 from symphony.tokenizer import Tokenizer
 from .quant import prepare_weights
 from .weights import ModelWeights
@@ -62,6 +63,7 @@ class PredRequest:
     tokens: TokenArray
     positions: Optional[TokenArray] = None
     all_logits: bool = False
+    want: Want = Want()          # what comes back (default: float32 logits); Want("argmax"): token ids
 
 
 class Engine:
@@ -70,11 +72,7 @@ class Engine:
         """``tp``: rank 0's `tp.launch.TensorParallel` when ``weights`` are rank 0's
         shard: the model runs on every rank (engine/tp/), ``model_config`` is the
         whole model's, and the KV pool's page operations reach every rank."""
-        self.config = config
-        self.tp = tp
-        self.model_config = weights.config if tp is None else tp.model
-        self.tokenizer = tokenizer
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self._setup(weights.config if tp is None else tp.model, tokenizer, config, tp)
         weights = prepare_weights(weights, config.keep_quantized, config.quantize)
         self.model = PagedLlama(weights, self.device, self.dtype, config.use_float32_head,
                                 tp=None if tp is None else tp.group)
@@ -84,10 +82,6 @@ class Engine:
             from .tp.kv import ShardedKVPool
             self.kv = ShardedKVPool(self.model_config, weights.config, config, tp.group)
         self.page_size = self.kv.page_size
-        self.max_seq_len = min(config.max_seq_len or self.model_config.max_context,
-                               self.model_config.max_context)
-        self.stats = EngineStats()
-        self._lock = threading.RLock()
         self.graphs: Optional[DecodeGraphs] = None
         if config.use_graphs and tp is None:          # (a step per rank: graphs are not captured)
             self.graphs = DecodeGraphs(self.model, self.kv, config.graph_max_batch,
@@ -99,6 +93,26 @@ class Engine:
         log.info("engine ready: %s on %s/%s, %d KV pages of %d positions (%.1f MiB)",
                  self.model_config.name or self.model_config.arch, self.device, self.dtype,
                  self.kv.num_pages, self.page_size, self.kv.num_pages * self.kv.page_bytes / 2**20)
+
+    def _setup(self, model_config, tokenizer: Optional[Tokenizer], config: EngineConfig, tp) -> None:
+        """What every engine has before its model and KV pool: configs, tokenizer, limits, counters."""
+        self.config = config
+        self.tp = tp
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.max_seq_len = min(config.max_seq_len or model_config.max_context, model_config.max_context)
+        self.stats = EngineStats()
+        self._lock = threading.RLock()
+        self.simulated = False            # a simulated device (engine/sim.py) says so
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens a kernel step should carry by default: on a CPU a prefill token costs ~100x a
+        decode step's share, so a small budget keeps every step (and every decoder) short; a
+        device (or a simulated one) takes more."""
+        small = self.device.type == "cpu" and not self.simulated
+        return min(256 if small else 2048, self.config.max_batch_tokens)
 
     @classmethod
     def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True,
@@ -254,7 +268,7 @@ class Sequences:
         if not alloc.can_allocate(sum(need)):
             raise OutOfPages(f"pred needs {sum(need)} KV pages, only {alloc.num_free} free")
         fresh = [alloc.allocate(k) for k in need]
-        step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits)
+        step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits, r.want)
                           for r, (t, p), f in zip(requests, calls, fresh)])
         return SequencePlan(requests, [p for _, p in calls], fresh, step)
 

@@ -140,7 +140,7 @@ class ClientSessions:
             return {"entries": await asyncio.wrap_future(
                 self.sys.slow_call(user, lambda: list_job(self.fs, who, path)))}
         if op == "kv_stat":
-            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, msg.get("path"))))
+            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, msg.get("path")), anytime=True))
         if op == "kv_rm":
             await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.remove(who, msg.get("path"))))
             return {"ok": True}

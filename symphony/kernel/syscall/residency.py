@@ -56,6 +56,18 @@ class Residency:
         self._stalled_since = None
 
     # ------------------------------------------------------------------ the plan
+    def schedule(self, now: float):
+        """The scheduler's next step (`BatchScheduler.schedule`), the LIPs that must wait for
+        device pages held out of it (`plan`); None if no call could be scheduled (the stall
+        clock runs: `stalled`)."""
+        self.sched.hold(self.plan(self.sched.next_chunks()))
+        batch = self.sched.schedule(now)
+        if batch is None:
+            self.stalled()
+        else:
+            self.moved()
+        return batch
+
     def plan(self, chunks: dict) -> set[int]:
         """The LIPs whose calls must wait this step (held in the scheduler),
         given each LIP's next chunks (``{lip: [(call, tokens)]}``,
