@@ -114,13 +114,10 @@ def parser() -> argparse.ArgumentParser:
                    help="share of a core above which a LIP that computes between its calls (more than 2 ms "
                         "a call) is reniced to 19, so that it runs on the CPU the model leaves (default 0.1; "
                         "0: never)")
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads the model computes with (default: torch's, one per core); only "
-                        "the device thread computes, the others use one")
-    p.add_argument("--serial-steps", action="store_true",
-                   help="run each forward pass on the syscall thread, which then answers no call until it "
-                        "is done (a diagnosis aid: by default a device thread runs it while the syscall "
-                        "thread serves on)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads the model computes "
+                   "with (default: torch's, one per core); only the device thread computes, the others use one")
+    p.add_argument("--serial-steps", action="store_true", help="a diagnosis aid: run each forward pass on "
+                   "the syscall thread, not on a device thread of its own while the syscall thread serves on")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve HTTP (the OpenAI API and programs over HTTP) on HOST:PORT: starts "
                         "symphony-gateway as a child, stopped with the kernel")
@@ -196,7 +193,6 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
     try:
         engine_config = engine.to_config()
         engine.tp_size()
-        engine.sim_profile()
     except ConfigError as e:
         raise SystemExit(f"symphony: {e}") from None
     return KernelConfig(

@@ -154,6 +154,12 @@ class Engine:
         """Check one pred call on a file of ``length`` slots whose next default
         position is ``next_position``, without running it: (tokens, positions)
         as lists (positions None when defaulted), or `PredError`."""
+        if (positions is None and type(tokens) is np.ndarray and tokens.shape == (1,)
+                and tokens.dtype.kind in "iu" and type(all_logits) is bool):   # one token: every decode step
+            t = int(tokens[0])
+            if (0 <= t < self.model_config.vocab_size and 0 <= next_position < self.model_config.max_context
+                    and length + 1 <= self.max_seq_len):
+                return [t], None                    # (else the checks below say what is wrong)
         toks = _as_int_list(tokens, where + "tokens")
         if not toks:
             raise PredError(f"{where}tokens is empty")
@@ -280,10 +286,15 @@ class Sequences:
         for r, p, f in zip(plan.requests, plan.positions, plan.fresh):
             r.seq.pages.extend(f)
             r.seq.positions.extend(p)
-        return [o.value if r.all_logits else o.value[0] for r, o in zip(plan.requests, out.results)]
+        return [o.value if r.all_logits else _first_row(o.value) for r, o in zip(plan.requests, out.results)]
 
     def undo(self, plan: SequencePlan) -> None:
         self.engine.kv.allocator.free([p for f in plan.fresh for p in f])
+
+
+def _first_row(value):
+    """A one-row result without its row dimension (top-k: its log-probs and ids each)."""
+    return tuple(v[0] for v in value) if isinstance(value, tuple) else value[0]
 
 
 def _as_int_list(x, what: str) -> list[int]:

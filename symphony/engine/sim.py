@@ -15,8 +15,8 @@ them, as on any device), the runner's contract (`run(ModelStep) -> StepOutput`, 
 error per call, the token budget), and masks, top-k and sampling, done by the engine's own
 sampler on the logits the pass returns.
 
-Modelled: the forward pass.  A step of B calls feeding T tokens, whose queries read K keys in
-all, takes ``step + call * B + token * (T - B) + kv * K`` seconds (`SimProfile`) from its start;
+Modelled: the forward pass.  A step of B calls feeding T tokens, whose decode calls read K keys
+in all, takes ``step + call * B + token * (T - B) + kv * K`` seconds (`SimProfile`) from its start;
 its thread does the pass's host-side work (below), then waits out the rest with the GIL released
 (a sleep at 1 us of timer slack), as a host thread waits for a real device's asynchronous work.
 A step whose host-side work alone overruns the model is counted (`SimRunner.overruns`).
@@ -69,7 +69,8 @@ __all__ = ["PROFILES", "SimEngine", "SimProfile", "SimRunner", "parse_profile"]
 @dataclass(frozen=True)
 class SimProfile:
     """How long a simulated forward pass takes: ``step_s + call_s * calls + token_s * (tokens -
-    calls) + kv_s * keys`` (keys: the query-key pairs of the step's rows)."""
+    calls) + kv_s * keys``, keys being the keys its decode calls read (a decode's attention reads
+    every key of its file once; a prompt's, compute-bound, is in its per-token cost)."""
 
     name: str
     step_s: float          # fixed: launches, every weight read once
@@ -89,7 +90,8 @@ class SimProfile:
         for c in calls:
             n = len(c.tokens)
             tokens += n
-            keys += n * c.start + n * (n + 1) // 2
+            if n == 1:
+                keys += c.start + 1
         return self.step_s + self.call_s * len(calls) + self.token_s * (tokens - len(calls)) + self.kv_s * keys
 
     def describe(self) -> str:

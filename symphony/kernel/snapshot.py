@@ -16,6 +16,7 @@ sees half of an update.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
@@ -132,11 +133,13 @@ class HostTimes:
     """Where the syscall thread's time goes (its own; published as ``ServingSnapshot.host``):
     seconds and counts per part of its loop -- ``handle`` (calls read, checked, queued or
     answered), ``launch`` (a step scheduled and prepared), ``finish`` (a step committed and its
-    calls answered) -- and counters (``deferred``: calls that waited for the step in flight)."""
+    calls answered) -- and counters (``deferred``: calls that waited for the step in flight).
+    ``clock``: wall time (perf_counter); a benchmark may give the thread's CPU time instead."""
 
     PARTS = ("handle", "launch", "finish")
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.seconds = dict.fromkeys(self.PARTS, 0.0)
         self.counts = dict.fromkeys(self.PARTS + ("deferred",), 0)
 

@@ -48,6 +48,8 @@ class Job:
     landed: Optional[list] = None              # per call, its result on the host (`land`)
     error: Optional[BaseException] = None      # the runner (or landing) raised: nothing of it ran
     seconds: float = 0.0                       # the run and the landing, wall time
+    cpu_s: float = 0.0                         # ... and the running thread's CPU time
+    fault: bool = False                        # the test hook step_fault: its pass raises
     launched: float = field(default_factory=time.perf_counter)
 
 
@@ -59,20 +61,27 @@ class Device:
     def __init__(self, run: Callable[[ModelStep], StepOutput], cuda: bool, on_done: Callable[[], None],
                  setup: Callable[[], None] = lambda: None):
         self._run, self.cuda, self._on_done, self._setup = run, cuda, on_done, setup
+        self._fault = False
         self._jobs: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
         self._done: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
         self.in_flight: Optional[Job] = None       # the syscall thread's view: launched, not yet taken
         self.ready = threading.Event()             # setup has run
+        self.cpu_s = 0.0                           # this thread's CPU time in steps (read anywhere)
         self.thread = threading.Thread(target=self._body, name="symphony-device", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+
+    def fail_next(self) -> None:
+        """A test hook: the next step's forward pass raises (syscall thread, before `launch`)."""
+        self._fault = True
 
     # ------------------------------------------------------------------ the syscall thread's side
     def launch(self, job: Job) -> None:
         assert self.in_flight is None, "one step at a time"
         self.in_flight = job
         job.launched = time.perf_counter()
+        job.fault, self._fault = self._fault, False
         self._jobs.put(job)
 
     def take(self) -> Optional[Job]:
@@ -118,6 +127,7 @@ class Device:
             if job is None:
                 return
             execute(job, self._run, self.cuda)
+            self.cpu_s += job.cpu_s
             self._done.put(job)
             try:
                 self._on_done()
@@ -133,15 +143,22 @@ class InlineDevice:
         self.in_flight: Optional[Job] = None
         self.ready = threading.Event()
         self._setup = setup
+        self.cpu_s = 0.0
+        self._fault = False
 
     def start(self) -> None:
         self._setup()
         self.ready.set()
 
+    def fail_next(self) -> None:
+        self._fault = True
+
     def launch(self, job: Job) -> None:
         assert self.in_flight is None, "one step at a time"
         job.launched = time.perf_counter()
+        job.fault, self._fault = self._fault, False
         execute(job, self._run, self.cuda)
+        self.cpu_s += job.cpu_s
         self.in_flight = job
 
     def take(self) -> Optional[Job]:
@@ -157,15 +174,21 @@ class InlineDevice:
         pass
 
 
+class InjectedStepFault(RuntimeError):
+    """The test hook ``step_fault`` (--test-hooks): a forward pass that raises."""
+
+
 def execute(job: Job, run: Callable[[ModelStep], StepOutput], cuda: bool) -> None:
     """Run ``job``'s step and land its results; an exception becomes ``job.error``."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
+        if job.fault:
+            raise InjectedStepFault("injected step fault (--test-hooks)")
         job.out = run(job.step)
         job.landed = land(job.out, job.sinks, cuda)
     except BaseException as e:                   # the syscall thread undoes the plan, fails the calls
         job.error = e
-    job.seconds = time.perf_counter() - t0
+    job.seconds, job.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
 
 
 def land(out: StepOutput, sinks: list, cuda: bool) -> list:

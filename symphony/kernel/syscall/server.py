@@ -23,7 +23,8 @@ Loop (never blocks on a LIP, never waits for the device):
        after every command the event loop awaits (`call_future`: a reclaim,
        kv ls/rm), so a snapshot is at most PUBLISH_EVERY_S old, and exact
        when a LIP's exit event goes out
-    6. nothing to do: wait on the LIPs' doorbells and the device's (spin briefly, then block)
+    6. nothing to do: wait on the LIPs' doorbells and the device's (spin briefly, then block);
+       the next pass polls the rings whose doorbells rang (every ring every FULL_POLL_S)
 
 With ``overlap=False`` (``--serial-steps``) the step runs on this thread, start to end.
 
@@ -75,6 +76,7 @@ MAX_STRIKES = 8
 MAX_CRASHES = 20        # unexpected loop errors within CRASH_WINDOW_S before the kernel gives up
 CRASH_WINDOW_S = 10.0
 PUBLISH_EVERY_S = 0.005  # while busy, `snapshot` is at most this old
+FULL_POLL_S = 0.01       # every ring is polled at least this often (else only those whose bell rang)
 
 
 class InjectedFault(Exception):
@@ -142,6 +144,8 @@ class SyscallServer:
         self.dispatch = dispatch_table(self.info, self.preds, self.kv, self.messages, self.caps)
         self.anytime_ops = anytime_ops(self.info, self.preds, self.kv, self.messages, self.caps)
         self.deferred: deque = deque()    # (lip, slot, request) read while a step was on the device
+        self._by_bell: dict = {}          # a served LIP's doorbell fd -> the LIP
+        self._full_poll_at = float("-inf")
         self.host = HostTimes()
         self._dirty = False
         self.publisher = Publisher(engine, fs, self.lips, self.stepper, self.residency, self.slow, self.host)
@@ -273,51 +277,60 @@ class SyscallServer:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            flight = self.stepper.in_flight
-            if self.commands.run(between=not flight):
-                self._dirty = True
-            t0 = time.perf_counter()
-            work = self._poll()
-            for lip, slot in work:
-                self._handle_safely(lip, slot)
-            if work:
-                self.host.add("handle", time.perf_counter() - t0, len(work))
-            job = self.device.take()
-            if job is not None:                         # the step is back: commit, answer
-                t0 = time.perf_counter()
-                self.stepper.finish(job)
-                self.host.add("finish", time.perf_counter() - t0)
-                self._run_deferred()
-                self.commands.run(between=True)
-                self._dirty, flight = True, False
-            busy, lane_s = bool(work) or job is not None, 0.0
-            if not flight and len(self.slow):          # a slice of each user's slow call (slowlane.py)
-                t0 = time.perf_counter()
-                if self.slow.run():
-                    lane_s = time.perf_counter() - t0
-            if busy or lane_s:
-                self._dirty = True
-            if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
-                self._publish()
-            if not flight and len(self.sched):
-                if self.sched.should_wait(time.perf_counter()):
-                    continue                   # the last step's callers are coming back: poll again
-                t0 = time.perf_counter()
-                launched = self.stepper.launch(time.monotonic())
-                self.host.add("launch", time.perf_counter() - t0)
-                if launched:
-                    self._dirty = True
-                    continue
-                # every queued call waits for device pages: idle until something changes
-            if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
-                self.door.wait(lane_s, self._has_calls)   # LIPs get the CPU it leaves (busy ones reniced to 19)
-            elif not busy:
-                wait = 0.05                    # short: muted LIP bells are polled
-                if self._dirty:                # wake in time to publish what was done (and to count
-                    due = self.publisher.due(PUBLISH_EVERY_S)                             # the reclaimable)
-                    wait = min(wait, max(0.0, due - time.monotonic()))
-                self.door.wait(wait, self._has_work)
+            idle = self._serve_once()
+            if idle is not None:
+                self.door.wait(*idle)
         log.info("syscall thread stopped")
+
+    def _serve_once(self) -> Optional[tuple]:
+        """One pass of the loop (the module's docstring); (seconds, ready) to wait on the
+        doorbells when there is nothing to do, None to go on at once."""
+        flight = self.stepper.in_flight
+        if self.commands.run(between=not flight):
+            self._dirty = True
+        clock = self.host.clock
+        t0 = clock()
+        work = self._poll()
+        for lip, slot in work:
+            self._handle_safely(lip, slot)
+        if work:
+            self.host.add("handle", clock() - t0, len(work))
+        job = self.device.take()
+        if job is not None:                         # the step is back: commit, answer
+            t0 = clock()
+            self.stepper.finish(job)
+            self.host.add("finish", clock() - t0)
+            self._run_deferred()
+            self.commands.run(between=True)
+            self._dirty, flight = True, False
+        busy, lane_s = bool(work) or job is not None, 0.0
+        if not flight and len(self.slow):          # a slice of each user's slow call (slowlane.py)
+            t0 = time.perf_counter()
+            if self.slow.run():
+                lane_s = time.perf_counter() - t0
+        if busy or lane_s:
+            self._dirty = True
+        if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
+            self._publish()
+        if not flight and len(self.sched):
+            left = self.sched.gather_left(time.perf_counter())
+            if left:                           # the last step's callers are coming back: wait for their
+                return left, self._has_calls   # bells (a spin, then epoll), leaving the CPU to them
+            t0 = clock()
+            launched = self.stepper.launch(time.monotonic())
+            self.host.add("launch", clock() - t0)
+            if launched:
+                self._dirty = True
+                return None
+            # every queued call waits for device pages: idle until something changes
+        if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
+            return lane_s, self._has_calls  # LIPs get the CPU it leaves (busy ones reniced to 19)
+        if busy:
+            return None
+        wait = 0.05                        # short: muted LIP bells are polled
+        if self._dirty:                    # wake in time to publish what was done (and to count the reclaimable)
+            wait = min(wait, max(0.0, self.publisher.due(PUBLISH_EVERY_S) - time.monotonic()))
+        return wait, self._has_work
 
     def _handle_safely(self, lip: LipProc, slot: int) -> None:
         """`_handle`, contained: an error it could not answer (a reply that does
@@ -332,10 +345,8 @@ class SyscallServer:
         return (self.slow.busy() and not self.stepper.in_flight) or self._has_calls()
 
     def _has_calls(self) -> bool:
-        """A command, a LIP's call or a finished step waits."""
-        if self.device.done() or self.commands.pending(self.stepper.in_flight):
-            return True
-        return any(l.ring.pending() for l in self.lips.values() if l.state == Serving.RUNNING)
+        """A command or a finished step waits (a LIP's call rings its bell: the wait sees it)."""
+        return self.device.done() or self.commands.pending(self.stepper.in_flight)
 
     def _run_deferred(self) -> None:
         """The calls that waited for the step in flight, in the order they came."""
@@ -350,8 +361,18 @@ class SyscallServer:
                                        f"({type(e).__name__}: {e})")
 
     def _poll(self) -> list:
+        """(LIP, slot) of every new request in the rings whose doorbells rang, or in every ring
+        every FULL_POLL_S (a LIP whose bell is muted, or that does not ring, is served so)."""
         out = []
-        for lip in list(self.lips.values()):
+        rung = self.door.take_rung()
+        now = time.monotonic()
+        if now - self._full_poll_at >= FULL_POLL_S:
+            self._full_poll_at = now
+            lips = list(self.lips.values())
+        else:
+            by_bell = self._by_bell
+            lips = [by_bell[fd] for fd in rung if fd in by_bell]
+        for lip in lips:
             if lip.state != Serving.RUNNING:
                 continue
             try:
@@ -379,6 +400,8 @@ class SyscallServer:
         lip.admitted = self._admitted
         self._admitted += 1
         self.lips[lip.id] = lip           # (its arena was pinned before its worker forked: pin_ring)
+        self._by_bell[lip.ring.bell_fd] = lip
+        self._full_poll_at = float("-inf")   # it may have rung before: look at every ring next
         self._publish()
 
     def remove(self, lip_id: int) -> tuple[LipCounters, int]:
@@ -389,6 +412,7 @@ class SyscallServer:
         if lip is None:
             return LipCounters(), 0
         lip.state = Serving.EXITED
+        self._by_bell.pop(lip.ring.bell_fd, None)
         self.sched.drop_lip(lip.id)
         self.residency.forget(lip.id)
         peak = self.fs.quotas.peak(lip.id)

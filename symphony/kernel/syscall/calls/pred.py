@@ -32,6 +32,8 @@ from symphony.kernel.syscall.proc import LipProc
 
 log = logging.getLogger("symphony.syscalls")
 
+MAX_WANTS = 4096                # checked bodies kept (a body is a few fields: a few hundred KB at most)
+
 
 class Stage(enum.Enum):
     """Where a pred call is."""
@@ -82,6 +84,7 @@ class PredCalls:
     def __init__(self, engine, fs: KVFS, sched: BatchScheduler):
         self.fs, self.sched = fs, sched
         self.vocab = engine.model_config.vocab_size
+        self._wants: dict = {}        # a checked body without mask or positions -> its Want (decode steps repeat it)
 
     # ------------------------------------------------------------------ submission
     def pred(self, lip, slot, cid, req: Pred, toks):
@@ -92,8 +95,9 @@ class PredCalls:
             _fail("InvalidArgument", "EINVAL", f"a mask is {words} uint32 words, got {n_mask}")
         if toks.size != n + n_mask:
             _fail("InvalidArgument", "EINVAL", f"token array holds {toks.size} ids, body says {n}+{n_mask}")
-        sampling = SamplingParams()
-        if out == "sample":                          # fail before the forward pass, not after
+        want = self._wants.get(req) if not n_mask and req.positions is None else None   # a decode step's body
+        sampling = SamplingParams() if want is None else want.sampling                  # is the last one's
+        if out == "sample" and want is None:         # fail before the forward pass, not after
             try:
                 sampling = check_sampling(*req.sampling)
             except SamplingError as e:
@@ -115,10 +119,16 @@ class PredCalls:
         tokens, positions = self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
         now = time.monotonic()
         ino = self.fs.handles.of(lip.principal, req.kv).inode.ino      # the file: its calls run in order
+        if want is None:
+            want = Want(out, k, mask, sampling)
+            if mask is None and req.positions is None:
+                if len(self._wants) >= MAX_WANTS:
+                    self._wants.clear()
+                self._wants[req] = want
         self.sched.add(PredCall(key=ino, lip=lip.id, user=lip.user, n_tokens=n,
                                 priority=lip.priority, arrival=now, proc=lip, slot=slot, call_id=cid,
                                 kv=req.kv, tokens=tokens, positions=positions, all_logits=req.all_logits,
-                                want=Want(out, k, mask, sampling)))
+                                want=want))
         lip.last_active = now
         return None
 
