@@ -238,7 +238,7 @@ class Data:
         self.quotas.check({(who.user, who.pid): new + cow})
         self.quotas.check_refs(inode.owner, new)
         self._make_resident([inode], extra=new + cow, protect=protect)
-        fresh = self.refs.new(who, inode.owner, new + cow)
+        fresh = self.refs.new(who, inode.owner, new + cow) if new + cow else []
         blocks, replaced = list(inode.blocks), None
         if cow:
             replaced = blocks[-1]

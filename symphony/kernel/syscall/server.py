@@ -16,24 +16,21 @@ Loop (never blocks on a LIP, never waits for the device):
     4. no step in flight and pred calls queued: plan one and hand it to the device
        (`Stepper.launch`: residency and the scheduler pick the chunks, KVFS prepares
        their pages) -- unless the last step's callers are coming back (`should_wait`)
-    4b. run a slice of each user's slow call (a durable sync, a large
-       listing: slowlane.py), between steps, so that no one call holds the thread
-    5. publish what it serves (`snapshot`: counters, KV pages) for the event
-       loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
-       after every command the event loop awaits (`call_future`: a reclaim,
-       kv ls/rm), so a snapshot is at most PUBLISH_EVERY_S old, and exact
-       when a LIP's exit event goes out
+    4b. run a slice of each user's slow call (a durable sync, a large listing:
+       slowlane.py), between steps, so that no one call holds the thread
+    5. publish what it serves (`snapshot`: counters, KV pages) for the event loop's
+       ps/stats/admission: at most every PUBLISH_EVERY_S, and at once after every command
+       the event loop awaits (`call_future`: a reclaim, kv ls/rm), so a snapshot is at
+       most PUBLISH_EVERY_S old, and exact when a LIP's exit event goes out
     6. nothing to do: wait on the LIPs' doorbells and the device's (spin briefly, then block);
        the next pass polls the rings whose doorbells rang (every ring every FULL_POLL_S)
 
 With ``overlap=False`` (``--serial-steps``) the step runs on this thread, start to end.
 
-The LIPs it serves (`lips`, proc.ServedLips) are its own; the event loop
-hands each over once (`add`) and learns about them only from `snapshot`.
-
-Every request is hostile until checked: a malformed ring entry is answered
-with EINVAL and counted; a LIP with too many strikes is killed.  Errors are
-replied as {"error": code, "type": name, "message": text}.
+The LIPs it serves (`lips`, proc.ServedLips) are its own; the event loop hands each over
+once (`add`) and learns about them only from `snapshot`.  Every request is hostile until
+checked: a malformed ring entry is answered with EINVAL and counted; a LIP with too many
+strikes is killed.  Errors are replied as {"error": code, "type": name, "message": text}.
 """
 from __future__ import annotations
 
@@ -226,6 +223,8 @@ class SyscallServer:
     def _device_setup(self) -> None:
         """On the thread that runs the model (the device thread, or this one): its torch threads
         and the quantized kernels' calibration for them."""
+        if self.engine.device.type == "cuda":   # the current device is per thread: this one launches the steps
+            torch.cuda.set_device(self.engine.device)
         if self.compute_threads is not None:
             torch.set_num_threads(self.compute_threads)   # per thread (OpenMP): this one runs the model
         self.compute_threads = torch.get_num_threads()

@@ -118,7 +118,7 @@ class PredCalls:
         # the rest of the check is KVFS's: handle, tokens, positions, length limit, quota
         tokens, positions = self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
         now = time.monotonic()
-        ino = self.fs.handles.of(lip.principal, req.kv).inode.ino      # the file: its calls run in order
+        ino = self.fs.handles[req.kv].inode.ino          # (the handle was just checked) its calls run in order
         if want is None:
             want = Want(out, k, mask, sampling)
             if mask is None and req.positions is None:
