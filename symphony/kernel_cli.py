@@ -233,7 +233,7 @@ def build(cfg: KernelConfig, log: logging.Logger):
 
 
 def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int):
-    # (the quantized kernels are calibrated and logged by the syscall thread, which runs them)
+    # (the quantized kernels are calibrated and logged by the device thread, which runs them)
     _warm_up(engine)
     from .kernel.daemon import Kernel
     from .kernel.syscall.proc import ServedLips
