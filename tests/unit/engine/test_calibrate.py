@@ -201,13 +201,33 @@ def _valid_cache(path, choices=None, **key_over):
     path.write_text(json.dumps(data))
 
 
+# every path the float choice (-1) may take on some CPU (csrc/cpu/qlinear.cpp, auto_may_take)
+FLOAT_CHOICE_PATHS = (0, 1, 2, 3, 9, 11, 12)
+UNKNOWN_PATH = 13                       # a path number no CPU has: qlinear knows -2..12
+
+
 def _lacking_float_path() -> int:
-    """A path the float choice (-1) cannot take on this CPU (12: one no CPU has)."""
-    return next((p for p in (2, 9, 1, 11) if p not in calibrate.auto_paths(-1)), 12)
+    """A path the float choice (-1) may take on some CPU but not on this one; the test is skipped
+    on a CPU that runs them all (AVX-512 VNNI and AVX2: a Sapphire Rapids Xeon, a Zen 4)."""
+    lacking = [p for p in FLOAT_CHOICE_PATHS if p not in calibrate.auto_paths(-1)]
+    if not lacking:
+        pytest.skip(f"this CPU runs every path the float choice may take {FLOAT_CHOICE_PATHS}: "
+                    "no cache from a better-equipped CPU to imitate (unknown-path checks the same)")
+    return lacking[0]
+
+
+def _impossible_path(which: str) -> int:
+    return UNKNOWN_PATH if which == "unknown" else _lacking_float_path()
+
+
+def test_float_choice_paths_are_the_ops():
+    """FLOAT_CHOICE_PATHS above is what the op allows: this CPU's float choice is a subset."""
+    assert set(calibrate.auto_paths(-1)) <= set(FLOAT_CHOICE_PATHS)
+    assert UNKNOWN_PATH not in calibrate.auto_paths(-1) + calibrate.auto_paths(-2)
 
 
 @pytest.mark.parametrize("bad", ["corrupt", "truncated", "foreign-cpu", "other-threads", "other-build",
-                                 "lacking-path", "wrong-mode-path", "bad-buckets"])
+                                 "lacking-path", "unknown-path", "wrong-mode-path", "bad-buckets"])
 def test_bad_cache_is_ignored_with_one_log_line(fake_build, caplog, bad):
     path, calls = fake_build
     if bad == "corrupt":
@@ -221,8 +241,8 @@ def test_bad_cache_is_ignored_with_one_log_line(fake_build, caplog, bad):
         _valid_cache(path, threads=torch.get_num_threads() + 7)
     elif bad == "other-build":
         _valid_cache(path, build="0123456789abcdef")
-    elif bad == "lacking-path":
-        _valid_cache(path, {(-1, U4): [_lacking_float_path()] + [3] * (len(ROWS) - 1)})
+    elif bad in ("lacking-path", "unknown-path"):
+        _valid_cache(path, {(-1, U4): [_impossible_path(bad.split("-")[0])] + [3] * (len(ROWS) - 1)})
     elif bad == "wrong-mode-path":                      # an int8 kernel for the float choice
         _valid_cache(path, {(-1, I8): [3, 3, 4, 3]})
     else:
@@ -238,10 +258,11 @@ def test_bad_cache_is_ignored_with_one_log_line(fake_build, caplog, bad):
     assert fresh["key"] == calibrate.cache_key(torch.get_num_threads())
 
 
-def test_lacking_path_is_never_installed(fake_build, caplog):
-    """Even read directly, a cache naming a path this CPU lacks gives no table."""
+@pytest.mark.parametrize("which", ["lacking", "unknown"])
+def test_lacking_path_is_never_installed(fake_build, caplog, which):
+    """Even read directly, a cache naming a path this CPU lacks (or no CPU has) gives no table."""
     path, _ = fake_build
-    lacking = _lacking_float_path()
+    lacking = _impossible_path(which)
     _valid_cache(path, {(-1, U4): [lacking] * len(ROWS)})
     caplog.set_level(logging.INFO, logger="symphony.ops")
     assert calibrate.read_cache(path, calibrate.cache_key(torch.get_num_threads())) is None
