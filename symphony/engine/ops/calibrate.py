@@ -8,14 +8,16 @@ wrong for this CPU, what the CPU runs fastest:
 * **What is timed.** Every path an automatic choice may take on this CPU
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
   kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMM), forced,
-  on a ``[1536, 576]`` weight per kind (u4, i8; random but seeded; `COPIES` of it called in
+  on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
+  but seeded; `COPIES` of it called in
   turn, so that, as in a decode step, a call does not find its weight in the core's own
   caches), at the row count that
   stands for each bucket of rows (`BUCKETS`, from the rule's own thresholds: 1 row, 2-3, 4-31,
   32-63, 64-127, 128 and more, timed at 1, 2, 8, 48, 96 and 128 rows: the kernel's prefill
   chunk), with the calling thread's torch thread count.
 * **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in
-  interleaved rounds (one sample of each path a round, in a new order each round), each sample the
+  interleaved rounds (one sample of each path a round, in a new order each round; a sample is
+  several calls at 1-8 rows, and as many times `MIN_CLEAN` samples are kept), each sample the
   CPU time of the calling thread: the time another process held the core is not in it, what
   that cost the kernel (cooled caches) is. With a thread team, a sample in which the team's
   other threads waited for a core more than `CLEAN` of it is set aside (the calling thread
@@ -94,13 +96,13 @@ COPIES = 8                              # of it, called in turn: 3.5-7 MiB, beyo
 MIN_CLEAN = 5                           # samples kept per path and bucket
 MAX_ROUNDS = 40                         # rounds per bucket at most
 CLEAN = 0.1                             # share of a sample the other threads may wait for a core
-PRUNE = 3.0
-MARGIN = 0.03
+PRUNE = 2.0
+MARGIN = 0.02
 PROXY_MARGIN = 0.15                     # where the rows were timed at one thread instead
 WIN = 0.75
 QUIET_CORES = 0.3                       # other processes' load (cores) below which the box is quiet
-BUDGET_S = 3.0                          # CPU seconds of the calling thread
-WALL_S = 12.0
+BUDGET_S = 4.0                          # CPU seconds of the calling thread
+WALL_S = 15.0
 VERSION = 2
 
 
@@ -126,6 +128,7 @@ class Calibration:
     load: Optional[float] = None
     kept: float = 1.0
     one_thread: tuple[int, ...] = ()
+    unmeasured: tuple[str, ...] = ()
 
     @property
     def provisional(self) -> bool:
@@ -149,7 +152,8 @@ class Calibration:
         if self.one_thread:
             how += f", rows {', '.join(map(str, self.one_thread))} timed at one thread (the cores were taken)"
         if not self.complete:
-            how += ", budget spent: buckets not measured keep the rule's choice"
+            how += (", budget spent: buckets not measured (" + ", ".join(self.unmeasured) +
+                    ") keep the rule's choice")
         if self.provisional:
             how += ", provisional (measured again once the box is quiet)"
         return f"qlinear paths by rows ({how}): {cells}; {self.why()}"
@@ -234,6 +238,7 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
     samples: dict[tuple[int, int, int], list[float]] = {}     # (kind, rows, path) -> kept seconds
     complete, n_all, n_kept, threads = True, 0, 0, torch.get_num_threads()
     proxied: set = set()                                      # rows timed at one thread instead
+    unmeasured: list[str] = []
     for kind in KINDS:
         ws = [_weight(kind, gen) for _ in range(COPIES)]
         alive = list(candidates)
@@ -253,7 +258,9 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
             n_all += total
             n_kept += sum(len(s) for s in got.values())
             samples.update({(kind, m, p): s for p, s in got.items()})
-            complete = complete and _measured(got, rules)
+            if not _measured(got, rules):
+                complete = False
+                unmeasured.append(f"{KIND_NAMES[kind]} at {m} rows")
             med = {p: statistics.median(s) for p, s in got.items() if len(s) >= MIN_CLEAN}
             if med:
                 best = min(med.values())
@@ -266,7 +273,8 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
     load = timing.others_load(load0, timing.cpu_ticks())
     return Calibration(tuple(b[0] for b in BUCKETS), choices, times, "calibrated", complete,
                        _is_quiet(load), time.perf_counter() - t0, rules=rules, load=load,
-                       kept=n_kept / max(1, n_all), one_thread=tuple(sorted(proxied - {None})))
+                       kept=n_kept / max(1, n_all), one_thread=tuple(sorted(proxied - {None})),
+                       unmeasured=tuple(unmeasured))
 
 
 def install(calib: Calibration) -> None:
@@ -303,7 +311,7 @@ def cache_key(threads: int) -> dict:
     loaded = build.loaded_build
     return {"version": VERSION, "cpu": cpu_identity(), "threads": threads,
             "build": loaded[1] if loaded else None,
-            "plan": {"shape": list(SHAPE), "copies": COPIES, "buckets": [list(b) for b in BUCKETS],
+            "plan": {"shape": list(SHAPE), "copies": COPIES, "scales": "float16", "buckets": [list(b) for b in BUCKETS],
                      "min_clean": MIN_CLEAN, "max_rounds": MAX_ROUNDS, "clean": CLEAN,
                      "prune": PRUNE, "margin": MARGIN, "win": WIN}}
 
@@ -428,15 +436,17 @@ def qlinear_cycling(x: torch.Tensor, ws: list, kind: int, path: int):
 
 
 def _weight(kind: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A random quantized ``SHAPE`` weight of ``kind``, groups of 32: (qs, scales, mins, group)."""
+    """A random quantized ``SHAPE`` weight of ``kind``, groups of 32: (qs, scales, mins, group),
+    with float16 scales (and mins for u4) as GGUF's Q4_1 and Q8_0 keep them in memory (a kernel
+    that widens them pays for it here too)."""
     n, k = SHAPE
-    scales = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001     # [N, K/32]
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half()     # [N, K/32]
     if kind == 0:
         qs = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
         mins = -8 * scales
     else:
         qs = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        mins = torch.empty(0)
+        mins = torch.empty(0, dtype=torch.float16)
     return qs, scales, mins, 32
 
 
@@ -458,7 +468,8 @@ def _choose(mode: int, kind: int, m: int, allowed: list[int],
 
 
 def _time_bucket(fns, calls: int, rules: set, limits) -> tuple[dict, int]:
-    return timing.interleaved(fns, calls=calls, min_kept=MIN_CLEAN, max_rounds=MAX_ROUNDS,
+    """(Small calls are noisier, and cheap: `MIN_CLEAN` samples a call of a sample.)"""
+    return timing.interleaved(fns, calls=calls, min_kept=MIN_CLEAN * calls, max_rounds=MAX_ROUNDS * calls,
                               clean=CLEAN, keep=frozenset(rules), prune=PRUNE, limits=limits)
 
 

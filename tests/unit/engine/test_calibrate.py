@@ -157,7 +157,7 @@ def test_choose_needs_a_clear_win_over_the_rule():
     assert pick([10] * 5, [5] * 5) == other
     assert pick([10] * 5, [5] * 5, [4] * 5) == third                      # the lowest of the winners
     assert pick([10] * 5, [5] * 5, [4, 4, 4, 11, 11]) == other            # (that one overlaps)
-    assert pick([10] * 5, [9.8] * 5) == rule                              # within the margin
+    assert pick([10] * 5, [9.9] * 5) == rule                              # within the margin
     assert pick([10] * 5, [9] * 5, margin=calibrate.PROXY_MARGIN) == rule  # timed at one thread
     assert pick([10] * 5, [9, 9, 9, 11, 11]) == rule                      # overlapping
     assert pick([5] * 5, [10] * 5) == rule                                # slower

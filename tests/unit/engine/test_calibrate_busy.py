@@ -1,9 +1,10 @@
 """qlinear's automatic choices measured on a deliberately busy CPU: with other processes spinning
-on every core, the calibration (symphony/engine/ops/calibrate.py) still picks, at 1, 8 and 32
-rows, a path within 5 % of the fastest one this CPU has for that choice; with a thread team,
-where the others took the cores so that the calibration could time the rows only at one thread
-(its log says so), within `calibrate.PROXY_MARGIN` (the margin by which it then leaves the
-rule's choice), which is what it promises there.
+on every core, the calibration (symphony/engine/ops/calibrate.py) still picks for the default
+(float-accurate) choice, at 1, 8 and 32 rows, a path within 5 % of the fastest one this CPU has
+for it: at one thread, and
+with the thread team where the calibration could time it (with a process spinning on every
+core, the team's samples mostly wait for a core: the calibration then times the rows at one
+thread and says so, and a team's speed cannot be measured here to check it against: skipped).
 
 "Fastest" is measured apart from the calibration, on other random data, as the calibration
 times a bucket (samples of as many calls, the weights called in turn): at one thread by the
@@ -73,15 +74,12 @@ def _team_times(fns, calls):
     return {k: statistics.median(v) for k, v in got.items() if len(v) >= calibrate.MIN_CLEAN}
 
 
-def m_timed(m: int) -> int:
-    """The rows the calibration timed for the bucket of ``m`` rows."""
-    return next(timed for first, timed, _ in reversed(calibrate.BUCKETS) if m >= first)
-
-
 @pytest.mark.parametrize("threads", sorted({1, torch.get_num_threads()}), indirect=True)
 def test_the_choice_on_a_busy_cpu_is_within_5_percent_of_the_best(busy_cpu, threads):
     calib = calibrate.measure()
     assert calib.load is None or calib.load > 0.5, calib.describe()      # the box was busy
+    if threads > 1 and calib.one_thread:
+        pytest.skip(f"the cores were taken: the calibration timed rows {calib.one_thread} at one thread")
     calibrate.install(calib)
     gen = torch.Generator().manual_seed(1)
     for kind in calibrate.KINDS:
@@ -89,7 +87,7 @@ def test_the_choice_on_a_busy_cpu_is_within_5_percent_of_the_best(busy_cpu, thre
         n, k = calibrate.SHAPE
         for m in ROWS:
             x = torch.randn(m, k, generator=gen)
-            for mode in calibrate.MODES:
+            for mode in (-1,):                # the default (-2, int8 activations, is opt-in)
                 chosen = ops.qlinear_path_for(mode, m, n, k, kind)
                 fns = {p: calibrate.qlinear_cycling(x, ws, kind, p) for p in calibrate.auto_paths(mode)}
                 for fn in fns.values():
@@ -98,7 +96,6 @@ def test_the_choice_on_a_busy_cpu_is_within_5_percent_of_the_best(busy_cpu, thre
                 t = _thread_cpu_times(fns, calls) if threads == 1 else _team_times(fns, calls)
                 assert chosen in t, (mode, kind, m, chosen, t, calib.describe())
                 best = min(t, key=t.get)
-                tol = 1 + calibrate.PROXY_MARGIN if m_timed(m) in calib.one_thread else TOLERANCE
-                assert t[chosen] <= tol * t[best], (
+                assert t[chosen] <= TOLERANCE * t[best], (
                     f"mode {mode}, kind {kind}, {m} rows: path {chosen} takes {t[chosen] * 1e6:.0f} us, "
                     f"path {best} {t[best] * 1e6:.0f} us; {calib.describe()}")
