@@ -177,21 +177,31 @@ def bench_engine_batch(eng, prompt_ids, steps, batch):
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's low-level API (multi-sequence batches)."""
 
-    def __init__(self, path, n_ctx, n_seq, threads):
+    def __init__(self, path, n_ctx, n_seq, threads, extra_bufts=True):
         import llama_cpp as lc
         self.lc = lc
-        # the high-level Llama() loads the model; its own context holds one sequence only,
-        # so a second context with n_seq_max sequences is made through the C API
-        self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+        if extra_bufts:
+            # the high-level Llama() loads the model; its own context holds one sequence only,
+            # so a second context with n_seq_max sequences is made through the C API
+            self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+            model = self.llm._model.model
+            self.vocab = self.llm.n_vocab()
+        else:                            # the model without extra buffer types (AMX, repacked)
+            lc.llama_backend_init()
+            mp = lc.llama_model_default_params()
+            mp.use_extra_bufts = False
+            model = self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+            if not model:
+                raise RuntimeError("llama.cpp could not load the model")
+            self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
         p = lc.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, 512, n_seq
         p.n_threads = p.n_threads_batch = threads
         if hasattr(p, "kv_unified"):
             p.kv_unified = True
-        self.ctx = lc.llama_init_from_model(self.llm._model.model, p)
+        self.ctx = lc.llama_init_from_model(model, p)
         if not self.ctx:
             raise RuntimeError("llama.cpp context creation failed")
-        self.vocab = self.llm.n_vocab()
 
     def _decode(self, items):
         """items: [(seq_id, tokens, start_pos)] -> next-token argmax per item."""
@@ -307,6 +317,9 @@ def main():
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2; "
                     "perf/make_gguf.py writes random 1B / 3B ones)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra weight buffer types (AMX, repacked layouts): "
+                    "llama-cpp-python 0.3.36's AMX buffers fault on some virtual machines")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation contender")
     ap.add_argument("--no-rss", action="store_true", help="skip starting real kernels for their RSS")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV pool of the engines and kernels, MiB")
@@ -360,7 +373,7 @@ def main():
     if not args.no_llamacpp:
         try:
             lcpp = LlamaCpp(path, n_ctx=max((len(ids) + args.steps + 8) * args.batch, len(pre) + 8),
-                            n_seq=args.batch, threads=threads)
+                            n_seq=args.batch, threads=threads, extra_bufts=not args.llamacpp_no_extra_bufts)
         except ImportError:
             print("# llama-cpp-python not installed: skipping llama.cpp (pip install llama-cpp-python)")
     bw_buf = torch.ones(64 * 2**20)                                  # 256 MiB of float32
