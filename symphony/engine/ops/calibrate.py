@@ -251,7 +251,7 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
             if not proxied:                                   # (once the cores were taken: one thread)
                 got, total = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, 2 * left))
             if not _measured(got, rules) and threads > 1:     # the cores are taken: the same on one
-                with _threads(1):
+                with timing.torch_threads(1):
                     got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
                 total += more
                 proxied.add(m if _measured(got, rules) else None)
@@ -481,16 +481,6 @@ def _share(cpu_end: float, wall_end: float, parts: int) -> tuple[float, float]:
 
 def _measured(got: dict, rules: set) -> bool:
     return all(len(got.get(p, ())) >= MIN_CLEAN for p in rules)
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _is_quiet(load: Optional[float]) -> bool:

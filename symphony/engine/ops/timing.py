@@ -74,6 +74,18 @@ def wins(a: list[float], b: list[float]) -> float:
     return sum(x < y for x in a for y in b) / (len(a) * len(b))
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's thread count ``n`` inside, the caller's again after."""
+    import torch
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def box_load(window_s: float = 0.2) -> Optional[float]:
     """The CPU other processes use now, in cores (averaged over ``window_s``; this process left
     out), or None where /proc does not say."""
