@@ -9,7 +9,9 @@ thread and says so, and a team's speed cannot be measured here to check it again
 "Fastest" is measured apart from the calibration, on other random data, as the calibration
 times a bucket (samples of as many calls, the weights called in turn): at one thread by the
 lower quartile of the calling thread's CPU time over 31 rounds (no samples set aside); with a
-thread team by `timing.interleaved` with three times the samples the calibration keeps."""
+thread team by `timing.interleaved` with three times the samples the calibration keeps. Where
+the chosen path seems more than 5 % behind, the two are timed again head to head with three
+times the calls a sample, and that decides."""
 import os
 import random
 import statistics
@@ -93,9 +95,13 @@ def test_the_choice_on_a_busy_cpu_is_within_5_percent_of_the_best(busy_cpu, thre
                 for fn in fns.values():
                     fn()                                               # warm
                 calls = next(c for first, _, c in reversed(calibrate.BUCKETS) if m >= first)
-                t = _thread_cpu_times(fns, calls) if threads == 1 else _team_times(fns, calls)
+                time_them = _thread_cpu_times if threads == 1 else _team_times
+                t = time_them(fns, calls)
                 assert chosen in t, (mode, kind, m, chosen, t, calib.describe())
                 best = min(t, key=t.get)
+                if t[chosen] > TOLERANCE * t[best]:       # a close call: the two again, 3x the samples
+                    pair = {p: fns[p] for p in (chosen, best)}
+                    t = time_them(pair, 3 * calls)
                 assert t[chosen] <= TOLERANCE * t[best], (
                     f"mode {mode}, kind {kind}, {m} rows: path {chosen} takes {t[chosen] * 1e6:.0f} us, "
                     f"path {best} {t[best] * 1e6:.0f} us; {calib.describe()}")
