@@ -130,8 +130,8 @@ class Engine:
     def calibrate_kernels(self):
         """With quantized weights on the CPU: install qlinear's automatic choices as measured on
         this CPU for the calling thread's torch thread count (`ops.calibrate.ensure`: from the
-        cache or a calibration of under two seconds; once per process and thread count) and log
-        them and the kernels a matrix then takes by rows. Call it on the thread that runs the
+        cache or a calibration of a few seconds, 15 at most on a busy box; once per process and
+        thread count) and log them and the kernels a matrix then takes by rows. Call it on the thread that runs the
         model. Returns the `ops.calibrate.Calibration`, or None (nothing to do)."""
         from .ops import calibrate
         from .quant import describe_cpu_kernels
