@@ -233,7 +233,7 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
     hold no choices meanwhile (`clear`), as the rule fills unmeasured cells."""
     t0, c0, load0 = time.perf_counter(), time.thread_time(), timing.cpu_ticks()
     allowed = {mode: auto_paths(mode) for mode in MODES}
-    candidates = sorted(set().union(*allowed.values()))
+    candidates = sorted(set().union(*allowed.values()))        # (pruned as the buckets go)
     gen = torch.Generator().manual_seed(0)
     samples: dict[tuple[int, int, int], list[float]] = {}     # (kind, rows, path) -> kept seconds
     complete, n_all, n_kept, threads = True, 0, 0, torch.get_num_threads()
@@ -244,23 +244,33 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
         alive = list(candidates)
         for b, (_, m, calls) in enumerate(BUCKETS):
             x = torch.randn(m, SHAPE[1], generator=gen)       # [M, K]
-            left = len(BUCKETS) * (len(KINDS) - kind) - b     # buckets to go: each its share
-            rules = {_rule(mode, m, kind) for mode in MODES}  # always timed: the baselines
-            fns = {p: qlinear_cycling(x, ws, kind, p) for p in candidates if p in alive or p in rules}
-            got, total = {}, 0
-            if not proxied:                                   # (once the cores were taken: one thread)
-                got, total = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, 2 * left))
-            if not _measured(got, rules) and threads > 1:     # the cores are taken: the same on one
-                with timing.torch_threads(1):
-                    got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
-                total += more
-                proxied.add(m if _measured(got, rules) else None)
-            n_all += total
-            n_kept += sum(len(s) for s in got.values())
+            bucket: dict = {}
+            # each mode's paths in rounds of their own: a float kernel is timed beside the others
+            # the float choice weighs it against, not after an int8 kernel that left other data
+            # in the caches (which moved the 1-row choice between two kernels within 10 %)
+            for i, mode in enumerate(MODES):
+                left = (len(BUCKETS) * (len(KINDS) - kind) - b) * len(MODES) - i   # groups to go: each its share
+                rules = {_rule(mode, m, kind)}                # always timed: the baseline
+                fns = {p: qlinear_cycling(x, ws, kind, p) for p in allowed[mode]   # (a path the mode before
+                       if p in rules or (p in alive and p not in bucket)}             # timed is not timed again)
+                got, total = {}, 0
+                if not proxied:                               # (once the cores were taken: one thread; half
+                    parts = 2 * left if threads > 1 else left     # the share is kept for that, with a team)
+                    got, total = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, parts))
+                if not _measured(got, rules) and threads > 1:  # the cores are taken: the same on one
+                    with timing.torch_threads(1):
+                        got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
+                    total += more
+                    proxied.add(m if _measured(got, rules) else None)
+                n_all += total
+                n_kept += sum(len(s) for s in got.values())
+                for p, s in got.items():
+                    bucket.setdefault(p, []).extend(s)
+                if not _measured(got, rules):
+                    complete = False
+                    unmeasured.append(f"{KIND_NAMES[kind]} at {m} rows ({'int8' if mode == -2 else 'float'})")
+            got = bucket
             samples.update({(kind, m, p): s for p, s in got.items()})
-            if not _measured(got, rules):
-                complete = False
-                unmeasured.append(f"{KIND_NAMES[kind]} at {m} rows")
             med = {p: statistics.median(s) for p, s in got.items() if len(s) >= MIN_CLEAN}
             if med:
                 best = min(med.values())

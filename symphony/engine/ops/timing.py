@@ -31,12 +31,15 @@ def interleaved(fns: dict[Hashable, Callable[[], object]], *, calls: int = 1, mi
     """Rounds of samples of each of ``fns`` (a sample: ``calls`` calls, CPU seconds of the
     calling thread a call): the kept seconds per key (`kept`) and how many samples were taken in all. Keys not in ``keep``
     whose fastest sample took more than ``prune`` times the fastest key's time (its kept
-    median, or its fastest sample) are dropped after a round;
+    median, or its fastest sample) are dropped after a round (each key is called once before
+    the first round, untimed: a first call's first touches are no sample);
     rounds stop once every key left has ``min_kept`` kept samples, after ``max_rounds``, or past
     ``limits`` (CPU seconds of the calling thread by `time.thread_time`, `time.perf_counter`
     seconds)."""
     raw: dict[Hashable, list[tuple[float, float]]] = {k: [] for k in fns}
     live, total, rng = list(fns), 0, random.Random(0)
+    for fn in fns.values():                  # first touches (buffers, pages) out of the samples
+        fn()
     with _RunQueueWait() as waited:
         for r in range(max_rounds):
             if time.thread_time() > limits[0] or time.perf_counter() > limits[1]:
