@@ -9,12 +9,10 @@ wrong for this CPU, what the CPU runs fastest:
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
   kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMM), forced,
   on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
-  but seeded; `COPIES` of it called in
-  turn, so that, as in a decode step, a call does not find its weight in the core's own
-  caches), at the row count that
-  stands for each bucket of rows (`BUCKETS`, from the rule's own thresholds: 1 row, 2-3, 4-31,
-  32-63, 64-127, 128 and more, timed at 1, 2, 8, 48, 96 and 128 rows: the kernel's prefill
-  chunk), with the calling thread's torch thread count.
+  but seeded; `COPIES` of it called in turn, so that, as in a decode step, a call does not
+  find its weight in the core's own caches), at the row count that stands for each bucket of
+  rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-31, 32-63, 64-127, 128 and more,
+  timed at 1, 2, 8, 48, 96 and 128 rows), with the calling thread's torch thread count.
 * **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in
   interleaved rounds (one sample of each path a round, in a new order each round; a sample is
   several calls at 1-8 rows, and as many times `MIN_CLEAN` samples are kept), each sample the
@@ -24,8 +22,8 @@ wrong for this CPU, what the CPU runs fastest:
   waited for them at a barrier), and so are outliers (beyond 3 median absolute deviations of
   the median). A path's time is the median of what is left. Rounds go on until
   every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest sample
-  is more than `PRUNE` times slower than the fastest path is dropped from the bucket and from larger ones (the dense GEMM
-  excepted: its dequantization is a fixed cost that more rows amortize); the rule's choices
+  is more than `PRUNE` times slower than the fastest is dropped from the bucket and larger ones
+  (the dense GEMM excepted: more rows amortize its dequantization); the rule's choices
   never are (they are the baselines below). The whole is bounded by `BUDGET_S` of the calling
   thread's CPU time and `WALL_S` of wall time, each bucket by its share of what is left; a
   bucket not finished keeps the rule's choice. Where the cores are so taken that a bucket gets
@@ -447,8 +445,7 @@ def qlinear_cycling(x: torch.Tensor, ws: list, kind: int, path: int):
 
 def _weight(kind: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A random quantized ``SHAPE`` weight of ``kind``, groups of 32: (qs, scales, mins, group),
-    with float16 scales (and mins for u4) as GGUF's Q4_1 and Q8_0 keep them in memory (a kernel
-    that widens them pays for it here too)."""
+    float16 scales (and mins for u4) as GGUF's Q4_1 and Q8_0 keep them (widening costs here too)."""
     n, k = SHAPE
     scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half()     # [N, K/32]
     if kind == 0:
