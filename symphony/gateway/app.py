@@ -28,7 +28,7 @@ from pathlib import Path
 
 import orjson
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -267,7 +267,8 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
                         media_type="application/json")
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: api_error, ClientGone: client_gone, Exception: bug})
+                    exception_handlers={ApiError: api_error, ClientGone: client_gone, ClientDisconnect: client_gone,
+                                        Exception: bug})
     return AccessLog(app, gw)
 
 
@@ -309,7 +310,7 @@ class AccessLog:
         except ApiError as e:
             if not info["started"]:
                 await self._error(send, e, rid, info)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):
             info["status"] = 499
         except Exception:                                   # a bug (logged by `bug` once started)
             if not info["started"]:
