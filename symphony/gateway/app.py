@@ -186,10 +186,16 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
     def api(handler, route: str, *, needs_body: bool = True):
         async def endpoint(request: Request):
             request.state.route = route
-            key = gw.authenticate(request)
-            request.state.key = key.name
-            # held until the response's last byte (the middleware releases it)
-            request.state.slot = gw.limiter.acquire(key.name, key.rpm, key.max_concurrent)
+            key = None
+            try:
+                key = gw.authenticate(request)
+                request.state.key = key.name
+                # held until the response's last byte (the middleware releases it)
+                request.state.slot = gw.limiter.acquire(key.name, key.rpm, key.max_concurrent)
+            except ApiError:                        # refusals, a few a second each (limits.py)
+                client = request.client.host if request.client else "local"
+                await gw.limiter.refused(key.name if key is not None else f"addr:{client}")
+                raise
             gw.metrics.active.inc()
             body = await gw.body(request) if needs_body else b""
             out = await handler(gw, body, key, request)

@@ -244,24 +244,31 @@ class GuardedHttp(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.door_closed:
             return
-        if self.door_state is not State.ACTIVE:
-            self.door_header_bytes += len(data)
-            if self.door_header_bytes > self.door.cfg.max_header_bytes:
-                self.door.counts["too_large_headers"] += 1
-                self.door_close(431)
-                return
-        elif self.door_body_deadline:
+        if self.door_state is State.ACTIVE and self.door_body_deadline:
             self.door_body_deadline += len(data) / BODY_GRACE_BYTES
         super().data_received(data)
 
     # ------------------------------------------------------------------ the parser's moments
     def on_message_begin(self) -> None:
+        if self.door_closed:
+            return
         super().on_message_begin()
+        self.door_header_bytes = 0
         if self.door_state is not State.PENDING:
             self.door.pending(self)
             self._arm(self.door.cfg.header_timeout, self._header_timeout)
 
+    def on_url(self, url: bytes) -> None:
+        if self._header_bytes(len(url)):
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._header_bytes(len(name) + len(value) + 4):
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        if self.door_closed:
+            return
         self._disarm()
         self.door_state = State.ACTIVE
         if any(n == b"transfer-encoding" or (n == b"content-length" and v.strip() not in (b"", b"0"))
@@ -270,7 +277,13 @@ class GuardedHttp(HttpToolsProtocol):
             self._arm(self.door.cfg.body_timeout, self._body_timeout)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self.door_closed:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self.door_closed:
+            return
         self._disarm()
         self.door_body_deadline = 0.0
         super().on_message_complete()
@@ -318,6 +331,18 @@ class GuardedHttp(HttpToolsProtocol):
             self.transport.close()
         else:
             _reset(self.transport)
+
+    def _header_bytes(self, n: int) -> bool:
+        """Count ``n`` bytes of a request's line and headers; False (and the
+        connection closed with 431) beyond ``max_header_bytes``."""
+        if self.door_closed:
+            return False
+        self.door_header_bytes += n
+        if self.door_header_bytes <= self.door.cfg.max_header_bytes:
+            return True
+        self.door.counts["too_large_headers"] += 1
+        self.door_close(431)
+        return False
 
     def _arm(self, seconds: float, fn) -> None:
         self._disarm()

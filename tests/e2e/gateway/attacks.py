@@ -33,13 +33,16 @@ def request_bytes(path: str, key: str, body: dict) -> bytes:
 @dataclass
 class SlowHeaders:
     """``n`` connections from ``addr`` that send a request line and part of the headers, then a
-    header line every ``every`` seconds; each one closed is replaced at once (a slowloris).
-    Counts what the server did to them."""
+    header line every ``every`` seconds (a slowloris); with ``reconnect``, each one the server
+    closes is replaced at once (at most ``rate`` new connections a second).  Counts what the
+    server did to them."""
 
     port: int
     addr: str = "127.0.0.2"
     n: int = 500
     every: float = 2.0
+    reconnect: bool = False
+    rate: float = 1000.0
     opened: int = 0
     closed_by_server: int = 0
     statuses: dict = field(default_factory=dict)
@@ -49,8 +52,13 @@ class SlowHeaders:
         sel = selectors.DefaultSelector()
         socks: set = set()
 
+        started = time.monotonic()
+
         def top_up():
             while len(socks) < self.n and not stop.is_set():
+                if self.opened >= self.n and (not self.reconnect or
+                                              self.opened - self.n >= self.rate * (time.monotonic() - started)):
+                    return
                 try:
                     s = connect_from(self.addr, self.port)
                     s.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n")
@@ -90,6 +98,51 @@ class SlowHeaders:
             for s in socks:
                 s.close()
             sel.close()
+
+
+class Flood:
+    """``n`` clients of one key, each sending ``body(i, j)`` (its j-th request) to ``path`` back to
+    back from address ``addr``, reading every answer (streamed or not) whole; a client answered
+    other than 200 retries ``retry_s`` later.  ``codes``: the statuses counted.  A context manager:
+    the clients run inside the ``with``."""
+
+    def __init__(self, url: str, key: str, n: int, body, path: str = "/v1/chat/completions",
+                 addr: str = "127.0.0.2", retry_s: float = 0.2):
+        import httpx
+        self.httpx, self.url, self.key, self.n, self.body, self.path = httpx, url, key, n, body, path
+        self.addr, self.retry_s = addr, retry_s
+        self.codes: dict = {}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(n)]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def _client(self, i: int) -> None:
+        httpx = self.httpx
+        with httpx.Client(base_url=self.url, timeout=600, transport=httpx.HTTPTransport(local_address=self.addr),
+                          headers={"Authorization": f"Bearer {self.key}"}) as c:
+            j = 0
+            while not self.stop.is_set():
+                j += 1
+                try:
+                    with c.stream("POST", self.path, json=self.body(i, j)) as r:
+                        for _ in r.iter_bytes():
+                            if self.stop.is_set():
+                                break
+                        code = r.status_code
+                except httpx.HTTPError:
+                    code = "error"
+                self.codes[code] = self.codes.get(code, 0) + 1
+                if code != 200:
+                    self.stop.wait(self.retry_s)
 
 
 def never_reading_streams(port: int, key: str, body: dict, n: int, addr: str = "127.0.0.3") -> list:

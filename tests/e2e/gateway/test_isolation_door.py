@@ -8,7 +8,6 @@ each attack shows in seconds (perf/bench_isolation.py runs them at full size).  
 127.0.0.2/.3 (the door bounds connections per client address), bob asks from 127.0.0.1."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import REPO, KernelProc
-from .attacks import (SlowHeaders, closed_by_peer, connect_from, gateway_pid, never_reading_streams,
+from .attacks import (Flood, SlowHeaders, closed_by_peer, connect_from, gateway_pid, never_reading_streams,
                       read_response, request_bytes, rss_mib)
 from .test_gateway import free_port, wait_for_gateway
 
@@ -37,7 +36,8 @@ def door(tmp_path_factory):
     bob, _ = add_key(str(keys), "bob-key", "bob")
     port = free_port()
     k = KernelProc(d, "--model", str(model), "--http", f"127.0.0.1:{port}", "--keys", str(keys), *DOOR,
-                   *sum((["--program", f"{r}={FAKE}"] for r in ("chat", "completions", "responses")), []))
+                   *sum((["--program", f"{r}={FAKE}"] for r in ("chat", "completions", "responses")), []),
+                   session=True)       # as a service runs: the attackers' threads here are not in its CPU group
     wait_for_gateway(k)
     k.port, k.url, k.keys = port, f"http://127.0.0.1:{port}", {"alice": alice, "bob": bob}
     k.gateway = gateway_pid(k.proc.pid)
@@ -74,9 +74,9 @@ def metrics(k) -> dict:
 
 
 def test_slow_headers_from_one_address_never_refuse_another(door):
-    """1,200 connections from one address that trickle their headers (a header line every 0.5 s,
-    each closed one replaced at once): the address keeps at most 8 half-sent, the oldest closed
-    with 408, each within the 2 s header timeout; bob is served as usual, the gateway does not grow."""
+    """1,200 connections from one address that trickle their headers (a header line every 0.5 s):
+    the address keeps at most 8 half-sent, the oldest closed with 408 as new ones come, the last
+    8 at the 2 s header timeout; bob is served as usual, the gateway does not grow."""
     alone = bob_asks(door)
     rss0 = rss_mib(door.gateway)
     stop = threading.Event()
@@ -96,9 +96,9 @@ def test_slow_headers_from_one_address_never_refuse_another(door):
     m = metrics(door)
     print(f"slow headers: {attack.opened} opened, {attack.closed_by_server} closed by the gateway "
           f"{attack.statuses}, gateway RSS +{rss_mib(door.gateway) - rss0:.0f} MiB; {m}")
-    assert attack.opened >= 1200 and attack.closed_by_server >= attack.opened - 1200
-    assert set(attack.statuses) == {"408"}
-    assert m['symphony:gateway_connections_closed_total{reason="evicted_pending"}'] > 0
+    assert attack.opened == attack.closed_by_server == 1200 and attack.statuses == {"408": 1200}
+    assert m['symphony:gateway_connections_closed_total{reason="evicted_pending"}'] >= 1192
+    assert m['symphony:gateway_connections_closed_total{reason="header_timeouts"}'] >= 8
     assert m['symphony:gateway_connections_closed_total{reason="refused_full"}'] == 0
     assert rss_mib(door.gateway) - rss0 < 32
 
@@ -199,26 +199,11 @@ def test_a_flood_of_programs_from_one_key_never_refuses_another(door):
     """Alice's 16 clients submit programs to /v1/lips back to back (her key answers 429 beyond its
     8 at once and 600 a minute): bob's requests are served as usual, none refused."""
     alone = bob_asks(door)
-    stop = threading.Event()
-    codes: dict = {}
     prog = {"source": "import time\n\ndef main():\n    time.sleep(0.2)\n"}
-
-    def flood():
-        with httpx.Client(base_url=door.url, timeout=30, headers={"Authorization": f"Bearer {door.keys['alice']}"},
-                          transport=httpx.HTTPTransport(local_address="127.0.0.6")) as c:
-            while not stop.is_set():
-                with c.stream("POST", "/v1/lips", json=prog) as r:
-                    r.read()
-                    codes[r.status_code] = codes.get(r.status_code, 0) + 1
-    threads = [threading.Thread(target=flood, daemon=True) for _ in range(16)]
-    for t in threads:
-        t.start()
-    try:
+    with Flood(door.url, door.keys["alice"], 16, lambda i, j: prog, path="/v1/lips", addr="127.0.0.6",
+               retry_s=0) as flood:
         time.sleep(1.0)
         check_bob(door, alone, "/v1/lips flood")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
+    codes = flood.codes
     print(f"/v1/lips flood: alice's answers {codes}")
     assert codes.get(200, 0) > 0 and codes.get(429, 0) > 0 and set(codes) <= {200, 429}
