@@ -30,7 +30,9 @@ a LIP's calls out to fail them) and `drop_lip` (a LIP exited).
 Launch-or-gather: the caller runs a step at once when the device is idle and
 the queue already holds as many calls as the previous step had, otherwise it
 may wait up to ``gather_s`` for the last step's callers to come back (sibling
-threads of one LIP answer within microseconds) - `should_wait`.
+threads of one LIP answer within microseconds) - `should_wait`; not for the
+callers of a user whose share of the last step left some of its calls out
+(its next step is full without them).
 
 Pure Python, no torch: the kernel hands it opaque requests and runs the steps.
 """
@@ -196,9 +198,11 @@ class BatchScheduler:
         if not demands:
             return None
         shares = split(demands, capacity(demands, self.token_budget, self.cost, self.slowdown))
-        decodes, prefills = [], []
+        decodes, prefills, cut = [], [], set()
         for d in demands:                                 # share.py ordered them: served least first
             left = shares[d.key]
+            if left < d.tokens:
+                cut.add(d.key)
             for c in calls[d.key]:
                 if left <= 0:
                     break
@@ -211,7 +215,9 @@ class BatchScheduler:
             self.served_user[c.user] += n
             self.served_lip[c.lip] += n
         self.queue = [c for c in self.queue if c.remaining > 0]
-        self.last_step_keys = {c.key: c.lip for c, _, _ in items}
+        # the callers worth waiting for: those of users whose share took all their ready calls
+        # (a user cut short has calls left for the next step; its stragglers hold nothing up)
+        self.last_step_keys = {c.key: c.lip for c, _, _ in items if (c.priority, c.user) not in cut}
         self._last_size = (sum(n for _, _, n in items), len(items))
         self._gather_deadline = None
         return Step(items)

@@ -9,6 +9,7 @@ so: each user's share of every forward pass (sched/share.py), the device shared 
 perf/bench_isolation.py runs the attacks of the issue's size."""
 from __future__ import annotations
 
+import random
 import time
 
 import httpx
@@ -19,6 +20,10 @@ from .attacks import Flood, gateway_pid, rss_mib
 from .test_gateway import free_port, wait_for_gateway
 
 SLOWDOWN, SLACK_S = 3.0, 1.0
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point home "
+         "water room mother area money story fact month lot right study book eye job word business issue side kind "
+         "head house service friend father power hour game line end member law car city community name").split()
 BOB_ASKS = [{"role": "user", "content": "Count from 1 to 200, separated by commas."}]
 
 
@@ -105,10 +110,11 @@ def test_long_prompts_of_one_key(km):
     one new, none cached): her prefills take their share of each step, not bob's."""
     alone = bob_alone(km)
     rss0 = rss_mib(km.proc.pid), rss_mib(km.gateway)
-    words = min(3000, km.context - 200) * 2 // 3            # ~1.5 tokens a word
+    words = min(3000, km.context - 200)                     # a common word is one token
 
     def prompt(i, j):
-        text = " ".join(f"w{(i * 7919 + j * 104729 + n) % 9973}" for n in range(words))
+        rng = random.Random(i * 100003 + j)
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
         return {"model": km.model, "max_tokens": 1, "temperature": 0, "stream": False,
                 "messages": [{"role": "user", "content": f"Summarize: {text}"}]}
     with Flood(km.url, km.keys["alice"], 16, prompt) as a:

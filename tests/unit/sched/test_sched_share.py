@@ -238,3 +238,18 @@ def test_the_scheduler_learns_the_shared_width_from_the_steps_it_timed():
         s.took(device(step))
         again(s, step)
     assert widths[0] == 2 and widths[-3:] == [4, 4, 4]
+
+
+def test_the_step_waits_for_the_light_users_caller_not_for_the_heavy_users_stragglers():
+    """After a shared step, the next one waits (up to the gather window) for bob's caller to come
+    back, never for alice's: she has more calls queued than her share takes."""
+    s = sched(gather_s=0.003)
+    for i in range(16):
+        s.add(Call(f"a{i}", lip=i, user="alice", n_tokens=1))
+    s.add(Call("b", lip=100, user="bob", n_tokens=1))
+    step = s.schedule()
+    assert set(s.last_step_keys) == {"b"}
+    assert s.should_wait(now=1.0) is True                       # bob's next token is coming
+    s.add(Call("b", lip=100, user="bob", n_tokens=1))
+    assert s.should_wait(now=1.001) is False                    # alice's 3 callers: not waited for
+    assert len(step.items) == 4
