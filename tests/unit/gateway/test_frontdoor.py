@@ -94,3 +94,70 @@ def test_gateway_flags_make_the_door_and_refuse_nonsense():
                        (["--max-conns-per-addr", "2", "--max-pending-per-addr", "4"], "--max-conns-per-addr")):
         with pytest.raises(cfgmod.ConfigError, match=msg):
             cfgmod.from_args(p.parse_args(flags), "/tmp/k.sock", "127.0.0.1", 8000)
+
+
+def test_a_websocket_stays_counted_against_its_address_until_it_closes():
+    """Any route is bounded: uvicorn hands an upgraded connection to its WebSocket protocol, and
+    the door keeps counting it (ACTIVE) against its address until that one closes."""
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from websockets.sync.client import connect
+
+    from symphony.gateway.frontdoor import protocol_class
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        assert scope["type"] == "websocket"
+        await receive()
+        await send({"type": "websocket.accept"})
+        while (msg := await receive())["type"] == "websocket.receive":
+            await send({"type": "websocket.send", "text": msg["text"]})
+
+    door = Door(DoorConfig(max_per_addr=3, max_pending_per_addr=2))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=protocol_class(door), ws="websockets-sansio", log_level="error",
+                                           lifespan="on"))
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.01)
+
+    def ws():
+        s = socket.socket()
+        s.bind(("127.0.0.7", 0))
+        s.connect(("127.0.0.1", port))
+        return connect(f"ws://127.0.0.1:{port}/", sock=s, open_timeout=5, legacy=True)
+
+    def settle(n):
+        deadline = time.monotonic() + 5
+        while door.stats()["connections"] != n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return door.stats()["connections"]
+    try:
+        sessions = [ws() for _ in range(3)]
+        assert settle(3) == 3 and door.stats()["pending"] == 0
+        s = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.7", 0))
+        assert s.recv(100).startswith(b"HTTP/1.1 503")    # its address holds 3 sessions, none idle
+        s.close()
+        sessions[0].close()
+        assert settle(2) == 2
+        sessions.append(ws())
+        sessions[-1].send("still echoed")
+        assert sessions[-1].recv(timeout=5) == "still echoed"
+        for w in sessions[1:]:
+            w.close()
+        assert settle(0) == 0
+    finally:
+        server.should_exit = True
+        t.join(10)
