@@ -6,12 +6,13 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
     schedule(now) -> Step | None
       1. each user's share of the step (share.py): one user alone gets the
          whole budget; when several users have ready calls, the step is kept
-         as small as keeps it within ``slowdown`` x the step the lightest of
-         them (of the highest priority class present) would make alone, as
-         predicted by the cost model of the steps timed so far (cost.py), and
-         its tokens are split by weighted max-min between the users (weight
-         4^priority): one user's many sequences take turns in that user's
-         share and make that user's steps slower, not everyone's
+         within ``slowdown`` x the time of the even step (every user of the
+         highest priority class present putting in as many tokens as the
+         lightest of them asks for), as predicted by the cost model of the
+         steps timed so far (cost.py), and its tokens are split by weighted
+         max-min between the users (weight 4^priority): one user's many
+         sequences take turns in that user's share and make that user's
+         steps slower, not everyone's
       2. within a user's share: calls with a single token left (decodes, last
          chunks) first, one token each, then multi-token calls (prefills), a
          long prompt in chunks of at most ``chunk_tokens`` (and of the share),
@@ -46,7 +47,7 @@ from typing import Any, Hashable, Optional
 from .cost import StepCost
 from .share import Demand, capacity, split, weight
 
-SLOWDOWN = 2.0              # a shared step: at most 2x its lightest user's own (share.py)
+SLOWDOWN = 1.5              # a shared step: at most 1.5x the even step at its lightest user's level (share.py)
 
 
 @dataclass
@@ -85,9 +86,9 @@ class Step:
 class BatchScheduler:
     def __init__(self, token_budget: int = 2048, chunk_tokens: int = 512, gather_s: float = 0.003,
                  slowdown: float = SLOWDOWN, cost: Optional[StepCost] = None):
-        """``slowdown``: how much slower than their own work alone a shared step
-        may be for the users it is kept short for (share.py); ``cost``: the
-        step-cost model (default: one that learns from `took`)."""
+        """``slowdown``: how much slower than the even step at its lightest
+        user's level a shared step may be (share.py); ``cost``: the step-cost
+        model (default: one that learns from `took`)."""
         if token_budget < 1 or chunk_tokens < 1:
             raise ValueError("token_budget and chunk_tokens must be >= 1")
         if not slowdown >= 1.0:

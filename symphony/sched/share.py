@@ -2,14 +2,16 @@
 
 A step is *shared* when calls of two or more users are ready.  Then:
 
-1. **How big the step may be** (`capacity`): the users of the highest
-   priority class present are each promised a step no slower than
-   ``slowdown`` x the step their own ready work would make alone; the
-   lightest of them binds.  The step's tokens are the most for which the
-   predicted time (cost.py) of the shares that many tokens give stays within
-   that, never fewer than one token per user with work, never more than the
-   token budget.  One user alone (or before any step was timed) gets the
-   whole budget, as before.
+1. **How big the step may be** (`capacity`): the *even step* gives every
+   user of the highest priority class present as many tokens as the
+   lightest of them asks for (all of it for the lightest: its own work, and
+   no more than that for the others); a shared step is kept within
+   ``slowdown`` x the even step's predicted time (cost.py).  It takes the
+   most tokens for which the predicted time of the shares that many tokens
+   give stays within that, never fewer than one token per user with work,
+   never more than the token budget.  One user alone (or before any step was
+   timed) gets the whole budget, as before; users who ask alike get
+   full-size steps.
 2. **Who gets what** (`split`): weighted max-min (water-filling) of those
    tokens over the users' demands, with weight 4^priority (batch 1/4, normal
    1, interactive 4): a user who asks for less than an equal share gets all
@@ -18,8 +20,8 @@ A step is *shared* when calls of two or more users are ready.  Then:
    served least so far (tokens / weight), higher class first on ties.
 
 So a user with one decoding sequence beside a user with sixteen rides in
-every step, and the step is as narrow as keeps it within ``slowdown`` x his
-own; the sixteen take turns in what is left.  A user with a long prompt
+every step, and the step is as narrow as keeps it within ``slowdown`` x the
+step of one token each; the sixteen take turns in what is left.  A user with a long prompt
 beside a decoder gets prefill chunks sized to the same promise.  Two heavy
 users share full-size steps half and half.
 
@@ -107,10 +109,10 @@ def capacity(demands: list[Demand], budget: int, cost: Optional[StepCost], slowd
     total = min(budget, sum(d.tokens for d in demands))
     if len(demands) < 2 or cost is None or not cost.steps:
         return total
-    top = max(d.priority for d in demands)
-    light = min((d for d in demands if d.priority == top), key=lambda d: (d.tokens, d.user))
-    alone = min(light.tokens, budget)
-    target = slowdown * cost.seconds(alone, light.calls(alone))
+    top = [d for d in demands if d.priority == max(x.priority for x in demands)]
+    light = min(d.tokens for d in top)
+    even = [min(d.tokens, light) for d in top]         # every top user as much as the lightest asks
+    target = slowdown * cost.seconds(min(budget, sum(even)), sum(d.calls(n) for d, n in zip(top, even)))
     by_key = {d.key: d for d in demands}
 
     def fits(c: int) -> bool:

@@ -39,8 +39,9 @@ def test_one_user_alone_gets_the_whole_budget():
 
 
 def test_a_light_user_beside_16_streams_rides_every_step_of_a_narrow_batch():
-    """Bob alone: 5.5 ms a step.  With alice's 16 streams the step may take 11 ms: 4 calls,
-    bob's and 3 of alice's, hers in turns (each of her LIPs once every 16/3 steps)."""
+    """The even step (a token each) takes 7 ms, so the shared one may take 10.5 ms: 4 calls,
+    bob's and 3 of alice's (10 ms, 1.8x bob's 5.5 ms alone), hers in turns (each of her LIPs
+    once every 16/3 steps)."""
     s = sched()
     for i in range(16):
         s.add(Call(f"a{i}", lip=i, user="alice", n_tokens=1, arrival=0))
@@ -56,7 +57,7 @@ def test_a_light_user_beside_16_streams_rides_every_step_of_a_narrow_batch():
     for _ in range(96):
         step = s.schedule()
         assert "b" in [c.key for c, _, _ in step.items] and len(step.items) == 4
-        assert predicted(s, step) <= 2 * s.cost.seconds(1, 1) + 1e-12
+        assert predicted(s, step) <= 1.5 * s.cost.seconds(2, 2) + 1e-12
         again(s, step)
     assert s.served_user["bob"] == 96 and s.served_user["alice"] == 3 * 96
     assert sorted(s.served_lip[i] for i in range(16)) == [18] * 16       # her 288 tokens, 18 each
@@ -64,28 +65,28 @@ def test_a_light_user_beside_16_streams_rides_every_step_of_a_narrow_batch():
 
 def test_long_prompts_of_one_user_get_chunks_sized_to_the_decoder_beside_them():
     """Alice's 16 prompts of 3,000 tokens alone: two 128-token chunks a step (197 ms).  With
-    bob decoding: bob's token and a 6-token chunk of hers (10.75 ms <= 2 x 5.5)."""
+    bob decoding: bob's token and a 5-token chunk of hers (10 ms <= 1.5 x 7, the even step)."""
     s = sched()
     for i in range(16):
         s.add(Call(f"p{i}", lip=i, user="alice", n_tokens=3000))
     assert comp(s.schedule()) == [("p0", 0, 128), ("p1", 0, 128)]
     s.add(Call("b", lip=100, user="bob", n_tokens=1))
-    assert comp(s.schedule()) == [("b", 0, 1), ("p2", 0, 6)]
+    assert comp(s.schedule()) == [("b", 0, 1), ("p2", 0, 5)]
     s.add(Call("b", lip=100, user="bob", n_tokens=1))
-    assert comp(s.schedule()) == [("b", 0, 1), ("p3", 0, 6)]
+    assert comp(s.schedule()) == [("b", 0, 1), ("p3", 0, 5)]
     assert comp(s.schedule()) == [("p4", 0, 128), ("p5", 0, 128)]        # bob thinking: hers again
 
 
 def test_a_light_users_prefill_sets_the_step_by_its_own_size():
-    """Bob's 40-token prompt beside alice's prompts: his step alone is 34.75 ms, so the shared
-    step may take 69.5 ms: his 40 tokens and 45 of hers (69.25 ms)."""
+    """Bob's 40-token prompt beside alice's prompts: the even step (40 tokens each) takes
+    65.5 ms, so the shared step may take 98.25 ms: his 40 tokens and 83 of hers (97.75 ms)."""
     s = sched()
     for i in range(4):
         s.add(Call(f"p{i}", lip=i, user="alice", n_tokens=3000))
     s.add(Call("b", lip=100, user="bob", n_tokens=40))
     step = s.schedule()
-    assert comp(step) == [("p0", 0, 45), ("b", 0, 40)]
-    assert predicted(s, step) <= 2 * s.cost.seconds(40, 1)
+    assert comp(step) == [("p0", 0, 83), ("b", 0, 40)]
+    assert predicted(s, step) <= 1.5 * s.cost.seconds(80, 2)
 
 
 def test_two_heavy_users_share_full_steps_half_and_half():
@@ -99,11 +100,12 @@ def test_two_heavy_users_share_full_steps_half_and_half():
 
 
 def test_three_users_the_lightest_binds_and_the_middle_one_gets_all_it_asks():
-    """Bob 1 decode, carol 2, alice 16: the step may take 11 ms = 4 calls: bob 1, then carol and
-    alice an equal share of the 3 left (1.5 each); the whole token left over goes to the one
-    served least (a tie here: by name).  Carol with 1 and 2 served more: the spare is hers."""
-    def three(alice_served):
-        s = sched()
+    """Bob 1 decode, carol 2, alice 16: the even step (a token each) takes 8.5 ms, the shared
+    one may take 12.75 ms = 5 calls: bob 1, then carol and alice an equal share of the 4 left
+    (2 each, all carol asks).  With room for 4 calls (a steeper promise), 1.5 each: the whole
+    token left over goes to the one served least (tokens / weight; a tie: by name)."""
+    def three(alice_served, slowdown=1.5):
+        s = sched(slowdown=slowdown)
         s.served_user["alice"] = alice_served
         for i in range(16):
             s.add(Call(f"a{i}", lip=i, user="alice", n_tokens=1))
@@ -111,8 +113,9 @@ def test_three_users_the_lightest_binds_and_the_middle_one_gets_all_it_asks():
         s.add(Call("c0", lip=200, user="carol", n_tokens=1))
         s.add(Call("c1", lip=201, user="carol", n_tokens=1))
         return sorted(c.user for c, _, _ in s.schedule().items)
-    assert three(0) == ["alice", "alice", "bob", "carol"]
-    assert three(50) == ["alice", "bob", "carol", "carol"]
+    assert three(0) == ["alice", "alice", "bob", "carol", "carol"]
+    assert three(0, slowdown=10.5 / 8.5) == ["alice", "alice", "bob", "carol"]
+    assert three(50, slowdown=10.5 / 8.5) == ["alice", "bob", "carol", "carol"]
 
 
 def test_weights_by_priority_class():
@@ -128,7 +131,8 @@ def test_weights_by_priority_class():
 
 def test_only_the_highest_class_present_keeps_the_step_short():
     """A batch-class user's one decode does not narrow a normal user's steps (it still rides
-    in each); an interactive user's does, and gets all it asks for."""
+    in each); an interactive user's does: the even step is then his alone (5.5 ms), and the
+    shared one (<= 8.25 ms) carries his token and one of alice's."""
     s = sched()
     for i in range(16):
         s.add(Call(f"a{i}", lip=i, user="alice", n_tokens=1))
@@ -139,7 +143,7 @@ def test_only_the_highest_class_present_keeps_the_step_short():
         s.add(Call(f"a{i}", lip=i, user="alice", n_tokens=1))
     s.add(Call("b", lip=100, user="bob", n_tokens=1, priority=1))
     step = s.schedule()
-    assert comp(step)[0] == ("b", 0, 1) and len(step.items) == 4
+    assert comp(step)[0] == ("b", 0, 1) and len(step.items) == 2
 
 
 def test_a_user_with_two_classes_gets_a_share_in_each():
@@ -174,8 +178,10 @@ def test_capacity_is_the_budget_alone_or_unknown_costs():
     assert capacity(d, 256, StepCost(), 2.0) == 17                     # nothing timed yet
     assert capacity(d[:1], 256, StepCost.fixed(**CPU), 2.0) == 16
     assert capacity(d, 10, None, 2.0) == 10
-    assert capacity(d, 256, StepCost.fixed(**CPU), 2.0) == 4
-    assert capacity(d, 256, StepCost.fixed(**CPU), 3.0) == 8           # 4 + 1.5 x 8 = 16 <= 16.5
+    assert capacity(d, 256, StepCost.fixed(**CPU), 1.5) == 4           # 4 + 1.5 x 4 = 10 <= 1.5 x 7
+    assert capacity(d, 256, StepCost.fixed(**CPU), 3.0) == 11          # 4 + 1.5 x 11 = 20.5 <= 21
+    even = [Demand("a", 0, [1] * 8), Demand("b", 0, [1] * 8)]
+    assert capacity(even, 256, StepCost.fixed(**CPU), 1.5) == 16        # users who ask alike: all of it
 
 
 # ---------------------------------------------------------------- the cost model
@@ -219,8 +225,9 @@ def test_cost_model_never_goes_negative():
 
 def test_the_scheduler_learns_the_shared_width_from_the_steps_it_timed():
     """Alice's 16 streams alone, 28 ms a step (this CPU).  Bob arrives: the model knows one size,
-    so the first shared steps are 2 calls (1.75 ms a call, through the origin); timed at 7 ms,
-    they teach it the step's fixed cost, and the shared steps widen to 4 calls (11 ms)."""
+    so the first shared step is 3 calls (1.75 ms a call, through the origin: 5.25 <= 1.5 x 3.5);
+    timed at 8.5 ms, it teaches the model the step's fixed cost, and the shared steps widen to
+    4 calls (10 ms)."""
     s = BatchScheduler(token_budget=256, chunk_tokens=128)
     device = lambda step: 0.004 + 0.0015 * len(step.items)              # noqa: E731
     for i in range(16):
@@ -237,7 +244,7 @@ def test_the_scheduler_learns_the_shared_width_from_the_steps_it_timed():
         widths.append(len(step.items))
         s.took(device(step))
         again(s, step)
-    assert widths[0] == 2 and widths[-3:] == [4, 4, 4]
+    assert widths[0] == 3 and widths[-3:] == [4, 4, 4]
 
 
 def test_the_step_waits_for_the_light_users_caller_not_for_the_heavy_users_stragglers():
