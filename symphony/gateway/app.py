@@ -28,7 +28,7 @@ from pathlib import Path
 
 import orjson
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -186,10 +186,16 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
     def api(handler, route: str, *, needs_body: bool = True):
         async def endpoint(request: Request):
             request.state.route = route
-            key = gw.authenticate(request)
-            request.state.key = key.name
-            # held until the response's last byte (the middleware releases it)
-            request.state.slot = gw.limiter.acquire(key.name, key.rpm, key.max_concurrent)
+            key = None
+            try:
+                key = gw.authenticate(request)
+                request.state.key = key.name
+                # held until the response's last byte (the middleware releases it)
+                request.state.slot = gw.limiter.acquire(key.name, key.rpm, key.max_concurrent)
+            except ApiError:                        # refusals, a few a second each (limits.py)
+                client = request.client.host if request.client else "local"
+                await gw.limiter.refused(key.name if key is not None else f"addr:{client}")
+                raise
             gw.metrics.active.inc()
             body = await gw.body(request) if needs_body else b""
             out = await handler(gw, body, key, request)
@@ -267,7 +273,8 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
                         media_type="application/json")
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: api_error, ClientGone: client_gone, Exception: bug})
+                    exception_handlers={ApiError: api_error, ClientGone: client_gone, ClientDisconnect: client_gone,
+                                        Exception: bug})
     return AccessLog(app, gw)
 
 
@@ -309,7 +316,7 @@ class AccessLog:
         except ApiError as e:
             if not info["started"]:
                 await self._error(send, e, rid, info)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):
             info["status"] = 499
         except Exception:                                   # a bug (logged by `bug` once started)
             if not info["started"]:

@@ -57,6 +57,23 @@ class GatewayConfig:
     cache: str = "user"
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
+    # the front door (frontdoor.py): what a client may hold before and between its requests
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    write_timeout: float = 60.0
+    keep_alive_timeout: float = 30.0
+    max_header_bytes: int = 64 << 10
+    max_connections: int = 4096
+    max_conns_per_addr: int = 256
+    max_pending_per_addr: int = 16
+
+    def door(self):
+        """The front door's bounds (frontdoor.DoorConfig)."""
+        from .frontdoor import DoorConfig
+        return DoorConfig(header_timeout=self.header_timeout, body_timeout=self.body_timeout,
+                          write_timeout=self.write_timeout, keep_alive_timeout=self.keep_alive_timeout,
+                          max_header_bytes=self.max_header_bytes, max_connections=self.max_connections,
+                          max_per_addr=self.max_conns_per_addr, max_pending_per_addr=self.max_pending_per_addr)
 
     def __post_init__(self):
         self.kernels = list(dict.fromkeys(self.kernels or [self.socket_path]))
@@ -85,6 +102,17 @@ class GatewayConfig:
                 raise ConfigError(f"--program {r}=...: routes are {', '.join(ROUTES)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        for flag, v in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
+                        ("--write-timeout", self.write_timeout), ("--keep-alive-timeout", self.keep_alive_timeout)):
+            if not 0 < v <= 86400:
+                raise ConfigError(f"{flag} must be in (0, 86400] seconds")
+        for flag, v in (("--max-header-kb", self.max_header_bytes >> 10), ("--max-http-connections", self.max_connections),
+                        ("--max-conns-per-addr", self.max_conns_per_addr),
+                        ("--max-pending-per-addr", self.max_pending_per_addr)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1")
+        if self.max_conns_per_addr < self.max_pending_per_addr:
+            raise ConfigError("--max-conns-per-addr must be >= --max-pending-per-addr")
 
 
 def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
@@ -123,6 +151,31 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     g.add_argument("--prefix-cache", default="user", choices=["user", "shared", "off"],
                    help="prefix caching of the serving program: per user (default), shared between the "
                         "keys marked share_cache, or off")
+    d = p.add_argument_group("HTTP gateway: the front door (what one client may hold before and between its "
+                             "requests; per key, see the key's rpm and max_concurrent)")
+    d.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a request's line and headers may take to arrive, from the connection (or the "
+                        "request's first byte) on; beyond, 408 and closed (default 10)")
+    d.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request body may take after its headers, one more for each 64 KiB "
+                        "received; beyond, the connection is closed (default 30)")
+    d.add_argument("--write-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a client may take nothing of a response it is sent (its connection's send "
+                        "buffer full) before the connection, and the request's program, are closed (default 60)")
+    d.add_argument("--keep-alive-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds an idle connection is kept open between requests (default 30)")
+    d.add_argument("--max-header-kb", type=int, default=64, metavar="KB",
+                   help="largest request line and headers, KiB; beyond, 431 and closed (default 64)")
+    d.add_argument("--max-http-connections", type=int, default=4096, metavar="N",
+                   help="connections open at once, all clients (default 4096); beyond, the client address "
+                        "holding the most gives one up (its oldest idle, else oldest half-sent), or the new "
+                        "connection is refused (503) if it is its own")
+    d.add_argument("--max-conns-per-addr", type=int, default=256, metavar="N",
+                   help="connections one client address (an IPv6 /64) may have open (default 256); beyond, "
+                        "its oldest idle or half-sent one is closed, else the new one is refused (503)")
+    d.add_argument("--max-pending-per-addr", type=int, default=16, metavar="N",
+                   help="connections of one client address whose request's headers have not all arrived "
+                        "(not yet authenticated) (default 16); beyond, its oldest such one is closed (408)")
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -156,7 +209,11 @@ def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[li
                          max_stored_bytes=args.max_stored_mb << 20, programs=programs,
                          default_max_tokens=args.default_max_tokens or None,
                          model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+                         tls_cert=args.tls_cert, tls_key=args.tls_key, header_timeout=args.header_timeout,
+                         body_timeout=args.body_timeout, write_timeout=args.write_timeout,
+                         keep_alive_timeout=args.keep_alive_timeout, max_header_bytes=args.max_header_kb << 10,
+                         max_connections=args.max_http_connections, max_conns_per_addr=args.max_conns_per_addr,
+                         max_pending_per_addr=args.max_pending_per_addr)
 
 
 def to_argv(args) -> list[str]:
@@ -169,7 +226,11 @@ def to_argv(args) -> list[str]:
                     ("--max-stored-responses", args.max_stored_responses),
                     ("--max-stored-mb", args.max_stored_mb), ("--default-max-tokens", args.default_max_tokens),
                     ("--attachments", args.attachments),
-                    ("--prefix-cache", args.prefix_cache)):
+                    ("--prefix-cache", args.prefix_cache), ("--header-timeout", args.header_timeout),
+                    ("--body-timeout", args.body_timeout), ("--write-timeout", args.write_timeout),
+                    ("--keep-alive-timeout", args.keep_alive_timeout), ("--max-header-kb", args.max_header_kb),
+                    ("--max-http-connections", args.max_http_connections), ("--max-conns-per-addr", args.max_conns_per_addr),
+                    ("--max-pending-per-addr", args.max_pending_per_addr)):
         if v is not None:
             out += [flag, str(v)]
     for spec in args.program:

@@ -10,11 +10,28 @@
 
 `Limiter.acquire(key)` admits a request; its slot is released when the
 request has ended, streamed answers included.  Everything runs on the gateway's event loop.
+
+Refusals cost the gateway too: a client that ignores ``Retry-After`` and asks
+again at once, from many connections, would keep the event loop busy answering
+401 and 429 and slow every other client.  So beyond `FREE_REFUSALS` refusals
+in a second to one key (a 429) or one client address (a 401), each further
+refusal is answered only after `REFUSAL_DELAY_S` (`Limiter.refused`): such a
+client then gets a few answers a second per connection, and the connections
+one address may hold are bounded at the front door (frontdoor.py).
+
+A route that holds something for a key for a long time (a stream, a
+WebSocket session) takes a slot with `acquire` when it starts and releases it
+when it ends, so the key's ``max_concurrent`` bounds those too.
 """
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+FREE_REFUSALS = 5           # refusals a second one key or address gets at once
+REFUSAL_DELAY_S = 0.5       # beyond: each refusal waits this long
 
 from .errors import ApiError
 
@@ -33,6 +50,8 @@ class Limiter:
         self.max_active = max_active
         self.active = 0
         self._keys: dict[str, _Bucket] = {}
+        self._refusals: dict[str, deque] = {}           # key name or "addr:IP" -> the last refusals' times
+        self.delayed = 0                                # refusals answered after REFUSAL_DELAY_S
 
     def _bucket(self, name: str, rpm: int) -> _Bucket:
         b = self._keys.get(name)
@@ -62,6 +81,21 @@ class Limiter:
         b.active += 1
         self.active += 1
         return Slot(self, b)
+
+
+    async def refused(self, who: str) -> None:
+        """A request of ``who`` (a key's name, or ``addr:IP`` before a key is
+        known) is being refused: wait `REFUSAL_DELAY_S` first if ``who`` was
+        refused more than `FREE_REFUSALS` times within the last second."""
+        now = time.monotonic()
+        if len(self._refusals) > 4096:                  # forget who has not been refused for a second
+            self._refusals = {w: d for w, d in self._refusals.items() if now - d[-1] < 1.0}
+        d = self._refusals.setdefault(who, deque(maxlen=FREE_REFUSALS))
+        late = len(d) == FREE_REFUSALS and now - d[0] < 1.0
+        d.append(now)
+        if late:
+            self.delayed += 1
+            await asyncio.sleep(REFUSAL_DELAY_S)
 
 
 class Slot:

@@ -3,9 +3,10 @@
     symphony-gateway --http 0.0.0.0:8000 [--socket PATH] [--keys FILE] [--tls-cert PEM --tls-key PEM]
     symphony-gateway --http 0.0.0.0:8000 --kernel PATH --kernel PATH ...      (several kernels)
 
-It runs uvicorn (with uvloop and httptools) on the app of app.py and talks
-to its kernels over their Unix sockets (kernels.py; router.py says which
-kernel serves what).  Started as root (``symphony-kernel
+It runs uvicorn (with uvloop and httptools) on the app of app.py, behind the
+front door of frontdoor.py (timeouts, and connections bounded per client
+address), and talks to its kernels over their Unix sockets (kernels.py;
+router.py says which kernel serves what).  Started as root (``symphony-kernel
 --http`` does), it reads the key file, the TLS files and binds its port
 first, then drops to ``--run-as UID`` (the uid the kernel trusts to act for
 the keys' users, ``symphony-kernel --gateway-uid``) before serving; it never
@@ -47,6 +48,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fit_open_files(door):
+    """The door's bounds, its connections within the process's open-file limit
+    (raised to its hard limit first; 256 files kept for kernels and the rest)."""
+    import dataclasses
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    room = soft - 256 if soft != resource.RLIM_INFINITY else door.max_connections
+    if door.max_connections > room:
+        log.warning("--max-http-connections %d is more than the open-file limit (%d) leaves room for: %d",
+                    door.max_connections, soft, max(room, 16))
+        door = dataclasses.replace(door, max_connections=max(room, 16))
+    return door
+
+
 def _drop_privileges(uid: int) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -55,12 +76,15 @@ def _drop_privileges(uid: int) -> None:
         raise RuntimeError("could not drop root privileges")
 
 
+_BACKLOG = 2048
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, port))
-    s.listen(2048)
+    s.listen(_BACKLOG)
     s.set_inheritable(True)
     return s
 
@@ -95,6 +119,7 @@ def main(argv=None) -> int:
         log.info("%d API keys from %s", len(keys.keys), cfg.keys_path)
     import uvicorn
     from .app import Gateway, build_app
+    from .frontdoor import Door, protocol_class
     from symphony.programs import ProgramError
     try:
         gw = Gateway(cfg, keys)
@@ -102,14 +127,19 @@ def main(argv=None) -> int:
         print(f"symphony-gateway: error: a serving program cannot be read: {e}", file=sys.stderr)
         return 2
     app = build_app(gw)
+    door = Door(_fit_open_files(cfg.door()))
+    gw.metrics.registry.register(door)
     try:
         sock = _bind(cfg.host, cfg.port)
     except OSError as e:
         print(f"symphony-gateway: error: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
         return 2
-    ucfg = uvicorn.Config(app, loop="uvloop", http="httptools", ws="none", lifespan="on", log_level="warning",
-                          access_log=False, ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key,
-                          timeout_keep_alive=30, limit_concurrency=cfg.max_active + 64)
+    # the front door (frontdoor.py) bounds connections per client address; uvicorn's own
+    # limit_concurrency would count every half-sent connection and answer everyone 503
+    ucfg = uvicorn.Config(app, loop="uvloop", http=protocol_class(door), ws="none", lifespan="on",
+                          log_level="warning", access_log=False, ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key,
+                          timeout_keep_alive=cfg.keep_alive_timeout, limit_concurrency=None,
+                          backlog=_BACKLOG)
     try:
         ucfg.load()                                   # reads the TLS files now, before any privilege drop
     except (OSError, ValueError) as e:

@@ -48,6 +48,8 @@ from .router import PinnedKernelDown, answer_keys, request_keys
 
 log = logging.getLogger("symphony.gateway")
 
+QUEUED_EVENTS = 64          # events read from the kernel ahead of the client, per request
+
 _KERNEL_STATUS = {"QueueFull": 503, "LimitExceeded": 403, "PermissionError": 403, "IdentityError": 403,
                   "ValueError": 400}
 
@@ -91,7 +93,9 @@ class ServeRun:
         self.choices = [Choice() for _ in range(n * len(requests))]
         self.started = time.monotonic()
         self.first_token_at: Optional[float] = None
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # bounded: a client that reads nothing stops the pumps, so the kernel's output
+        # credit stops its programs, instead of this queue growing
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUED_EVENTS)
         self._pumps: list[asyncio.Task] = []
         self._pending_prompt = len(requests)
         self._live = 0

@@ -36,7 +36,9 @@ expected to need and does not hold yet, counted for each user only up to the
 user's share of the device (``capacity`` / the users with LIPs admitted or
 asking, less what the user holds); ``lower(p)``: the pages held by
 admitted LIPs of priority < p (the level-2 memory manager suspends those when
-a higher-priority LIP needs pages; their reservations do not count either).
+a higher-priority LIP needs pages; their reservations do not count either),
+and, for a user within its share, what other users of class p hold beyond
+theirs (the memory manager suspends those for it too).
 When no LIP is admitted at all, the head always starts: a LIP bigger than the
 machine gets to run, and fails honestly.
 """
@@ -112,9 +114,12 @@ class Machine:
         """Device pages a new LIP of ``priority`` (of ``user``) may count on.  What
         one user's admitted LIPs reserve (expected, not yet held) counts only up to
         that user's share of the device, ``capacity`` / the users with LIPs admitted
-        or asking: one user's big expectations never reserve the device for all."""
+        or asking: one user's big expectations never reserve the device for all.
+        For a user within its share, what another user of the same class holds
+        beyond its own share counts as free: the memory manager suspends those
+        LIPs for it (sched/memory.py), as it does lower classes'."""
         free = self.device_free + self.reclaimable - self.suspended
-        reserved, held_by = Counter(), Counter()
+        reserved, held_by, same = Counter(), Counter(), Counter()
         for p, held, expected, *who in self.holding:
             u = who[0] if who else None
             if p < priority:
@@ -122,10 +127,14 @@ class Machine:
             else:
                 reserved[u] += max(0, expected - held)
                 held_by[u] += held
+                if p == priority:
+                    same[u] += held
         users = {who[0] if who else None for _, _, _, *who in self.holding} | {user}
         share = self.capacity // len(users) if self.capacity else None
         for u, r in reserved.items():
             free -= r if share is None or u is None else min(r, max(0, share - held_by[u]))
+        if share is not None and user is not None and held_by[user] < share:
+            free += sum(h - share for u, h in same.items() if u not in (user, None) and h > share)
         return free
 
 

@@ -4,14 +4,21 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
 ``remaining`` tokens to feed; a step takes at most ``token_budget`` tokens.
 
     schedule(now) -> Step | None
-      1. calls with a single token left (decodes, last chunks) go first: one
-         token each keeps every decoder moving every step
-      2. then multi-token calls (prefills) fill what is left of the budget, a
-         long prompt in chunks of at most ``chunk_tokens``, so a 10k-token
-         prompt never stalls 32 decoders for a whole prefill
-      within each group the order is: priority class (higher first), then the
-      user and then the LIP that has been served the fewest tokens (fair
-      share between users first, then between one user's LIPs), then arrival.
+      1. each user's share of the step (share.py): one user alone gets the
+         whole budget; when several users have ready calls, the step is kept
+         within ``slowdown`` x the time of the even step (every user of the
+         highest priority class present putting in as many tokens as the
+         lightest of them asks for), as predicted by the cost model of the
+         steps timed so far (cost.py), and its tokens are split by weighted
+         max-min between the users (weight 4^priority): one user's many
+         sequences take turns in that user's share and make that user's
+         steps slower, not everyone's
+      2. within a user's share: calls with a single token left (decodes, last
+         chunks) first, one token each, then multi-token calls (prefills), a
+         long prompt in chunks of at most ``chunk_tokens`` (and of the share),
+         so a 10k-token prompt never stalls decoders for a whole prefill;
+         each group in turns between the user's LIPs (the LIP served the
+         fewest tokens first), then arrival.
     A call appears at most once per step; calls on the same KV file wait for
     the earlier one (their order matters).  Calls of a `held` LIP (suspended,
     or waiting for device pages: sched/memory.py decides) stay queued and are
@@ -24,7 +31,9 @@ a LIP's calls out to fail them) and `drop_lip` (a LIP exited).
 Launch-or-gather: the caller runs a step at once when the device is idle and
 the queue already holds as many calls as the previous step had, otherwise it
 may wait up to ``gather_s`` for the last step's callers to come back (sibling
-threads of one LIP answer within microseconds) - `should_wait`.
+threads of one LIP answer within microseconds) - `should_wait`; not for the
+callers of a user whose share of the last step left some of its calls out
+(its next step is full without them).
 
 Pure Python, no torch: the kernel hands it opaque requests and runs the steps.
 """
@@ -34,6 +43,11 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
+
+from .cost import StepCost
+from .share import Demand, capacity, split, weight
+
+SLOWDOWN = 1.5              # a shared step: at most 1.5x the even step at its lightest user's level (share.py)
 
 
 @dataclass
@@ -70,10 +84,19 @@ class Step:
 
 
 class BatchScheduler:
-    def __init__(self, token_budget: int = 2048, chunk_tokens: int = 512, gather_s: float = 0.003):
+    def __init__(self, token_budget: int = 2048, chunk_tokens: int = 512, gather_s: float = 0.003,
+                 slowdown: float = SLOWDOWN, cost: Optional[StepCost] = None):
+        """``slowdown``: how much slower than the even step at its lightest
+        user's level a shared step may be (share.py); ``cost``: the step-cost
+        model (default: one that learns from `took`)."""
         if token_budget < 1 or chunk_tokens < 1:
             raise ValueError("token_budget and chunk_tokens must be >= 1")
+        if not slowdown >= 1.0:
+            raise ValueError("slowdown must be >= 1")
         self.token_budget, self.chunk_tokens, self.gather_s = token_budget, chunk_tokens, gather_s
+        self.slowdown = slowdown
+        self.cost = cost if cost is not None else StepCost()
+        self._last_size: Optional[tuple[int, int]] = None  # (tokens, calls) of the last step
         self.queue: list[Call] = []
         self.served_user: dict[str, int] = defaultdict(int)
         self.served_lip: dict[int, int] = defaultdict(int)
@@ -113,9 +136,13 @@ class BatchScheduler:
         self.held = set(lips)
 
     def took(self, seconds: float) -> None:
-        """The last step's forward pass took ``seconds``: wait for its late
-        callers at most a quarter of that (and at most 50 ms), `should_wait`."""
+        """The last step's forward pass took ``seconds``: the cost model learns
+        it (cost.py), and the step waits for its late callers at most a quarter
+        of that (and at most 50 ms), `should_wait`."""
         self.gather_s = min(0.050, 0.25 * seconds)
+        if self._last_size is not None:
+            self.cost.observe(*self._last_size, seconds)
+            self._last_size = None
 
     def queued_lips(self) -> set[int]:
         """LIPs with a queued call."""
@@ -172,53 +199,57 @@ class BatchScheduler:
         partly fed ones stay with ``done`` advanced."""
         if not self.queue:
             return None
-        budget, items, busy = self.token_budget, [], set()
-        user_acc = dict(self.served_user)                 # provisional, as the step fills
-        lip_acc = dict(self.served_lip)
-        ready = [c for c in self.queue if c.lip not in self.held]
-        decodes = [c for c in ready if c.remaining == 1]
-        prefills = [c for c in ready if c.remaining > 1]
-        for group, chunked in ((decodes, False), (prefills, True)):
-            for c in self._fair_order(group, user_acc, lip_acc, chunked, busy):
-                if budget <= 0:
-                    break
-                n = min(c.remaining, self.chunk_tokens, budget) if chunked else 1
-                items.append((c, c.done, n))
-                busy.add(c.key)
-                budget -= n
-                user_acc[c.user] = user_acc.get(c.user, 0) + n
-                lip_acc[c.lip] = lip_acc.get(c.lip, 0) + n
-        if not items:
+        demands, calls = self._demands()
+        if not demands:
             return None
+        shares = split(demands, capacity(demands, self.token_budget, self.cost, self.slowdown))
+        decodes, prefills, cut = [], [], set()
+        for d in demands:                                 # share.py ordered them: served least first
+            left = shares[d.key]
+            if left < d.tokens:
+                cut.add(d.key)
+            for c in calls[d.key]:
+                if left <= 0:
+                    break
+                n = 1 if c.remaining == 1 else min(c.remaining, self.chunk_tokens, left)
+                (decodes if c.remaining == 1 else prefills).append((c, c.done, n))
+                left -= n
+        items = decodes + prefills
         for c, _, n in items:
             c.done += n
             self.served_user[c.user] += n
             self.served_lip[c.lip] += n
         self.queue = [c for c in self.queue if c.remaining > 0]
-        self.last_step_keys = {c.key: c.lip for c, _, _ in items}
+        # the callers worth waiting for: those of users whose share took all their ready calls
+        # (a user cut short has calls left for the next step; its stragglers hold nothing up)
+        self.last_step_keys = {c.key: c.lip for c, _, _ in items if (c.priority, c.user) not in cut}
+        self._last_size = (sum(n for _, _, n in items), len(items))
         self._gather_deadline = None
         return Step(items)
 
-    def _fair_order(self, calls, user_acc, lip_acc, chunked, busy):
-        """Calls in scheduling order: higher priority first; within a priority,
-        always the next call of the user served least so far (counting what this
-        step has already given), that user's calls by their LIP's share, then
-        arrival.  A generator, so the accounting updates as the step fills."""
-        by_prio: dict[int, dict[str, list[Call]]] = defaultdict(lambda: defaultdict(list))
-        for c in calls:
-            by_prio[c.priority][c.user].append(c)
-        for prio in sorted(by_prio, reverse=True):
-            users = by_prio[prio]
-            for lst in users.values():
-                lst.sort(key=lambda c: (lip_acc.get(c.lip, 0), c.arrival, c.seq), reverse=True)
-            while users:
-                user = min(users, key=lambda u: (user_acc.get(u, 0), u))
-                lst = users[user]
-                c = lst.pop()
-                if not lst:
-                    del users[user]
-                if c.key in busy:
-                    continue
-                yield c
-                if lst:                                     # the LIP shares may have moved
-                    lst.sort(key=lambda c: (lip_acc.get(c.lip, 0), c.arrival, c.seq), reverse=True)
+    def _demands(self) -> tuple[list[Demand], dict[tuple, list[Call]]]:
+        """Each user's ready calls, one per KV file (the earliest: calls on a
+        file run in order), decodes first, each group in turns between the
+        user's LIPs (the LIP served least first, then arrival); and the
+        matching `Demand`s, the user served least (tokens / weight) first."""
+        seen: set = set()
+        by_user: dict[tuple, list[Call]] = defaultdict(list)
+        for c in self.queue:
+            if c.lip in self.held or c.key in seen:
+                continue
+            seen.add(c.key)
+            by_user[(c.priority, c.user)].append(c)
+        demands, calls = [], {}
+        for (prio, user), cs in by_user.items():
+            turn: dict[int, int] = defaultdict(int)     # the k-th call of a LIP waits k turns
+            keyed = []
+            for c in cs:
+                keyed.append((c.remaining > 1, self.served_lip.get(c.lip, 0) + turn[c.lip], c.arrival, c.seq, c))
+                turn[c.lip] += c.remaining if c.remaining == 1 else min(c.remaining, self.chunk_tokens)
+            ordered = [k[-1] for k in sorted(keyed, key=lambda k: k[:4])]
+            calls[(prio, user)] = ordered
+            items = [1 if c.remaining == 1 else min(c.remaining, self.chunk_tokens, self.token_budget)
+                     for c in ordered]
+            demands.append(Demand(user, prio, items, self.served_user.get(user, 0)))
+        demands.sort(key=lambda d: (-d.priority, d.served / weight(d.priority), d.user))
+        return demands, calls

@@ -9,7 +9,13 @@ answers with moves (`Reclaim`, `Suspend`, `Resume`) and, at the end, a `Plan`
 move (kernel/syscall/residency.py) and tells the planner the pages free afterwards.
 
 The order of importance is total and stable: higher priority class first,
-then the LIP admitted first (`rank`).  Every decision follows it:
+then the LIPs of users within their share of the device before those of
+users beyond it, then the LIP admitted first (`rank`).  A user's share is the
+device pool / the users with LIPs here; what a user holds is its LIPs' device
+pages and the pages its suspended LIPs need back.  So within a class one
+user's many LIPs, however early they came, never keep another user's LIP
+that is within its share from its pages: his LIP may suspend hers, hers not
+his.  Every decision follows the order:
 
   * Each step, LIPs with queued calls are visited most important first; each
     is promised the device pages its next chunk needs (its file swapped back
@@ -57,11 +63,24 @@ class LipMem:
     resume_need: int = 0        # device pages to bring its files back (suspended LIPs)
     blocked: bool = False       # waiting for input or a capability: reclaimed, not suspended
     fresh: bool = False         # holds no KV page in any tier yet (its first pred would start it)
+    user: str = ""              # its user (the share of the device is per user)
 
 
-def rank(l: LipMem) -> tuple:
-    """Sort key, most important first."""
-    return (-l.priority, l.admitted, l.id)
+def rank(l: LipMem, over: frozenset = frozenset()) -> tuple:
+    """Sort key, most important first; ``over``: the users beyond their share."""
+    return (-l.priority, l.user in over, l.admitted, l.id)
+
+
+def over_share(lips: list[LipMem], capacity: int) -> frozenset:
+    """The users holding more than the device pool / the users with LIPs
+    (device pages, and pages their suspended LIPs need back)."""
+    held: dict[str, int] = {}
+    for l in lips:
+        held[l.user] = held.get(l.user, 0) + l.device_pages + l.resume_need
+    if len(held) < 2:
+        return frozenset()
+    share = capacity // len(held)
+    return frozenset(u for u, n in held.items() if n > share)
 
 
 @dataclass
@@ -115,7 +134,9 @@ class MemoryPlanner:
         """Visit LIPs most important first; see the module docstring.  ``free``:
         device pages free now.  ``capacity``: the device pool's pages (the
         headroom a resuming LIP asks for never makes it larger than the pool)."""
-        order = sorted(lips, key=rank)
+        over = over_share(lips, capacity)
+        key = lambda l: rank(l, over)                   # noqa: E731
+        order = sorted(lips, key=key)
         out = Plan()
         pool = _Pool(free)
         promised = 0
@@ -130,7 +151,7 @@ class MemoryPlanner:
                 want = base + min(headroom, max(0, capacity - base))
                 # only a higher class may push running LIPs out to come back
                 lower = [v for v in running[::-1] if v.id not in gone and v.priority < l.priority
-                         and rank(v) > rank(l)]
+                         and key(v) > key(l)]
                 if (yield from self._room(pool, promised, want, lower, gone, out)):
                     pool.free = yield Resume(l.id)
                     out.resume.append(l.id)
@@ -148,7 +169,7 @@ class MemoryPlanner:
                 out.wait.append(l.id)
                 continue
             # everything less important and running may be pushed out for it
-            lower = [v for v in running[::-1] if v.id not in gone and rank(v) > rank(l)]
+            lower = [v for v in running[::-1] if v.id not in gone and key(v) > key(l)]
             if (yield from self._room(pool, promised, l.need, lower, gone, out)):
                 promised += l.need
                 out.run.append(l.id)

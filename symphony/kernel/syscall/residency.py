@@ -91,7 +91,8 @@ class Residency:
             queued = lip.id in chunks
             device, resume, holds = self.pages_of(lip)
             mem.append(LipMem(lip.id, lip.priority, lip.admitted, device, needs.get(lip.id, 0),
-                              lip.suspended, resume, blocked=lip.blocked and not queued, fresh=not holds))
+                              lip.suspended, resume, blocked=lip.blocked and not queued, fresh=not holds,
+                              user=lip.user))
         headroom = sum(1 for m in mem if not m.suspended and not m.blocked)
         plan = self._apply(self.planner.plan(mem, self.alloc.num_free, headroom, self.alloc.capacity))
         if plan.wait:

@@ -233,3 +233,14 @@ def test_the_queue_verbs_hold_drop_and_fail_a_lip():
     assert s.gather_s == 0.050                         # a quarter of the pass, at most 50 ms
     s.took(0.004)
     assert s.gather_s == 0.001
+
+
+def test_admission_counts_another_users_pages_beyond_its_share_as_free():
+    """Alice's LIPs hold all 32 pages; bob's LIP, within his share (16), may count on what
+    she holds beyond hers (the memory manager suspends her LIPs for his); hers may not."""
+    from symphony.sched import Machine
+    m = Machine(admitted=4, max_lips=64, per_user={"alice": 4}, max_per_user=None, device_free=0,
+                holding=tuple((0, 8, 8, "alice") for _ in range(4)), capacity=32)
+    assert m.free_for(0, "bob") == 16 and m.free_for(0, "alice") == 0
+    assert m.free_for(1, "bob") == 32                             # a higher class: all of it, as before
+    assert m.free_for(-1, "bob") == 0                             # a lower class: nothing of hers

@@ -183,3 +183,42 @@ def test_the_planner_yields_its_moves_and_acts_on_the_answers():
     except StopIteration as done:
         plan = done.value
     assert plan.run == [1] and plan.suspend == [2] and not plan.wait
+
+
+# ---------------------------------------------------------------- shares between users
+def test_a_user_within_its_share_suspends_the_lips_of_a_user_beyond_it():
+    """Alice's 4 LIPs, admitted first, hold all 16 pages; bob's new LIP needs 2.  Without
+    users it would wait for hers (it came last); with them alice is beyond her share (8 of
+    16), so her last LIP goes out for it, and she may not push him out in turn."""
+    ls = [LipMem(i, 0, i, 4, 1, user="alice") for i in range(1, 5)] + \
+         [LipMem(9, 0, 9, 0, 2, fresh=True, user="bob")]
+    pool = Pool(16, {1: 4, 2: 4, 3: 4, 4: 4})
+    plan = pool.plan(ls, capacity=16)
+    assert plan.suspend == [4] and plan.run == [9, 1, 2] and plan.wait == [3]
+    anon = [LipMem(l.id, l.priority, l.admitted, l.device_pages, l.need, fresh=l.fresh) for l in ls]
+    assert Pool(16, {1: 4, 2: 4, 3: 4, 4: 4}).plan(anon, capacity=16).wait == [9]   # one user: as before
+    # bob now holds 2, alice 12 and a suspended LIP: alice's LIPs cannot take his pages
+    ls = [LipMem(1, 0, 1, 6, 3, user="alice"), LipMem(2, 0, 2, 6, 0, user="alice"),
+          LipMem(4, 0, 4, 0, 1, True, 4, user="alice"), LipMem(9, 0, 9, 2, 1, user="bob")]
+    pool = Pool(16, {1: 6, 2: 6, 9: 2})
+    pool.swapped = {4: 4}
+    plan = pool.plan(ls, capacity=16)
+    assert plan.run == [9, 1] and 9 not in plan.suspend and plan.suspend == [2] and plan.wait == [4]
+
+
+def test_a_new_lip_within_its_share_starts_although_another_users_lip_waits_to_come_back():
+    ls = [LipMem(1, 0, 1, 14, 1, user="alice"), LipMem(2, 0, 2, 0, 1, True, 6, user="alice"),
+          LipMem(9, 0, 9, 0, 1, fresh=True, user="bob")]
+    pool = Pool(16, {1: 14})
+    pool.swapped = {2: 6}
+    plan = pool.plan(ls, capacity=16)
+    assert 9 in plan.run and plan.wait == [2]
+
+
+def test_rank_puts_users_beyond_their_share_last_within_a_class():
+    from symphony.sched.memory import over_share
+    ls = [LipMem(1, 0, 1, 10, 0, user="a"), LipMem(2, 0, 2, 1, 0, user="b"), LipMem(3, 1, 3, 0, 0, user="a")]
+    over = over_share(ls, 16)
+    assert over == {"a"}
+    assert [l.id for l in sorted(ls, key=lambda l: rank(l, over))] == [3, 2, 1]
+    assert over_share(ls[:1], 4) == frozenset()                      # one user: no shares
