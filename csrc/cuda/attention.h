@@ -11,6 +11,12 @@ namespace symphony {
 // The multiprocessors of a CUDA device (asked once a device).
 int device_sm_count(int device);
 
+// Splits of each sequence's keys (at most 32): enough blocks for about four an SM, from the
+// shapes alone (a CUDA graph replays the same grid whatever the lengths), each at least
+// min_chunk keys of the longest possible sequence; each block then takes its share of its
+// sequence's actual keys.
+int key_splits(const AttnDims& d, int sms, int min_chunk);
+
 // TORCH_CHECKs the limits of the CUDA kernels' index types.
 void check_attention_size(const AttnDims& d, const char* op);
 

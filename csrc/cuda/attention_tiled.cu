@@ -44,6 +44,7 @@
 #include "../checks.h"
 #include "attention.h"
 #include "mma.cuh"
+#include "warp.cuh"
 
 namespace symphony {
 namespace {
@@ -54,7 +55,6 @@ using mma::pack2;
 constexpr int kThreads = 128;  // 4 warps, both kernels
 constexpr int kRows = 64;      // (query token, head) rows of a prefill tile
 constexpr int kMinQ = 32;      // sequences of at least this many query tokens take the prefill kernel
-constexpr int kMaxSplits = 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct TiledParams {
@@ -76,18 +76,6 @@ struct TiledParams {
   int skip_long;        // decode: sequences of >= kMinQ queries are the prefill kernel's
   float scale_log2;     // scale * log2(e)
 };
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
 
 // 2^(m - ref) with an empty state (m = -inf) weighing 0; ref is -inf only when m is.
 __device__ __forceinline__ float weight_of(float m, float ref) {
@@ -615,19 +603,6 @@ bool tiled_fits(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
          (d.T <= 1 || q.stride(0) % 8 == 0);
 }
 
-// Splits of the decode kernel: about four blocks an SM, from the shapes alone, each split at
-// least one block-step of keys.
-int decode_splits(const AttnDims& d, int sms, int step) {
-  const int64_t blocks = d.T * d.n_kv_heads;
-  const int64_t want = int64_t(4) * sms;
-  if (blocks >= want) return 1;
-  int64_t s = (want + blocks - 1) / blocks;
-  const int64_t by_keys = (d.max_pages * d.page_size + step - 1) / step;
-  s = s < kMaxSplits ? s : kMaxSplits;
-  s = s < by_keys ? s : by_keys;
-  return s > 1 ? int(s) : 1;
-}
-
 template <typename T, int D>
 void launch_prefill(TiledParams p, const at::Tensor& cu_q_lens, cudaStream_t stream) {
   const at::Tensor starts = at::empty({p.B + 1}, cu_q_lens.options());
@@ -646,7 +621,7 @@ void launch_decode(TiledParams p, const at::Tensor& q, int sms, const AttnDims& 
                    cudaStream_t stream) {
   constexpr int kStepSmall = decode_step_keys<D, 4>(), kStepLarge = decode_step_keys<D, 2>();
   const bool small = p.group <= 4;
-  p.splits = decode_splits(d, sms, small ? kStepSmall : kStepLarge);
+  p.splits = key_splits(d, sms, small ? kStepSmall : kStepLarge);   // a block-step of keys at least
   at::Tensor part_o, part_ml;
   if (p.splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);

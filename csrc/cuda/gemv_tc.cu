@@ -31,6 +31,7 @@
 
 #include "../check.h"
 #include "attention.h"
+#include "gemv.h"
 #include "mma.cuh"
 
 namespace symphony {
@@ -166,27 +167,10 @@ void launch(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int split
 at::Tensor dense_gemv_tc_cuda(const at::Tensor& x, const at::Tensor& w, bool float_out,
                               int64_t splits) {
   constexpr const char* op = "symphony::dense_gemv_tc";
-  SYM_CHECK(x.is_cuda() && w.is_cuda() && x.device() == w.device(), op,
-            ": x and w must be CUDA tensors on one device, got ", x.device(), " and ", w.device());
-  SYM_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x must be [M, K] and w [N, K], got shapes ",
-            x.sizes(), " and ", w.sizes());
-  SYM_CHECK(x.scalar_type() == w.scalar_type() &&
-                (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16),
-            op, ": x and w must both be float16 or both bfloat16, got ", x.scalar_type(), " and ",
-            w.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  SYM_CHECK(M >= 1 && M <= kMaxRows, op, ": x must have 1 to ", kMaxRows, " rows, got ", M);
-  SYM_CHECK(w.size(1) == K, op, ": x has ", K, " columns but w has ", w.size(1));
-  SYM_CHECK(K % 8 == 0 && K > 0, op, ": K must be a positive multiple of 8, got ", K);
+  check_gemv_args(op, x, w, kMaxRows, int64_t(1) << 31);
   SYM_CHECK(splits == 0 || splits == 1 || splits == 2 || splits == 4 || splits == 8, op,
             ": splits must be 0 (chosen from the shape), 1, 2, 4 or 8, got ", splits);
-  SYM_CHECK(w.is_contiguous(), op, ": w must be contiguous");
-  SYM_CHECK(x.stride(1) == 1 && (M == 1 || x.stride(0) % 8 == 0), op,
-            ": the rows of x must be contiguous and start 16-byte aligned, got strides ", x.strides());
-  SYM_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-                reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-            op, ": x and w must start on a 16-byte boundary");
-  SYM_CHECK(N < (int64_t(1) << 31), op, ": too many rows in w: ", N);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
   const int dev = x.device().index();
   SYM_CHECK(mma::device_has_mma(dev), op, ": needs compute capability 8.0 or later (tensor-core "

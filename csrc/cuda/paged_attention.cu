@@ -9,7 +9,9 @@
 // thread per key looks up its row and scores it against every query head of the GQA group
 // (16-byte loads, q pre-scaled in shared memory), a warp per head runs the online softmax, and
 // the threads then read V in column pairs with the tile's keys shared among key groups. All
-// accumulation is float32.
+// accumulation is float32. These kernels are also paged_attention_tiled's for the shapes and
+// parts its own do not take (paged_attention_general, attention.h); with skip_q they leave the
+// rows of the sequences its prefill kernel writes (a partial sum of -1 tells the merge so).
 //
 // Table values are not validated on the host (that would need a device sync): the kernels
 // clamp every index they derive from them, treat an out-of-range page id as an empty key and
@@ -32,6 +34,7 @@
 #include "../checks.h"
 #include "../check.h"
 #include "attention.h"
+#include "warp.cuh"
 
 namespace symphony {
 namespace {
@@ -108,18 +111,6 @@ struct Elem<at::BFloat16> {  // bfloat16 is the top half of a float32
 template <typename T>
 __device__ __forceinline__ T from_float(float x) {
   return static_cast<T>(x);
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
 }
 
 struct AttnParams {
@@ -478,21 +469,18 @@ int device_sm_count(int device) {
 
 namespace {
 
-// Splits of each sequence's keys: enough blocks for about four per SM, from the shapes alone
-// (a CUDA graph replays the same grid whatever the lengths); each block then takes its share
-// of its sequence's actual keys.
-int attn_splits(const AttnDims& d, int sms) {
+}  // namespace
+
+int key_splits(const AttnDims& d, int sms, int min_chunk) {
   const int64_t blocks = d.T * d.n_kv_heads;
   const int64_t want = int64_t(4) * sms;
   if (blocks >= want) return 1;
   int64_t s = (want + blocks - 1) / blocks;
-  const int64_t by_keys = (d.max_pages * d.page_size + kMinChunk - 1) / kMinChunk;
+  const int64_t by_keys = (d.max_pages * d.page_size + min_chunk - 1) / min_chunk;
   s = s < kMaxSplits ? s : kMaxSplits;
   s = s < by_keys ? s : by_keys;
   return s > 1 ? int(s) : 1;
 }
-
-}  // namespace
 
 void paged_attention_general(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& page_table,
@@ -520,7 +508,7 @@ void paged_attention_general(const at::Tensor& q, const at::Tensor& k_cache,
   p.max_pages = int(d.max_pages);
   p.skip_q = skip_q;
   p.scale_log2 = float(scale) * kLog2e;
-  p.splits = attn_splits(d, device_sm_count(q.device().index()));
+  p.splits = key_splits(d, device_sm_count(q.device().index()), kMinChunk);
   at::Tensor part_o, part_ml;
   if (p.splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);

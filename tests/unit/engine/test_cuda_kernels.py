@@ -294,22 +294,27 @@ def test_cuda_dense_gemv_matches_the_float32_product(dtype, M, N, K):
 
 
 @cuda
-def test_cuda_dense_gemv_rejects_bad_input():
+@pytest.mark.parametrize("name,max_rows", [("dense_gemv", 4), ("dense_gemv_tc", 8)])
+def test_cuda_gemvs_reject_bad_input(name, max_rows):
     _need_cuda_ops()
+    op = getattr(ops, name)
     w = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
-        ops.dense_gemv(x[:5], w, False)
+    x = torch.randn(9, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"1 to {max_rows} rows, got {max_rows + 1}"):
+        op(x[:max_rows + 1], w, False)
     with pytest.raises(RuntimeError, match="multiple of 8, got 60"):
-        ops.dense_gemv(x[:1, :60].contiguous(), w[:, :60].contiguous(), False)
+        op(x[:1, :60].contiguous(), w[:, :60].contiguous(), False)
     with pytest.raises(RuntimeError, match="16-byte boundary"):
-        ops.dense_gemv(x.view(-1)[1:65].view(1, 64), w, False)
+        op(x.view(-1)[1:65].view(1, 64), w, False)
     with pytest.raises(RuntimeError, match="must both be float16 or both bfloat16"):
-        ops.dense_gemv(x[:1].float(), w.float(), False)
+        op(x[:1].float(), w.float(), False)
     with pytest.raises(RuntimeError, match="one device"):
-        ops.dense_gemv(x[:1].cpu(), w, False)
+        op(x[:1].cpu(), w, False)
     with pytest.raises(RuntimeError, match="w must be contiguous"):
-        ops.dense_gemv(x[:1, :16].contiguous(), w.t(), False)
+        op(x[:1, :16].contiguous(), w.t(), False)
+    if name == "dense_gemv_tc":
+        with pytest.raises(RuntimeError, match="splits must be 0"):
+            op(x[:1], w, False, 16)
 
 
 @cuda
@@ -345,23 +350,6 @@ def test_cuda_dense_gemv_tc_matches_the_float32_product(dtype, M, N, K):
     torch.testing.assert_close(low.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     xs = torch.randn(M, K + 8, device="cuda", dtype=dtype)[:, :K]   # rows 16-byte aligned, strided
     torch.testing.assert_close(ops.dense_gemv_tc(xs, w, True, 2), xs.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
-
-
-@cuda
-def test_cuda_dense_gemv_tc_rejects_bad_input():
-    _need_cuda_ops()
-    w = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(9, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
-        ops.dense_gemv_tc(x, w)
-    with pytest.raises(RuntimeError, match="splits must be 0"):
-        ops.dense_gemv_tc(x[:1], w, False, 16)
-    with pytest.raises(RuntimeError, match="multiple of 8, got 60"):
-        ops.dense_gemv_tc(x[:1, :60].contiguous(), w[:, :60].contiguous())
-    with pytest.raises(RuntimeError, match="16-byte boundary"):
-        ops.dense_gemv_tc(x.view(-1)[1:65].view(1, 64), w)
-    with pytest.raises(RuntimeError, match="must both be float16 or both bfloat16"):
-        ops.dense_gemv_tc(x[:1].float(), w.float())
 
 
 def _attn_case(dtype, q_lens, kv_lens, n_heads, n_kv, head_dim, seed=0, strided=False):
