@@ -62,11 +62,11 @@ GEMV_SHAPES = [("qkv", 3072, 2048, False), ("o", 2048, 2048, False), ("gate_up",
                ("down", 2048, 8192, False), ("head", 128256, 2048, True)]
 
 
-def gemv_section(runs):
+def gemv_section(runs, with_tc=True):
     """Section 3: every GEMV candidate on each shape and row count, L2 flushed before each call."""
     from symphony.engine.cuda_kernels import FLUSH_BYTES, run_gemv, time_calls
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    tc = torch.cuda.get_device_capability()[0] >= 8
+    tc = with_tc and torch.cuda.get_device_capability()[0] >= 8
     out = []
     for name, n, k, f32 in GEMV_SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -97,6 +97,7 @@ def main():
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--only", choices=["logits", "quant", "gemv"], default=None)
     ap.add_argument("--json", default=None, metavar="PATH")
+    ap.add_argument("--no-tc", action="store_true", help="gemv: leave dense_gemv_tc out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_ops: needs a CUDA GPU")
@@ -108,7 +109,7 @@ def main():
 
     if args.only in (None, "gemv"):
         print("\n## 3. decode GEMVs, bfloat16, L2 flushed (TB/s: weight bytes / median time)")
-        rows = gemv_section(args.runs)
+        rows = gemv_section(args.runs, not args.no_tc)
         if args.json:
             import json
             Path(args.json).write_text(json.dumps(dict(device=p.name, gemv=rows), indent=2))

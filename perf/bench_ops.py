@@ -150,13 +150,14 @@ def main():
                     help="comma-separated: float32, bfloat16, float16 (default float32)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the medians as JSON")
+    ap.add_argument("--no-tiled", action="store_true", help="CUDA: leave paged_attention_tiled out")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",")]
     ops.load()
     dev, shape = args.device, SHAPES[args.shape]
-    tiled = dev == "cuda" and ops.cuda_available()
+    tiled = dev == "cuda" and ops.cuda_available() and not args.no_tiled
     print(f"device={dev} threads={torch.get_num_threads()} torch={torch.__version__} shape={args.shape} "
           f"{shape} timer={'CUDA events' if dev == 'cuda' else 'wall'}")
     scale = shape[2] ** -0.5

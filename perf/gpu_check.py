@@ -15,8 +15,9 @@ warm; the embedded model travels in two parts, ~49 MB a call):
     run(carry=[".whl", ".gpu/a"], timeout_s=540, command="python3 perf/gpu_check.py first $OUT --budget 500")
     run(carry=[".gpu/b"],         timeout_s=330, command="python3 perf/gpu_check.py second $OUT --budget 300")
 
-``first``: the machine (env), the wheels, the CUDA build, the CUDA test files (the new
-kernels' first: test_cuda_kernels.py), `perf/bench_ops.py` (paged
+``first``: the machine (env), the wheels, the CUDA build, a smoke test of each new kernel
+in a process of its own (one that crashes or disagrees is left out of every later stage of
+both calls), the CUDA test files (test_cuda_kernels.py first), `perf/bench_ops.py` (paged
 attention vs SDPA, flash-attn / FlashInfer if present, a prompt into a non-empty file, both
 head shapes), `perf/bench_gpu_ops.py --only gemv` (every GEMV at 1-8 rows, TB/s), then
 `perf/bench_gpu.py` (batch-1 MBU, tokens/s at 1/16/64 against transformers, against the same
@@ -98,6 +99,7 @@ __attribute__((constructor)) static void install(void) {
 
 
 LOGS = Path("/tmp/gpu_check/logs")
+KERNELS_OFF = Path("/tmp/gpu_check/kernels_off")   # parts the smoke stage left out, for both calls
 
 
 class Pass:
@@ -109,6 +111,8 @@ class Pass:
         self.t0, self.budget = time.monotonic(), budget
         self.env = dict(os.environ, PYTHONPATH=f"{SITE}:{REPO}", PYTHONUNBUFFERED="1",
                         TORCH_CUDA_ARCH_LIST="9.0", MAX_JOBS=str(os.cpu_count() or 8))
+        if KERNELS_OFF.exists() and KERNELS_OFF.read_text().strip():
+            self.env["SYMPHONY_CUDA_KERNELS"] = "auto," + ",".join(f"-{x}" for x in KERNELS_OFF.read_text().split())
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -303,6 +307,54 @@ def stage_benches(p: Pass) -> None:
         p.run("bench_gpu_ops", [sys.executable, "perf/bench_gpu_ops.py", "--runs", "30"], 60, tail=16)
 
 
+SMOKE = r"""
+import sys, torch
+from symphony.engine import cuda_kernels, ops
+from symphony.engine.config import ModelConfig
+part = sys.argv[1]
+torch.manual_seed(0)
+if part == "attention":
+    for h, kv, d, ql, kl in ((9, 3, 64, [300, 1, 1], [500, 40, 2000]), (32, 8, 64, [64], [64]),
+                             (8, 2, 128, [1] * 5, [1, 70, 300, 900, 3000])):
+        c = ModelConfig(arch="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8, n_layers=1,
+                        n_heads=h, n_kv_heads=kv, head_dim=d, max_context=4096, name="smoke")
+        for dt in (torch.bfloat16, torch.float16):
+            args = cuda_kernels.attention_case(c, torch.device("cuda"), dt, torch.Generator().manual_seed(1), ql, kl)
+            want = ops.paged_attention(*args).float()
+            for k in (1, 2, 3):
+                err = (ops.paged_attention_tiled(*args, k).float() - want).abs().max().item()
+                print(part, h, kv, d, ql[:3], kl[:3], dt, "kernels", k, "max |diff|", err, flush=True)
+                assert err <= 2e-2 * max(1.0, want.abs().max().item()), err
+else:
+    for n, k in ((3072, 2048), (1000, 264), (2048, 8192)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        for m in (1, 3, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w.float().t()
+            for s in (0, 1, 2, 4, 8):
+                err = (ops.dense_gemv_tc(x, w, True, s) - ref).abs().max().item()
+                print(part, n, k, m, "splits", s, "max |diff|", err, flush=True)
+                assert err <= 1e-3 * ref.abs().max().item() + 1e-4, err
+torch.cuda.synchronize()
+print(part, "ok")
+"""
+
+
+def stage_smoke(p: Pass) -> None:
+    """The new kernels alone, each part in a process of its own, before anything builds an engine:
+    a part that crashes (an illegal address ends its CUDA context) or disagrees is left out of
+    every later stage, of this call and the next (SYMPHONY_CUDA_KERNELS=auto,-PART)."""
+    off = []
+    for part in ("attention", "gemv_tc"):
+        rc = p.run(f"smoke_{part}", [sys.executable, "-c", SMOKE, part], 60, tail=4)
+        if rc not in (0, None):
+            off.append(part)
+    KERNELS_OFF.write_text(" ".join(off))
+    if off:
+        p.env["SYMPHONY_CUDA_KERNELS"] = "auto," + ",".join(f"-{x}" for x in off)
+        p.note(f"smoke: left out of the later stages: {', '.join(off)}")
+
+
 FIRST_TESTS = ["tests/unit/engine/test_cuda_kernels.py", "tests/unit/engine/test_graph_tokens.py",
                "tests/unit/engine/test_ops.py", "tests/unit/engine/test_ops_fused.py",
                "tests/unit/engine/test_graphs.py", "tests/unit/engine/test_engine.py",
@@ -317,16 +369,20 @@ def stage_first(p: Pass) -> None:
     p.run("build_cuda", [sys.executable, "-c", "import time; t = time.time(); from symphony.engine import ops; "
                          "ops.load(); print('cuda kernels', ops.cuda_available(), round(time.time() - t, 1), 's')"],
           240, tail=3)
+    stage_smoke(p)
     p.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-rfEs",
                          "--tb=short", "--timeout", "100", "--junitxml", str(p.logs / "cuda_tests.xml"),
                          *(p.test_files or FIRST_TESTS)], 110, tail=30)
     for shape in ("smollm", "1b"):
         out = p.logs / f"bench_ops_{shape}.json"
         p.run(f"bench_ops_{shape}", [sys.executable, "perf/bench_ops.py", "--device", "cuda", "--dtypes", "bfloat16",
-                                     "--runs", "20", "--shape", shape, "--json", str(out)], 45, tail=24)
+                                     "--runs", "20", "--shape", shape, "--json", str(out),
+                                     *(["--no-tiled"] if "-attention" in p.env.get("SYMPHONY_CUDA_KERNELS", "") else [])],
+              45, tail=24)
         p.keep(f"bench_ops_{shape}", out)
     out = p.logs / "gemv.json"
-    p.run("bench_gemv", [sys.executable, "perf/bench_gpu_ops.py", "--only", "gemv", "--runs", "15", "--json", str(out)],
+    p.run("bench_gemv", [sys.executable, "perf/bench_gpu_ops.py", "--only", "gemv", "--runs", "15", "--json", str(out),
+                         *(["--no-tc"] if "-gemv_tc" in p.env.get("SYMPHONY_CUDA_KERNELS", "") else [])],
           60, tail=22)
     p.keep("gemv", out)
     out = p.logs / "bench_gpu.json"

@@ -90,6 +90,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if pin else None   # staging free to refill
         self._h_tokens = torch.zeros(max_batch, dtype=i64, pin_memory=pin)   # each graph's greedy tokens
         self._replayed = torch.cuda.Event() if pin else None  # the last replay, its token copy included
+        self.tokens_in_graph = pin             # False after a capture that could not take the copy
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -121,19 +122,34 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.model.device)
         pool = None
         for i, b in enumerate(reversed(self.buckets)):
-            g = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls meanwhile (a LIP arena being registered)
-            # do not invalidate the capture
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                logits = self.model.forward(self._meta(b), self.kv)            # [b, vocab] float32
-                self._h_tokens[:b].copy_(logits.argmax(-1), non_blocking=True)  # the greedy tokens, to the host
-            self._outputs[b] = logits
+            try:
+                g = self._capture_one(b, pool)
+            except RuntimeError as e:
+                if not self.tokens_in_graph or i > 0:
+                    raise
+                # the largest bucket first: without the token copy, every bucket alike
+                log.warning("decode graphs: capturing the greedy tokens' copy failed (%s); the graphs end "
+                            "with the logits and greedy steps take the argmax after the replay", e)
+                self.tokens_in_graph = False
+                torch.cuda.synchronize(self.model.device)
+                g = self._capture_one(b, pool)
             pool = g.pool()
             self._graphs[b] = g
             log.debug("captured decode graph %d/%d (batch %d)", i + 1, len(self.buckets), b)
         torch.cuda.synchronize(self.model.device)
         log.info("captured %d decode graphs (batch 1..%d) in %.2f s",
                  len(self._graphs), self.max_batch, time.perf_counter() - t0)
+
+    def _capture_one(self, b: int, pool) -> "torch.cuda.CUDAGraph":
+        g = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls meanwhile (a LIP arena being registered) do
+        # not invalidate the capture
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            logits = self.model.forward(self._meta(b), self.kv)                # [b, vocab] float32
+            if self.tokens_in_graph:                                           # the greedy tokens, to the host
+                self._h_tokens[:b].copy_(logits.argmax(-1), non_blocking=True)
+        self._outputs[b] = logits
+        return g
 
     # ------------------------------------------------------------------ steps
     def fits(self, n_calls: int, widest: int) -> bool:
@@ -162,6 +178,9 @@ class DecodeGraphs:
         host (the argmax and the copy are the graph's last nodes; this waits for them)."""
         n, b = len(tokens), self._stage(tokens, positions, slots, tables, kv_lens)
         with self._on_device():
+            if b in self._graphs and not self.tokens_in_graph:
+                self._graphs[b].replay()
+                return self._outputs[b][:n].argmax(-1).cpu()
             if b in self._graphs:
                 self._graphs[b].replay()
                 self._replayed.record()
