@@ -323,9 +323,13 @@ def test_cuda_timing_chooses_per_shape():
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
     k = CudaKernels(mode="auto")
     k._choose_gemv(torch.device("cuda"), torch.bfloat16, [w], None, None, reps=5)
-    assert len(k.choices) == 3
+    assert [t.rows for t in k.choices] == [1, 2, 4, 8]
     for t in k.choices:
-        assert t.ours_us > 0 and t.torch_us > 0 and t.use == (t.ours_us <= 0.97 * t.torch_us)
+        assert t.times["cublas"] > 0 and len(t.times) >= 2 and all(us > 0 for us in t.times.values())
+        ours = {c: us for c, us in t.times.items() if c != "cublas"}
+        best = min(ours, key=ours.get)
+        assert t.use == (best if ours[best] <= 0.97 * t.times["cublas"] else "cublas"), t.line()
+        assert (t.rows <= 4) == ("gemv" in t.times)
 
 
 @cuda
