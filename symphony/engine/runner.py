@@ -3,7 +3,7 @@
     step = ModelStep([StepCall(pages=[3, 7], start=5, tokens=[11, 12], positions=[5, 6],
                                want=Want("sample", sampling=check_sampling(0.8, seed=1)))])
     out = engine.runner.run(step)            # StepOutput
-    out.results[0].value                     # tensor([token]) on the engine's device
+    out.results[0].value                     # tensor([token]) (on the host: see below)
 
 A step is plain data: per call the page table of its KV file (every page its
 K/V occupies after the call, the last ones freshly given to it), the first slot
@@ -25,7 +25,10 @@ Validation happened when the call was submitted (`Engine.check_call`, through
 `KVFS.check_pred`); the runner only asserts what would corrupt memory.  If the
 batched forward pass raises, each call is run alone so that only the culprit
 fails (its slots were never counted as written by its owner).  Masks, top-k
-and sampling run on the device (`sampler`); nothing here waits for the device.
+and sampling run on the device (`sampler`); nothing here waits for the device but a decode
+step on the CUDA graphs in which every call wants only its greedy token (argmax, or sample at
+temperature 0, unmasked): the graph's last nodes take the argmax and copy the token ids to the
+host, and the runner returns them there, waited for (the step's one wait; `graphs.py`).
 """
 from __future__ import annotations
 
@@ -82,7 +85,8 @@ class ModelStep:
 class CallResult:
     """``value`` by `Want.output`: logits [rows, vocab] (model dtype, float32 when
     masked); topk (log-probs [rows, k] float32, ids [rows, k] int32); argmax and
-    sample: tokens [rows] int64.  Or ``error``."""
+    sample: tokens [rows] int64 (on the engine's device, or already on the host after a graphed
+    greedy decode step).  Or ``error``."""
 
     value: Any = None
     error: Optional[BaseException] = None
@@ -124,7 +128,13 @@ class Runner:
             return refused
         try:
             t0 = time.perf_counter()
-            logits = self._forward(calls)                 # [rows of all calls, vocab]
+            graphed = self._graph_step(calls)
+            if graphed is not None and all(greedy(c.want) for c in calls):
+                tokens = self.graphs.run_tokens(*graphed)            # [B] int64, on the host
+                self._count(calls, step.tokens, time.perf_counter() - t0)
+                return StepOutput([CallResult(tokens[i:i + 1]) for i in range(len(calls))])
+            logits = (self.graphs.run(*graphed) if graphed is not None    # [rows of all calls, vocab]
+                      else self.model.forward(self._build_meta(calls), self.kv))
             dt = time.perf_counter() - t0
         except Exception as e:
             if len(calls) == 1:
@@ -161,15 +171,16 @@ class Runner:
         return None
 
     # ------------------------------------------------------------------ helpers
-    def _forward(self, calls: list[StepCall]) -> torch.Tensor:
-        if (self.graphs is not None and all(len(c.tokens) == 1 and not c.all_rows for c in calls)
-                and self.graphs.fits(len(calls), max(len(c.pages) for c in calls))):
-            tables = [c.pages for c in calls]
-            slots, kv_lens = decode_step(tables, [c.start for c in calls], self.page_size)
-            self.stats.graph_steps += 1
-            return self.graphs.run([c.tokens[0] for c in calls], [c.positions[0] for c in calls],
-                                   slots, tables, kv_lens)                 # [B, vocab]
-        return self.model.forward(self._build_meta(calls), self.kv)       # [R, vocab]
+    def _graph_step(self, calls: list[StepCall]) -> Optional[tuple]:
+        """The decode graphs' arguments for a step they take (every call one token, its last
+        logits only, within the graphs' batch and width), else None."""
+        if (self.graphs is None or not all(len(c.tokens) == 1 and not c.all_rows for c in calls)
+                or not self.graphs.fits(len(calls), max(len(c.pages) for c in calls))):
+            return None
+        tables = [c.pages for c in calls]
+        slots, kv_lens = decode_step(tables, [c.start for c in calls], self.page_size)
+        self.stats.graph_steps += 1
+        return [c.tokens[0] for c in calls], [c.positions[0] for c in calls], slots, tables, kv_lens
 
     def _build_meta(self, calls: list[StepCall]) -> BatchMeta:
         S = self.page_size
@@ -230,6 +241,13 @@ def run_planned(owner: PageOwner, runner: Runner, calls: Sequence) -> list:
     return owner.commit(plan, out)
 
 
+def greedy(want: Want) -> bool:
+    """Whether a call wants only its greedy token: an unmasked argmax, or a sample at temperature 0
+    (which `sampler.sample` takes as the argmax)."""
+    return want.mask is None and (want.output == "argmax"
+                                  or want.output == "sample" and want.sampling.temperature == 0)
+
+
 def finish(x: torch.Tensor, want: Want) -> Any:
     """A call's result from its logits rows ``x`` [rows, vocab], on x's device."""
     if want.output == "logits":
@@ -245,4 +263,4 @@ def finish(x: torch.Tensor, want: Want) -> Any:
 
 
 __all__ = ["CallResult", "EngineStats", "ModelStep", "OUTPUTS", "PageOwner", "Runner", "StepCall",
-           "StepOutput", "Want", "finish", "run_planned"]
+           "StepOutput", "Want", "finish", "greedy", "run_planned"]

@@ -61,6 +61,8 @@ __all__ = [
     "rope_",
     "llama_layers",
     "dense_gemv",
+    "dense_gemv_tc",
+    "paged_attention_tiled",
     "qlinear_reference",
     "FIFTEEN_BIT_PATHS",
     "quantize_act_reference",
@@ -229,6 +231,34 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, float_out: bool = False) -> tor
     return torch.ops.symphony.dense_gemv(x, w, bool(float_out))
 
 
+def dense_gemv_tc(x: torch.Tensor, w: torch.Tensor, float_out: bool = False, splits: int = 0) -> torch.Tensor:
+    """`dense_gemv` on tensor cores (csrc/cuda/gemv_tc.cu): ``x [M, K]`` of 1 to 8 rows times a
+    dense ``w [N, K]``, each weight read once whatever M; float16 or bfloat16 x and w alike, K a
+    multiple of 8, rows of x contiguous and 16-byte aligned, w contiguous, compute capability
+    8.0 or later; float32 accumulation. ``splits``: warps that share a 16-row group's K (1, 2,
+    4, 8; 0 chooses from the shape). On the CPU `dense_gemv`'s reference (the same checks of M
+    and splits)."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.dense_gemv_tc(x, w, bool(float_out), int(splits))
+
+
+def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                          scale: float, kernels: int = 3) -> torch.Tensor:
+    """`paged_attention` (same arguments, same result) with the CUDA kernels ``kernels`` picks
+    (csrc/cuda/attention_tiled.cu): 1 the query-tiled tensor-core kernel for sequences of 32 or
+    more query tokens (a prompt read against each key once per tile of queries), 2 the
+    split-key decode kernel for the other sequences, 3 both, 0 neither. They take float16 /
+    bfloat16 with head_dim 64 or 128 and at most 8 query heads per KV head; every other call,
+    and the part not picked, runs `paged_attention`'s kernels. On the CPU it is
+    `paged_attention`."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.paged_attention_tiled(q, k_cache, v_cache, page_table, cu_q_lens,
+                                                    kv_lens, float(scale), int(kernels))
+
+
 def llama_layers(x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
                  kv_pool: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                  cu_q_lens: torch.Tensor, kv_lens: torch.Tensor, norms: list[torch.Tensor],
@@ -327,6 +357,34 @@ def _dense_gemv_fake(x, w, float_out):
                        device=x.device)
 
 
+def _dense_gemv_tc_fake(x, w, float_out, splits=0):
+    return _dense_gemv_fake(x, w, float_out)
+
+
+def _paged_attention_tiled_fake(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, kernels=3):
+    return _paged_attention_fake(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale)
+
+
+# CPU implementations of the CUDA-first ops: the ops they stand in for, after the same checks.
+def _dense_gemv_tc_cpu(x, w, float_out, splits=0):
+    if x.dim() == 2 and not 1 <= x.shape[0] <= 8:
+        raise RuntimeError(f"symphony::dense_gemv_tc: x must have 1 to 8 rows, got {x.shape[0]}")
+    if splits not in (0, 1, 2, 4, 8):
+        raise RuntimeError(f"symphony::dense_gemv_tc: splits must be 0 (chosen from the shape), 1, 2, "
+                           f"4 or 8, got {splits}")
+    return torch.ops.symphony.dense_gemv(x, w, float_out)
+
+
+def _paged_attention_tiled_cpu(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, kernels=3):
+    if not 0 <= kernels <= 3:
+        raise RuntimeError(f"symphony::paged_attention_tiled: kernels must be 0 to 3 (1: the query-tiled "
+                           f"prefill kernel, 2: the split decode kernel, 3: both), got {kernels}")
+    return torch.ops.symphony.paged_attention(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale)
+
+
+_cpu_lib = None
+
+
 def _llama_layers_fake(x, positions, rope_table, kv_pool, slots, page_table, cu_q_lens, kv_lens,
                        norms, mats, kinds, groups, biases, n_heads, n_kv_heads, scale, eps, qpath):
     torch._check(x.dim() == 2 and kv_pool.dim() == 6)
@@ -359,6 +417,12 @@ def _register_fakes() -> None:
     torch.library.register_fake("symphony::rope_", _rope_fake)
     torch.library.register_fake("symphony::llama_layers", _llama_layers_fake)
     torch.library.register_fake("symphony::dense_gemv", _dense_gemv_fake)
+    torch.library.register_fake("symphony::dense_gemv_tc", _dense_gemv_tc_fake)
+    torch.library.register_fake("symphony::paged_attention_tiled", _paged_attention_tiled_fake)
+    global _cpu_lib
+    _cpu_lib = torch.library.Library("symphony", "IMPL")   # kept: the registrations live with it
+    _cpu_lib.impl("dense_gemv_tc", _dense_gemv_tc_cpu, "CPU")
+    _cpu_lib.impl("paged_attention_tiled", _paged_attention_tiled_cpu, "CPU")
     _fakes_registered = True
 
 

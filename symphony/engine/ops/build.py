@@ -40,7 +40,8 @@ _SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh", ".hpp", ".inc")
 _CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp", "cpu/qlinear_q8.cpp",
                 "cpu/qkernels_q8_x86.cpp", "cpu/qkernels_t16_x86.cpp", "cpu/norm.cpp", "cpu/fused.cpp",
                 "cpu/layers.cpp", "cpu/qkernels_t16_avx2.cpp", "cpu/qkernels_rows_avx2.cpp")
-_CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu", "cuda/dense.cu")
+_CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu", "cuda/dense.cu", "cuda/attention_tiled.cu",
+                 "cuda/gemv_tc.cu")
 _LOCK_TIMEOUT_S = 30 * 60        # default wait for another live builder ($SYMPHONY_BUILD_LOCK_TIMEOUT)
 _LOCK_PROGRESS_S = 10.0
 
@@ -391,10 +392,13 @@ def _find_nvcc() -> Optional[str]:
     return nvcc
 
 
-def compile_cuda_object(out_dir, arch: str = "sm_90", source: str = "paged_attention.cu") -> Path:
+def compile_cuda_object(out_dir, arch: str = "sm_90", source: str = "paged_attention.cu",
+                        extra_flags: tuple = (), log: Optional[list] = None) -> Path:
     """Compile csrc/cuda/<source> to an object file with nvcc; returns its path.
 
     Proves the CUDA kernels compile on a machine without a GPU (or a CUDA build of torch).
+    ``extra_flags`` go to nvcc (e.g. ``("-Xptxas", "-v")``: registers and spills per kernel);
+    ``log``, a list, receives nvcc's output.
     """
     from torch.utils import cpp_extension
     nvcc = _find_nvcc()
@@ -421,7 +425,10 @@ def compile_cuda_object(out_dir, arch: str = "sm_90", source: str = "paged_atten
         cmd.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
     for inc in includes:
         cmd += ["-I", inc]
+    cmd += list(extra_flags)
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if log is not None:
+        log.append(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"symphony: nvcc failed ({proc.returncode}):\n{' '.join(cmd)}\n"
                            f"{proc.stdout}\n{proc.stderr}")
