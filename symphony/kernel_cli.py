@@ -38,9 +38,9 @@ def kernel_main(argv=None) -> int:
     from .engine.config import ConfigError
     from .engine.loader import ModelLoadError
     from .engine.tp.group import TPFailure
-    if args.worker:                                      # another machine's tensor-parallel ranks
+    if cfg.engine.is_other_rank():                       # another machine's ranks, or a launcher's rank > 0
         try:
-            return cfg.engine.run_worker_node()
+            return cfg.engine.run_other_ranks()
         except (ModelLoadError, ConfigError) as e:
             log.error("%s", e)
             return 2
@@ -60,6 +60,7 @@ def kernel_main(argv=None) -> int:
         return 1
     finally:
         kernel.engine.close()                            # the other tensor-parallel ranks stop
+        _exit_if_stuck(kernel.engine, log)
     return 0
 
 
@@ -68,9 +69,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
     EngineArgs.add_cli_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    p.add_argument("--worker", action="store_true",
-                   help="run this machine's tensor-parallel ranks for node 0's kernel (with --tp, --nnodes, "
-                        "--node-rank, --master-addr, --master-port and node 0's engine flags)")
     p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
                    "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
     p.add_argument("--host-pages", type=_host_pages, default="auto",
@@ -190,7 +188,7 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
     engine = EngineArgs.from_cli_args(args)
     try:
         engine_config = engine.to_config()
-        engine.tp_size()
+        engine.check()                                   # --gpus against this machine, --tp against --gpus, ...
     except ConfigError as e:
         raise SystemExit(f"symphony: {e}") from None
     return KernelConfig(
@@ -259,6 +257,18 @@ def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int)
                   test_hooks=cfg.test_hooks, admission=cfg.admission, kv_wait_s=cfg.kv_wait_s,
                   compute_threads=compute_threads, bounds=cfg.bounds, lip_nice=cfg.lip_nice,
                   lip_busy_cpu=cfg.lip_busy_cpu, gateway=cfg.gateway)
+
+
+def _exit_if_stuck(engine, log: logging.Logger) -> None:
+    """After a tensor-parallel failure the kernel has shut down (LIPs told, memory
+    unlinked, ranks killed), but a thread may still be blocked in the broken group's
+    collective, which the interpreter's exit could wait on: end the process now."""
+    tp = getattr(engine, "tp", None)
+    if tp is not None and tp.group.broken:
+        log.error("exiting: %s", tp.group.broken)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class StartupError(RuntimeError):
