@@ -57,10 +57,33 @@ class GatewayConfig:
     cache: str = "user"
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
+    durable_responses: bool = False                    # sync each stored response's conversation KV
+    kernel_secret: Optional[str] = None                # remote kernels: the shared secret's file
+    kernel_ca: Optional[str] = None                    # ... the CA of their certificates (tls://)
+    kernel_cert: Optional[str] = None                  # ... this gateway's client certificate (mutual TLS)
+    kernel_key: Optional[str] = None
+    kernel_credentials: object = None                  # transport.Credentials, read from the files above
 
     def __post_init__(self):
+        from symphony.ipc.transport import Credentials, Endpoint
         self.kernels = list(dict.fromkeys(self.kernels or [self.socket_path]))
         self.socket_path = self.kernels[0]
+        try:
+            eps = [Endpoint.parse(k) for k in self.kernels]
+        except ValueError as e:
+            raise ConfigError(f"--kernel {e}") from None
+        if any(ep.remote for ep in eps) and self.kernel_credentials is None:
+            if not self.kernel_secret:
+                raise ConfigError("a kernel at tls:// or tcp:// needs --kernel-secret FILE (the secret given to "
+                                  "its --listen-secret)")
+            if any(ep.kind == "tls" for ep in eps) and not self.kernel_ca:
+                raise ConfigError("a kernel at tls:// needs --kernel-ca PEM (the CA that signed its certificate, "
+                                  "or the certificate itself if self-signed)")
+            try:
+                self.kernel_credentials = Credentials.load(self.kernel_secret, self.kernel_ca, self.kernel_cert,
+                                                           self.kernel_key)
+            except ValueError as e:
+                raise ConfigError(f"--kernel-secret/--kernel-cert: {e}") from None
         if self.affinity_entries < 1:
             raise ConfigError("--affinity-entries must be >= 1")
         if self.affinity_slack < 0:
@@ -128,10 +151,22 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     """The flags of a gateway in front of several kernels (``symphony-gateway`` only)."""
     g = p.add_argument_group("several kernels")
-    g.add_argument("--kernel", action="append", default=[], metavar="PATH",
-                   help="a kernel's Unix socket; repeat it to serve from several kernels, each request routed "
-                        "where its KV is (a continued conversation, a prompt prefix routed before, a program's "
-                        "KV files), else to the kernel with the fewest requests in flight")
+    g.add_argument("--kernel", action="append", default=[], metavar="PATH|tls://HOST:PORT",
+                   help="a kernel's Unix socket, or tls://HOST:PORT for one on another host (symphony-kernel "
+                        "--listen; tcp://127.0.0.1:PORT on loopback); repeat it to serve from several kernels, each "
+                        "request routed where its KV is (a continued conversation, a prompt prefix routed before, "
+                        "a program's KV files), else to the kernel with the fewest requests in flight")
+    g.add_argument("--durable-responses", action="store_true",
+                   help="make each stored /v1/responses conversation's KV durable on its kernel (kernels with "
+                        "--durable-dir), so that a kernel given that directory with --peer-durable-dir continues "
+                        "it when its own kernel is gone")
+    g.add_argument("--kernel-secret", default=None, metavar="FILE",
+                   help="the shared secret of the TCP kernels (their --listen-secret; readable by this user only)")
+    g.add_argument("--kernel-ca", default=None, metavar="PEM",
+                   help="the CA that signed the tls:// kernels' certificates (or a self-signed certificate)")
+    g.add_argument("--kernel-cert", default=None, metavar="PEM",
+                   help="this gateway's client certificate, for kernels that demand one (--listen-tls-client-ca)")
+    g.add_argument("--kernel-key", default=None, metavar="PEM", help="... and its private key")
     g.add_argument("--affinity-entries", type=int, default=100_000, metavar="N",
                    help="prompt prefixes the router remembers, least recently used dropped first (default "
                         "100000, about 150 bytes each)")
@@ -156,7 +191,10 @@ def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[li
                          max_stored_bytes=args.max_stored_mb << 20, programs=programs,
                          default_max_tokens=args.default_max_tokens or None,
                          model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+                         tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         durable_responses=getattr(args, "durable_responses", False),
+                         kernel_secret=getattr(args, "kernel_secret", None), kernel_ca=getattr(args, "kernel_ca", None),
+                         kernel_cert=getattr(args, "kernel_cert", None), kernel_key=getattr(args, "kernel_key", None))
 
 
 def to_argv(args) -> list[str]:

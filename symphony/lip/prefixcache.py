@@ -50,7 +50,9 @@ forked.
 nothing) at each candidate boundary above what the lookup found, then
 ``advise("cache")`` (the memory manager may delete it while nobody has it open:
 a later lookup misses) and ``advise("expire", ttl)``, renewed on each hit of
-one's own file, so that unused checkpoints leave the namespace.  Two requests
+one's own file, so that unused checkpoints leave the namespace.  With
+``durable``, the last checkpoint of each save is also synced to the kernel's
+durable directory (a conversation's prompt + answer: what its next turn forks).  Two requests
 making the same checkpoint at once is fine (AlreadyExists); a full quota or a
 refused directory stops saving for this request (the request itself never
 fails); on a full quota (named files, pages or page references) the user's own
@@ -80,8 +82,9 @@ class PrefixCache:
 
     def __init__(self, directory: str, *, block: int, user: str, trust: Iterable[str] = (),
                  specials: Iterable[int] = (), grid: int = 32, ttl: Optional[float] = 3600.0,
-                 salt: bytes = b"symphony-prefix-v1"):
+                 salt: bytes = b"symphony-prefix-v1", durable: bool = False):
         self.dir = directory.rstrip("/") or "/"
+        self.durable = durable                # sync the last checkpoint of each save (kv_sync)
         self.block, self.grid, self.ttl, self.user = int(block), int(grid), ttl, user
         self.trust = frozenset(trust) | {user}
         self.mode = 0o644 if set(trust) - {user} else None
@@ -123,10 +126,11 @@ class PrefixCache:
         """Checkpoints of ``f`` (which holds ``tokens[:upto]`` at least) at the
         candidate boundaries in (``after``, ``upto``]; returns how many were made."""
         made = 0
-        for p in self.candidates(tokens, upto):
-            if p <= after or not self.saving:
-                continue
-            made += self._checkpoint(f, self.path(tokens, p), p)
+        ps = [p for p in self.candidates(tokens, upto) if p > after]
+        for p in ps:
+            if not self.saving:
+                break
+            made += self._checkpoint(f, self.path(tokens, p), p, sync=self.durable and p == ps[-1])
         return made
 
     def candidates(self, tokens: Sequence[int], limit: int, lookup: bool = False) -> list[int]:
@@ -207,7 +211,7 @@ class PrefixCache:
         return (st is not None and st.get("type") == "file" and st["owner"] in self.trust
                 and not st["mode"] & 0o022 and st["length"] == p and st.get("next_position") == p)
 
-    def _checkpoint(self, f: KVFile, path: str, p: int) -> int:
+    def _checkpoint(self, f: KVFile, path: str, p: int, sync: bool = False) -> int:
         for attempt in range(2):
             try:
                 g = f.extract([[0, p]], path=path, mode=self.mode)
@@ -229,6 +233,8 @@ class PrefixCache:
                 _quiet(g.advise, "cache")
                 if self.ttl:
                     _quiet(g.advise, "expire", self.ttl)
+                if sync:                                     # a kernel without a durable directory: not
+                    _quiet(g.sync)                           # durable, and the request goes on
             return 1
         return 0
 

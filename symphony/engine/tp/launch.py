@@ -172,6 +172,19 @@ def serve_env_rank(path, config: EngineConfig, plan: LaunchPlan, timeout_s: floa
                       digest=model_digest(path), node=plan.node_rank)
 
 
+def exit_if_broken(engine, log_to: logging.Logger) -> None:
+    """After a tensor-parallel failure the kernel has shut down (LIPs told, memory
+    unlinked, local ranks killed), but a thread may still be blocked in the broken
+    group's collective, which the interpreter's exit could wait on: end the process
+    now, with status 1.  Nothing happens when ``engine`` has no broken group."""
+    tp = getattr(engine, "tp", None)
+    if tp is not None and tp.group.broken:
+        log_to.error("exiting: %s", tp.group.broken)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 # ---------------------------------------------------------------- helpers
 def _backend(config: EngineConfig) -> str:
     return "nccl" if config.torch_device.type == "cuda" else "gloo"
