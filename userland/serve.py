@@ -107,9 +107,8 @@ distribution is needed) when the whole prompt was cached.  Checkpoints are
 ``advise("cache")`` (deleted first under memory pressure: a later lookup
 misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
 private (0600) unless ``trust`` names other users (0644).  With ``durable``,
-the last checkpoint of each save (the prompt; the prompt + answer) is also
-synced to the kernel's durable directory, so that another kernel can adopt it
-if this one dies.  Caching never
+every checkpoint is also synced to the kernel's durable directory, so that
+another kernel can adopt them if this one dies.  Caching never
 fails a request: a refused directory or a full quota stops it (a full quota
 removes the user's own checkpoints), and a pred over the page quota is
 retried once after removing them.  A ``cache.dir`` that is not a valid KVFS

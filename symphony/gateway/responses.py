@@ -272,7 +272,8 @@ async def create(gw, body: bytes, key, request):
         req["cache"]["durable"] = True             # its conversation's last checkpoint survives the kernel
     rid = _new_id("resp")
     run = ServeRun(gw, "responses", [req], 1, key, gw.priority(request, key), pin=pin,
-                   pinned_by=r.previous_response_id)
+                   pinned_by=r.previous_response_id,
+                   follow=(lambda: gw.mover.follow(key.user, prev)) if r.previous_response_id else None)
     b = Builder(r, rid, tools, choice, run)
     await gw.begin(run, request)
 

@@ -36,7 +36,7 @@ import socket
 import ssl
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import orjson
@@ -99,31 +99,40 @@ class Endpoint:
 class Credentials:
     """What a client needs for a TCP kernel: the shared ``secret``; for tls://, the ``ca``
     that signed the kernel's certificate (its own file if self-signed), and, if the kernel
-    demands one, this client's ``cert`` and ``key``."""
+    demands one, this client's ``cert`` and ``key``.  Every file is read when the
+    credentials are made (a gateway then gives up root and need not read them again)."""
 
     secret: bytes
     ca: Optional[str] = None
     cert: Optional[str] = None
     key: Optional[str] = None
+    tls: Optional[ssl.SSLContext] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("a client certificate needs both its cert and its key")
+        if self.ca and self.tls is None:
+            try:
+                ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+                ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+                if self.cert:
+                    ctx.load_cert_chain(self.cert, self.key)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"TLS files {self.ca}, {self.cert}: {e}") from None
+            object.__setattr__(self, "tls", ctx)
 
     @classmethod
     def load(cls, secret_file: str, ca: Optional[str] = None, cert: Optional[str] = None,
              key: Optional[str] = None) -> "Credentials":
-        if bool(cert) != bool(key):
-            raise ValueError("a client certificate needs both its cert and its key")
         return cls(read_secret(secret_file), ca, cert, key)
 
     def context(self, ep: Endpoint) -> Optional[ssl.SSLContext]:
         """The TLS context for ``ep`` (None for tcp:// and unix)."""
         if ep.kind != "tls":
             return None
-        if not self.ca:
+        if self.tls is None:
             raise ValueError(f"{ep}: a tls:// kernel needs the CA that signed its certificate (--kernel-ca)")
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.cert:
-            ctx.load_cert_chain(self.cert, self.key)
-        return ctx
+        return self.tls
 
 
 def read_secret(path: str) -> bytes:
