@@ -70,8 +70,9 @@ what it has, and stays out.  Random and least-loaded skip a dead or draining ker
 affinity and bounded hash to the next live point.
 
 --scale runs the shipped router (and bounded, for comparison) at 16, 128 and 1,000
-kernels with documents and queries growing with N (50 documents and 100 queries per
-kernel), kernel 0 failing at 40 % and kernel 1 draining at 60 %, and measures the
+kernels with documents and queries growing with N (80 documents and 200 queries per
+kernel, an LRU of 50 documents each: the shape of the 128-kernel run below), kernel 0
+failing at 40 % and kernel 1 draining at 60 %, and measures the
 router itself: the mean time of one choose() (this machine, the simulation's own
 load), of a take_out() (the table scan when a kernel dies), and the table's size.
 
@@ -318,8 +319,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N 2,8; 300 documents, 2,000 queries")
     ap.add_argument("--scale", action="store_true",
-                    help="the shipped router and bounded at 16, 128, 1000 kernels, 50 documents and 100 queries "
-                         "per kernel, alpha 1.13, kernel 0 failing at 40 %% and kernel 1 draining at 60 %%")
+                    help="the shipped router and bounded at 16, 128, 1000 kernels, 80 documents, 200 queries and an "
+                         "LRU of 50 documents per kernel, alpha 1.13, kernel 0 failing at 40 %% and kernel 1 "
+                         "draining at 60 %%")
     ap.add_argument("--slack", type=int, default=Shipped.slack, help="shipped: --affinity-slack")
     ap.add_argument("--entries", type=int, default=Shipped.entries, help="shipped: --affinity-entries")
     ap.add_argument("--fail", type=float, default=None, help="kernel 0 fails at this fraction of the run")
@@ -386,15 +388,15 @@ def scale(a) -> int:
     a.alphas, a.policies = [1.13], ["shipped", "bounded"]
     a.fail, a.drain = (0.4 if a.fail is None else a.fail), (0.6 if a.drain is None else a.drain)
     costs, rows = COSTS[a.costs], []
-    print(f"# sim_routing --scale (a simulation, not a measurement): per kernel 50 documents of ~{a.doc_tokens} "
-          f"tokens, an LRU of {a.capacity:g} x 50 of them, 100 Poisson queries at load {a.load:g}; alpha 1.13; "
+    print(f"# sim_routing --scale (a simulation, not a measurement): per kernel 80 documents of ~{a.doc_tokens} "
+          f"tokens, an LRU of 50 of them, 200 Poisson queries at load {a.load:g}; alpha 1.13; "
           f"kernel 0 fails at {a.fail:g} (back {a.restart_s:g} s later), kernel 1 drains at {a.drain:g}; "
           f"shipped slack {a.slack}, entries {a.entries}\n# costs {a.costs}: {costs.source}", flush=True)
     for n in (16, 128, 1000):
-        docs, queries = 50 * n, 100 * n
+        docs, queries = 80 * n, 200 * n
         w = workload(docs, queries, 1.13, n, a.load, costs, a.doc_tokens, a.question_tokens, a.answer_tokens, a.seed)
         for p in a.policies:
-            r = simulate(w, n, p, costs, max(1, round(a.capacity * 50)), Bound(a.bound_abs, a.bound_rel), a.vnodes,
+            r = simulate(w, n, p, costs, 50, Bound(a.bound_abs, a.bound_rel), a.vnodes,
                          a.seed, Faults(a.fail, a.drain, a.restart_s), Shipped(a.slack, a.entries))
             rows.append({"alpha": 1.13, **r.summary(w, a.warmup)})
             print(f"# N={n} {p} done", file=sys.stderr, flush=True)

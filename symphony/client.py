@@ -196,13 +196,7 @@ class Client:
         file format, checksummed, readable by `kv_import` on any kernel of the same model."""
         req = self._send({"op": "kv_export", "path": path})
         head = self._reply(req)
-        parts = []
-        for seq in range(head["chunks"]):
-            frame = recv_frame_sync(self.sock)
-            if frame is None:
-                raise ConnectionError("the kernel closed the connection during an export")
-            parts.append(rpc.read_chunk(frame, seq))
-        blob = b"".join(parts)
+        blob = b"".join(rpc.recv_raw_sync(self.sock) for _ in range(head["chunks"]))
         if len(blob) != head["size"] or hashlib.sha256(blob).hexdigest() != head["sha256"]:
             raise rpc.ReplyError("an export's bytes do not match the size and SHA-256 the kernel announced")
         return blob
@@ -211,14 +205,15 @@ class Client:
         """Make KV file ``path`` from exported bytes, as this client's user (who must be
         able to create it; it counts against their quota); {"path", "length", "pages"}.
         KernelError EBADMSG if another model wrote it or a byte differs."""
-        frames = rpc.chunk_frames(blob)
+        frames = rpc.raw_frames(blob)
         msg = {"op": "kv_import", "path": path, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
                "chunks": len(frames)}
         if mode is not None:
             msg["mode"] = mode
         req = self._send(msg)
-        for f in frames:
-            send_frame_sync(self.sock, f)
+        for h, data in frames:
+            self.sock.sendall(h)
+            self.sock.sendall(data)
         return self._reply(req)
 
     def kv_adopt(self, peer: str, directory: str) -> dict:

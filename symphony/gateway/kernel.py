@@ -130,8 +130,9 @@ class KernelLink:
         except rpc.RpcError as e:
             raise KernelRefused({"error": e.code, "type": "RpcError", "message": str(e)}) from None
         writer.write(encode_frame(msg))
-        for f in frames:
-            writer.write(encode_frame(f))
+        for h, data in frames:                      # raw frames of KV data (an import)
+            writer.write(h)
+            writer.write(data)
             await writer.drain()
         await writer.drain()
         return await self._answer(reader, req)
@@ -161,10 +162,10 @@ class KernelLink:
             req = rpc.KvExport(path=path, user=user)
             head = await self._ask(reader, writer, {"op": "kv_export", "path": path, "user": user})
             parts = []
-            for seq in range(head["chunks"]):
+            for _ in range(head["chunks"]):
                 try:
-                    parts.append(rpc.read_chunk(await read_frame(reader), seq))
-                except (asyncio.IncompleteReadError, ConnectionError, ProtocolError, OSError, rpc.RpcError) as e:
+                    parts.append(await rpc.read_raw(reader))
+                except (asyncio.IncompleteReadError, ConnectionError, OSError, rpc.RpcError) as e:
                     raise KernelUnavailable(f"an export from {self.address} broke off ({type(e).__name__})") from None
             blob = b"".join(parts)
             if len(blob) != head["size"] or hashlib.sha256(blob).hexdigest() != head["sha256"]:
@@ -177,7 +178,7 @@ class KernelLink:
         """Make KV file ``path`` (and the directories above it) from ``blob`` as ``user``;
         the kernel's `Imported` reply."""
         reader, writer = await self._connect()
-        frames = rpc.chunk_frames(blob)
+        frames = rpc.raw_frames(blob)
         try:
             return await self._ask(reader, writer, {"op": "kv_import", "path": path, "user": user, "size": len(blob),
                                                     "sha256": hashlib.sha256(blob).hexdigest(), "parents": True,

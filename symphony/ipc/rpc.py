@@ -18,13 +18,17 @@ Replies and events are checked by the client as they arrive (`check_reply`,
 Every reply is one of: the op's reply type below; `Error` (``{"error": code,
 "type", "message"}``: the request was refused and changed nothing).  A spawn with
 ``attach`` then streams the LIP's events (`EVENTS`) on the same connection, up to
-its exit.  ``kv_export`` answers `ExportHead`, then ``chunks`` frames of `Chunk`;
-``kv_import`` is followed by its ``chunks`` frames of `Chunk` before its reply.
+its exit.  A KV file's bytes travel as **raw frames**: a 4-byte big-endian length
+with its top bit set (``RAW``), then that many bytes (at most `CHUNK_BYTES`), never
+JSON: ``kv_export`` answers `ExportHead`, then ``chunks`` raw frames; ``kv_import``
+is followed by its ``chunks`` raw frames before its reply.  (A raw frame where a
+request is expected reads as a frame over the size limit: the connection closes.)
 The reference page docs/reference/client-rpc.md is generated from these types.
 """
 from __future__ import annotations
 
-import base64
+import asyncio
+import struct
 from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
@@ -33,15 +37,16 @@ from msgspec import Meta
 
 __all__ = ["RpcError", "ReplyError", "REQUESTS", "REPLIES", "EVENTS", "decode_request", "check_request",
            "check_reply", "check_event", "describe", "Spawn", "Input", "Kill", "Ps", "Stats", "KvLs", "KvStat",
-           "KvRm", "KvExport", "KvImport", "KvAdopt", "Chunk", "Drain", "Shutdown", "TestHook", "Error", "Started",
+           "KvRm", "KvExport", "KvImport", "KvAdopt", "Drain", "Shutdown", "TestHook", "Error", "Started",
            "Queued", "Out", "Stdout", "Stderr", "Exit", "Ok", "PsReply", "StatsReply", "KvLsReply",
-           "KvStatReply", "ExportHead", "Imported", "Adopted", "chunk_frames", "read_chunk", "MAX_SOURCE_BYTES", "CHUNK_BYTES",
-           "MAX_TRANSFER_BYTES"]
+           "KvStatReply", "ExportHead", "Imported", "Adopted", "raw_frames", "raw_length", "read_raw", "recv_raw_sync", "MAX_SOURCE_BYTES", "CHUNK_BYTES",
+           "MAX_TRANSFER_BYTES", "RAW"]
 
 MAX_SOURCE_BYTES = 4 << 20          # a LIP's source text
 MAX_FILENAME = 4096
 MAX_PATH = 4096
-CHUNK_BYTES = 4 << 20               # raw bytes of KV data per frame of an export or import
+CHUNK_BYTES = 4 << 20               # bytes of KV data per raw frame of an export or import
+RAW = 0x80000000                    # the length word's top bit: a raw frame
 MAX_TRANSFER_BYTES = 1 << 40        # a KV file moved in one export or import (the kernel bounds it by quota)
 USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,31}$"
 
@@ -151,15 +156,15 @@ class KvRm(_Request, tag="kv_rm"):
 
 
 class KvExport(_Request, tag="kv_export"):
-    """A KV file's bytes, if the user may read it: answered `ExportHead`, then its chunks."""
+    """A KV file's bytes, if the user may read it: answered `ExportHead`, then its raw frames."""
     path: KvPath
 
 
 class KvImport(_Request, tag="kv_import"):
     """A KV file made from exported bytes at ``path`` (created as the user, under the user's
     quota; refused if another model wrote it or a byte differs; ``parents``: make the
-    missing directories above it, as the user); ``chunks`` frames of `Chunk` follow this
-    one, then the kernel answers `Imported`."""
+    missing directories above it, as the user); ``chunks`` raw frames of its ``size``
+    bytes follow this one, then the kernel answers `Imported`."""
     path: KvPath
     size: Bytes
     sha256: Sha256
@@ -189,12 +194,6 @@ class TestHook(_Request, tag="test_hook"):
     """Fault injection (a kernel started with --test-hooks, root only)."""
     hook: Text
     seconds: Seconds = None
-
-
-class Chunk(msgspec.Struct, forbid_unknown_fields=True):
-    """One frame of KV data in an export or an import: ``seq`` from 0, ``data`` base64."""
-    seq: Count
-    data: Text
 
 
 REQUESTS = (Spawn, Input, Kill, Ps, Stats, KvLs, KvStat, KvRm, KvExport, KvImport, KvAdopt, Drain, Shutdown,
@@ -296,7 +295,8 @@ class KvStatReply(_Reply):
 
 class ExportHead(_Reply):
     """An export's first frame: the file's ``header`` (path, owner, length, dtype, model
-    fingerprint, ...), its ``size`` in bytes, their ``sha256`` and the ``chunks`` that follow."""
+    fingerprint, ...), its ``size`` in bytes, their ``sha256`` and the ``chunks`` (raw
+    frames) that follow."""
     header: dict
     size: int
     sha256: str
@@ -317,10 +317,10 @@ class Adopted(_Reply):
 
 
 REPLIES: dict[type, Any] = {
-    Spawn: Union[Started, Queued], Input: Ok, Kill: Ok, Ps: PsReply, Stats: StatsReply, KvLs: KvLsReply,
+    Spawn: Union[Started, Queued], Input: Error, Kill: Ok, Ps: PsReply, Stats: StatsReply, KvLs: KvLsReply,
     KvStat: KvStatReply, KvRm: Ok, KvExport: ExportHead, KvImport: Imported, KvAdopt: Adopted, Drain: Ok, Shutdown: Ok,
     TestHook: Ok}
-"""request type -> the type of its reply (besides `Error`)."""
+"""request type -> the type of its reply (besides `Error`; an input has no other reply)."""
 
 EVENTS = Union[Started, Queued, Out, Stdout, Stderr, Exit]
 """What an attached connection streams after a spawn's reply."""
@@ -368,24 +368,42 @@ def check_event(ev: dict) -> dict:
     return ev
 
 
-def chunk_frames(blob: bytes) -> list[dict]:
-    """``blob`` as `Chunk` frames of `CHUNK_BYTES` each (at least one)."""
-    return [{"seq": i, "data": base64.b64encode(blob[o:o + CHUNK_BYTES]).decode()}
-            for i, o in enumerate(range(0, max(1, len(blob)), CHUNK_BYTES))]
+def raw_frames(blob) -> list[tuple[bytes, memoryview]]:
+    """``blob`` as raw frames of at most `CHUNK_BYTES` each (at least one): (header, data)
+    pairs to send one after the other (the data a view of ``blob``, not a copy)."""
+    view = memoryview(blob)
+    return [(struct.pack(">I", RAW | len(view[o:o + CHUNK_BYTES])), view[o:o + CHUNK_BYTES])
+            for o in range(0, max(1, len(view)), CHUNK_BYTES)]
 
 
-def read_chunk(frame: dict, seq: int) -> bytes:
-    """The raw bytes of ``frame``, which must be `Chunk` number ``seq`` (RpcError otherwise)."""
-    try:
-        c = msgspec.convert(frame, Chunk)
-    except msgspec.ValidationError as e:
-        raise RpcError(f"expected KV data chunk {seq}: {e}") from None
-    if c.seq != seq:
-        raise RpcError(f"expected KV data chunk {seq}, got chunk {c.seq}")
-    try:
-        return base64.b64decode(c.data, validate=True)
-    except ValueError:
-        raise RpcError(f"KV data chunk {seq} is not base64") from None
+def raw_length(head: bytes) -> int:
+    """The length a raw frame's 4-byte header announces (RpcError if it is not one)."""
+    (n,) = struct.unpack(">I", head)
+    if not n & RAW:
+        raise RpcError("expected a raw frame of KV data, got a JSON frame")
+    n &= ~RAW
+    if n > CHUNK_BYTES:
+        raise RpcError(f"a raw frame of {n} bytes (at most {CHUNK_BYTES})")
+    return n
+
+
+async def read_raw(reader: asyncio.StreamReader) -> bytes:
+    """One raw frame's bytes from ``reader`` (RpcError, asyncio.IncompleteReadError)."""
+    return await reader.readexactly(raw_length(await reader.readexactly(4)))
+
+
+def recv_raw_sync(sock) -> bytes:
+    """One raw frame's bytes from a blocking socket (RpcError; ConnectionError if it closes)."""
+    def exactly(n):
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("the kernel closed the connection inside a KV data frame")
+            got += k
+        return bytes(buf)
+    return exactly(raw_length(exactly(4)))
 
 
 def describe(tp: type, field: str) -> str:

@@ -126,9 +126,10 @@ def encode(snap: SyncSnapshot, pages: list) -> bytes:
     """The file format's bytes of ``snap`` (its pages' data, one copy per block)."""
     n = snap.length
     data = torch.cat(pages, dim=2)[:, :, :n].contiguous() if pages else torch.empty(0)
-    raw = data.view(torch.uint8).numpy().tobytes() if n else b""
-    return b"".join((MAGIC, struct.pack("<I", len(snap.header)), snap.header, raw,
-                     hashlib.sha256(snap.header + raw).digest()))
+    raw = memoryview(data.view(torch.uint8).numpy()).cast("B") if n else memoryview(b"")   # no copy
+    h = hashlib.sha256(snap.header)
+    h.update(raw)
+    return b"".join((MAGIC, struct.pack("<I", len(snap.header)), snap.header, raw, h.digest()))
 
 
 def install(fs, inode: Inode, snap: SyncSnapshot, tmp: Path, dest: Path) -> bool:
@@ -214,7 +215,8 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
     if len(blob) < len(MAGIC) + 4 + 32 or blob[:len(MAGIC)] != MAGIC:
         raise CorruptFile(f"{file}: not a Symphony KV file (bad magic or too short)")
     (hlen,) = struct.unpack("<I", blob[8:12])
-    body, digest = blob[12:-32], blob[-32:]
+    view = memoryview(blob)
+    body, digest = view[12:-32], bytes(view[-32:])            # views: the data is copied once, below
     if hlen > len(body):
         raise CorruptFile(f"{file}: header length {hlen} past the end of the file")
     if hashlib.sha256(body).digest() != digest:

@@ -109,6 +109,8 @@ class ClientSessions:
                     break
                 try:
                     reply = await self._request(uid, msg, reader, writer, attached)
+                except ProtocolError:
+                    raise                                  # out of step (a bad KV data frame): closed
                 except (ValueError, KVFSError, PermissionError, TimeoutError, Draining) as e:
                     reply = {"error": getattr(e, "code", "EPERM" if isinstance(e, PermissionError) else "EINVAL"),
                              "type": type(e).__name__,

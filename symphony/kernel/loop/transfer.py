@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from symphony.ipc import rpc
-from symphony.ipc.protocol import encode_frame
+from symphony.ipc.protocol import ProtocolError, encode_frame
 from symphony.kvfs import Principal
 from symphony.kvfs.errors import InvalidArgument, NotFound, QuotaExceeded
 from symphony.kvfs.store import decode, encode
@@ -53,12 +53,13 @@ class KvTransfers:
         snap, pages = await asyncio.wrap_future(self.sys.slow_call(user, lambda: export_job(self.fs, who, req.path)))
         loop = asyncio.get_running_loop()
         blob, digest = await loop.run_in_executor(None, _encode_hashed, snap, pages)
-        frames = rpc.chunk_frames(blob)
+        frames = rpc.raw_frames(blob)
         import orjson
         head = orjson.loads(snap.header)
         writer.write(encode_frame({"header": head, "size": len(blob), "sha256": digest, "chunks": len(frames)}))
-        for f in frames:
-            writer.write(encode_frame(f))
+        for h, data in frames:
+            writer.write(h)
+            writer.write(data)
             await writer.drain()
 
     async def import_(self, user: str, uid, req: rpc.KvImport, reader) -> dict:
@@ -75,14 +76,9 @@ class KvTransfers:
                                       f"{rpc.CHUNK_BYTES} bytes, not {req.chunks}")
         parts, got = [], 0
         for seq in range(req.chunks):
-            frame = await self.conns.read_request(reader, uid, None)
+            data = await self._raw(reader, uid)            # ProtocolError: not a raw frame (out of step)
             if refused is not None:
                 continue                                   # read and dropped: the stream stays in step
-            try:
-                data = rpc.read_chunk(frame, seq)
-            except rpc.RpcError as e:
-                refused = e
-                continue
             got += len(data)
             if got > req.size:
                 refused = InvalidArgument(f"kv_import: more than the {req.size} bytes announced arrived")
@@ -97,6 +93,22 @@ class KvTransfers:
         inode = await asyncio.wrap_future(self.sys.call_future(
             lambda: import_file(self.fs, who, req.path, header, data, req.mode, req.parents)))
         return {"path": req.path, "length": inode.length, "pages": len(inode.blocks)}
+
+    async def _raw(self, reader, uid) -> bytes:
+        """One raw frame, its bytes held under the user's partial-frame bound (bounds.py)
+        and arriving within the idle timeout, as a request frame's are."""
+        try:
+            n = rpc.raw_length(await reader.readexactly(4))
+        except rpc.RpcError as e:
+            raise ProtocolError(f"kv_import: {e}") from None
+        await self.conns.reserve(uid, n)
+        try:
+            idle = self.conns.bounds.idle_timeout_s or None
+            return await asyncio.wait_for(reader.readexactly(n), idle)
+        except asyncio.TimeoutError:
+            raise ProtocolError(f"a KV data frame of {n} bytes did not arrive within {idle:g} s") from None
+        finally:
+            self.conns.release(uid, n)
 
     async def adopt(self, user: str, req: rpc.KvAdopt) -> dict:
         """Adopt a dead peer's durable files below ``req.dir`` (kvfs/transfer.py)."""

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import KernelProc, start_kernels, stop_kernels
 from symphony.client import KernelError
+from symphony.ipc import rpc
 from symphony.ipc.protocol import recv_frame_sync, send_frame_sync
 
 MAKE = '''from symphony.lip import kv, pred, send
@@ -93,14 +94,18 @@ def test_an_import_larger_than_the_quota_is_refused_before_its_data_and_the_conn
         chunks = -(-size // (4 << 20))
         send_frame_sync(c.sock, {"op": "kv_import", "path": "/home/alice/huge.kv", "size": size, "sha256": "0" * 64,
                                  "chunks": chunks, "user": "alice"})
-        for i in range(chunks):                                     # what it announced, tiny: read and dropped
-            send_frame_sync(c.sock, {"seq": i, "data": ""})
+        for i in range(chunks):                                     # what it announced, empty: read and dropped
+            c.sock.sendall(rpc.RAW.to_bytes(4, "big"))
         reply = recv_frame_sync(c.sock)
         assert reply["error"] == "EDQUOT" and "free KV quota" in reply["message"], reply
         send_frame_sync(c.sock, {"op": "kv_import", "path": "/home/alice/x.kv", "size": 5, "sha256":
                                  hashlib.sha256(b"hello").hexdigest(), "chunks": 3, "user": "alice"})
         for i in range(3):
-            send_frame_sync(c.sock, {"seq": i, "data": "aGVsbG8="})
+            c.sock.sendall((rpc.RAW | 5).to_bytes(4, "big") + b"hello")
         reply = recv_frame_sync(c.sock)
         assert reply["error"] == "EINVAL" and "comes in 1 chunks" in reply["message"], reply
         assert c.stats()["instance"]                                 # the stream is still in step
+        send_frame_sync(c.sock, {"op": "kv_import", "path": "/home/alice/y.kv", "size": 5, "sha256":
+                                 hashlib.sha256(b"hello").hexdigest(), "chunks": 1, "user": "alice"})
+        send_frame_sync(c.sock, {"op": "ps"})                       # a JSON frame where KV data belongs
+        assert recv_frame_sync(c.sock) is None                      # out of step: the kernel closed it

@@ -82,15 +82,31 @@ def test_replies_and_events_are_checked_keeping_fields_a_newer_kernel_adds():
         rpc.check_event({"event": "teleport"})
 
 
-def test_chunks_round_trip_and_are_checked_in_order():
+def test_kv_data_travels_as_raw_frames_that_a_json_reader_refuses():
     blob = os.urandom(rpc.CHUNK_BYTES + 5)
-    frames = rpc.chunk_frames(blob)
-    assert len(frames) == 2 and b"".join(rpc.read_chunk(f, i) for i, f in enumerate(frames)) == blob
-    assert len(rpc.chunk_frames(b"")) == 1
-    with pytest.raises(rpc.RpcError, match="expected KV data chunk 1, got chunk 0"):
-        rpc.read_chunk(frames[0], 1)
-    with pytest.raises(rpc.RpcError, match="not base64"):
-        rpc.read_chunk({"seq": 0, "data": "!!"}, 0)
+    frames = rpc.raw_frames(blob)
+    assert len(frames) == 2 and len(rpc.raw_frames(b"")) == 1
+    wire = b"".join(h + bytes(d) for h, d in frames)
+
+    async def read_back():
+        r = asyncio.StreamReader()
+        r.feed_data(wire)
+        r.feed_eof()
+        return b"".join([await rpc.read_raw(r) for _ in frames])
+    assert asyncio.run(read_back()) == blob
+    with pytest.raises(rpc.RpcError, match="expected a raw frame of KV data, got a JSON frame"):
+        rpc.raw_length(encode_frame({"op": "ps"})[:4])
+    with pytest.raises(rpc.RpcError, match="at most"):
+        rpc.raw_length((rpc.RAW | (rpc.CHUNK_BYTES + 1)).to_bytes(4, "big"))
+    from symphony.ipc.protocol import MAX_FRAME, ProtocolError, read_frame
+
+    async def as_request():                                 # where a request is expected: refused
+        r = asyncio.StreamReader()
+        r.feed_data(wire)
+        await read_frame(r)
+    assert int.from_bytes(frames[0][0], "big") > MAX_FRAME
+    with pytest.raises(ProtocolError):
+        asyncio.run(as_request())
 
 
 # ---------------------------------------------------------------- transport
