@@ -197,7 +197,8 @@ class Client:
         req = self._send({"op": "kv_export", "path": path})
         head = self._reply(req)
         blob = b"".join(rpc.recv_raw_sync(self.sock) for _ in range(head["chunks"]))
-        if len(blob) != head["size"] or hashlib.sha256(blob).hexdigest() != head["sha256"]:
+        if (len(blob) != head["size"] or len(blob) < 44 or blob[-32:].hex() != head["sha256"]
+                or hashlib.sha256(memoryview(blob)[12:-32]).hexdigest() != head["sha256"]):
             raise rpc.ReplyError("an export's bytes do not match the size and SHA-256 the kernel announced")
         return blob
 
@@ -206,7 +207,7 @@ class Client:
         able to create it; it counts against their quota); {"path", "length", "pages"}.
         KernelError EBADMSG if another model wrote it or a byte differs."""
         frames = rpc.raw_frames(blob)
-        msg = {"op": "kv_import", "path": path, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+        msg = {"op": "kv_import", "path": path, "size": len(blob), "sha256": bytes(memoryview(blob)[-32:]).hex(),
                "chunks": len(frames)}
         if mode is not None:
             msg["mode"] = mode

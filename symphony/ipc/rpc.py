@@ -161,7 +161,8 @@ class KvExport(_Request, tag="kv_export"):
 
 
 class KvImport(_Request, tag="kv_import"):
-    """A KV file made from exported bytes at ``path`` (created as the user, under the user's
+    """A KV file made from exported bytes at ``path`` (``sha256``: the digest the bytes carry in
+    their last 32 bytes, which the kernel checks against their content; created as the user, under the user's
     quota; refused if another model wrote it or a byte differs; ``parents``: make the
     missing directories above it, as the user); ``chunks`` raw frames of its ``size``
     bytes follow this one, then the kernel answers `Imported`."""
@@ -295,8 +296,8 @@ class KvStatReply(_Reply):
 
 class ExportHead(_Reply):
     """An export's first frame: the file's ``header`` (path, owner, length, dtype, model
-    fingerprint, ...), its ``size`` in bytes, their ``sha256`` and the ``chunks`` (raw
-    frames) that follow."""
+    fingerprint, ...), its ``size`` in bytes, ``sha256`` (of the header and data: the
+    digest the bytes end with) and the ``chunks`` (raw frames) that follow."""
     header: dict
     size: int
     sha256: str

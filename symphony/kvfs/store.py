@@ -122,14 +122,32 @@ def write_file(durable_dir: str, snap: SyncSnapshot, pages: list, tag: int = 0) 
     return tmp, dest
 
 
-def encode(snap: SyncSnapshot, pages: list) -> bytes:
-    """The file format's bytes of ``snap`` (its pages' data, one copy per block)."""
-    n = snap.length
-    data = torch.cat(pages, dim=2)[:, :, :n].contiguous() if pages else torch.empty(0)
-    raw = memoryview(data.view(torch.uint8).numpy()).cast("B") if n else memoryview(b"")   # no copy
-    h = hashlib.sha256(snap.header)
-    h.update(raw)
-    return b"".join((MAGIC, struct.pack("<I", len(snap.header)), snap.header, raw, h.digest()))
+def encode(snap: SyncSnapshot, pages: list) -> bytearray:
+    """The file format's bytes of ``snap`` (its pages' data, one copy per block), made in
+    one buffer: each page's slots are copied once, into place."""
+    n, head = snap.length, snap.header
+    start = len(MAGIC) + 4 + len(head)
+    per_slot = 0
+    if pages:
+        L, two, _, H, D = pages[0].shape
+        per_slot = L * two * H * D * pages[0].element_size()
+    buf = bytearray(start + n * per_slot + 32)
+    buf[:start] = MAGIC + struct.pack("<I", len(head)) + head
+    if n:
+        S = pages[0].shape[2]
+        out = torch.frombuffer(buf, dtype=pages[0].dtype, count=n * per_slot // pages[0].element_size(),
+                               offset=start).view(L, 2, n, H, D)          # [L, 2, n, H, D], in the buffer
+        for i, pg in enumerate(pages):
+            m = min(S, n - i * S)
+            out[:, :, i * S:i * S + m] = pg[:, :, :m]
+    view = memoryview(buf)
+    buf[-32:] = hashlib.sha256(view[len(MAGIC) + 4:-32]).digest()
+    return buf
+
+
+def digest_of(blob) -> str:
+    """The SHA-256 a file's bytes carry (of its header and data), in hex; not checked here."""
+    return bytes(memoryview(blob)[-32:]).hex()
 
 
 def install(fs, inode: Inode, snap: SyncSnapshot, tmp: Path, dest: Path) -> bool:
@@ -244,7 +262,10 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
     if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
         raise CorruptFile(f"{file}: data length does not match {n} tokens")
     _check_header(header, file, getattr(fs.engine, "max_seq_len", None) or 1 << 30)
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kv.dtype) if n else torch.empty(0, dtype=kv.dtype)
+    if not n:
+        data = torch.empty(0, dtype=kv.dtype)
+    else:                                                     # a writable buffer is used in place
+        data = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8).view(kv.dtype)
     return header, data.view(L, 2, n, H, D)
 
 

@@ -15,7 +15,6 @@ stays in step.  Every refusal is an ordinary error reply and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from symphony.ipc import rpc
 from symphony.ipc.protocol import ProtocolError, encode_frame
 from symphony.kvfs import Principal
 from symphony.kvfs.errors import InvalidArgument, NotFound, QuotaExceeded
-from symphony.kvfs.store import decode, encode
+from symphony.kvfs.store import decode, digest_of, encode
 from symphony.kvfs.transfer import adopt, durable_id, export_job, import_file, max_import_bytes
 
 
@@ -87,7 +86,7 @@ class KvTransfers:
             parts.append(data)
         if refused is not None:
             raise refused
-        blob = b"".join(parts)
+        blob = bytearray().join(parts)                   # writable: decoded in place
         loop = asyncio.get_running_loop()
         header, data = await loop.run_in_executor(None, _verify, self.fs, blob, req)
         inode = await asyncio.wrap_future(self.sys.call_future(
@@ -120,16 +119,18 @@ class KvTransfers:
         return await asyncio.wrap_future(self.sys.call_future(lambda: adopt(self.fs, who, d, req.dir)))
 
 
-def _encode_hashed(snap, pages) -> tuple[bytes, str]:
+def _encode_hashed(snap, pages) -> tuple[bytearray, str]:
     blob = encode(snap, pages)
-    return blob, hashlib.sha256(blob).hexdigest()
+    return blob, digest_of(blob)
 
 
-def _verify(fs, blob: bytes, req: rpc.KvImport):
+def _verify(fs, blob, req: rpc.KvImport):
+    """The import's bytes checked (their size, the digest announced, then everything
+    `store.decode` checks, the digest against the content first) and decoded."""
     if len(blob) != req.size:
         raise InvalidArgument(f"kv_import: {len(blob)} bytes arrived, {req.size} were announced")
-    if hashlib.sha256(blob).hexdigest() != req.sha256:
-        raise InvalidArgument("kv_import: the bytes' SHA-256 is not the one announced (corrupted in transit)")
+    if len(blob) < 32 or digest_of(blob) != req.sha256:
+        raise InvalidArgument("kv_import: the file's SHA-256 is not the one announced (another file, or cut short)")
     return decode(fs, blob, f"kv_import {req.path}")
 
 
