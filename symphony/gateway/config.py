@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Optional
+
+from symphony.ipc.transport import is_loopback  # noqa: F401  (the gateway's test of a loopback address)
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 ROUTES = ("chat", "completions", "responses")
@@ -23,15 +24,6 @@ def parse_hostport(text: str) -> tuple[str, int]:
         raise ConfigError(f"expected HOST:PORT, got {text!r}")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
