@@ -455,8 +455,12 @@ class _Sim:
         self.served = np.zeros(q, np.int64)
         self.max_lru = 0
         span = float(w.arrivals[-1])
-        self.faults = sorted([(faults.fail * span, "fail", 0)] * (faults.fail is not None and n > 1)
-                             + [(faults.drain * span, "drain", 1 % n)] * (faults.drain is not None and n > 2))
+        self.faults = []                                 # (time, what, kernel), in time order
+        if faults.fail is not None and n > 1:
+            self.faults.append((faults.fail * span, "fail", 0))
+        if faults.drain is not None and n > 2:
+            self.faults.append((faults.drain * span, "drain", 1))
+        self.faults.sort()
         self.restart_s = faults.restart_s
         self.table = RoutingTable(n, shipped.entries, shipped.slack) if policy == "shipped" else None
         self.keys: dict = {}                             # query -> its affinity keys
