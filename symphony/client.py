@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import time
+from collections import deque
 from typing import Iterator, Optional
 
 from .ipc import rpc
@@ -46,6 +47,7 @@ class Client:
         from .ipc.protocol import default_socket_path
         self.path = socket_path or default_socket_path()
         self.user = user
+        self._early: deque = deque()            # events read while awaiting a reply
         if sock is not None:
             self.sock = sock
             self.sock.settimeout(timeout)
@@ -98,13 +100,19 @@ class Client:
         return req
 
     def _reply(self, req) -> dict:
-        reply = recv_frame_sync(self.sock)
-        if reply is None:
-            raise ConnectionError("the kernel closed the connection")
-        rpc.check_reply(req, reply)
-        if "error" in reply:
-            raise KernelError(reply)
-        return reply
+        """The reply to ``req``: the next frame that is not an attached LIP's event (those
+        are kept, in order, for `events`)."""
+        while True:
+            reply = recv_frame_sync(self.sock)
+            if reply is None:
+                raise ConnectionError("the kernel closed the connection")
+            if not _is_reply(req, reply):
+                self._early.append(rpc.check_event(reply))
+                continue
+            rpc.check_reply(req, reply)
+            if "error" in reply:
+                raise KernelError(reply)
+            return reply
 
     def spawn(self, source: str, args=(), **kw) -> int:
         """Start a LIP from its ``source`` text with ``args``; returns its id, whether
@@ -135,6 +143,11 @@ class Client:
         ``{"event": "exit", "status": 1, "reason": "lost: ...", "lost": True}``:
         the LIP's fate is unknown, and the caller is told so, never left waiting."""
         self.sock.settimeout(timeout)
+        while self._early:                       # events that came while a reply was awaited
+            ev = self._early.popleft()
+            yield ev
+            if ev.get("event") == "exit":
+                return
         while True:
             try:
                 ev = recv_frame_sync(self.sock)
@@ -222,6 +235,16 @@ class Client:
         user owned (``peer``: its durable directory's id, from its `stats`; this kernel
         must have been given that directory with --peer-durable-dir)."""
         return self.request({"op": "kv_adopt", "peer": peer, "dir": directory})
+
+
+def _is_reply(req, frame: dict) -> bool:
+    """Whether ``frame`` answers ``req`` rather than being an attached LIP's event: an
+    error, or a frame without "event"; for a spawn, its started (no ``waited_s``: that is
+    a queued LIP starting later) or queued reply."""
+    if "error" in frame or "event" not in frame:
+        return True
+    return isinstance(req, rpc.Spawn) and (frame["event"] == "queued" or
+                                           (frame["event"] == "started" and "waited_s" not in frame))
 
 
 def run(source: str, args=(), **kw) -> tuple[int, list]:

@@ -192,7 +192,8 @@ class ClientSessions:
             else:
                 self.stopping.set()
             return {"ok": True}
-        raise ValueError(f"op {type(req).__struct_config__.tag!r} is not served by this kernel")
+        raise ValueError(f"unknown op {type(req).__struct_config__.tag!r}: this kernel serves no test hooks "
+                         f"(symphony-kernel --test-hooks)")             # the only request not always served
 
     def _user(self, uid: int, asked) -> str:
         if uid == REMOTE_UID:
