@@ -8,6 +8,9 @@
   build with, so the words are the ones an error message uses);
 * ``kernel-flags.md``: every flag of ``symphony-kernel``, from the argparse parser the kernel
   itself parses with (caught as the kernel builds it: nothing is started);
+* ``client-rpc.md``: every request of the client RPC (a client or the gateway <-> the kernel's
+  socket) with its fields and its reply type, from ``symphony.ipc.rpc`` (the types both sides
+  check with);
 * ``errors.md``: the exceptions a system call raises in a LIP (``symphony.lip.errors``), the
   errno-style codes KVFS declares for them (``symphony.kvfs.errors``), and every (type, code)
   pair the kernel's code answers calls with (found by reading the sources, not by running them).
@@ -33,7 +36,8 @@ def generate() -> dict[str, str]:
     """{file name under docs/reference/: its text}."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    return {"syscalls.md": syscalls_page(), "kernel-flags.md": kernel_flags_page(), "errors.md": errors_page()}
+    return {"syscalls.md": syscalls_page(), "client-rpc.md": client_rpc_page(), "kernel-flags.md": kernel_flags_page(),
+            "errors.md": errors_page()}
 
 
 # ---------------------------------------------------------------- system calls
@@ -85,6 +89,84 @@ def syscalls_page() -> str:
               "An error reply's body is `{\"error\": CODE, \"type\": NAME, \"message\": TEXT}`: "
               "see [Error codes](errors.md)."]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- client RPC
+def client_rpc_page() -> str:
+    import msgspec
+    from symphony.ipc import rpc
+    lines = [HEADER + "# Client RPC\n",
+             "What a client (`symphony.client`, `symphony` commands, the HTTP gateway) sends the kernel and "
+             "what it answers, generated from the types both sides check with (`symphony.ipc.rpc`). Frames are "
+             "a 4-byte big-endian length and a JSON object (`symphony.ipc.protocol`; at most 16 MiB). A request "
+             "is an object whose `op` is one of those below with exactly that request's fields (an unknown "
+             "one is refused); a bad request is answered with an error naming the field, and the Python client "
+             "refuses it the same way before sending it. The kernel listens on its Unix socket (the peer's "
+             "user is known by SO_PEERCRED) and, with `--listen`, on TCP for gateways on other hosts: TLS, and "
+             "a shared-secret challenge-response before any request (`symphony.ipc.transport`, "
+             "[Scaling out](../design/scaling.md)). A KV file's bytes (an export's, an import's) travel as raw frames: a "
+             "4-byte length with its top bit set, then that many bytes, at most `CHUNK_BYTES`, never JSON. "
+             "Every reply is the request's reply type or an error "
+             "`{\"error\": CODE, \"type\": NAME, \"message\": TEXT}`: see [Python client](../guide/client.md) "
+             "and [Error codes](errors.md).\n",
+             "| op | request | reply |", "|---|---|---|"]
+    for tp in rpc.REQUESTS:
+        reply = rpc.REPLIES[tp]
+        names = [t.__name__ for t in getattr(reply, "__args__", (reply,))]
+        answer = ("none (an [`Error`](#error) if refused)" if reply is rpc.Error else
+                  " or ".join(f"[`{n}`](#{n.lower()})" for n in names))
+        lines.append(f"| `{tp.__struct_config__.tag}` | [`{tp.__name__}`](#{tp.__name__.lower()}) | {answer} |")
+    lines.append("\n## Requests\n")
+    for tp in rpc.REQUESTS:
+        doc = " ".join((tp.__doc__ or "").split())
+        lines += [f"### {tp.__name__}\n", f"`\"op\": \"{tp.__struct_config__.tag}\"`. {_md(doc)}\n",
+                  "| field | must be | default |", "|---|---|---|"]
+        for f in msgspec.inspect.type_info(tp).fields:
+            lines.append(f"| `{f.name}` | {_md(rpc.describe(tp, f.name))} | {_default(f)} |")
+        lines.append("")
+    lines.append("## Replies and events\n")
+    lines.append("A reply's fields below are checked by the client; fields it does not know are kept (a newer "
+                 "kernel). An attached `spawn` then streams events (`event`: started, queued, out, stdout, "
+                 "stderr, exit) up to the LIP's exit.\n")
+    shown = []
+    for t in [rpc.Error, rpc.Started, rpc.Queued, rpc.Out, rpc.Stdout, rpc.Stderr, rpc.Exit, rpc.Ok, rpc.PsReply,
+              rpc.StatsReply, rpc.KvLsReply, rpc.KvStatReply, rpc.ExportHead, rpc.Imported, rpc.Adopted]:
+        if t in shown:
+            continue
+        shown.append(t)
+        tag = t.__struct_config__.tag
+        doc = " ".join((t.__doc__ or "").split())
+        lines += [f"### {t.__name__}\n", (f"`\"event\": \"{tag}\"`. " if tag else "") + _md(doc) + "\n",
+                  "| field | type | default |", "|---|---|---|"]
+        for f in msgspec.inspect.type_info(t).fields:
+            lines.append(f"| `{f.name}` | {_md(_type_words(f.type))} | {_default(f)} |")
+        lines.append("")
+    lines += ["## Limits\n", "| constant | value |", "|---|---|"]
+    for name in ("MAX_SOURCE_BYTES", "CHUNK_BYTES", "MAX_TRANSFER_BYTES", "MAX_PATH"):
+        lines.append(f"| `{name}` | `{getattr(rpc, name)}` |")
+    return "\n".join(lines) + "\n"
+
+
+def _default(f) -> str:
+    import msgspec
+    if f.required:
+        return "(required)"
+    v = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+    return f"`{_json(msgspec.to_builtins(v))}`"
+
+
+def _type_words(t) -> str:
+    import msgspec.inspect as i
+    if isinstance(t, i.Metadata):
+        return _type_words(t.type)
+    if isinstance(t, i.LiteralType):
+        return " or ".join(f'"{v}"' for v in t.values)
+    if isinstance(t, i.UnionType):
+        return " or ".join(_type_words(u) for u in t.types)
+    if isinstance(t, i.ListType):
+        return f"list of {_type_words(t.item_type)}"
+    return {i.IntType: "int", i.FloatType: "number", i.StrType: "string", i.BoolType: "bool", i.NoneType: "null",
+            i.DictType: "object", i.AnyType: "any JSON value"}.get(type(t), getattr(t, "__class__").__name__)
 
 
 def _json(v) -> str:

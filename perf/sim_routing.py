@@ -1,7 +1,8 @@
 """Routing a skewed RAG workload across N kernels: a discrete-event simulation.
 
-    python perf/sim_routing.py [--quick] [--kernels 2,4,8,16] [--alphas 0,1.13,1.43,inf]
-                               [--policies random,least,affinity,bounded] [--docs 1000]
+    python perf/sim_routing.py [--quick | --scale] [--kernels 2,4,8,16] [--alphas 0,1.13,1.43,inf]
+                               [--policies shipped,random,least,affinity,bounded] [--docs 1000]
+                               [--slack 32] [--entries 100000] [--fail F] [--drain D] [--restart-s S]
                                [--capacity 0.05] [--queries 20000] [--load 0.8]
                                [--costs cpu|h200] [--seed 0] [--plot PNG] [--json OUT]
 
@@ -42,6 +43,14 @@ Costs (--costs), from perf/RESULTS.md:
         batch 64; max batch 64.
 
 Policies (the gateway's choice of kernel for each query, at its arrival):
+  shipped   the router Symphony ships, imported and run as the gateway runs it
+            (symphony.gateway.router.RoutingTable): a query is a chat request
+            [document message, question message] whose affinity keys are the gateway's
+            own (request_keys: chained digests of the messages), remembered where it is
+            sent; it follows its document's key unless that kernel has more than --slack
+            requests in flight beyond the least loaded (then least loaded, ties in turn);
+            the table keeps --entries keys (LRU); in flight is the gateway's count
+            (routed, not yet finished), as in kernels.py;
   random    uniform over the kernels;
   least     least-loaded: fewest queries waiting or running (ties broken at random);
   affinity  consistent hashing of the document onto a ring of --vnodes points per kernel;
@@ -51,6 +60,21 @@ Policies (the gateway's choice of kernel for each query, at its arrival):
             affine kernel rather than to the busiest one.  Load is queries waiting or running.
             The defaults, 2 and 1.5, suit these small batch servers; SGLang's library defaults
             (32 and 1.1) are sized for GPU servers with hundreds of requests in flight.
+
+Faults (--fail F, --drain D, fractions of the run's arrival span): at F kernel 0
+dies: its running batch is lost (those queries are counted as lost: their clients get
+an error), its waiting queries are routed again at once (a spawn the gateway retries),
+its cache is gone, and (shipped) the router takes it out, dropping its keys; it comes
+back empty --restart-s later.  At D kernel 1 drains: it takes nothing new, finishes
+what it has, and stays out.  Random and least-loaded skip a dead or draining kernel;
+affinity and bounded hash to the next live point.
+
+--scale runs the shipped router (and bounded, for comparison) at 16, 128 and 1,000
+kernels with documents and queries growing with N (80 documents and 200 queries per
+kernel, an LRU of 50 documents each: the shape of the 128-kernel run below), kernel 0
+failing at 40 % and kernel 1 draining at 60 %, and measures the
+router itself: the mean time of one choose() (this machine, the simulation's own
+load), of a take_out() (the table scan when a kernel dies), and the table's size.
 
 Reported per policy, N and alpha, over the queries after the first --warmup fraction: the
 prefix-hit rate, document tokens recomputed per query, load balance (busiest kernel's busy
@@ -69,8 +93,9 @@ import json
 import math
 import random
 import sys
+import time
 from bisect import bisect_right
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +107,10 @@ sys.path.insert(0, str(HERE / "paper"))
 from common import pyplot, save  # noqa: E402
 from rag_skew import draw  # noqa: E402  # the repository's popularity law (rank^(-1/alpha))
 
-POLICIES = ("random", "least", "affinity", "bounded")
+sys.path.insert(0, str(HERE.parent))
+from symphony.gateway.router import RoutingTable, request_keys  # noqa: E402  # the router the gateway ships
+
+POLICIES = ("shipped", "random", "least", "affinity", "bounded")
 GROWING = 2.0                        # the last tenth's mean latency over the 20-30 % band's: * in the tables
 
 
@@ -136,6 +164,21 @@ class Bound:
     rel: float = 1.5
 
 
+@dataclass(frozen=True)
+class Faults:
+    """When kernel 0 fails and kernel 1 drains, as fractions of the arrival span (None: never)."""
+    fail: float | None = None
+    drain: float | None = None
+    restart_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """The shipped router's settings (symphony-gateway --affinity-slack, --affinity-entries)."""
+    slack: int = 32
+    entries: int = 100_000
+
+
 @dataclass
 class Result:
     policy: str
@@ -147,19 +190,22 @@ class Result:
     served: np.ndarray               # [Q] int: how many times it was served (must be 1)
     busy: np.ndarray                 # [N] float s: each kernel's time in batches
     max_lru: int                     # the most documents any kernel's LRU held
+    router: dict                     # shipped: choose_us, take_out_ms, entries
 
     def summary(self, w: Workload, warmup: float) -> dict:
         m = slice(int(warmup * len(w.arrivals)), None)
         all_lat = self.end - w.arrivals
-        lat = all_lat[m]
+        ok = ~np.isnan(all_lat)
+        lat = all_lat[m][ok[m]]
         q = len(all_lat)
-        growing = all_lat[q - q // 10:].mean() > GROWING * all_lat[q // 5:q * 3 // 10].mean()
+        a, b = all_lat[q - q // 10:], all_lat[q // 5:q * 3 // 10]
+        growing = np.nanmean(a) > GROWING * np.nanmean(b)
         return {"policy": self.policy, "n": self.n_kernels,
                 "hit": float(self.hit[m].mean()),
                 "recomputed": float(self.recomputed[m].mean()),
                 "balance": float(self.busy.max() / self.busy.mean()),
                 "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-                "growing": bool(growing)}
+                "lost": int((self.served == 0).sum()), "growing": bool(growing), **self.router}
 
 
 def workload(n_docs: int, n_queries: int, alpha: float, n_kernels: int, load: float, costs: Costs,
@@ -186,11 +232,12 @@ def pick_docs(n_docs: int, n: int, alpha: float, seed: int) -> list:
 
 
 def simulate(w: Workload, n_kernels: int, policy: str, costs: Costs, capacity: int,
-             bound: Bound = Bound(), vnodes: int = 64, seed: int = 0) -> Result:
+             bound: Bound = Bound(), vnodes: int = 64, seed: int = 0, faults: Faults = Faults(),
+             shipped: Shipped = Shipped()) -> Result:
     """Run every query of ``w`` through ``n_kernels`` batch servers under ``policy``."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {POLICIES}")
-    return _Sim(w, n_kernels, policy, costs, capacity, bound, vnodes, seed).run()
+    return _Sim(w, n_kernels, policy, costs, capacity, bound, vnodes, seed, faults, shipped).run()
 
 
 def sweep(a) -> list[dict]:
@@ -203,7 +250,8 @@ def sweep(a) -> list[dict]:
             w = workload(a.docs, a.queries, alpha, n, a.load, costs, a.doc_tokens, a.question_tokens,
                          a.answer_tokens, a.seed)
             for p in a.policies:
-                r = simulate(w, n, p, costs, capacity, Bound(a.bound_abs, a.bound_rel), a.vnodes, a.seed)
+                r = simulate(w, n, p, costs, capacity, Bound(a.bound_abs, a.bound_rel), a.vnodes, a.seed,
+                             Faults(a.fail, a.drain, a.restart_s), Shipped(a.slack, a.entries))
                 rows.append({"alpha": alpha, **r.summary(w, a.warmup)})
     return rows
 
@@ -213,13 +261,22 @@ def table(rows: list[dict]) -> str:
     out = []
     for alpha in dict.fromkeys(r["alpha"] for r in rows):
         out += [f"\nalpha = {label(alpha)}\n",
-                "| N | policy | prefix hits | recomputed tok/query | busy max/mean | p50 s | p99 s |",
-                "|---|---|---|---|---|---|---|"]
+                "| N | policy | prefix hits | recomputed tok/query | busy max/mean | p50 s | p99 s | lost |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["alpha"] == alpha:
                 star = " *" if r["growing"] else ""
                 out.append(f"| {r['n']} | {r['policy']} | {100 * r['hit']:.1f} % | {r['recomputed']:.0f} | "
-                           f"{r['balance']:.2f} | {r['p50']:.3g} | {r['p99']:.3g}{star} |")
+                           f"{r['balance']:.2f} | {r['p50']:.3g} | {r['p99']:.3g}{star} | {r['lost']} |")
+    shipped = [r for r in rows if r["policy"] == "shipped"]
+    if shipped:
+        out += ["\nThe shipped router itself (this machine, inside the simulation):\n",
+                "| alpha | N | choose() mean µs | choose() p99 µs | take_out() ms | affinity entries | "
+                "routed by affinity | spilled (busy) |", "|---|---|---|---|---|---|---|---|"]
+        for r in shipped:
+            out.append(f"| {label(r['alpha'])} | {r['n']} | {r['choose_us']:.1f} | {r['choose_p99_us']:.1f} | "
+                       f"{r['take_out_ms']:.2f} | {r['entries']} | {100 * r['affinity']:.1f} % | "
+                       f"{100 * r['spilled']:.1f} % |")
     return "\n".join(out)
 
 
@@ -261,6 +318,15 @@ def label(alpha: float) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N 2,8; 300 documents, 2,000 queries")
+    ap.add_argument("--scale", action="store_true",
+                    help="the shipped router and bounded at 16, 128, 1000 kernels, 80 documents, 200 queries and an "
+                         "LRU of 50 documents per kernel, alpha 1.13, kernel 0 failing at 40 %% and kernel 1 "
+                         "draining at 60 %%")
+    ap.add_argument("--slack", type=int, default=Shipped.slack, help="shipped: --affinity-slack")
+    ap.add_argument("--entries", type=int, default=Shipped.entries, help="shipped: --affinity-entries")
+    ap.add_argument("--fail", type=float, default=None, help="kernel 0 fails at this fraction of the run")
+    ap.add_argument("--drain", type=float, default=None, help="kernel 1 drains at this fraction of the run")
+    ap.add_argument("--restart-s", type=float, default=30.0, help="a failed kernel is back after this long")
     ap.add_argument("--kernels", default="2,4,8,16")
     ap.add_argument("--alphas", default="0,1.13,1.43,inf")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -287,6 +353,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.kernels, a.docs, a.queries = "2,8", 300, 2000
+    if a.scale:
+        return scale(a)
     a.kernels = [int(x) for x in a.kernels.split(",")]
     a.alphas = [float(x) for x in a.alphas.split(",")]
     a.policies = [p for p in a.policies.split(",") if p]
@@ -315,6 +383,29 @@ def main(argv=None) -> int:
     return 0
 
 
+def scale(a) -> int:
+    """--scale: each N with its own documents and queries (see the module docstring)."""
+    a.alphas, a.policies = [1.13], ["shipped", "bounded"]
+    a.fail, a.drain = (0.4 if a.fail is None else a.fail), (0.6 if a.drain is None else a.drain)
+    costs, rows = COSTS[a.costs], []
+    print(f"# sim_routing --scale (a simulation, not a measurement): per kernel 80 documents of ~{a.doc_tokens} "
+          f"tokens, an LRU of 50 of them, 200 Poisson queries at load {a.load:g}; alpha 1.13; "
+          f"kernel 0 fails at {a.fail:g} (back {a.restart_s:g} s later), kernel 1 drains at {a.drain:g}; "
+          f"shipped slack {a.slack}, entries {a.entries}\n# costs {a.costs}: {costs.source}", flush=True)
+    for n in (16, 128, 1000):
+        docs, queries = 80 * n, 200 * n
+        w = workload(docs, queries, 1.13, n, a.load, costs, a.doc_tokens, a.question_tokens, a.answer_tokens, a.seed)
+        for p in a.policies:
+            r = simulate(w, n, p, costs, 50, Bound(a.bound_abs, a.bound_rel), a.vnodes,
+                         a.seed, Faults(a.fail, a.drain, a.restart_s), Shipped(a.slack, a.entries))
+            rows.append({"alpha": 1.13, **r.summary(w, a.warmup)})
+            print(f"# N={n} {p} done", file=sys.stderr, flush=True)
+    print(table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 # -- helpers ----------------------------------------------------------------------------------------
 
 
@@ -327,9 +418,13 @@ class _Ring:
         self.keys = [p for p, _ in pts]
         self.owner = [k for _, k in pts]
 
-    def __call__(self, doc: int) -> int:
+    def __call__(self, doc: int, alive=None) -> int:
         i = bisect_right(self.keys, _h(f"doc-{doc}"))
-        return self.owner[i % len(self.owner)]
+        for j in range(len(self.owner)):                 # the first live kernel at or after it
+            k = self.owner[(i + j) % len(self.owner)]
+            if alive is None or alive[k]:
+                return k
+        raise RuntimeError("no live kernel")
 
 
 def _h(s: str) -> int:
@@ -337,18 +432,21 @@ def _h(s: str) -> int:
 
 
 class _Sim:
-    """The event loop: arrivals in order; before each, every batch that ends by then."""
+    """The event loop: arrivals in order; before each, every batch end and fault by then."""
 
-    def __init__(self, w, n, policy, costs, capacity, bound, vnodes, seed):
+    def __init__(self, w, n, policy, costs, capacity, bound, vnodes, seed, faults, shipped):
         self.w, self.n, self.policy, self.costs, self.cap, self.bound = w, n, policy, costs, capacity, bound
         self.rng = random.Random(f"{seed}-{n}-{policy}")
         self.ring = _Ring(n, vnodes)
         self.queue = [deque() for _ in range(n)]
         self.running = [0] * n                           # queries in each kernel's current batch
+        self.batch_seq = [0] * n                         # the seq of each kernel's current batch
         self.lru = [OrderedDict() for _ in range(n)]
+        self.alive = [True] * n                          # takes new queries (not dead, not draining)
         self.busy = np.zeros(n)
         self.ends: list = []                             # heap of (end, seq, kernel, batch)
         self.seq = 0
+        self.cancelled: set = set()                      # batches lost with their kernel
         q = len(w.arrivals)
         self.kernel = np.full(q, -1)
         self.end = np.full(q, np.nan)
@@ -356,42 +454,118 @@ class _Sim:
         self.recomputed = np.zeros(q, np.int64)
         self.served = np.zeros(q, np.int64)
         self.max_lru = 0
+        span = float(w.arrivals[-1])
+        self.faults = []                                 # (time, what, kernel), in time order
+        if faults.fail is not None and n > 1:
+            self.faults.append((faults.fail * span, "fail", 0))
+        if faults.drain is not None and n > 2:
+            self.faults.append((faults.drain * span, "drain", 1))
+        self.faults.sort()
+        self.restart_s = faults.restart_s
+        self.table = RoutingTable(n, shipped.entries, shipped.slack) if policy == "shipped" else None
+        self.keys: dict = {}                             # query -> its affinity keys
+        self.why: Counter = Counter()
+        self.choose_ns: list = []
+        self.take_out_ms = 0.0
 
     def run(self) -> Result:
         for i, t in enumerate(self.w.arrivals.tolist()):
-            while self.ends and self.ends[0][0] <= t:
-                self._finish(*heapq.heappop(self.ends))
-            k = self._route(self.w.docs[i])
-            self.kernel[i] = k
-            self.queue[k].append(i)
-            if not self.running[k]:
-                self._start(k, t)
-        while self.ends:
-            self._finish(*heapq.heappop(self.ends))
+            self._advance(t)
+            self._route_in(i, t)
+        self._advance(math.inf)
+        router = {}
+        if self.table is not None:
+            ns = np.array(self.choose_ns) / 1e3
+            total = max(1, sum(self.why.values()))
+            router = {"choose_us": float(ns.mean()), "choose_p99_us": float(np.percentile(ns, 99)),
+                      "take_out_ms": self.take_out_ms, "entries": len(self.table.affinity),
+                      "affinity": self.why["affinity"] / total, "spilled": self.why["spilled"] / total}
         return Result(self.policy, self.n, self.kernel, self.end, self.hit, self.recomputed, self.served,
-                      self.busy, self.max_lru)
+                      self.busy, self.max_lru, router)
+
+    def _advance(self, t: float) -> None:
+        """Every batch end and fault up to ``t``, in time order."""
+        while True:
+            te = self.ends[0][0] if self.ends else math.inf
+            tf = self.faults[0][0] if self.faults else math.inf
+            if min(te, tf) > t or min(te, tf) == math.inf:
+                return
+            if tf < te:
+                self._fault(*self.faults.pop(0))
+            else:
+                self._finish(*heapq.heappop(self.ends))
+
+    def _route_in(self, i: int, t: float) -> None:
+        k = self._route(i, self.w.docs[i])
+        self.kernel[i] = k
+        self.queue[k].append(i)
+        if not self.running[k]:
+            self._start(k, t)
 
     def _load(self, k: int) -> int:
         return len(self.queue[k]) + self.running[k]
 
     def _least(self) -> int:
-        loads = [self._load(k) for k in range(self.n)]
+        loads = [self._load(k) if self.alive[k] else math.inf for k in range(self.n)]
         lo = min(loads)
         ties = [k for k, x in enumerate(loads) if x == lo]
         return ties[0] if len(ties) == 1 else self.rng.choice(ties)
 
-    def _route(self, doc: int) -> int:
+    def _route(self, i: int, doc: int) -> int:
+        if self.policy == "shipped":
+            return self._shipped(i, doc)
         if self.policy == "random":
-            return self.rng.randrange(self.n)
+            return self.rng.choice([k for k in range(self.n) if self.alive[k]])
         if self.policy == "least":
             return self._least()
-        k = self.ring(doc)
+        k = self.ring(doc, self.alive)
         if self.policy == "bounded":
-            lo = min(self._load(j) for j in range(self.n))
+            lo = min(self._load(j) for j in range(self.n) if self.alive[j])
             mine = self._load(k)
             if mine - lo > self.bound.abs and mine > self.bound.rel * lo:
                 return self._least()
         return k
+
+    def _shipped(self, i: int, doc: int) -> int:
+        keys = self.keys.get(i)
+        if keys is None:                                 # the gateway's keys of a chat request
+            req = {"mode": "chat", "cache": {"dir": "/shared/serve-cache", "trust": []},
+                   "messages": [{"role": "system", "content": f"document {doc}"},
+                                {"role": "user", "content": f"question {i}"}]}
+            keys = self.keys[i] = request_keys(req)
+        t0 = time.perf_counter_ns()
+        k, why = self.table.choose(keys)
+        self.choose_ns.append(time.perf_counter_ns() - t0)
+        followed = any(self.table.affinity.get(key) is not None for key in keys)
+        self.why["spilled" if why == "least_loaded" and followed else why] += 1
+        self.table.begin(k)
+        self.table.remember(keys, k)
+        return k
+
+    def _fault(self, t: float, what: str, k: int) -> None:
+        if what == "restart":
+            self.alive[k] = True
+            if self.table is not None:
+                self.table.put_back(k)
+            return
+        self.alive[k] = False
+        if self.table is not None:
+            t0 = time.perf_counter()
+            self.table.take_out(k)
+            self.take_out_ms = max(self.take_out_ms, 1e3 * (time.perf_counter() - t0))
+        if what == "drain":
+            return                                       # it finishes what it has, then stays out
+        if self.running[k]:                              # its batch is lost with it
+            self.cancelled.add(self.batch_seq[k])
+            self.running[k] = 0
+        waiting = list(self.queue[k])
+        self.queue[k].clear()
+        self.lru[k].clear()
+        if self.table is not None:                       # the requests it had are over for the table
+            self.table.in_flight[k] = 0
+        for i in waiting:                                # spawns the gateway retries elsewhere
+            self._route_in(i, t)
+        bisect_insert(self.faults, (t + self.restart_s, "restart", k))
 
     def _start(self, k: int, t: float) -> None:
         q, lru, w = self.queue[k], self.lru[k], self.w
@@ -414,14 +588,24 @@ class _Sim:
         self.busy[k] += dur
         self.running[k] = len(batch)
         self.seq += 1
+        self.batch_seq[k] = self.seq
         heapq.heappush(self.ends, (t + dur, self.seq, k, batch))
 
-    def _finish(self, t: float, _seq: int, k: int, batch: list) -> None:
+    def _finish(self, t: float, seq: int, k: int, batch: list) -> None:
+        if seq in self.cancelled:                        # lost with its kernel
+            return
         self.end[batch] = t
         np.add.at(self.served, batch, 1)
+        if self.table is not None:
+            for _ in batch:
+                self.table.end(k)
         self.running[k] = 0
         if self.queue[k]:
             self._start(k, t)
+
+
+def bisect_insert(events: list, ev: tuple) -> None:
+    events.insert(bisect_right(events, ev), ev)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             return err
     if args.cmd == "run" and args.remote:
         return _run_remote(args)
-    if args.cmd in ("run", "ps", "kill", "kv"):
+    if args.cmd in ("run", "ps", "kill", "kv", "drain"):
         return _client_cmd(args)
     if args.cmd == "keys":
         return _keys_cmd(args)
@@ -174,6 +174,10 @@ def _client_cmd(args) -> int:
                 c.kill(args.lip)
                 print(f"killed LIP {args.lip}")
                 return 0
+            if args.cmd == "drain":
+                c.drain()
+                print("draining: the kernel starts no new LIPs; those running finish")
+                return 0
             if args.cmd == "kv":
                 if args.kv_cmd == "ls":
                     for e in c.kv_ls(args.path):
@@ -187,8 +191,22 @@ def _client_cmd(args) -> int:
                     import json
                     print(json.dumps(c.kv_stat(args.path), indent=2))
                     return 0
+                if args.kv_cmd == "export":
+                    blob = c.kv_export(args.path)
+                    with open(args.file, "xb") as f:          # never over an existing file
+                        f.write(blob)
+                    print(f"exported {args.path}: {len(blob)} bytes to {args.file}")
+                    return 0
+                if args.kv_cmd == "import":
+                    with open(args.file, "rb") as f:
+                        r = c.kv_import(args.path, f.read())
+                    print(f"imported {r['path']}: {r['length']} tokens, {r['pages']} pages")
+                    return 0
     except KernelError as e:
         print(f"symphony: {e} ({e.code})", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:                   # a local file; a request the client refuses
+        print(f"symphony: {e}", file=sys.stderr)
         return 1
     return 2
 
@@ -411,6 +429,18 @@ def _add_client_cmds(sub) -> None:
         x = kvs.add_parser(name, help=helptext)
         x.add_argument("path", nargs="?" if name == "ls" else None, default="/")
         common(x)
+    x = kvs.add_parser("export", help="write a KV file's bytes to a local file (for kv import on any kernel "
+                                      "of the same model)")
+    x.add_argument("path")
+    x.add_argument("file", help="a new local file")
+    common(x)
+    x = kvs.add_parser("import", help="make a KV file from exported bytes (yours, under your quota)")
+    x.add_argument("file")
+    x.add_argument("path")
+    common(x)
+    d = sub.add_parser("drain", help="stop the kernel taking new LIPs while those running finish (root); a "
+                                     "gateway then moves its users' KV files to other kernels")
+    common(d)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 from .engine.args import EngineArgs
+from .kernel.flagtypes import host_pages as _host_pages, nonneg_int as _nonneg_int, umask as _umask
+from .kernel.flagtypes import pages_or_percent as _pages_or_percent, positive_int as _positive_int
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig
@@ -38,9 +40,9 @@ def kernel_main(argv=None) -> int:
     from .engine.config import ConfigError
     from .engine.loader import ModelLoadError
     from .engine.tp.group import TPFailure
-    if args.worker:                                      # another machine's tensor-parallel ranks
+    if cfg.engine.is_other_rank():                       # another machine's ranks, or a launcher's rank > 0
         try:
-            return cfg.engine.run_worker_node()
+            return cfg.engine.run_other_ranks()
         except (ModelLoadError, ConfigError) as e:
             log.error("%s", e)
             return 2
@@ -60,6 +62,8 @@ def kernel_main(argv=None) -> int:
         return 1
     finally:
         kernel.engine.close()                            # the other tensor-parallel ranks stop
+        from .engine.tp.launch import exit_if_broken
+        exit_if_broken(kernel.engine, log)
     return 0
 
 
@@ -68,9 +72,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="symphony-kernel", description="The Symphony kernel daemon.")
     EngineArgs.add_cli_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    p.add_argument("--worker", action="store_true",
-                   help="run this machine's tensor-parallel ranks for node 0's kernel (with --tp, --nnodes, "
-                        "--node-rank, --master-addr, --master-port and node 0's engine flags)")
     p.add_argument("--socket", default=None, help="Unix socket path (default $SYMPHONY_SOCKET, "
                    "$XDG_RUNTIME_DIR/symphony.sock or /tmp/symphony-UID.sock)")
     p.add_argument("--host-pages", type=_host_pages, default="auto",
@@ -125,6 +126,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the uid of the HTTP gateway, trusted to act for any user but root (default with "
                         "--http: a free uid of --lip-uids on a root kernel, the kernel's own otherwise); "
                         "give it to trust a symphony-gateway you run yourself")
+    from .kernel.loop import remote
+    remote.add_cli_args(p)
     from .gateway.config import add_args as gateway_args
     gateway_args(p)
     p.add_argument("--test-hooks", action="store_true",
@@ -164,6 +167,8 @@ class KernelConfig:
     gateway: Optional[dict]             # {"http", "uid", "argv"} with --http or --gateway-uid
     test_hooks: bool
     overlap: bool = True                # the forward pass on a device thread (not --serial-steps)
+    listen: Optional[object] = None     # kernel.loop.remote.ListenConfig with --listen
+    peer_durable_dirs: tuple = ()       # --peer-durable-dir (real paths)
 
 
 def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
@@ -187,12 +192,14 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
         lip_uids = parse_range(args.lip_uids) if args.lip_uids is not None else DEFAULT_RANGE
     except ValueError as e:
         p.error(f"--lip-uids: {e}")
+    from .kernel.loop import remote
+    listen, peers = remote.from_args(p, args)
     from .engine.config import ConfigError
     from .ipc.protocol import default_socket_path
     engine = EngineArgs.from_cli_args(args)
     try:
         engine_config = engine.to_config()
-        engine.tp_size()
+        engine.check()                                   # --gpus against this machine, --tp against --gpus, ...
     except ConfigError as e:
         raise SystemExit(f"symphony: {e}") from None
     return KernelConfig(
@@ -203,7 +210,8 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
         user_page_refs=args.user_page_refs, kv_wait_s=args.kv_wait, max_lips=args.max_lips,
         token_budget=args.token_budget, policy=policy, max_queued_output=args.max_queued_output_kb << 10,
         caps=caps, admission=admission, bounds=bounds, lip_uids=lip_uids, lip_nice=args.lip_nice,
-        lip_busy_cpu=args.lip_busy_cpu, gateway=gateway, test_hooks=args.test_hooks, overlap=not args.serial_steps)
+        lip_busy_cpu=args.lip_busy_cpu, gateway=gateway, test_hooks=args.test_hooks, listen=listen,
+        peer_durable_dirs=peers, overlap=not args.serial_steps)
 
 
 def build(cfg: KernelConfig, log: logging.Logger):
@@ -260,7 +268,8 @@ def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int)
                   max_queued_output=cfg.max_queued_output, cap_policy=cfg.caps, lip_uids=cfg.lip_uids,
                   test_hooks=cfg.test_hooks, admission=cfg.admission, kv_wait_s=cfg.kv_wait_s,
                   compute_threads=compute_threads, bounds=cfg.bounds, lip_nice=cfg.lip_nice,
-                  lip_busy_cpu=cfg.lip_busy_cpu, gateway=cfg.gateway, overlap=cfg.overlap)
+                  lip_busy_cpu=cfg.lip_busy_cpu, gateway=cfg.gateway, listen=cfg.listen,
+                  peer_durable_dirs=cfg.peer_durable_dirs, overlap=cfg.overlap)
 
 
 class StartupError(RuntimeError):
@@ -299,40 +308,6 @@ def _gateway(p: argparse.ArgumentParser, args) -> Optional[dict]:
     return {"http": args.http, "uid": args.gateway_uid, "argv": to_argv(args)}
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return n
-
-
-def _positive_int(text: str) -> int:
-    n = _nonneg_int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return n
-
-
-def _pages_or_percent(text: str):
-    """'N' pages (an int) or 'N%' of the pool (a float in (0, 1])."""
-    if text.endswith("%"):
-        try:
-            pct = float(text[:-1])
-        except ValueError:
-            pct = -1.0
-        if not 0 < pct <= 100:
-            raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], got {text!r}")
-        return pct / 100
-    return _nonneg_int(text)
-
-
-def _host_pages(text: str):
-    return "auto" if text == "auto" else _nonneg_int(text)
-
-
 def auto_host_pages(engine) -> int:
     """The host tier's default ceiling: 4x the device pool, at most a quarter
     of the RAM.  Its pages are made only as they are needed (64 at a time), so
@@ -342,16 +317,6 @@ def auto_host_pages(engine) -> int:
     except (ValueError, OSError):
         ram = 8 << 30
     return max(0, min(4 * engine.kv.allocator.capacity, ram // 4 // engine.kv.page_bytes))
-
-
-def _umask(text: str) -> int:
-    try:
-        m = int(text, 8)
-    except ValueError:
-        m = -1
-    if not 0 <= m <= 0o777:
-        raise argparse.ArgumentTypeError(f"expected an octal umask 000..777, got {text!r}")
-    return m
 
 
 _ADMISSION_FLAGS = (   # flag, default, what it bounds (all ints >= 1)

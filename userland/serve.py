@@ -43,7 +43,8 @@ types and ranges; the program checks again and refuses bad input with an
   made: the answer ends where the model begins one (finish_reason ``stop``).
   Call markup is never sent as text.
 * ``cache``: null (no prefix caching) or ``{"dir": KVFS_DIR, "trust": [USER,
-  ...], "ttl"?: seconds (default 3600)}``: see Prefix caching.
+  ...], "ttl"?: seconds (default 3600), "durable"?: bool (default false)}``:
+  see Prefix caching.
 * ``stream`` (bool, default true): false when the client waits for the whole
   answer; the output is then the same with fewer events (see Output).
 
@@ -105,7 +106,9 @@ recomputes none of its old tokens, except the last prompt token (its
 distribution is needed) when the whole prompt was cached.  Checkpoints are
 ``advise("cache")`` (deleted first under memory pressure: a later lookup
 misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
-private (0600) unless ``trust`` names other users (0644).  Caching never
+private (0600) unless ``trust`` names other users (0644).  With ``durable``,
+every checkpoint is also synced to the kernel's durable directory, so that
+another kernel can adopt them if this one dies.  Caching never
 fails a request: a refused directory or a full quota stops it (a full quota
 removes the user's own checkpoints), and a pred over the page quota is
 retried once after removing them.  A ``cache.dir`` that is not a valid KVFS
@@ -217,7 +220,8 @@ class Job:
         if req.cache:
             self.cache = PrefixCache(req.cache["dir"], block=int(self.info.get("page_size") or 16),
                                      user=self.info["user"], trust=req.cache["trust"],
-                                     specials=self.tok.special_ids, ttl=req.cache["ttl"])
+                                     specials=self.tok.special_ids, ttl=req.cache["ttl"],
+                                     durable=req.cache.get("durable", False))
             try:
                 hit, M = self.cache.lookup(self.prompt, L - 1)
             except InvalidPath as e:

@@ -44,7 +44,9 @@ class EngineArgs:
     nnodes: int = 1                      # machines the ranks span (torchrun's names)
     node_rank: int = 0
     master_addr: Optional[str] = None
-    master_port: int = 29500
+    master_port: Optional[int] = None    # None: 29500
+    rendezvous: str = "auto"             # "env": a launcher's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK
+    worker: bool = False                 # symphony-kernel --worker: another machine's ranks
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +56,8 @@ class EngineArgs:
                             "SmolLM2-135M-Instruct)")
         p.add_argument("--gpus", default=None,
                        help="GPU index to run on, e.g. 0, or several, e.g. 0,1: one tensor-parallel rank "
-                            "per GPU (default: CPU)")
+                            "per GPU of one kernel (default: CPU); for several replicas run one kernel each "
+                            "behind symphony-gateway")
         p.add_argument("--device", dest="device_spec", default="cpu", metavar="cpu|sim[:PROFILE]",
                        help="cpu (default; --gpus picks GPUs), or sim[:PROFILE]: a SIMULATED device for "
                             "benchmarks and tests of the kernel, never for serving: the model's config and "
@@ -87,7 +90,16 @@ class EngineArgs:
         g.add_argument("--nnodes", type=int, default=1, help="machines the ranks span (default 1)")
         g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 runs the kernel")
         g.add_argument("--master-addr", default=None, help="address of node 0 (with --nnodes > 1)")
-        g.add_argument("--master-port", type=int, default=29500, help="its rendezvous port (default 29500)")
+        g.add_argument("--master-port", type=int, default=None, help="its rendezvous port (default 29500)")
+        g.add_argument("--worker", action="store_true",
+                       help="symphony-kernel only: run this machine's tensor-parallel ranks for node 0's kernel "
+                            "(with --tp or --gpus, --nnodes, --node-rank, --master-addr, --master-port and node "
+                            "0's engine flags)")
+        g.add_argument("--rendezvous", default="auto", choices=["auto", "env"],
+                       help="auto (default): rank 0 starts this machine's ranks (and meets other machines' "
+                            "at --master-addr); env: a launcher such as torchrun started every rank and set "
+                            "MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK; RANK 0 is the kernel, "
+                            "--gpus lists this machine's GPUs (LOCAL_RANK picks one)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -108,36 +120,46 @@ class EngineArgs:
             raise ConfigError(f"--device {self.device_spec}: a simulated device runs no tensor parallelism")
         return profile
 
+    def launch_plan(self, cuda_count: Optional[int] = None):
+        """Where the ranks run (`tp.plan.LaunchPlan`), checked: ConfigError names the flag.
+        ``cuda_count``: the CUDA devices this machine has, to check --gpus against (None:
+        unchecked, for tests of the flags alone)."""
+        from .tp.plan import launch_plan
+        return launch_plan(gpus=self.gpus, tp=self.tp, nnodes=self.nnodes, node_rank=self.node_rank,
+                           master_addr=self.master_addr, master_port=self.master_port,
+                           rendezvous=self.rendezvous, worker=self.worker, cuda_count=cuda_count)
+
+    def check(self) -> None:
+        """Every engine flag checked against this machine (its CUDA devices) and each
+        other, before anything loads: ConfigError names the flag."""
+        if not 0 < self.tp_timeout <= 3600:
+            from .config import ConfigError
+            raise ConfigError(f"--tp-timeout must be in (0, 3600] seconds, got {self.tp_timeout}")
+        cuda = None
+        if self.gpus:
+            import torch
+            cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.launch_plan(cuda)
+        self.sim_profile()
+        self.to_config()
+
     def devices(self) -> list[str]:
-        """The torch devices ``--gpus`` names, one per rank (["cpu"] without it); ConfigError if bad."""
-        from .config import ConfigError
-        if not self.gpus:
-            return ["cpu"]
-        ids = [g.strip() for g in self.gpus.split(",")]
-        if not ids or not all(i.isdigit() for i in ids) or len(set(ids)) != len(ids):
-            raise ConfigError(f"--gpus: a GPU index or distinct indexes separated by commas, got {self.gpus!r}")
-        return [f"cuda:{i}" for i in ids]
+        """The torch devices ``--gpus`` names, one per local rank (["cpu"] without it); ConfigError if bad."""
+        from .tp.plan import parse_gpus
+        ids = parse_gpus(self.gpus)
+        return [f"cuda:{i}" for i in ids] if ids else ["cpu"]
 
     def device(self) -> str:
-        """Rank 0's torch device."""
-        return self.devices()[0]
+        """This process's torch device (rank 0's, or with --rendezvous env its own rank's)."""
+        return self.launch_plan().device if self.rendezvous == "env" else self.devices()[0]
 
     def tp_size(self) -> int:
-        """Tensor-parallel ranks: --tp, or one per --gpus index (1: no tensor parallelism);
-        ConfigError when the flags disagree or are out of range."""
+        """Tensor-parallel ranks: --tp, or one per --gpus index on each of --nnodes machines
+        (1: no tensor parallelism); ConfigError when the flags disagree or are out of range."""
         from .config import ConfigError
-        gpus = len(self.devices()) if self.gpus else 0
-        if self.tp is not None and not 1 <= self.tp <= 64:
-            raise ConfigError(f"--tp must be in 1..64, got {self.tp}")
-        if gpus > 1 and self.tp not in (None, gpus * self.nnodes):
-            raise ConfigError(f"--tp {self.tp} disagrees with --gpus {self.gpus} (one rank per GPU)")
-        if not 1 <= self.nnodes <= 64 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--nnodes {self.nnodes} / --node-rank {self.node_rank} out of range")
-        if self.nnodes > 1 and not self.master_addr:
-            raise ConfigError("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
         if not 0 < self.tp_timeout <= 3600:
             raise ConfigError(f"--tp-timeout must be in (0, 3600] seconds, got {self.tp_timeout}")
-        return self.tp or max(gpus, 1) * self.nnodes
+        return self.launch_plan().size
 
     def to_config(self) -> "EngineConfig":
         """The validated `EngineConfig` the flags describe (ConfigError names what is wrong)."""
@@ -152,25 +174,28 @@ class EngineArgs:
     def load(self, cfg: "Optional[EngineConfig]" = None):
         """Select the CPU kernels ``--activations`` asks for and load the model into an `Engine`
         run as ``cfg`` (default: `to_config`), across `tp_size` ranks (the others started here
-        and, with --nnodes, on the other machines).  ConfigError, ModelLoadError (engine/loader.py),
-        or TPFailure (a rank could not start)."""
+        and, with --nnodes, on the other machines, or by a launcher).  ConfigError,
+        ModelLoadError (engine/loader.py), TPFailure (a rank could not start) or
+        tp.agree.TPMismatch (the ranks' settings disagree)."""
         from .engine import Engine
         from .quant import set_int8_activations
+        from .config import ConfigError
+        if self.is_other_rank():
+            raise ConfigError("this process runs tensor-parallel ranks for another kernel (--worker, or a "
+                              "launcher's RANK other than 0): symphony-kernel serves those")
         cfg = self.to_config() if cfg is None else cfg
         profile = self.sim_profile()
         if profile is not None:
             from .sim import SimEngine
             return SimEngine.load(self.model, cfg, profile)
         set_int8_activations(self.activations == "int8")
-        size = self.tp_size()
-        if size == 1:
+        plan = self.launch_plan()
+        if plan.size == 1:
             return Engine.load(self.model, cfg)
         from .loader import read_model_config
         from .tp.launch import TensorParallel
-        tp = TensorParallel.start(self.model, cfg, size, read_model_config(self.model),
-                                  timeout_s=self.tp_timeout, devices=self.devices() if self.gpus else None,
-                                  activations=self.activations, nnodes=self.nnodes,
-                                  master=f"{self.master_addr}:{self.master_port}" if self.nnodes > 1 else None)
+        tp = TensorParallel.start(self.model, cfg, plan.size, read_model_config(self.model),
+                                  timeout_s=self.tp_timeout, activations=self.activations, plan=plan)
         try:
             return Engine.load(self.model, cfg, tp=tp)
         except BaseException:
@@ -178,10 +203,17 @@ class EngineArgs:
             tp.close(grace_s=1.0)
             raise
 
-    def run_worker_node(self) -> int:
-        """``symphony-kernel --worker``: run this machine's ranks (--node-rank k of --nnodes)
-        until node 0's kernel stops them; the exit status of the first that fails, else 0."""
-        from .tp.launch import run_node
-        return run_node(self.model, self.to_config(), self.tp_size(), self.nnodes, self.node_rank,
-                        f"{self.master_addr}:{self.master_port}", self.tp_timeout,
-                        self.devices() if self.gpus else None, self.activations)
+    def is_other_rank(self) -> bool:
+        """Whether this process runs ranks but not the kernel: ``--worker``, or a rank
+        other than 0 under ``--rendezvous env``."""
+        return self.worker or (self.rendezvous == "env" and self.launch_plan().rank != 0)
+
+    def run_other_ranks(self) -> int:
+        """``symphony-kernel --worker`` (this machine's ranks, --node-rank k of --nnodes) or a
+        launcher's rank other than 0: serve until node 0's kernel stops them; the exit status
+        of the first that fails, else 0."""
+        from .tp.launch import run_node, serve_env_rank
+        plan = self.launch_plan()
+        if self.rendezvous == "env":
+            return serve_env_rank(self.model, self.to_config(), plan, self.tp_timeout, self.activations)
+        return run_node(self.model, self.to_config(), plan, self.tp_timeout, self.activations)

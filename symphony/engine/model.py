@@ -164,6 +164,8 @@ class PagedLlama:
                                  quant.qlinear_path())                # [T, hidden]
         else:
             x = self._layers(x, meta, kv)
+        if self.tp is not None:
+            self.tp.finish(x)                                       # a GPU rank's hang shows here
         if not head:
             return None
         x = x.index_select(0, meta.logit_rows)                      # [R, hidden]

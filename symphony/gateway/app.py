@@ -20,6 +20,7 @@ kernels.py and router.py choose.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -39,6 +40,7 @@ from .errors import ApiError
 from .kernels import Kernels
 from .keys import KeyPolicy, KeyStore
 from .limits import Limiter
+from .moves import Mover
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .store import ResponseStore
 from .streams import ClientGone
@@ -55,9 +57,11 @@ class Gateway:
         self.cfg, self.keys = cfg, keys
         self.metrics = Metrics()
         self.kernels = Kernels(cfg.kernels, cfg.open_user, capacity=cfg.affinity_entries, slack=cfg.affinity_slack,
-                               metrics=self.metrics)
+                               metrics=self.metrics, credentials=cfg.kernel_credentials, on_draining=self._draining)
         self.limiter = Limiter(cfg.max_active)
         self.store = ResponseStore(cfg.max_stored_responses, cfg.max_stored_bytes)
+        self.mover = Mover(self.kernels, self.store, self.cache_dir)      # KV that follows its users (moves.py)
+        self._moves: set = set()
         self.lips: dict[int, tuple[str, object, dict]] = {}   # gateway LIP id -> (key name, session, row)
         self.models: list[str] = []
         self.context_tokens = 2048
@@ -97,6 +101,20 @@ class Gateway:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{', '.join(repr(m) for m in self.models)} (GET /v1/models)",
                            code="model_not_found", param="model")
+
+    def cache_dir(self, user: str):
+        """The prefix-cache directory the serving program uses for ``user`` (None: no cache)."""
+        if self.cfg.cache == "off":
+            return None
+        if self.cfg.cache == "shared" and any(k.user == user and k.share_cache for k in self.keys.keys):
+            return "/shared/serve-cache"
+        return f"/home/{user}/serve-cache"
+
+    def _draining(self, k) -> None:
+        """A kernel is draining: move its users' KV files in the background."""
+        t = asyncio.get_running_loop().create_task(self.mover.evacuate(k))
+        self._moves.add(t)
+        t.add_done_callback(self._moves.discard)
 
     def prepare(self, req: dict, key: KeyPolicy) -> dict:
         """The serve request completed by the gateway's policy: the key's prefix

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Optional
+
+from symphony.ipc.transport import is_loopback  # noqa: F401  (the gateway's test of a loopback address)
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 ROUTES = ("chat", "completions", "responses")
@@ -23,15 +24,6 @@ def parse_hostport(text: str) -> tuple[str, int]:
         raise ConfigError(f"expected HOST:PORT, got {text!r}")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -57,6 +49,12 @@ class GatewayConfig:
     cache: str = "user"
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
+    durable_responses: bool = False                    # sync each stored response's conversation KV
+    kernel_secret: Optional[str] = None                # remote kernels: the shared secret's file
+    kernel_ca: Optional[str] = None                    # ... the CA of their certificates (tls://)
+    kernel_cert: Optional[str] = None                  # ... this gateway's client certificate (mutual TLS)
+    kernel_key: Optional[str] = None
+    kernel_credentials: object = None                  # transport.Credentials, read from the files above
     # the front door (frontdoor.py): what a client may hold before and between its requests
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -76,8 +74,25 @@ class GatewayConfig:
                           max_per_addr=self.max_conns_per_addr, max_pending_per_addr=self.max_pending_per_addr)
 
     def __post_init__(self):
+        from symphony.ipc.transport import Credentials, Endpoint
         self.kernels = list(dict.fromkeys(self.kernels or [self.socket_path]))
         self.socket_path = self.kernels[0]
+        try:
+            eps = [Endpoint.parse(k) for k in self.kernels]
+        except ValueError as e:
+            raise ConfigError(f"--kernel {e}") from None
+        if any(ep.remote for ep in eps) and self.kernel_credentials is None:
+            if not self.kernel_secret:
+                raise ConfigError("a kernel at tls:// or tcp:// needs --kernel-secret FILE (the secret given to "
+                                  "its --listen-secret)")
+            if any(ep.kind == "tls" for ep in eps) and not self.kernel_ca:
+                raise ConfigError("a kernel at tls:// needs --kernel-ca PEM (the CA that signed its certificate, "
+                                  "or the certificate itself if self-signed)")
+            try:
+                self.kernel_credentials = Credentials.load(self.kernel_secret, self.kernel_ca, self.kernel_cert,
+                                                           self.kernel_key)
+            except ValueError as e:
+                raise ConfigError(f"--kernel-secret/--kernel-cert: {e}") from None
         if self.affinity_entries < 1:
             raise ConfigError("--affinity-entries must be >= 1")
         if self.affinity_slack < 0:
@@ -181,10 +196,22 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     """The flags of a gateway in front of several kernels (``symphony-gateway`` only)."""
     g = p.add_argument_group("several kernels")
-    g.add_argument("--kernel", action="append", default=[], metavar="PATH",
-                   help="a kernel's Unix socket; repeat it to serve from several kernels, each request routed "
-                        "where its KV is (a continued conversation, a prompt prefix routed before, a program's "
-                        "KV files), else to the kernel with the fewest requests in flight")
+    g.add_argument("--kernel", action="append", default=[], metavar="PATH|tls://HOST:PORT",
+                   help="a kernel's Unix socket, or tls://HOST:PORT for one on another host (symphony-kernel "
+                        "--listen; tcp://127.0.0.1:PORT on loopback); repeat it to serve from several kernels, each "
+                        "request routed where its KV is (a continued conversation, a prompt prefix routed before, "
+                        "a program's KV files), else to the kernel with the fewest requests in flight")
+    g.add_argument("--durable-responses", action="store_true",
+                   help="make each stored /v1/responses conversation's KV durable on its kernel (kernels with "
+                        "--durable-dir), so that a kernel given that directory with --peer-durable-dir continues "
+                        "it when its own kernel is gone")
+    g.add_argument("--kernel-secret", default=None, metavar="FILE",
+                   help="the shared secret of the TCP kernels (their --listen-secret; readable by this user only)")
+    g.add_argument("--kernel-ca", default=None, metavar="PEM",
+                   help="the CA that signed the tls:// kernels' certificates (or a self-signed certificate)")
+    g.add_argument("--kernel-cert", default=None, metavar="PEM",
+                   help="this gateway's client certificate, for kernels that demand one (--listen-tls-client-ca)")
+    g.add_argument("--kernel-key", default=None, metavar="PEM", help="... and its private key")
     g.add_argument("--affinity-entries", type=int, default=100_000, metavar="N",
                    help="prompt prefixes the router remembers, least recently used dropped first (default "
                         "100000, about 150 bytes each)")
@@ -213,7 +240,10 @@ def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[li
                          body_timeout=args.body_timeout, write_timeout=args.write_timeout,
                          keep_alive_timeout=args.keep_alive_timeout, max_header_bytes=args.max_header_kb << 10,
                          max_connections=args.max_http_connections, max_conns_per_addr=args.max_conns_per_addr,
-                         max_pending_per_addr=args.max_pending_per_addr)
+                         max_pending_per_addr=args.max_pending_per_addr,
+                         durable_responses=getattr(args, "durable_responses", False),
+                         kernel_secret=getattr(args, "kernel_secret", None), kernel_ca=getattr(args, "kernel_ca", None),
+                         kernel_cert=getattr(args, "kernel_cert", None), kernel_key=getattr(args, "kernel_key", None))
 
 
 def to_argv(args) -> list[str]:

@@ -1,4 +1,7 @@
-"""The gateway's side of the kernel's Unix socket (the program RPC, ipc/protocol.py).
+"""The gateway's side of a kernel's socket (the client RPC, ipc/rpc.py): a Unix socket, or a
+remote kernel's TCP port (``tls://HOST:PORT``: TLS and the shared-secret handshake,
+ipc/transport.py).  Requests are checked against their types before they are sent,
+replies and events as they arrive; a kernel whose reply does not fit is unreachable.
 
 One connection per LIP: `KernelLink.start` opens a connection, spawns the LIP
 attached to it and returns a `LipSession` that reads the LIP's events.  The
@@ -18,7 +21,11 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable, Optional
 
+import ssl
+
+from symphony.ipc import rpc
 from symphony.ipc.protocol import ProtocolError, encode_frame, read_frame
+from symphony.ipc.transport import AuthError, Credentials, Endpoint, open_connection
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -61,6 +68,12 @@ class LipSession:
                     self.on_lost(type(e).__name__)
             if "event" not in ev:            # a reply to a kill sent on this connection
                 continue
+            try:
+                rpc.check_event(ev)
+            except rpc.ReplyError as e:
+                ev = {"event": "exit", "status": 1, "lost": True, "reason": f"lost: {e}"}
+                if self.on_lost is not None:
+                    self.on_lost("ReplyError")
             if ev["event"] == "exit":
                 self.exit = ev
             yield ev
@@ -95,22 +108,38 @@ class LipSession:
 
 
 class KernelLink:
-    """Requests to the kernel at ``socket_path`` on behalf of named users."""
+    """Requests to the kernel at ``address`` (a Unix socket path, or ``tls://HOST:PORT``
+    with ``credentials``) on behalf of named users."""
 
-    def __init__(self, socket_path: str):
-        self.socket_path = socket_path
+    def __init__(self, address: str, credentials: Optional[Credentials] = None):
+        self.endpoint = Endpoint.parse(address)
+        self.address = self.socket_path = str(self.endpoint)
+        self.credentials = credentials
 
     async def _connect(self):
         try:
-            return await asyncio.wait_for(asyncio.open_unix_connection(self.socket_path), CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise KernelUnavailable(f"the kernel at {self.socket_path} is not reachable: {e}") from None
+            return await open_connection(self.endpoint, self.credentials, CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+            why = f"{type(e).__name__}: {e}" if isinstance(e, (AuthError, ssl.SSLError)) else str(e) or type(e).__name__
+            raise KernelUnavailable(f"the kernel at {self.address} is not reachable: {why}") from None
 
-    async def _ask(self, reader, writer, msg: dict) -> dict:
+    async def _ask(self, reader, writer, msg: dict, frames: list = ()) -> dict:
+        try:
+            req = rpc.check_request(msg)              # refused here as the kernel would refuse it
+        except rpc.RpcError as e:
+            raise KernelRefused({"error": e.code, "type": "RpcError", "message": str(e)}) from None
         writer.write(encode_frame(msg))
+        for h, data in frames:                      # raw frames of KV data (an import)
+            writer.write(h)
+            writer.write(data)
+            await writer.drain()
         await writer.drain()
+        return await self._answer(reader, req)
+
+    async def _answer(self, reader, req) -> dict:
         try:
             reply = await read_frame(reader)
+            rpc.check_reply(req, reply)
         except (asyncio.IncompleteReadError, ConnectionError, ProtocolError, OSError) as e:
             raise KernelUnavailable(f"the kernel closed the connection ({type(e).__name__})") from None
         if "error" in reply:
@@ -118,10 +147,41 @@ class KernelLink:
         return reply
 
     async def request(self, user: str, msg: dict) -> dict:
-        """One request (ps, stats, kv_ls, kv_stat, kv_rm) as ``user``; its reply."""
+        """One request (ps, stats, kv_ls, kv_stat, kv_rm, kv_adopt) as ``user``; its reply."""
         reader, writer = await self._connect()
         try:
             return await self._ask(reader, writer, dict(msg, user=user))
+        finally:
+            writer.close()
+
+    async def export(self, user: str, path: str) -> bytes:
+        """KV file ``path``'s bytes, read as ``user`` (KernelRefused if they may not)."""
+        reader, writer = await self._connect()
+        try:
+            req = rpc.KvExport(path=path, user=user)
+            head = await self._ask(reader, writer, {"op": "kv_export", "path": path, "user": user})
+            parts = []
+            for _ in range(head["chunks"]):
+                try:
+                    parts.append(await rpc.read_raw(reader))
+                except (asyncio.IncompleteReadError, ConnectionError, OSError, rpc.RpcError) as e:
+                    raise KernelUnavailable(f"an export from {self.address} broke off ({type(e).__name__})") from None
+            blob = b"".join(parts)
+            if len(blob) != head["size"] or blob[-32:].hex() != head["sha256"]:   # the importer checks the content
+                raise KernelUnavailable(f"an export of {req.path} from {self.address} came cut short")
+            return blob
+        finally:
+            writer.close()
+
+    async def import_(self, user: str, path: str, blob: bytes) -> dict:
+        """Make KV file ``path`` (and the directories above it) from ``blob`` as ``user``;
+        the kernel's `Imported` reply."""
+        reader, writer = await self._connect()
+        frames = rpc.raw_frames(blob)
+        try:
+            return await self._ask(reader, writer, {"op": "kv_import", "path": path, "user": user, "size": len(blob),
+                                                    "sha256": blob[-32:].hex(), "parents": True,
+                                                    "chunks": len(frames)}, frames)
         finally:
             writer.close()
 

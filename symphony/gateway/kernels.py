@@ -14,6 +14,8 @@ least loaded); this module talks to the kernels and keeps the table true:
     up ------ a probe finds another instance (it restarted) ---------> up, its affinity keys dropped
     down ---- a background probe answers (same model) --------------> up
     down ---- it answers, but serves another model ------------------> wrong_model (kept out, probed on)
+    up ------ its stats say it is draining (symphony drain) ---------> draining (kept out; ``on_draining``
+                                                                        moves its users' files, moves.py)
 
 A kernel out of rotation loses its affinity keys and is probed (`stats`) in
 the background, after 0.5 s, then twice as long after each failure up to
@@ -48,9 +50,9 @@ REVIVE_EVERY_S = 0.25
 class Kernel:
     """One kernel behind the gateway: its socket, link, state and what it said of itself."""
 
-    def __init__(self, index: int, socket_path: str):
-        self.index, self.socket = index, socket_path
-        self.link = KernelLink(socket_path)
+    def __init__(self, index: int, address: str, credentials=None):
+        self.link = KernelLink(address, credentials)
+        self.index, self.socket = index, self.link.address      # a Unix path or tls://HOST:PORT
         self.state = "starting"                      # up | down | wrong_model
         self.since = time.time()                     # of the state
         self.error: Optional[str] = None             # why it is out of rotation
@@ -85,8 +87,12 @@ class Kernels:
     """The gateway's kernels (see the module docstring)."""
 
     def __init__(self, paths: list[str], user: str, *, capacity: int = 100_000, slack: int = 32,
-                 metrics=None):
-        self.all = [Kernel(i, p) for i, p in enumerate(paths)]
+                 metrics=None, credentials=None, on_draining: Optional[Callable[[Kernel], None]] = None):
+        """``paths``: each kernel's address (a Unix socket, or tls://HOST:PORT reached with
+        ``credentials``, ipc/transport.py); ``user``: who probes them; ``on_draining(k)``:
+        called (on the event loop) when ``k`` is first seen draining."""
+        self.on_draining = on_draining
+        self.all = [Kernel(i, p, credentials) for i, p in enumerate(paths)]
         self.user = user                             # who probes (`stats` needs no privilege)
         self.table = RoutingTable(len(paths), capacity, slack)
         self.metrics = metrics
@@ -137,6 +143,11 @@ class Kernels:
             self.table.put_back(k.index)
         if k.model != self.model:
             self._out(k, "wrong_model", f"it serves the model {k.model!r}, the gateway serves {self.model!r}")
+        elif st.get("draining"):
+            first = k.state != "draining"
+            self._out(k, "draining", "it is draining: it starts no new LIPs")
+            if first and self.on_draining is not None:
+                self.on_draining(k)
         elif k.state != "up":
             if k.state != "starting":
                 log.warning("%s answers again: back in rotation", k)
@@ -267,8 +278,10 @@ class Kernels:
                 continue
             except KernelRefused as e:
                 self.table.end(i)
-                if e.type == "QueueFull" and pin is None and len(exclude) + 1 < len(self.live()):
-                    exclude.add(i)                   # its queue is full: another kernel may have room
+                if e.type == "Draining":
+                    self.suspect(k, "it is draining")       # its stats will say so: out of rotation
+                if e.type in ("QueueFull", "Draining") and pin is None and len(exclude) + 1 < len(self.live()):
+                    exclude.add(i)                   # its queue is full, or it drains: another kernel may take it
                     continue
                 raise
             except BaseException:

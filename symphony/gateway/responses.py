@@ -19,8 +19,11 @@ the specification's order, each with its ``sequence_number``:
 ``store`` (default true) keeps the response for ``GET``/``DELETE
 /v1/responses/{id}``, ``/input_items`` and continuations (store.py).  A
 continuation runs on the kernel that served the response it continues,
-where the conversation's KV is; while that kernel is out of rotation it is
-a 503 (``previous_response_unavailable``) rather than a silent recomputation
+where the conversation's KV is.  When that kernel drains, or dies having made
+the conversation durable (``--durable-responses``) in a directory another
+kernel may adopt from, the files move and the continuation follows them
+(moves.py); otherwise, while it is out of rotation, it is a 503
+(``previous_response_unavailable``) rather than a silent recomputation
 elsewhere.
 """
 from __future__ import annotations
@@ -262,12 +265,15 @@ async def create(gw, body: bytes, key, request):
             raise ApiError(404, f"no stored response {r.previous_response_id!r} (it was never stored, was "
                                 f"deleted, or belongs to another user)", code="previous_response_not_found",
                            param="previous_response_id")
-        conversation, pin = prev.conversation + msgs, prev.kernel
+        conversation, pin = prev.conversation + msgs, await gw.mover.follow(key.user, prev)
     req, tools, choice = serve_request(r, conversation)
     gw.prepare(req, key)
+    if r.store and gw.cfg.durable_responses and req.get("cache"):
+        req["cache"]["durable"] = True             # its conversation's last checkpoint survives the kernel
     rid = _new_id("resp")
     run = ServeRun(gw, "responses", [req], 1, key, gw.priority(request, key), pin=pin,
-                   pinned_by=r.previous_response_id)
+                   pinned_by=r.previous_response_id,
+                   follow=(lambda: gw.mover.follow(key.user, prev)) if r.previous_response_id else None)
     b = Builder(r, rid, tools, choice, run)
     await gw.begin(run, request)
 

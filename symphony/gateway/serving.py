@@ -80,11 +80,12 @@ class ServeRun:
     """The serving program's run(s) for one request (see the module docstring)."""
 
     def __init__(self, gw, route: str, requests: list[dict], n: int, key, priority: str = "normal",
-                 pin: Optional[int] = None, pinned_by: Optional[str] = None):
+                 pin: Optional[int] = None, pinned_by: Optional[str] = None, follow=None):
         """``pin``: the kernel it must run on, because of ``pinned_by`` (the
-        response it continues)."""
+        response it continues); ``follow()``: asked once for another pin when that
+        kernel turns out to be gone (its files moved: moves.py)."""
         self.gw, self.route, self.requests, self.n, self.key = gw, route, requests, n, key
-        self.priority, self.pin, self.pinned_by = priority, pin, pinned_by
+        self.priority, self.pin, self.pinned_by, self.follow = priority, pin, pinned_by, follow
         self.streamed = all(r.get("stream", True) for r in requests)
         self.kernel = None                           # the kernels.Kernel it runs on, once started
         self.sessions: list[LipSession] = []
@@ -128,6 +129,11 @@ class ServeRun:
                 kernels.remember(keys, s.kernel)
                 self.gw.metrics.lips_started.labels(self.route).inc()
         except PinnedKernelDown as e:
+            follow, self.follow = self.follow, None
+            moved = await follow() if follow is not None and not self.sessions else None
+            if moved is not None and moved != e.kernel:
+                self.pin = moved
+                return await self.start()
             await self.close()
             raise self._gone(kernels[e.kernel]) from None
         except (KernelRefused, KernelUnavailable) as e:

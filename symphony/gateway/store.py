@@ -9,7 +9,9 @@ holds the response object, its input items, and the whole conversation
 instructions are not carried into a continuation, as in OpenAI's API.  The
 KV of the conversation lives in the serving program's prefix cache on the
 kernel that served it (``kernel``; the continuation runs there), so a
-continuation computes only its new input.  A gateway restart forgets them.
+continuation computes only its new input; when that kernel drains or dies and
+the files move (moves.py), ``repin`` sends the continuations after them.  A
+gateway restart forgets them.
 """
 from __future__ import annotations
 
@@ -53,6 +55,19 @@ class ResponseStore:
     def get(self, user: str, rid: str) -> Optional[Stored]:
         """The stored response ``rid`` of ``user`` (None for another user's: they look alike)."""
         return self._by_user.get(user, {}).get(rid)
+
+    def users_pinned_to(self, kernel: int) -> list[str]:
+        """The users with a stored response whose continuation runs on ``kernel``."""
+        return sorted(u for u, d in self._by_user.items() if any(s.kernel == kernel for s in d.values()))
+
+    def repin(self, user: str, old: int, new: int) -> int:
+        """``user``'s stored responses on kernel ``old`` now continue on ``new`` (their KV
+        files moved there); how many."""
+        n = 0
+        for s in self._by_user.get(user, {}).values():
+            if s.kernel == old:
+                s.kernel, n = new, n + 1
+        return n
 
     def delete(self, user: str, rid: str) -> bool:
         old = self._by_user.get(user, {}).pop(rid, None)

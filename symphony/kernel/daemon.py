@@ -7,17 +7,12 @@
     zygote        `zygote.py`: forks one sandboxed worker per LIP
 
 Client requests (framed JSON, see `protocol.py`), each answered on the same
-connection:
-    {"op": "spawn", "source", "filename", "args", "grants", "limits", "attach", "priority", "kv_tokens"}
-        -> {"event": "started", "lip": id}, or {"event": "queued", "lip": id, "position": k,
-           "waiting_for"} and later {"event": "started", "lip": id, "waited_s"}; then, if
-           attached, the LIP's events: {"event": "out"|"stdout"|"stderr", "data"},
-           {"event": "exit", "status", "reason"}
-    {"op": "input", "lip", "data"} / {"op": "input", "lip", "eof": true}
-    {"op": "kill", "lip"}, {"op": "ps"}, {"op": "kv_ls", "path"}, {"op": "kv_rm", "path"},
-    {"op": "kv_stat", "path"}, {"op": "stats"}, {"op": "shutdown"} (root only)
-The caller's user is the peer's Unix user (SO_PEERCRED); root may act as any
-user by naming it in the request.
+connection, are declared once as types in ipc/rpc.py (spawn, input, kill, ps,
+stats, kv_ls, kv_stat, kv_rm, kv_export, kv_import, kv_adopt, drain, shutdown;
+the reference: docs/reference/client-rpc.md).  The caller's user is the peer's
+Unix user (SO_PEERCRED); root may act as any user by naming it in the request;
+over TCP (``--listen``, remote.py) an authenticated remote gateway acts for the
+user it names.
 
 The Kernel is a composition root: it builds these parts, each owning its
 state and given its collaborators in its constructor, and wires them:
@@ -80,7 +75,8 @@ from symphony.kernel.loop.output import OutputStreams
 from symphony.kernel.syscall.proc import ServedLips
 from symphony.kernel.loop.proctable import ProcessTable
 from symphony.kernel.syscall.residency import KV_WAIT_S
-from symphony.kernel.loop.sessions import ClientSessions
+from symphony.kernel.loop.sessions import REMOTE_UID, ClientSessions
+from symphony.kernel.loop.transfer import KvTransfers
 from symphony.kernel.states import LipState
 from symphony.kernel.loop.status import KernelStatus
 from symphony.kernel.loop.supervisor import Supervision
@@ -103,7 +99,7 @@ class Kernel:
                  admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
                  compute_threads: Optional[int] = None, bounds: Optional[ClientBounds] = None,
                  lip_nice: int = 0, lip_busy_cpu: float = BUSY_CPU, gateway: Optional[dict] = None,
-                 overlap: bool = True):
+                 overlap: bool = True, listen=None, peer_durable_dirs: tuple = ()):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -122,7 +118,10 @@ class Kernel:
         ``gateway``: {"http": "HOST:PORT", "uid": UID or None, "argv": [...]}
         to start the HTTP gateway once ready (gateway_proc.py); ``uid``: the
         uid it serves as, trusted to act for any user but root (None: a free
-        uid of the LIP range on a root kernel, the kernel's own otherwise)."""
+        uid of the LIP range on a root kernel, the kernel's own otherwise).
+        ``listen``: a `remote.ListenConfig` to serve remote gateways over TCP too;
+        ``peer_durable_dirs``: other kernels' durable directories whose files
+        this one may adopt (transfer.py)."""
         if fs.evict_first != served.swap_out_first or fs.pinned != served.running_ids:
             raise ValueError("fs must be built with evict_first=served.swap_out_first and "
                              "pinned=served.running_ids (a running LIP loses pages only whole)")
@@ -170,10 +169,15 @@ class Kernel:
                 uid = self.uids.allocate(-1) if self.uids.can_switch else self.uids.kernel_uid
             self.gateway_uid = uid
             self.conns.exempt = frozenset({uid})      # one connection per LIP, for many users
+        self.listen = listen
+        if listen is not None:                        # remote gateways: one connection per LIP, many users
+            self.conns.exempt = self.conns.exempt | {REMOTE_UID}
         self.sessions = ClientSessions(self.lifecycle, self.status, self.conns, self.inflow, self.sys, fs,
                                        self.supervision.stopping, bounds=bounds, kernel_uid=self.uids.kernel_uid,
-                                       gateway_uid=self.gateway_uid, test_hooks=test_hooks)
+                                       gateway_uid=self.gateway_uid, test_hooks=test_hooks,
+                                       transfers=KvTransfers(self.sys, fs, self.conns, peer_durable_dirs))
         self.server = None                    # the Unix-socket server, once serving
+        self.remote = None                    # remote.RemoteListener, once serving (with listen)
 
     @property
     def stopping(self) -> asyncio.Event:
@@ -225,6 +229,13 @@ class Kernel:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, sup.stopping.set)
         sup.watchdog("socket server", self.server.is_serving, "the socket server stopped serving")
+        if self.listen is not None:
+            from symphony.kernel.loop.remote import RemoteListener
+            self.remote = RemoteListener(self.listen, self.sessions.serve_client)
+            addr = await self.remote.start()
+            sup.watchdog("TCP listener", self.remote.is_serving, "the TCP listener stopped serving")
+            log.info("listening for remote gateways on %s", addr)
+            print(f"symphony-kernel: listening on {addr}", file=sys.stderr, flush=True)
         log.info("kernel %s ready on %s (zygote pid %d)", self.instance, self.socket_path, self.launcher.zygote.pid)
         print(f"symphony-kernel: ready on {self.socket_path}", file=sys.stderr, flush=True)
         if self.gateway_spec is not None and self.gateway_spec.get("http"):
@@ -247,6 +258,8 @@ class Kernel:
         if self.gateway is not None:
             await self.gateway.stop()
         self.server.close()
+        if self.remote is not None:
+            self.remote.close()
         why = f"killed: the kernel failed ({self.fatal})" if self.fatal else "kernel shutting down"
         for e in self.procs:
             self._kill(e.id, why)

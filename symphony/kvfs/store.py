@@ -80,6 +80,12 @@ def sync_snapshot(fs, inode: Inode) -> SyncSnapshot:
     """Begin a sync of ``inode`` (a named file): its header now, its blocks held."""
     if not fs.config.durable_dir:
         raise InvalidArgument("this kernel has no durable directory (durable_dir) configured")
+    return snapshot(fs, inode)
+
+
+def snapshot(fs, inode: Inode, **extra) -> SyncSnapshot:
+    """``inode``'s header now (with ``extra`` fields) and its blocks held, for a sync or an
+    export (transfer.py)."""
     kv = fs.engine.kv
     L, _, _, H, D = kv.page_shape                         # whole pages: every KV head
     n = inode.length
@@ -90,7 +96,7 @@ def sync_snapshot(fs, inode: Inode) -> SyncSnapshot:
         "ctime": inode.ctime, "mtime": inode.mtime, "advice": inode.advice, "length": n,
         "positions": inode.positions, "dtype": str(kv.dtype).replace("torch.", ""),
         "page_shape": [L, 2, H, D],
-        "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot})
+        "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot, **extra})
     fs.refs.hold(blocks)
     return SyncSnapshot(inode.path, header, blocks, n)
 
@@ -104,19 +110,44 @@ def write_file(durable_dir: str, snap: SyncSnapshot, pages: list, tag: int = 0) 
     """Write ``snap`` (its pages' data: `Pager.read` copies, one per block) to a
     temporary file beside its durable file, fsynced, private (0600); returns
     (temporary, final path).  Touches nothing of KVFS: runs on any thread."""
-    n = snap.length
-    data = torch.cat(pages, dim=2)[:, :, :n].contiguous() if pages else torch.empty(0)
-    raw = data.view(torch.uint8).numpy().tobytes() if n else b""
-    digest = hashlib.sha256(snap.header + raw).digest()
+    blob = encode(snap, pages)
     dest = Path(durable_dir) / (hashlib.sha256(snap.path.encode()).hexdigest()[:32] + ".kvf")
     tmp = dest.with_name(f"{dest.stem}.{os.getpid()}.{tag}.tmp")
     dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with open(fd, "wb") as f:
-        f.write(MAGIC + struct.pack("<I", len(snap.header)) + snap.header + raw + digest)
+        f.write(blob)
         f.flush()
         os.fsync(f.fileno())
     return tmp, dest
+
+
+def encode(snap: SyncSnapshot, pages: list) -> bytearray:
+    """The file format's bytes of ``snap`` (its pages' data, one copy per block), made in
+    one buffer: each page's slots are copied once, into place."""
+    n, head = snap.length, snap.header
+    start = len(MAGIC) + 4 + len(head)
+    per_slot = 0
+    if pages:
+        L, two, _, H, D = pages[0].shape
+        per_slot = L * two * H * D * pages[0].element_size()
+    buf = bytearray(start + n * per_slot + 32)
+    buf[:start] = MAGIC + struct.pack("<I", len(head)) + head
+    if n:
+        S = pages[0].shape[2]
+        out = torch.frombuffer(buf, dtype=pages[0].dtype, count=n * per_slot // pages[0].element_size(),
+                               offset=start).view(L, 2, n, H, D)          # [L, 2, n, H, D], in the buffer
+        for i, pg in enumerate(pages):
+            m = min(S, n - i * S)
+            out[:, :, i * S:i * S + m] = pg[:, :, :m]
+    view = memoryview(buf)
+    buf[-32:] = hashlib.sha256(view[len(MAGIC) + 4:-32]).digest()
+    return buf
+
+
+def digest_of(blob) -> str:
+    """The SHA-256 a file's bytes carry (of its header and data), in hex; not checked here."""
+    return bytes(memoryview(blob)[-32:]).hex()
 
 
 def install(fs, inode: Inode, snap: SyncSnapshot, tmp: Path, dest: Path) -> bool:
@@ -192,11 +223,18 @@ def rename_durable(fs, old_path: str, inode: Inode) -> None:
 
 def read_durable(fs, file: Path) -> tuple[dict, torch.Tensor]:
     """Parse and verify one durable file; raises `CorruptFile`."""
-    blob = Path(file).read_bytes()
+    return decode(fs, Path(file).read_bytes(), str(file))
+
+
+def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
+    """Parse and verify the file format's bytes (``file``: what messages call them): the
+    header and the data [L, 2, n, H, D]; `CorruptFile` saying what does not match this
+    kernel (a hash, the dtype, the layout, the model).  Reads ``fs`` only: any thread."""
     if len(blob) < len(MAGIC) + 4 + 32 or blob[:len(MAGIC)] != MAGIC:
         raise CorruptFile(f"{file}: not a Symphony KV file (bad magic or too short)")
     (hlen,) = struct.unpack("<I", blob[8:12])
-    body, digest = blob[12:-32], blob[-32:]
+    view = memoryview(blob)
+    body, digest = view[12:-32], bytes(view[-32:])            # views: the data is copied once, below
     if hlen > len(body):
         raise CorruptFile(f"{file}: header length {hlen} past the end of the file")
     if hashlib.sha256(body).digest() != digest:
@@ -223,24 +261,42 @@ def read_durable(fs, file: Path) -> tuple[dict, torch.Tensor]:
     per_slot = L * 2 * H * D * torch.empty((), dtype=kv.dtype).element_size()
     if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
         raise CorruptFile(f"{file}: data length does not match {n} tokens")
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kv.dtype) if n else torch.empty(0, dtype=kv.dtype)
+    _check_header(header, file, getattr(fs.engine, "max_seq_len", None) or 1 << 30)
+    if not n:
+        data = torch.empty(0, dtype=kv.dtype)
+    else:                                                     # a writable buffer is used in place
+        data = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8).view(kv.dtype)
     return header, data.view(L, 2, n, H, D)
 
 
-def load_durable(fs, file: Path) -> Inode:
-    """Restore one durable file into the namespace (device pages, evicting as needed)."""
-    header, data = read_durable(fs, file)
-    path = header["path"]
-    parts = split_path(path)
+def _check_header(h: dict, file: str, context: int) -> None:
+    """The header's fields that become an inode's, checked for type and range (an imported
+    file's header comes from a client)."""
+    pos = h.get("positions")
+    if not isinstance(pos, list) or not all(type(p) is int and 0 <= p < context for p in pos):
+        raise CorruptFile(f"{file}: positions must be ints in [0, {context})")
+    if len(pos) > context:
+        raise CorruptFile(f"{file}: {len(pos)} tokens, more than the context ({context})")
+    for k in ("ctime", "mtime"):
+        if type(h.get(k)) not in (int, float):
+            raise CorruptFile(f"{file}: {k} must be a number")
+    if type(h.get("mode")) is not int or not 0 <= h["mode"] <= 0o777:
+        raise CorruptFile(f"{file}: mode must be an int in [0, 0o777]")
+    if not isinstance(h.get("path"), str) or not isinstance(h.get("owner"), str):
+        raise CorruptFile(f"{file}: path and owner must be strings")
+
+
+def materialize(fs, header: dict, data: torch.Tensor, owner: str, mode: int) -> Inode:
+    """A new, unlinked inode of ``owner`` holding ``data`` (decoded) in device pages
+    (evicting as needed), charged to ``owner``; its times, positions and advice from
+    ``header``.  The caller links it (or drops its blocks)."""
     S = fs.page_size
-    n = header["length"]
-    n_pages = pages_for(n, S)
+    n_pages = pages_for(header["length"], S)
     fs.memory.make_room(n_pages, set())
     pages = fs.engine.kv.allocator.allocate(n_pages)
     for i, p in enumerate(pages):
         fs.engine.kv.write_page(p, data[:, :, i * S:(i + 1) * S])
-    owner = header["owner"]
-    inode = Inode(owner, int(header["mode"]) & 0o777, 0)
+    inode = Inode(owner, mode & 0o777, 0)
     inode.blocks = [Block(p, owner, 0) for p in pages]
     fs.quotas.charge(owner, 0, n_pages)
     fs.quotas.refs_by_user[owner] += n_pages
@@ -248,6 +304,16 @@ def load_durable(fs, file: Path) -> Inode:
     inode.ctime, inode.mtime = header["ctime"], header["mtime"]
     advice = header.get("advice", "normal")
     inode.advice = advice if advice in ADVICE else "normal"
+    return inode
+
+
+def load_durable(fs, file: Path) -> Inode:
+    """Restore one durable file into the namespace (device pages, evicting as needed)."""
+    header, data = read_durable(fs, file)
+    path = header["path"]
+    parts = split_path(path)
+    owner = header["owner"]
+    inode = materialize(fs, header, data, owner, int(header["mode"]))
     d = fs.root
     for i, name in enumerate(parts[:-1]):
         nxt = d.children.get(name)

@@ -32,7 +32,7 @@ when it was cut by max_tokens: a lookup also probes one token before each
 special token).
 
 **Lookup** searches the prompt's candidate boundaries (the same rule) from the
-top: it probes the last, then 1, 3, 7, ... boundaries lower until a
+top: it probes the last, then 1, 2, 3, 5, 9, ... boundaries lower until a
 checkpoint is there, then binary-searches between that one and the miss above
 it (checkpoints of one prefix are made together, so where a boundary has one
 the boundaries below it normally have one too; a hole, such as a checkpoint
@@ -50,7 +50,10 @@ forked.
 nothing) at each candidate boundary above what the lookup found, then
 ``advise("cache")`` (the memory manager may delete it while nobody has it open:
 a later lookup misses) and ``advise("expire", ttl)``, renewed on each hit of
-one's own file, so that unused checkpoints leave the namespace.  Two requests
+one's own file, so that unused checkpoints leave the namespace.  With
+``durable``, every checkpoint made is also synced to the kernel's durable
+directory (each holds its whole prefix: a conversation's next turn may fork
+any of them), so that another kernel can adopt them if this one dies.  Two requests
 making the same checkpoint at once is fine (AlreadyExists); a full quota or a
 refused directory stops saving for this request (the request itself never
 fails); on a full quota (named files, pages or page references) the user's own
@@ -80,8 +83,9 @@ class PrefixCache:
 
     def __init__(self, directory: str, *, block: int, user: str, trust: Iterable[str] = (),
                  specials: Iterable[int] = (), grid: int = 32, ttl: Optional[float] = 3600.0,
-                 salt: bytes = b"symphony-prefix-v1"):
+                 salt: bytes = b"symphony-prefix-v1", durable: bool = False):
         self.dir = directory.rstrip("/") or "/"
+        self.durable = durable                # sync every checkpoint made (kv_sync)
         self.block, self.grid, self.ttl, self.user = int(block), int(grid), ttl, user
         self.trust = frozenset(trust) | {user}
         self.mode = 0o644 if set(trust) - {user} else None
@@ -126,7 +130,7 @@ class PrefixCache:
         for p in self.candidates(tokens, upto):
             if p <= after or not self.saving:
                 continue
-            made += self._checkpoint(f, self.path(tokens, p), p)
+            made += self._checkpoint(f, self.path(tokens, p), p, sync=self.durable)
         return made
 
     def candidates(self, tokens: Sequence[int], limit: int, lookup: bool = False) -> list[int]:
@@ -186,14 +190,19 @@ class PrefixCache:
 
     def _search(self, cands: list, top: int) -> int:
         """The index of the longest good-looking checkpoint in ``cands[:top + 1]``
-        (-1: none): probes top, top-1, top-3, top-7, ... down to 0 until one is
-        there, then a binary search between it and the miss above it."""
+        (-1: none): probes top, top-1, top-2, top-3, then twice as far each time,
+        down to 0, until one is there, then a binary search between it and the miss
+        above it.  (The first few one by one: a conversation's last checkpoint is a
+        few boundaries below its next prompt's top, and may be the only one there,
+        as when only each turn's last checkpoint was made durable and moved.)"""
         ok = lambda i: self._good(kv_stat(self.path(self._prompt, cands[i])), cands[i])
-        miss, i, step = top + 1, top, 1
+        miss, i, step, tries = top + 1, top, 1, 0
         while not ok(i):
             if i == 0:
                 return -1
-            miss, i, step = i, max(0, i - step), step * 2
+            tries += 1
+            miss, i = i, max(0, i - step)
+            step = step * 2 if tries >= 3 else 1
         lo, hi = i, miss - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -207,7 +216,7 @@ class PrefixCache:
         return (st is not None and st.get("type") == "file" and st["owner"] in self.trust
                 and not st["mode"] & 0o022 and st["length"] == p and st.get("next_position") == p)
 
-    def _checkpoint(self, f: KVFile, path: str, p: int) -> int:
+    def _checkpoint(self, f: KVFile, path: str, p: int, sync: bool = False) -> int:
         for attempt in range(2):
             try:
                 g = f.extract([[0, p]], path=path, mode=self.mode)
@@ -229,6 +238,8 @@ class PrefixCache:
                 _quiet(g.advise, "cache")
                 if self.ttl:
                     _quiet(g.advise, "expire", self.ttl)
+                if sync:                                     # a kernel without a durable directory: not
+                    _quiet(g.sync)                           # durable, and the request goes on
             return 1
         return 0
 

@@ -329,9 +329,11 @@ def _cache(v):
     if not isinstance(trust, list) or not all(isinstance(u, str) for u in trust):
         raise BadRequest("cache.trust must be a list of user names", "cache.trust")
     for k in v:
-        if k not in ("dir", "trust", "ttl"):
+        if k not in ("dir", "trust", "ttl", "durable"):
             raise BadRequest(f"unknown field {k!r} in cache", f"cache.{k}")
     ttl = v.get("ttl", 3600)
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
         raise BadRequest("cache.ttl must be null or a number of seconds > 0", "cache.ttl")
-    return {"dir": v["dir"], "trust": trust, "ttl": ttl}
+    if not isinstance(v.get("durable", False), bool):
+        raise BadRequest("cache.durable must be true or false", "cache.durable")
+    return {"dir": v["dir"], "trust": trust, "ttl": ttl, "durable": v.get("durable", False)}

@@ -31,7 +31,7 @@ def row(rows, alpha, n, policy):
 
 
 def test_quick_sweeps_every_point_and_says_it_is_a_simulation(quick, capsys):
-    assert len(quick) == 4 * 2 * 4                       # alphas x N x policies
+    assert len(quick) == 4 * 2 * len(sim.POLICIES)       # alphas x N x policies
     assert {r["policy"] for r in quick} == set(sim.POLICIES)
     assert {r["n"] for r in quick} == {2, 8}
     assert any(math.isinf(r["alpha"]) for r in quick) and any(r["alpha"] == 0 for r in quick)
@@ -93,3 +93,28 @@ def test_the_plot_is_written(quick, tmp_path):
     out = tmp_path / "sim.png"
     sim.plot(quick, str(out), "test")
     assert out.stat().st_size > 10_000
+
+
+def test_the_shipped_policy_runs_the_gateways_own_router():
+    from symphony.gateway import router
+    assert sim.RoutingTable is router.RoutingTable and sim.request_keys is router.request_keys
+    w = small(1.13, load=0.3)
+    r = sim.simulate(w, 4, "shipped", COSTS, capacity=5, shipped=sim.Shipped(slack=32, entries=1000))
+    assert (r.served == 1).all()
+    docs = np.array(w.docs)                              # light load: a document's queries stay together
+    assert all(len(set(r.kernel[docs == d].tolist())) == 1 for d in set(w.docs))
+    assert r.router["affinity"] > 0.5 and r.router["entries"] <= 1000 and r.router["choose_us"] > 0
+
+
+@pytest.mark.parametrize("policy", sim.POLICIES)
+def test_a_failed_kernel_loses_its_batch_and_a_drained_one_takes_nothing_new(policy):
+    w = small(1.13, n=4, queries=800, load=0.7)
+    span = float(w.arrivals[-1])
+    faults = sim.Faults(fail=0.3, drain=0.6, restart_s=span * 0.2)
+    r = sim.simulate(w, 4, policy, COSTS, capacity=5, faults=faults)
+    assert ((r.served == 1) | (r.served == 0)).all() and (r.served == 0).sum() <= COSTS.max_batch
+    arrived = w.arrivals
+    down = (arrived > 0.3 * span) & (arrived < 0.5 * span)
+    assert not (r.kernel[down & (r.served == 1)] == 0).any()      # nothing new on the dead kernel
+    assert not (r.kernel[arrived > 0.6 * span] == 1).any()       # nor on the drained one
+    assert (r.kernel[arrived > 0.55 * span] == 0).any() or policy in ("affinity",)   # kernel 0 came back

@@ -12,17 +12,39 @@ does the operation on its shard:
     SCATTER     pages from rank 0 (swap in, durable restore)
     STOP        the kernel stops: leave the group and exit
 
-Headers travel on a group of their own with no practical timeout (a worker
-waits for the next step as long as the kernel is idle); every other collective
-has ``timeout_s``.  A rank that dies or hangs makes the next collective on
-rank 0 fail: that raises `TPFailure`, the group is broken from then on, and
-the kernel shuts down (kernel/syscall/server.py).
+Three process groups: the main one (NCCL or gloo) carries payloads and
+collectives, with ``timeout_s`` plus a margin; the headers' (gloo) has no
+practical timeout, since a worker waits for the next step as long as the
+kernel is idle; the heartbeat's (gloo) carries one tiny all-reduce a second
+from a thread of every rank, with ``timeout_s``.
+
+Failure (docs/design/tensor-parallel.md, Failure), each ending in `broken`
+(a sentence), after which every call raises `TPFailure`:
+
+    a collective raises            a rank died (gloo sees its socket close) or
+                                   the backend's own timeout passed
+    a collective outlasts          `CollectiveWatch`: the call has run past
+      timeout_s                    ``timeout_s`` (a hung rank; a GPU stream that
+                                   never finishes); found by a thread, so it
+                                   does not matter whether the backend raises
+    the heartbeat fails            a rank died or froze while the kernel is idle
+
+Rank 0's kernel polls `TensorParallel.dead` and shuts down loudly; a worker
+exits (`on_broken`).  On GPUs, before the group starts, each process binds its
+device (``torch.cuda.set_device``, and ``device_id`` for NCCL's eager init),
+and NCCL's own watchdog is told to abort the communicator on an error or a
+timeout rather than end the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=2), so
+that the kernel's shutdown, not a crash, is what follows.
 """
 from __future__ import annotations
 
 import datetime
 import logging
-from typing import Optional
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +56,9 @@ NAMES = {STEP: "step", COPY_PAGE: "copy_page", COPY_SLOTS: "copy_slots", GATHER:
          SCATTER: "scatter", STOP: "stop"}
 HEADER = 8
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+BACKEND_MARGIN_S = 2.0          # the backend's own timeout: ours plus this (ours fires first)
+HEARTBEAT_S = 1.0               # between two heartbeats
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}    # abort the communicator, keep the process
 
 
 class TPFailure(RuntimeError):
@@ -41,33 +66,93 @@ class TPFailure(RuntimeError):
     cannot run any more."""
 
 
+class CollectiveWatch:
+    """Notices a collective that has run longer than ``timeout_s``.
+
+        watch = CollectiveWatch(timeout_s, on_hang)
+        with watch.busy("an all-reduce"):       # any blocking call
+            ...
+
+    A daemon thread looks every ``tick_s``; once a call has been busy longer
+    than ``timeout_s`` it calls ``on_hang(what, seconds)`` once, from that
+    thread, while the call is still blocked (the caller's thread is not
+    interrupted: the backend's own timeout or an abort frees it, or the
+    process ends)."""
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[str, float], None], tick_s: float = 0.25):
+        self.timeout_s, self.on_hang, self.tick_s = timeout_s, on_hang, tick_s
+        self._busy: Optional[tuple[str, float]] = None
+        self._fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="symphony-tp-watch", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def busy(self, what: str):
+        self._busy = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._busy = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            b = self._busy
+            if b is not None and not self._fired and time.monotonic() - b[1] > self.timeout_s:
+                self._fired = True
+                self.on_hang(b[0], time.monotonic() - b[1])
+
+
 class TPGroup:
-    """This process's place in the group: ``rank`` of ``size``."""
+    """This process's place in the group: ``rank`` of ``size``.
+
+    ``record``: this rank's settings (agree.py), checked against every other
+    rank's once the group has met (`agree.TPMismatch` if they disagree);
+    ``on_broken``: called once, from a watch thread, when the group breaks
+    while no call of this process is failing on its own (a hang, a heartbeat)."""
 
     def __init__(self, rank: int, size: int, init_method: str, backend: str = "gloo",
-                 timeout_s: float = 60.0, device: Optional[torch.device] = None):
+                 timeout_s: float = 60.0, device: Optional[torch.device] = None, *,
+                 record: Optional[dict] = None, on_broken: Optional[Callable[[str], None]] = None):
         self.rank, self.size, self.backend = rank, size, backend
         self.timeout_s = timeout_s
-        self.device = device or torch.device("cpu")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.broken: Optional[str] = None
+        self.stopping = False
         self.steps = 0
         self.bytes_reduced = 0
+        self.last_sent = time.monotonic()
+        self.on_broken = on_broken
+        kw = bind_device(backend, self.device)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s + BACKEND_MARGIN_S), **kw)
         # the headers' own group: a worker waits on it for as long as the kernel is idle
         self.headers = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
+        self.beats = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s),
+                                    backend="gloo")
+        if record is not None:
+            from .agree import check
+            check(record, size, self.headers)
+        self.watch = CollectiveWatch(timeout_s, self._hung)
+        self._heart = threading.Thread(target=self._heartbeat, name="symphony-tp-heartbeat", daemon=True)
+        self._heart.start()
 
     # ------------------------------------------------------------------ collectives
     def _guard(self, what: str, fn):
         if self.broken:
             raise TPFailure(self.broken)
         try:
-            return fn()
+            with self.watch.busy(what):
+                return fn()
         except Exception as e:              # gloo/NCCL raise RuntimeError (and subclasses) on a lost rank
-            self.broken = (f"tensor parallelism failed during {what} on rank {self.rank} of {self.size}: "
-                           f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} (a rank died, "
-                           f"hung past {self.timeout_s:.0f} s, or failed)")
-            log.error("%s", self.broken)
+            if not self.broken:
+                self.broken = (f"tensor parallelism failed during {what} on rank {self.rank} of {self.size}: "
+                               f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} (a rank died, "
+                               f"hung past {self.timeout_s:.0f} s, or failed)")
+                log.error("%s", self.broken)
             raise TPFailure(self.broken) from None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +167,9 @@ class TPGroup:
         head[0], head[1] = op, 0 if payload is None else payload.numel()
         for i, a in enumerate(args):
             head[2 + i] = int(a)
+        if op == STOP:
+            self.stopping = True
+        self.last_sent = time.monotonic()
         self._guard(f"the {NAMES.get(op, op)} command", lambda: dist.broadcast(head, 0, group=self.headers))
         if payload is not None and payload.numel():
             p = payload.to(self._comm_device())
@@ -90,8 +178,13 @@ class TPGroup:
     def receive(self) -> tuple[int, list[int], Optional[torch.Tensor]]:
         """Another rank: the next command (op, args, payload)."""
         head = torch.zeros(HEADER, dtype=torch.int64)
-        self._guard("waiting for a command", lambda: dist.broadcast(head, 0, group=self.headers))
+        try:
+            dist.broadcast(head, 0, group=self.headers)    # no watch: idle for as long as the kernel is
+        except Exception as e:
+            self._guard("waiting for a command", lambda: _raise(e))
         op, n = int(head[0]), int(head[1])
+        if op == STOP:
+            self.stopping = True
         payload = None
         if n:
             payload = torch.empty(n, dtype=torch.int64, device=self._comm_device())
@@ -112,11 +205,78 @@ class TPGroup:
         self._guard("a scatter of KV pages", lambda: dist.scatter(out, src, src=0))
         return out
 
+    def finish(self, x: torch.Tensor) -> None:
+        """The end of this rank's part of a step: on a GPU, wait (watched) until its
+        stream has run every kernel and collective queued so far, so that a rank whose
+        NCCL call never completes is found here, once a step, not in a later copy.
+        (NCCL calls return as soon as they are queued; on the CPU they have finished.)"""
+        if x.is_cuda:
+            self._guard("a step's kernels and collectives", lambda: torch.cuda.current_stream(x.device).synchronize())
+
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
+    # ------------------------------------------------------------------ failure
+    def _break(self, why: str) -> None:
+        if self.broken or self.stopping:
+            return
+        self.broken = why
+        log.error("%s", why)
+        if self.on_broken is not None:
+            self.on_broken(why)
+
+    def _hung(self, what: str, seconds: float) -> None:
+        self._break(f"tensor parallelism failed: {what} on rank {self.rank} of {self.size} did not finish "
+                    f"within {self.timeout_s:.0f} s (--tp-timeout; a rank hung or its device stalled)")
+
+    def _heartbeat(self) -> None:
+        """A tiny all-reduce a second on the heartbeat group: a rank that died or froze
+        while the kernel is idle breaks the group within ``timeout_s``."""
+        t = torch.zeros(1)
+        while not (self.broken or self.stopping):
+            time.sleep(HEARTBEAT_S)
+            if self.broken or self.stopping:
+                return
+            try:
+                dist.all_reduce(t, group=self.beats)
+            except Exception as e:
+                if not self.stopping:
+                    self._break(f"tensor parallelism failed: the heartbeat of rank {self.rank} of {self.size} "
+                                f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} "
+                                f"(a rank died, or froze for {self.timeout_s:.0f} s)")
+                return
+
     def close(self) -> None:
+        """Leave the group.  A broken group is left as it is: a thread of this process
+        may still be blocked in one of its collectives, which tearing it down could hang."""
+        self.stopping = True
+        self.watch.stop()
+        if self.broken:
+            return
         try:
             dist.destroy_process_group()
         except Exception:                     # already gone with a failed rank
             pass
+
+
+# ---------------------------------------------------------------- helpers
+def bind_device(backend: str, device: torch.device) -> dict:
+    """Before a process group starts: on a GPU, make ``device`` this process's current
+    device (NCCL picks its communicator's device from it) and NCCL's error handling
+    the kind that aborts communicators instead of the process; the extra keyword
+    arguments of ``init_process_group`` (``device_id``: NCCL's eager init on that device)."""
+    if device.type != "cuda":
+        return {}
+    if device.index is None:
+        raise ValueError(f"a tensor-parallel rank needs an indexed GPU (cuda:N), got {device}")
+    torch.cuda.set_device(device)
+    for k, v in NCCL_ENV.items():
+        if os.environ.get(k, v) != v:
+            log.warning("%s=%s in the environment: NCCL errors may end the process instead of shutting the "
+                        "kernel down (Symphony sets %s)", k, os.environ[k], v)
+        os.environ.setdefault(k, v)
+    return {"device_id": device} if backend == "nccl" else {}
+
+
+def _raise(e: BaseException):
+    raise e

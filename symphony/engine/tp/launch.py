@@ -3,15 +3,20 @@
     tp = TensorParallel.start(model_path, engine_config, size=3)   # spawns ranks 1, 2
     engine = Engine.load(model_path, engine_config, tp=tp)         # rank 0's shard; KV on every rank
     ...
-    tp.dead()        # why a rank is gone, or None (the kernel's watchdog asks every second)
+    tp.dead()        # why a rank is gone, or None (the kernel's watchdog asks twice a second)
     engine.close()   # STOP to every rank, then wait for them (killed after a grace period)
 
-On one machine the ranks meet through a file in a private directory
-(``file://``); across machines through torch.distributed's TCP rendezvous
+Where the ranks run is a `plan.LaunchPlan`: on one machine rank 0 spawns the
+others and they meet through a file in a private directory (``file://``);
+across machines through torch.distributed's TCP rendezvous
 (``--master-addr``/``--master-port``, ``--nnodes``/``--node-rank``, as
-torchrun names them), the other hosts running ``symphony-kernel --worker``.
-Each rank computes with ``threads`` CPU threads (default: the cores divided
-by the local ranks), or on its own GPU.
+torchrun names them), the other hosts running ``symphony-kernel --worker``
+(`run_node`); or a launcher (torchrun, a scheduler) starts every rank and
+says where it is in the environment (``env://``; `serve_env_rank` runs a rank
+other than 0 in the launched process itself).  Each rank computes with
+``threads`` CPU threads (default: the cores divided by the local ranks), or
+on its own GPU.  Before the first step every rank's settings are checked
+against rank 0's (agree.py).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig, ModelConfig
 from .group import TPFailure, TPGroup
+from .plan import LaunchPlan
 from .shard import Shard
 
 log = logging.getLogger("symphony.tp")
@@ -70,26 +76,36 @@ class TensorParallel:
     @classmethod
     def start(cls, path, config: EngineConfig, size: int, model: ModelConfig, *,
               threads: Optional[int] = None, timeout_s: float = 60.0, devices: Optional[list[str]] = None,
-              activations: str = "auto", master: Optional[str] = None, nnodes: int = 1) -> "TensorParallel":
-        """Spawn ranks 1..size-1 of this node (all of them on one machine; with
-        ``master`` "host:port" and ``nnodes`` > 1, the ranks of the other nodes
-        join from their own ``symphony-kernel --worker``) and join the group as
-        rank 0.  ``model``: the whole model's config, read from the file."""
-        num_pages = _checked_pages(path, config, size, model, nnodes)
-        local_ranks = size // nnodes
+              activations: str = "auto", master: Optional[str] = None, nnodes: int = 1,
+              plan: Optional[LaunchPlan] = None) -> "TensorParallel":
+        """Join the group as rank 0, first spawning this machine's other ranks unless a
+        launcher started them (``plan``, default: ``size`` ranks over ``nnodes``
+        machines on ``devices``, meeting at ``master`` "host:port" when ``nnodes`` > 1;
+        the other machines' ranks join from their own ``symphony-kernel --worker``).
+        ``model``: the whole model's config, read from the file.  TPFailure if a rank
+        cannot start; agree.TPMismatch if the ranks' settings disagree."""
+        from .agree import model_digest, record
+        if plan is None:
+            local = size // max(1, nnodes)
+            plan = LaunchPlan(size, nnodes, 0, local, tuple(devices or ["cpu"] * local),
+                              f"tcp://{master}" if master else "file")
+        num_pages = _checked_pages(path, config, plan.size, model, plan.nnodes)
+        digest = model_digest(path)
         tmp = None
-        if master:
-            init = f"tcp://{master}"
-        else:
+        init = plan.init
+        if init == "file":
             tmp = tempfile.mkdtemp(prefix="symphony-tp-")
             init = f"file://{Path(tmp) / 'rendezvous'}"
         cfg_text = config_json(config, num_pages)
-        threads = threads or max(1, (os.cpu_count() or 1) // local_ranks)
-        procs = [_spawn(path, r, size, init, cfg_text, devices[r] if devices else "cpu", threads, timeout_s,
-                        activations) for r in range(1, local_ranks)]
-        backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+        threads = threads or max(1, (os.cpu_count() or 1) // plan.local)
+        rank0 = record(node=plan.node_rank, rank=0, model=digest, engine=json.loads(cfg_text),
+                       activations=activations, size=plan.size, timeout_s=timeout_s)
+        procs = []
         try:
-            group = _join(0, size, init, backend, timeout_s, config.torch_device, procs)
+            if plan.spawns:
+                procs = [_spawn(path, r, plan.size, init, cfg_text, plan.devices[r], threads, timeout_s,
+                                activations, digest, plan.node_rank) for r in range(1, plan.local)]
+            group = _join(0, plan.size, init, _backend(config), timeout_s, config.torch_device, procs, rank0)
         except BaseException:
             for p in procs:
                 p.kill()
@@ -97,20 +113,19 @@ class TensorParallel:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         log.info("tensor parallelism: %d ranks (%s), %d KV pages on every rank, %d CPU threads a rank",
-                 size, backend, num_pages, threads)
+                 plan.size, group.backend, num_pages, threads)
         tp = cls(group, model, procs, tmp)
         tp.threads = threads
         return tp
 
     def dead(self) -> Optional[str]:
-        """Why a rank is gone (exited, or the group broke), or None while all run."""
-        if self.group.broken:
-            return self.group.broken
+        """Why a rank is gone (a local one exited, or the group broke: a collective
+        failed or hung, the heartbeat stopped), or None while all run."""
         for r, p in enumerate(self.procs, start=1):
             code = p.poll()
             if code is not None:
                 return f"tensor-parallel rank {r} (pid {p.pid}) exited with status {code}"
-        return None
+        return self.group.broken
 
     def close(self, grace_s: float = 10.0) -> None:
         """Wait for the ranks (told STOP by the pool's close), killing any still there after
@@ -127,6 +142,54 @@ class TensorParallel:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def run_node(path, config: EngineConfig, plan: LaunchPlan, timeout_s: float, activations: str) -> int:
+    """Run the ranks of machine ``plan.node_rank`` (``symphony-kernel --worker``): each a
+    worker process, until node 0's kernel stops them.  The first non-zero exit status, else 0."""
+    from ..loader import read_model_config
+    from .agree import model_digest
+    cfg_text = config_json(config, _checked_pages(path, config, plan.size, read_model_config(path), plan.nnodes))
+    digest = model_digest(path)
+    threads = max(1, (os.cpu_count() or 1) // plan.local)
+    procs = [_spawn(path, plan.first_rank + i, plan.size, plan.init, cfg_text, plan.devices[i], threads,
+                    timeout_s, activations, digest, plan.node_rank) for i in range(plan.local)]
+    status = 0
+    for p in procs:
+        code = p.wait()
+        status = status or code
+    return status
+
+
+def serve_env_rank(path, config: EngineConfig, plan: LaunchPlan, timeout_s: float, activations: str) -> int:
+    """A rank other than 0 that a launcher started (``--rendezvous env``): serve it in this
+    process until rank 0's kernel stops it; its exit status."""
+    from ..loader import read_model_config
+    from .agree import model_digest
+    from .worker import serve_rank
+    cfg_text = config_json(config, _checked_pages(path, config, plan.size, read_model_config(path), plan.nnodes))
+    threads = max(1, (os.cpu_count() or 1) // plan.local)
+    return serve_rank(path, config_from_json(cfg_text, plan.device), rank=plan.rank, size=plan.size,
+                      init="env://", threads=threads, timeout_s=timeout_s, activations=activations,
+                      digest=model_digest(path), node=plan.node_rank)
+
+
+def exit_if_broken(engine, log_to: logging.Logger) -> None:
+    """After a tensor-parallel failure the kernel has shut down (LIPs told, memory
+    unlinked, local ranks killed), but a thread may still be blocked in the broken
+    group's collective, which the interpreter's exit could wait on: end the process
+    now, with status 1.  Nothing happens when ``engine`` has no broken group."""
+    tp = getattr(engine, "tp", None)
+    if tp is not None and tp.group.broken:
+        log_to.error("exiting: %s", tp.group.broken)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# ---------------------------------------------------------------- helpers
+def _backend(config: EngineConfig) -> str:
+    return "nccl" if config.torch_device.type == "cuda" else "gloo"
+
+
 def _checked_pages(path, config: EngineConfig, size: int, model: ModelConfig, nnodes: int) -> int:
     """The KV pages every rank's pool holds, once ``size`` ranks over ``nnodes`` machines are
     checked to split ``model`` as ``config`` keeps the file's weights (ConfigError otherwise)."""
@@ -139,11 +202,12 @@ def _checked_pages(path, config: EngineConfig, size: int, model: ModelConfig, nn
 
 
 def _spawn(path, rank: int, size: int, init: str, cfg_text: str, device: str, threads: int,
-           timeout_s: float, activations: str) -> subprocess.Popen:
+           timeout_s: float, activations: str, digest: str, node: int) -> subprocess.Popen:
     """Start the worker process of rank ``rank`` (worker.py)."""
     argv = [sys.executable, "-m", "symphony.engine.tp.worker", "--rank", str(rank), "--size", str(size),
             "--init", init, "--config", cfg_text, "--device", device, "--threads", str(threads),
-            "--timeout", str(timeout_s), "--activations", activations]
+            "--timeout", str(timeout_s), "--activations", activations, "--model-digest", digest,
+            "--node", str(node)]
     if path is not None:
         argv += ["--model", str(path)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
@@ -151,14 +215,16 @@ def _spawn(path, rank: int, size: int, init: str, cfg_text: str, device: str, th
     return proc
 
 
-def _join(rank: int, size: int, init: str, backend: str, timeout_s: float, device, procs) -> TPGroup:
-    """Join the group, failing clearly if a local rank exits before it joins."""
+def _join(rank: int, size: int, init: str, backend: str, timeout_s: float, device, procs,
+          rec: dict) -> TPGroup:
+    """Join the group and check the ranks agree, failing clearly if a local rank exits first."""
     import threading
+    from .agree import TPMismatch
     out: dict = {}
 
     def go():
         try:
-            out["group"] = TPGroup(rank, size, init, backend, timeout_s, device)
+            out["group"] = TPGroup(rank, size, init, backend, timeout_s, device, record=rec)
         except BaseException as e:
             out["error"] = e
     t = threading.Thread(target=go, daemon=True)
@@ -167,30 +233,13 @@ def _join(rank: int, size: int, init: str, backend: str, timeout_s: float, devic
     while t.is_alive():
         t.join(0.2)
         for r, p in enumerate(procs, start=1):
-            if p.poll() is not None:
+            if p.poll() is not None and t.is_alive():
                 raise TPFailure(f"tensor-parallel rank {r} exited with status {p.returncode} before it "
                                 f"joined (see its log above)")
         if time.monotonic() > deadline:
             raise TPFailure(f"the tensor-parallel ranks did not meet within {START_TIMEOUT_S:.0f} s")
+    if isinstance(out.get("error"), TPMismatch):
+        raise out["error"]
     if "error" in out:
         raise TPFailure(f"joining the tensor-parallel group failed: {out['error']}")
     return out["group"]
-
-
-def run_node(path, config: EngineConfig, size: int, nnodes: int, node_rank: int, master: str,
-             timeout_s: float, devices: Optional[list[str]], activations: str) -> int:
-    """Run the ranks of machine ``node_rank`` (``symphony-kernel --worker``): each a worker
-    process, until node 0's kernel stops them.  The first non-zero exit status, else 0."""
-    if node_rank < 1:
-        raise ConfigError("--worker runs the ranks of another machine: --node-rank must be 1 or more")
-    from ..loader import read_model_config
-    cfg_text = config_json(config, _checked_pages(path, config, size, read_model_config(path), nnodes))
-    local = size // nnodes
-    threads = max(1, (os.cpu_count() or 1) // local)
-    procs = [_spawn(path, node_rank * local + i, size, f"tcp://{master}", cfg_text,
-                    devices[i] if devices else "cpu", threads, timeout_s, activations) for i in range(local)]
-    status = 0
-    for p in procs:
-        code = p.wait()
-        status = status or code
-    return status

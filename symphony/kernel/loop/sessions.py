@@ -1,13 +1,22 @@
-"""Client sessions: the kernel's Unix-socket RPC server.
+"""Client sessions: the kernel's client RPC server (Unix socket, and TCP for remote gateways).
 
 `ClientSessions` is a part of `daemon.Kernel`, on the event loop.  Each
-connection is one session: framed JSON requests (ipc/protocol.py), each
+connection is one session: framed requests (ipc/protocol.py), each decoded as
+its declared type (ipc/rpc.py: a malformed one is refused naming the field) and
 answered on the same connection; the LIPs a session starts attached are
-killed when it ends (a queued one leaves the queue).  The caller's user is the
-peer's Unix user (SO_PEERCRED); root may act as any user by naming it.  It
-owns no state beyond each connection's: the connection table is bounds.py's,
-LIPs are the lifecycle's (lifecycle.py), and `ps` and `stats` come from
-status.py, which reads published snapshots only.
+killed when it ends (a queued one leaves the queue).  Who is asking:
+
+    a Unix peer       its Unix user (SO_PEERCRED); root may act as any user by
+                      naming it, the trusted local gateway (--gateway-uid) as any
+                      user but root
+    a remote peer     an authenticated gateway on another host (remote.py): acts
+                      as any user but root and must name one in every request;
+                      never root's requests (shutdown, drain, test hooks)
+
+It owns no state beyond each connection's and the drain flag: the connection
+table is bounds.py's, LIPs are the lifecycle's (lifecycle.py), `ps` and `stats`
+come from status.py, which reads published snapshots only, and KV moves are
+transfer.py's.
 """
 from __future__ import annotations
 
@@ -20,6 +29,9 @@ import struct
 import time
 from typing import Optional
 
+import msgspec
+
+from symphony.ipc import rpc
 from symphony.ipc.protocol import ProtocolError, encode_frame
 from symphony.kvfs import KVFSError, Principal
 
@@ -31,10 +43,18 @@ from symphony.kernel.loop.inflow import InputFlow, input_bytes
 from symphony.kernel.loop.lifecycle import LipLifecycle
 from symphony.kernel.snapshot import ProcRow
 from symphony.kernel.loop.status import KernelStatus
+from symphony.kernel.loop.transfer import KvTransfers
 
 log = logging.getLogger("symphony.kernel")
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+REMOTE_UID = -1             # the connection table's key for remote gateways (never a real uid)
+
+
+class Draining(Exception):
+    """The kernel takes no new LIPs (root's `drain`): the gateway goes elsewhere."""
+
+    code = "EAGAIN"
 
 
 class ClientSessions:
@@ -42,22 +62,27 @@ class ClientSessions:
 
     def __init__(self, lifecycle: LipLifecycle, status: KernelStatus, conns: Connections, inflow: InputFlow,
                  sys_server, fs, stopping: asyncio.Event, *, bounds: ClientBounds, kernel_uid: int,
-                 gateway_uid: Optional[int] = None, test_hooks: bool = False):
+                 gateway_uid: Optional[int] = None, test_hooks: bool = False, transfers: Optional[KvTransfers] = None):
         """``lifecycle``: spawn, input, kill; ``status``: `ps`, `stats`;
         ``conns``: the connection table; ``inflow``: unread input per LIP;
         ``sys_server``, ``fs``: the syscall thread and its KVFS (kv_* requests,
         run there); ``stopping``: set to stop the kernel (root's `shutdown`);
         ``kernel_uid``: the kernel's own uid (what the gateway spawns as);
         ``gateway_uid``: the trusted gateway's uid, if any; ``test_hooks``:
-        serve the fault-injection requests (--test-hooks)."""
+        serve the fault-injection requests (--test-hooks); ``transfers``: the
+        KV export / import / adopt requests (transfer.py)."""
         self.lifecycle, self.status, self.conns, self.inflow = lifecycle, status, conns, inflow
         self.sys, self.fs, self.stopping, self.bounds = sys_server, fs, stopping, bounds
         self.kernel_uid, self.gateway_uid, self.test_hooks = kernel_uid, gateway_uid, test_hooks
+        self.transfers = transfers or KvTransfers(sys_server, fs, conns)
+        self.draining = False
 
-    async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One client connection, until it closes (asyncio.start_unix_server's callback)."""
+    async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           remote: Optional[str] = None) -> None:
+        """One client connection, until it closes (asyncio.start_unix_server's callback;
+        ``remote``: the address of an authenticated remote gateway, remote.py)."""
         procs = self.lifecycle.procs
-        uid = _peer_uid(writer)
+        uid = REMOTE_UID if remote else _peer_uid(writer)
         try:
             self.conns.open(uid)                       # ConnectionRefused over a bound
         except ConnectionRefused as e:
@@ -83,9 +108,12 @@ class ClientSessions:
                                                f"attached (symphony-kernel --client-idle-timeout)"}))
                     break
                 try:
-                    reply = await self._request(uid, msg, writer, attached)
-                except (ValueError, KVFSError, PermissionError, TimeoutError) as e:
-                    reply = {"error": getattr(e, "code", "EINVAL"), "type": type(e).__name__,
+                    reply = await self._request(uid, msg, reader, writer, attached)
+                except ProtocolError:
+                    raise                                  # out of step (a bad KV data frame): closed
+                except (ValueError, KVFSError, PermissionError, TimeoutError, Draining) as e:
+                    reply = {"error": getattr(e, "code", "EPERM" if isinstance(e, PermissionError) else "EINVAL"),
+                             "type": type(e).__name__,
                              "message": printable(e)}
                 except Exception as e:                     # a kernel bug: fail this request only
                     log.exception("client request %r failed", msg.get("op") if isinstance(msg, dict) else None)
@@ -101,69 +129,90 @@ class ClientSessions:
                 self.lifecycle.kill(lip_id, "killed: the client that ran it disconnected")
             writer.close()
 
-    async def _request(self, uid: int, msg: dict, writer, attached: set) -> Optional[dict]:
-        op = msg.get("op")
-        user = _user_for(uid, msg.get("user"), self.gateway_uid)
-        if op == "spawn":
-            attach = msg.get("attach", True)
-            acting = msg.get("user") is not None
-            reply = await self.lifecycle.spawn(user, msg, watcher=writer if attach else None,
-                                               caller_uid=self.kernel_uid if uid == self.gateway_uid else uid,
-                                               owner=identity_for(uid, user, acting=acting,
-                                                                  on_behalf=acting and uid == self.gateway_uid))
-            if attach:
+    async def _request(self, uid: int, msg: dict, reader, writer, attached: set) -> Optional[dict]:
+        req = rpc.decode_request(msg)                  # RpcError (a ValueError) naming the field
+        user = self._user(uid, req.user)
+        if isinstance(req, rpc.Spawn):
+            if self.draining:
+                raise Draining("this kernel is draining: it starts no new LIPs (send the request to another "
+                               "kernel)")
+            acting = req.user is not None
+            trusted = uid in (self.gateway_uid, REMOTE_UID)
+            reply = await self.lifecycle.spawn(user, msgspec.to_builtins(req),
+                                               watcher=writer if req.attach else None,
+                                               caller_uid=self.kernel_uid if trusted else uid,
+                                               owner=identity_for(self.kernel_uid if uid == REMOTE_UID else uid, user,
+                                                                  acting=acting, on_behalf=acting and trusted))
+            if req.attach:
                 attached.add(reply["lip"])
             return reply
-        if op == "input":
-            lip = self._own(uid, user, msg.get("lip"))
-            data = None if msg.get("eof") else msg.get("data")
-            if data is not None and not isinstance(data, str):
-                raise ValueError("input data must be a string")
+        if isinstance(req, rpc.Input):
+            lip = self._own(uid, user, req.lip)
+            data = None if req.eof else req.data
             n = input_bytes(data)
             if not await self.inflow.wait_room(lip.lip, n, lambda: lip.lip in self.lifecycle.procs):
                 return None                            # back-pressure; it ended meanwhile: dropped
             self.inflow.sent(lip.lip, n)
             self.lifecycle.give_input(lip.lip, data)
             return None
-        if op == "kill":
-            lip = self._own(uid, user, msg.get("lip"))
+        if isinstance(req, rpc.Kill):
+            lip = self._own(uid, user, req.lip)
             self.lifecycle.kill(lip.lip, f"killed by {user}")
             return {"ok": True, "lip": lip.lip}
-        if op == "ps":                                 # others' LIPs without their arguments
-            admin = uid == 0 and msg.get("user") is None   # root acting as a user sees what that user sees
+        if isinstance(req, rpc.Ps):                    # others' LIPs without their arguments
+            admin = uid == 0 and req.user is None      # root acting as a user sees what that user sees
             return self.status.ps(None if admin else user)
-        if op == "stats":
-            return await self.status.fresh_stats()
+        if isinstance(req, rpc.Stats):
+            return dict(await self.status.fresh_stats(), draining=self.draining,
+                        durable_id=self.transfers.own_id, peers=sorted(self.transfers.peers()))
         who = Principal(user, 0)
-        if op == "kv_ls":                              # in slices, charged to the user (slowlane.py)
-            path = msg.get("path") or "/"
+        if isinstance(req, rpc.KvLs):                  # in slices, charged to the user (slowlane.py)
             return {"entries": await asyncio.wrap_future(
-                self.sys.slow_call(user, lambda: list_job(self.fs, who, path)))}
-        if op == "kv_stat":
-            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, msg.get("path")), anytime=True))
-        if op == "kv_rm":
-            await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.remove(who, msg.get("path"))))
+                self.sys.slow_call(user, lambda: list_job(self.fs, who, req.path)))}
+        if isinstance(req, rpc.KvStat):
+            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, req.path), anytime=True))
+        if isinstance(req, rpc.KvRm):
+            await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.remove(who, req.path)))
             return {"ok": True}
-        if op == "test_hook" and self.test_hooks:
-            return self._test_hook(uid, msg)
-        if op == "shutdown":
+        if isinstance(req, rpc.KvExport):
+            await self.transfers.export(user, req, writer)
+            return None                                # it wrote its frames
+        if isinstance(req, rpc.KvImport):
+            return await self.transfers.import_(user, uid, req, reader)
+        if isinstance(req, rpc.KvAdopt):
+            return await self.transfers.adopt(user, req)
+        if isinstance(req, rpc.TestHook) and self.test_hooks:
+            return self._test_hook(uid, req)
+        if isinstance(req, (rpc.Shutdown, rpc.Drain)):
             if uid != 0:
-                raise PermissionError("only root may shut the kernel down")
-            self.stopping.set()
+                raise PermissionError(f"only root may {'shut the kernel down' if isinstance(req, rpc.Shutdown) else 'drain the kernel'}")
+            if isinstance(req, rpc.Drain):
+                self.draining = True
+                log.warning("draining: new LIPs are refused; %d live LIPs finish", len(self.lifecycle.procs))
+            else:
+                self.stopping.set()
             return {"ok": True}
-        raise ValueError(f"unknown op {op!r}")
+        raise ValueError(f"unknown op {type(req).__struct_config__.tag!r}: this kernel serves no test hooks "
+                         f"(symphony-kernel --test-hooks)")             # the only request not always served
 
-    def _test_hook(self, uid: int, msg: dict) -> dict:
+    def _user(self, uid: int, asked) -> str:
+        if uid == REMOTE_UID:
+            if asked is None or asked == "root":
+                raise PermissionError("a remote gateway must name the user it acts for, and never root")
+            return asked
+        return _user_for(uid, asked, self.gateway_uid)
+
+    def _test_hook(self, uid: int, req: rpc.TestHook) -> dict:
         """Fault injection, only with --test-hooks, root only:
         {"hook": "stall", "seconds": s}: hold the syscall thread s seconds;
         {"hook": "syscall_crash"}: an unexpected exception in its loop;
         {"hook": "step_fault"}: the next forward pass raises (its calls get the error)."""
         if uid != 0:
             raise PermissionError("test hooks are root only")
-        hook = msg.get("hook")
+        hook = req.hook
         if hook == "stall":
-            secs = msg.get("seconds")
-            if not isinstance(secs, (int, float)) or isinstance(secs, bool) or not 0 <= secs <= 600:
+            secs = req.seconds
+            if secs is None or not 0 <= secs <= 600:
                 raise ValueError("seconds must be a number in [0, 600]")
             self.sys.submit(lambda: time.sleep(secs))
         elif hook == "syscall_crash":

@@ -2,7 +2,11 @@
 
   * the embedded model at --tp 3 writes the same greedy text as --tp 1;
   * two "nodes" over loopback (--nnodes 2, the second running
-    ``symphony-kernel --worker``) write the same text as one rank;
+    ``symphony-kernel --worker``) write the same text as one rank; a node
+    started with another KV pool is refused, naming the node and the field;
+  * ranks a launcher starts (``--rendezvous env``: torchrun itself, and a
+    scheduler's bare environment) write the same text; a rank killed while
+    the kernel is idle is found by the heartbeat and the kernel shuts down;
   * a size that cannot split the model is refused before any loading, with
     the sizes that work;
   * a rank killed, and a rank hung (the collective times out), each shut the
@@ -75,19 +79,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_over_loopback_write_the_text_of_one(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(a tiny GGUF model, the text one rank writes with it)."""
     from modelfiles import write_tiny_gguf
-    model = str(write_tiny_gguf(tmp_path, seed=2))
-    one = KernelProc(tmp_path, "--model", model)
+    tmp = tmp_path_factory.mktemp("tiny")
+    model = str(write_tiny_gguf(tmp, seed=2))
+    one = KernelProc(tmp, "--model", model)
     try:
-        want = generate(one, "hello", 12)
+        return model, generate(one, "hello", 12)
     finally:
         one.stop()
-    port = str(_free_port())
-    flags = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+
+
+def _node1(tmp_path, flags, *extra):
+    return subprocess.Popen([sys.executable, "-m", "symphony.kernel", "--worker", "--node-rank", "1", *flags, *extra],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "node1.log", "w"), cwd=REPO)
+
+
+def test_two_nodes_over_loopback_write_the_text_of_one(tmp_path, tiny):
+    model, want = tiny
+    flags = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
              "--model", model, "--tp-timeout", "30"]
-    node1 = subprocess.Popen([sys.executable, "-m", "symphony.kernel", "--worker", "--node-rank", "1", *flags],
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "node1.log", "w"), cwd=REPO)
+    node1 = _node1(tmp_path, flags, "--kv-memory-mb", "192")        # node 0's pool (KernelProc gives 192)
     (tmp_path / "n0").mkdir()
     k = KernelProc(tmp_path / "n0", "--node-rank", "0", *flags)
     try:
@@ -96,6 +110,80 @@ def test_two_nodes_over_loopback_write_the_text_of_one(tmp_path):
     finally:
         assert k.stop() == 0
     assert node1.wait(20) == 0                  # node 0 told its ranks to stop
+
+
+def test_a_node_started_with_another_pool_is_refused_naming_node_and_field(tmp_path, tiny):
+    model, _ = tiny
+    flags = ["--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+             "--model", model, "--tp-timeout", "30"]
+    node1 = _node1(tmp_path, flags, "--kv-memory-mb", "64")
+    (tmp_path / "n0").mkdir()
+    with pytest.raises(RuntimeError, match="kernel died at start") as e:
+        KernelProc(tmp_path / "n0", "--node-rank", "0", *flags)
+    assert "the nodes disagree on the KV pool's memory: node 1 (host " in str(e.value)
+    assert "rank 1) has 64 MiB, node 0 (host" in str(e.value) and "has 192 MiB" in str(e.value)
+    assert node1.wait(30) == 2
+    assert "the nodes disagree on the KV pool's memory" in (tmp_path / "node1.log").read_text()
+
+
+def _launcher_env(port: int, rank: int) -> dict:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_ranks_a_scheduler_starts_serve_and_an_idle_rank_lost_stops_the_kernel(tmp_path, tiny):
+    """A scheduler's environment alone (no torchrun): RANK 1 is a plain process; killed while
+    the kernel is idle, the heartbeat finds it and the kernel shuts down loudly."""
+    model, want = tiny
+    port = _free_port()
+    flags = ["--rendezvous", "env", "--model", model, "--tp-timeout", "5"]
+    r1 = subprocess.Popen([sys.executable, "-m", "symphony.kernel", *flags, "--kv-memory-mb", "192"],
+                          env=dict(os.environ, PYTHONPATH=str(REPO), **_launcher_env(port, 1)),
+                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / "rank1.log", "w"), cwd=REPO)
+    try:
+        k = KernelProc(tmp_path, *flags, env=_launcher_env(port, 0))
+        assert "tensor parallelism: 2 ranks (gloo)" in k.read_log() and rank_pids(k) == []   # it spawned none
+        assert generate(k, "hello", 12) == want
+        t0 = time.time()
+        os.kill(r1.pid, signal.SIGKILL)
+        code = k.proc.wait(30)
+        took = time.time() - t0
+        log = k.read_log()
+        k.stop()
+    finally:
+        if r1.poll() is None:
+            r1.kill()
+    assert code != 0 and "FATAL" in log and "heartbeat" in log, log[-3000:]
+    assert took < 20, took
+
+
+def test_torchrun_starts_the_kernel_and_its_rank(tmp_path, tiny):
+    model, want = tiny
+    sock_dir = tmp_path / "s"
+    sock_dir.mkdir()
+    sock = str(sock_dir / "k.sock")
+    env = dict(os.environ, PYTHONPATH=str(REPO), SYMPHONY_SOCKET=sock)
+    logf = open(tmp_path / "torchrun.log", "w+")
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "symphony.kernel",
+                            "--rendezvous", "env", "--model", model, "--kv-memory-mb", "192", "--socket", sock],
+                           env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.time() + 180
+        while "ready on" not in (tmp_path / "torchrun.log").read_text():
+            assert run.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.3)
+        r = subprocess.run([sys.executable, "-m", "symphony.cli", "run", "generate", "hello", "12"],
+                           capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+        assert r.returncode == 0 and r.stdout == want, r.stderr
+        from symphony.client import Client
+        with Client(sock) as c:
+            c.shutdown()                        # the kernel stops; it tells its rank to stop
+        assert run.wait(60) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert "tensor parallelism: 2 ranks (gloo)" in (tmp_path / "torchrun.log").read_text()
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
@@ -122,6 +210,10 @@ def test_a_lost_rank_shuts_the_kernel_down_loudly(tmp_path, fault):
         log = k.read_log()
         k.stop()
     assert code != 0 and "FATAL" in log and "tensor parallel" in log.replace("-", " "), log[-3000:]
+    if fault == "hung":                         # the collective watch found it, not only gloo's timeout
+        assert "did not finish within 5 s (--tp-timeout" in log, log[-3000:]
+    else:
+        assert "tensor-parallel rank 1 (pid" in log and "exited with status -9" in log, log[-3000:]
     assert took < 30, took
     assert "the model cannot run: tensor parallelism failed" in err or "the kernel failed" in err, err[-2000:]
     assert shm() == []

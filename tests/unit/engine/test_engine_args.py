@@ -50,7 +50,7 @@ def test_gpus_name_a_device_or_one_tensor_parallel_rank_each():
     for bad in ("x", ",", "0,0", "1,"):
         with pytest.raises(ConfigError, match="--gpus: a GPU index or distinct indexes"):
             _parse("--gpus", bad).device()
-    for flags, msg in ((("--gpus", "0,1", "--tp", "3"), "disagrees with --gpus"), (("--tp", "0"), "1..64"),
+    for flags, msg in ((("--gpus", "0,1", "--tp", "3"), "so --tp must be 2"), (("--tp", "0"), "1..64"),
                        (("--nnodes", "2"), "--master-addr"), (("--tp", "2", "--tp-timeout", "0"), "--tp-timeout")):
         with pytest.raises(ConfigError, match=msg):
             _parse(*flags).tp_size()
