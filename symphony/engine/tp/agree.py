@@ -69,7 +69,7 @@ class TPMismatch(ConfigError):
 
 def record(*, node: int, rank: int, model: str, engine: dict, activations: str, size: int,
            timeout_s: float) -> dict:
-    """This rank's record (``engine``: `launch.config_json`'s fields, the device left out)."""
+    """This rank's record (``engine``: `engine_json.config_json`'s fields, the device left out)."""
     import torch
     return {"node": node, "host": socket.gethostname(), "rank": rank, "protocol": PROTOCOL,
             "symphony": _symphony_version(), "torch": torch.__version__, "model": model,

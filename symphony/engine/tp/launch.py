@@ -20,7 +20,6 @@ against rank 0's (agree.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -32,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 
 from ..config import ConfigError, EngineConfig, ModelConfig
+from .engine_json import config_from_json, config_json
 from .group import TPFailure, TPGroup
 from .plan import LaunchPlan
 from .shard import Shard
@@ -42,22 +41,6 @@ from .shard import Shard
 log = logging.getLogger("symphony.tp")
 
 START_TIMEOUT_S = 300.0
-
-
-def config_json(cfg: EngineConfig, num_pages: int) -> str:
-    """The engine config every rank runs, as JSON (dtype by name, the pool's page count fixed)."""
-    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    d["dtype"] = None if cfg.dtype is None else str(cfg.dtype).replace("torch.", "")
-    d["num_pages"] = num_pages
-    return json.dumps(d)
-
-
-def config_from_json(text: str, device: str) -> EngineConfig:
-    d = json.loads(text)
-    if d.get("dtype") is not None:
-        d["dtype"] = getattr(torch, d["dtype"])
-    d["device"] = device
-    return EngineConfig(**d)
 
 
 class TensorParallel:

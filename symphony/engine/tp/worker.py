@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--init", required=True, help="torch.distributed init method (file://, tcp:// or env://)")
-    p.add_argument("--config", required=True, help="the engine config as JSON (tp.launch.config_json)")
+    p.add_argument("--config", required=True, help="the engine config as JSON (tp.engine_json.config_json)")
     p.add_argument("--model", default=None)
     p.add_argument("--model-digest", default=None, help="the model file's digest (agree.model_digest)")
     p.add_argument("--node", type=int, default=0, help="this machine's node rank")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
-    from .launch import config_from_json
+    from .engine_json import config_from_json
     try:
         cfg = config_from_json(args.config, args.device)
     except Exception as e:
@@ -75,7 +75,7 @@ def serve_rank(path, cfg, *, rank: int, size: int, init: str, threads: int, time
     from ..quant import prepare_weights, set_int8_activations
     from .agree import model_digest, record
     from .group import TPGroup, bind_device
-    from .launch import config_json
+    from .engine_json import config_json
     from .shard import Shard
     try:
         bind_device("nccl", cfg.torch_device)              # before anything touches the GPU

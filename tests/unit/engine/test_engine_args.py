@@ -14,7 +14,7 @@ import torch
 from symphony.engine.args import DTYPE_NAMES, EngineArgs
 from symphony.engine.config import DTYPES, ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _parse(*argv) -> EngineArgs:
