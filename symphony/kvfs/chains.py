@@ -52,9 +52,9 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
-from .errors import InvalidArgument, InvalidPath, PermissionDenied, QuotaExceeded
+from .errors import AlreadyExists, InvalidArgument, InvalidPath, PermissionDenied, QuotaExceeded
 from .namespace import Directory, Inode, Principal, may
 
 STALL_S = 10.0          # a promise whose file has not grown for this long is not waited for
@@ -99,8 +99,9 @@ class ChainStats:
 class Chains:
     """The chain index of one KVFS (``fs.chains``)."""
 
-    def __init__(self, fs):
-        self.fs = fs
+    def __init__(self, fs, delete: Callable[[Inode], None]):
+        """``fs``: the KVFS whose files these are; ``delete(inode)``: unlink a file."""
+        self.fs, self.delete = fs, delete
         self.keys: dict[Directory, dict[bytes, dict[str, dict[int, Inode]]]] = {}
         self.last: dict[Directory, dict[bytes, dict[int, Inode]]] = {}
         self.stats = ChainStats()
@@ -176,8 +177,6 @@ class Chains:
         (handle, claimed).  The source's use is recorded (LRU; a hit on one's
         own file renews its expiry)."""
         n = m.blocks * block
-        self.stats.lookups += 1
-        self.stats.hit_blocks += m.blocks
         hid = None
         if claim and keys and may(who, d, "w"):
             hid = self._claim(who, d, m.source, n, mode)
@@ -197,6 +196,8 @@ class Chains:
                 fs.advise(who, hid, "expire", ttl)            # (0: gone at once, its keys with it)
         if m.source is not None and n:
             self._used(who, m.source)
+        self.stats.lookups += 1
+        self.stats.hit_blocks += n // block
         return hid, claimed
 
     def publish(self, who: Principal, hid: int, keys: Sequence[bytes], block: int,
@@ -302,6 +303,8 @@ class Chains:
             path = f"{d.path}/{secrets.token_hex(8)}"
             try:
                 return self._copy(who, src, n, path, mode)
+            except AlreadyExists:                                # a name drawn twice: draw again
+                continue
             except QuotaExceeded:
                 if not self._evict_one(who.user, keep=src):
                     return None
@@ -319,7 +322,7 @@ class Chains:
         for inode in list(self.fs.memory.lru_cache.values()):
             if inode.owner == user and inode.chain is not None and inode.handles == 0 and inode.linked \
                     and inode is not keep:
-                self.fs._unlink(inode.parent, inode.name)
+                self.delete(inode)
                 return True
         return False
 
@@ -341,7 +344,7 @@ class Chains:
                 oc = other.chain
                 if other is inode or other.owner != inode.owner or other.handles or oc.block != c.block:
                     continue
-                self.fs._unlink(other.parent, other.name)
+                self.delete(other)
                 self.stats.prunes += 1
 
 

@@ -74,10 +74,10 @@ class KVFS:
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
         self.evict_first: Callable[[], list[int]] = evict_first or (lambda: [])   # pids to swap out first
         self.pinned: Callable[[], set[int]] = pinned or (lambda: set())          # pids never page-evicted
-        self.memory = Memory(self.pager, self.quotas, self.handles,
-                             lambda inode: self._unlink(inode.parent, inode.name), self.evict_first, self.pinned)
+        unlink = lambda inode: self._unlink(inode.parent, inode.name)    # noqa: E731
+        self.memory = Memory(self.pager, self.quotas, self.handles, unlink, self.evict_first, self.pinned)
         self.data = Data(self, self.memory)
-        self.chains = Chains(self)                          # block-keyed prefix files (chains.py)
+        self.chains = Chains(self, unlink)                  # block-keyed prefix files (chains.py)
         if restore and config.durable_dir:
             from .store import restore_all
             self.restore_report = restore_all(self)
