@@ -3,7 +3,7 @@ embedded SmolLM2-135M-Instruct, Q4_1 + Q8_0).
 
     python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--prefill 1500]
                                 [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16|none]
-                                [--threads N] [--model PATH.gguf]
+                                [--threads N] [--model PATH.gguf] [--no-paths]
 
 Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every contender alike,
 and reports medians with the per-round spread:
@@ -21,7 +21,12 @@ and reports medians with the per-round spread:
     measured in the same run (a multi-threaded sum over 256 MiB), and each contender's share;
   * the resident memory of a real symphony-kernel started with each --weights mode (not with
     --no-rss), against 1.5 x (GGUF size + KV pool);
-  * the CPU model and its SIMD flags, the load average before and after.
+  * the default's choice against every path it may take (not with --no-paths): decode steps of
+    1, 8 and --batch sequences and a 128-token prefill chunk, with each qlinear path of the
+    float-accurate choice forced (the scalar one left out), in interleaved rounds: the path the
+    default takes (after the start-up calibration) and the fastest, side by side per row count;
+  * the CPU model and its SIMD flags, the load average before and after, and the CPU the other
+    processes used meanwhile (cores, from /proc/stat).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from symphony.engine.engine import Engine, PredRequest           # noqa: E402
 from symphony.engine.loader import default_model_path, load_model  # noqa: E402
 from symphony.engine.quant import QWeight, force_qlinear_path      # noqa: E402
 from symphony.engine.reference import ReferenceLlama             # noqa: E402
+from symphony.engine.ops import calibrate, qlinear_path_for, timing  # noqa: E402
 
 PREFILL_TEXT = ("The history of the violin begins in sixteenth-century Italy, where makers in Cremona "
                 "and Brescia gave the instrument the shape it still has. Over the following centuries "
@@ -171,21 +177,31 @@ def bench_engine_batch(eng, prompt_ids, steps, batch):
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's low-level API (multi-sequence batches)."""
 
-    def __init__(self, path, n_ctx, n_seq, threads):
+    def __init__(self, path, n_ctx, n_seq, threads, extra_bufts=True):
         import llama_cpp as lc
         self.lc = lc
-        # the high-level Llama() loads the model; its own context holds one sequence only,
-        # so a second context with n_seq_max sequences is made through the C API
-        self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+        if extra_bufts:
+            # the high-level Llama() loads the model; its own context holds one sequence only,
+            # so a second context with n_seq_max sequences is made through the C API
+            self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+            model = self.llm._model.model
+            self.vocab = self.llm.n_vocab()
+        else:                            # the model without extra buffer types (AMX, repacked)
+            lc.llama_backend_init()
+            mp = lc.llama_model_default_params()
+            mp.use_extra_bufts = False
+            model = self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+            if not model:
+                raise RuntimeError("llama.cpp could not load the model")
+            self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
         p = lc.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, 512, n_seq
         p.n_threads = p.n_threads_batch = threads
         if hasattr(p, "kv_unified"):
             p.kv_unified = True
-        self.ctx = lc.llama_init_from_model(self.llm._model.model, p)
+        self.ctx = lc.llama_init_from_model(model, p)
         if not self.ctx:
             raise RuntimeError("llama.cpp context creation failed")
-        self.vocab = self.llm.n_vocab()
 
     def _decode(self, items):
         """items: [(seq_id, tokens, start_pos)] -> next-token argmax per item."""
@@ -254,6 +270,40 @@ class LlamaCpp:
         return n * steps / (time.perf_counter() - t0)
 
 
+def bench_paths(eng, ids, pre, steps, rounds, batch):
+    """tok/s of the engine at each row count (1, 8, ``batch`` sequences decoding; a 128-token
+    prefill chunk) with the default choice and with each path it may take forced, interleaved
+    over ``rounds``: {rows: {path or "default": [tok/s per round]}}."""
+    paths = [p for p in calibrate.auto_paths(-1) if p != 0]
+    rows = [1, 8, batch] + ([128] if len(pre) >= 128 else [])
+    res = {m: {k: [] for k in ["default", *paths]} for m in rows}
+
+    def run(m):
+        if m == 128:
+            return bench_engine_prefill(eng, pre[:128])
+        return bench_engine_single(eng, ids, steps) if m == 1 else bench_engine_batch(eng, ids, max(2, steps // 4), m)
+    for _ in range(rounds):
+        for m in rows:
+            for k in res[m]:
+                with force_qlinear_path(-1 if k == "default" else k):
+                    res[m][k].append(run(m))
+    return res
+
+
+def print_paths(res, shape):
+    print("\nThe default's choice against every path it may take (tok/s, median of the rounds; "
+          "'default' resolved for a %d x %d u4 matrix):" % shape)
+    print("| rows | default (path) | fastest path | default / fastest | every path |")
+    print("|---|---|---|---|---|")
+    for m, by in res.items():
+        med = {k: statistics.median(v) for k, v in by.items()}
+        best = max((k for k in med if k != "default"), key=med.get)
+        chosen = qlinear_path_for(-1, m, *shape, 0)
+        others = ", ".join(f"{k} {med[k]:.1f}" for k in med if k != "default")
+        print(f"| {m if m != 128 else '128 (prefill)'} | {med['default']:.1f} ({chosen}) | {med[best]:.1f} ({best}) | "
+              f"{med['default'] / med[best]:.2f} | {others} |")
+
+
 def spread(v):
     return f"{statistics.median(v):.1f} ({min(v):.1f}..{max(v):.1f})"
 
@@ -267,6 +317,9 @@ def main():
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2; "
                     "perf/make_gguf.py writes random 1B / 3B ones)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra weight buffer types (AMX, repacked layouts): "
+                    "llama-cpp-python 0.3.36's AMX buffers fault on some virtual machines")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation contender")
     ap.add_argument("--no-rss", action="store_true", help="skip starting real kernels for their RSS")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV pool of the engines and kernels, MiB")
@@ -274,6 +327,7 @@ def main():
                     help="comma-separated dtypes of the dequantized engines: float32, bfloat16, "
                     "float16; none: no dequantized engine and no plain PyTorch loop")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (default: torch's)")
+    ap.add_argument("--no-paths", action="store_true", help="skip the default-vs-every-path table")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -288,6 +342,7 @@ def main():
           f"torch {torch.__version__}", flush=True)
     print(f"# CPU: {cpu}, {os.cpu_count()} logical CPUs; SIMD flags: {' '.join(flags)}", flush=True)
     print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    ticks0 = timing.cpu_ticks()
     weights, tok = load_model(path, progress=False)
     kv_bytes = args.kv_mb * 2**20
 
@@ -318,7 +373,7 @@ def main():
     if not args.no_llamacpp:
         try:
             lcpp = LlamaCpp(path, n_ctx=max((len(ids) + args.steps + 8) * args.batch, len(pre) + 8),
-                            n_seq=args.batch, threads=threads)
+                            n_seq=args.batch, threads=threads, extra_bufts=not args.llamacpp_no_extra_bufts)
         except ImportError:
             print("# llama-cpp-python not installed: skipping llama.cpp (pip install llama-cpp-python)")
     bw_buf = torch.ones(64 * 2**20)                                  # 256 MiB of float32
@@ -355,7 +410,13 @@ def main():
                 res["lcpp_prefill"].append(lcpp.prefill(pre))
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {v[-1]:.1f}" for k, v in res.items() if v), flush=True)
-    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    paths = None if args.no_paths else bench_paths(engines["quantized"], ids, pre, args.steps // 2,
+                                                   args.rounds, args.batch)
+    load = timing.others_load(ticks0, timing.cpu_ticks())
+    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; other processes "
+          f"used {'?' if load is None else f'{load:.1f}'} of {os.cpu_count()} cores meanwhile", flush=True)
+    if paths:
+        print_paths(paths, (576, 576))
     b = args.batch
     has_pre = bool(pre)
     print(f"\n| contender | single-stream tok/s | batch-{b} tok/s | prefill {len(pre)} tok/s |")
