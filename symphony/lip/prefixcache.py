@@ -12,7 +12,9 @@ copied).  Block k's key is BLAKE2b-128 of block k-1's key and block k's token
 ids (the first chains from a salt), so a key names every token before it:
 equal keys, equal prefixes.  As in vLLM's automatic prefix caching, only full
 blocks are cached, and at most ``limit`` tokens are reused (a prompt's last
-token is always computed: its distribution is the answer's first).
+token is always computed: its distribution is the answer's first); a prompt's
+blocks past the first ``abi.MAX_KEYS_PER_CALL`` (2048: 32,768 tokens at 16 a
+block) are not cached.
 
 **One call to look up and to claim.**  `open` is one ``kv.lookup`` (see
 symphony.lip.runtime): the kernel finds the longest chain of the prompt's keys
@@ -48,6 +50,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from symphony.ipc import abi
+
 from .errors import AlreadyExists, InvalidPath, NotADirectory, NotFound, PermissionDenied, SyscallError
 from .runtime import KVFile, kv
 
@@ -75,7 +79,7 @@ class PrefixCache:
         at most ``limit`` tokens, whole blocks; its length).  Unless it cannot,
         the file promises the blocks of ``tokens[:promise]`` (the caller feeds
         them next): others wait for them.  InvalidPath: a bad directory."""
-        n = min(promise, len(tokens)) // self.block
+        n = min(min(promise, len(tokens)) // self.block, abi.MAX_KEYS_PER_CALL)
         if n == 0:
             return kv.create(), 0
         keys = b"".join(self.keys(tokens, n))
@@ -96,7 +100,7 @@ class PrefixCache:
     def publish(self, f: KVFile, tokens: Sequence[int], upto: int) -> bool:
         """Extend ``f``'s keys to the full blocks of ``tokens[:upto]`` (``f`` holds
         them), if ``f`` is a claimed chain file; whether it did."""
-        n = min(upto, len(tokens)) // self.block
+        n = min(min(upto, len(tokens)) // self.block, abi.MAX_KEYS_PER_CALL)
         if f.path is None or n <= self._published:
             return False
         try:

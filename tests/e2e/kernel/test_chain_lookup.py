@@ -56,6 +56,7 @@ def test_bad_chain_calls_are_typed_errors(kernel):
         "publish: no error",
         "claim refused: None 0",
         "no keys: None 0",
+        "prompt over the keys a call takes: 0 True False",    # its first 2048 blocks claimed
         "done"], r.stdout
 
 

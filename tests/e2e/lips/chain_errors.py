@@ -1,5 +1,6 @@
 """Exercises bad chain-file calls (kv.lookup, f.publish); sends the exception type of each."""
 from symphony.lip import errors, kv
+from symphony.lip.prefixcache import PrefixCache
 from symphony.lip.runtime import _call
 from symphony.ipc import abi
 
@@ -41,6 +42,12 @@ def main():
     send_(f"claim refused: {g.path} {len(g)}")
     h = kv.lookup("/tmp/chain-errors", b"", 16, claim=True)   # no keys: nothing to claim
     send_(f"no keys: {h.path} {len(h)}")
+    long = [(i * 7919) % 900 + 50 for i in range(40000)]      # more blocks than a call takes keys
+    pc = PrefixCache("/tmp/chain-errors", block=16, user="any")
+    c, n = pc.open(long, limit=len(long) - 1, promise=len(long))
+    send_(f"prompt over the keys a call takes: {n} {c.path is not None} "
+          f"{pc.publish(c, long, len(long))}")
+    c.remove()
     f.remove()
     r.close()
     kv.rmdir("/tmp/chain-errors")
