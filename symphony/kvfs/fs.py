@@ -265,9 +265,9 @@ class KVFS:
         self._tick()
 
     def renew(self, inode: Inode, seconds: float) -> None:
-        """Move a file's pending expiry to ``seconds`` from now (a cache hit)."""
+        """Move a file's pending expiry to ``seconds`` from now (a cache hit; its
+        entry in the expiry heap moves when it comes due, see `_tick`)."""
         inode.expire_at = time.monotonic() + seconds
-        heapq.heappush(self._expiry, (inode.expire_at, inode.ino))
 
     def sync(self, who: Principal, hid: int) -> None:
         """Write a named file to the durable directory; it is there again after
@@ -383,7 +383,10 @@ class KVFS:
         while self._expiry and self._expiry[0][0] <= now:
             _, ino = heapq.heappop(self._expiry)
             inode = self.inodes.get(ino)
-            if inode is None or inode.expire_at is None or inode.expire_at > now:
+            if inode is None or inode.expire_at is None:
+                continue
+            if inode.expire_at > now:                         # renewed since: due later
+                heapq.heappush(self._expiry, (inode.expire_at, ino))
                 continue
             inode.expire_at = None
             log.info("KV file %s expired", inode.path or f"<anonymous {ino}>")

@@ -230,3 +230,27 @@ def test_claims_make_room_in_the_inode_quota_and_prune_redundant_files(weights):
         fs.close(ALICE, h)
     assert len(d.children) == 3 and held in fs.handles                    # LRU own files made room
     assert fs.handles[held].inode.linked
+
+
+def test_hits_of_the_owner_renew_the_expiry_without_growing_the_heap(weights, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("symphony.kvfs.fs.time.monotonic", lambda: clock[0])
+    fs = make_fs(weights)
+    fs.mkdir(ALICE, "/home/alice/c")
+    d = fs.listable(ALICE, "/home/alice/c")
+    t = toks(12)
+    h, claimed, _ = lookup(fs, ALICE, "/home/alice/c", t, ttl=30)
+    fs.pred(ALICE, h, t)
+    fs.close(ALICE, h)
+    for _ in range(200):                                   # a hot prefix: hit every 2 s for 400 s
+        clock[0] += 2
+        g, _, got = lookup(fs, ALICE2, "/home/alice/c", t, claim=False)
+        assert got == 3
+        fs.close(ALICE2, g)
+    assert len(d.children) == 1 and len(fs._expiry) <= 2  # alive long past its first 30 s, one entry
+    clock[0] += 29
+    fs.stat(ALICE, "/home/alice")
+    assert len(d.children) == 1
+    clock[0] += 2                                          # 31 s without a hit: expired
+    fs.stat(ALICE, "/home/alice")
+    assert not d.children and fs.chains.find(ALICE2, d, keys(t), B, 3).blocks == 0
