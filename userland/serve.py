@@ -43,8 +43,8 @@ types and ranges; the program checks again and refuses bad input with an
   made: the answer ends where the model begins one (finish_reason ``stop``).
   Call markup is never sent as text.
 * ``cache``: null (no prefix caching) or ``{"dir": KVFS_DIR, "trust": [USER,
-  ...], "ttl"?: seconds (default 3600), "durable"?: bool (default false)}``:
-  see Prefix caching.
+  ...], "ttl"?: seconds (default 3600), "wait"?: seconds (default 30),
+  "durable"?: bool (default false)}``: see Prefix caching.
 * ``stream`` (bool, default true): false when the client waits for the whole
   answer; the output is then the same with fewer events (see Output).
 
@@ -90,29 +90,32 @@ the response or tool schema; its message), 429 ``kv_quota_exceeded``, 503
 ``kv_no_space``, 500 ``internal_error``.
 
 **Prefix caching.** With ``cache``, KV is reused across requests the way
-vLLM's automatic prefix caching does (symphony.lip.prefixcache has the
-scheme): checkpoints of the prompt's prefixes are KV files in ``cache.dir``
-(made if missing; a KVFS path, e.g. ``/home/alice/serve-cache``: components
-may not begin with a dot), named by the chained hash of their tokens (blocks
-of the kernel's page size), right before every special token (so exactly at
-each message's end), every 32 blocks and at the prompt's end; after the
-answer, at the answer's end (not past a stop string).  A lookup
-probes the prompt's boundaries from the top with ``stat`` (the next turn of
-a conversation hits within a few probes; a cold prompt costs about log2 of
-its boundaries), and forks the longest checkpoint that is trustworthy: owned
-by the user or by a ``trust``ed user, writable by nobody else, of exactly the
-expected length.  A repeated system prompt or a conversation's next turn
-recomputes none of its old tokens, except the last prompt token (its
-distribution is needed) when the whole prompt was cached.  Checkpoints are
-``advise("cache")`` (deleted first under memory pressure: a later lookup
-misses) and expire after ``ttl`` seconds unless a hit renews them.  They are
-private (0600) unless ``trust`` names other users (0644).  With ``durable``,
-every checkpoint is also synced to the kernel's durable directory, so that
-another kernel can adopt them if this one dies.  Caching never
-fails a request: a refused directory or a full quota stops it (a full quota
-removes the user's own checkpoints), and a pred over the page quota is
-retried once after removing them.  A ``cache.dir`` that is not a valid KVFS
-path is a 400 (param ``cache.dir``).
+vLLM's automatic prefix caching does, block by block (symphony.lip.prefixcache
+has the scheme): every full block of ``block`` = the kernel's page size (16)
+tokens of every earlier prompt and answer is found by the hash chain of the
+blocks' token ids, through one ``kv.lookup`` call on the chain files of
+``cache.dir`` (made if missing; a KVFS path, e.g. ``/home/alice/serve-cache``:
+components may not begin with a dot).  The longest cached chain is forked
+copy-on-write, at most up to the prompt's last token (always computed), and
+``cached_tokens`` is its length: a repeated system prompt or a conversation's
+next turn recomputes only what follows the last full block they share (under
+16 tokens of it).  Files count when owned by the user or a ``trust``ed user
+and writable by nobody else.  The request's own file promises its prompt's
+blocks while it computes them: a request arriving meanwhile with the same
+prefix waits for them (at most ``cache.wait`` seconds, default 30, less when
+the writer stops making progress for 10 s or ends; 0: never) and forks them,
+so a burst with one system prompt computes it once.  After the answer (n = 1)
+its blocks are added (up to a stop string).  The files are cache files
+(deleted first under memory pressure, least recently used first: a later
+lookup misses), expire after ``ttl`` seconds unless a hit renews them, and
+have random names; the kernel keeps one file per distinct prompt (a
+conversation's earlier turns' files are removed when the next one is done).
+They are private (0600) unless ``trust`` names other users (0644).  With
+``durable``, each file is also synced (its keys with it) to the kernel's
+durable directory when its blocks are added, so that another kernel that
+adopts it finds the conversation the same way.  Caching never fails a request: a refused directory gives no caching, a full quota
+first removes the user's own least recently used unopened cache files.  A
+``cache.dir`` that is not a valid KVFS path is a 400 (param ``cache.dir``).
 """
 import secrets
 import sys
@@ -174,8 +177,7 @@ class Job:
         self.max_tokens = req.max_tokens or ctx - L
         self.offered = bool(req.tools) and req.tool_choice != "none"
         self.grammar, self.calls = self._grammars()
-        self.quota_retry = bool(req.cache)
-        self.cache, self.saved = None, 0             # saved: checkpoints up to here exist (or were tried)
+        self.cache = None                            # the prefix cache (symphony.lip.prefixcache)
         self.failure, self.abort = None, False       # a choice thread's exception; stop the others
 
     def _prompt(self) -> list:
@@ -216,28 +218,14 @@ class Job:
     # ------------------------------------------------------------ running
     def run(self) -> None:
         req, L = self.req, len(self.prompt)
-        hit, M = None, 0
-        if req.cache:
-            self.cache = PrefixCache(req.cache["dir"], block=int(self.info.get("page_size") or 16),
-                                     user=self.info["user"], trust=req.cache["trust"],
-                                     specials=self.tok.special_ids, ttl=req.cache["ttl"],
-                                     durable=req.cache.get("durable", False))
-            try:
-                hit, M = self.cache.lookup(self.prompt, L - 1)
-            except InvalidPath as e:
-                raise BadRequest(f"cache.dir: {e}", "cache.dir") from None
+        base, M = self._base()
         self.ev.send({"event": "prompt", "prompt_tokens": L, "cached_tokens": M})
-        base = hit.fork() if hit is not None else kv.create()
-        if hit is not None:
-            hit.close()
-        self.saved = M
         with base:
             if req.n == 1:
                 Choice(self, 0, base, self.prompt[M:]).run()
                 return
             if L - 1 > M:
-                self.pred(base, self.prompt[M:L - 1], output="argmax")
-            self.save(base, self.prompt, len(base))
+                pred(base, self.prompt[M:L - 1], output="argmax")
             threads = [threading.Thread(target=self._choice, args=(i, base)) for i in range(req.n)]
             for t in threads:
                 t.start()
@@ -255,24 +243,27 @@ class Job:
         except BaseException as e:                           # noqa: BLE001 - reported by run()
             self.failure, self.abort = self.failure or e, True
 
-    def save(self, f, tokens, upto, prompt=True):
-        """Checkpoints of ``tokens`` (held by ``f``) up to ``upto``, above those
-        already there; ``prompt``: the prompt's (later saves start above them)."""
-        upto = min(upto, len(f))
-        if self.cache is not None and upto > self.saved:
-            self.cache.save(f, tokens, after=self.saved, upto=upto)
-            if prompt:
-                self.saved = upto
-
-    def pred(self, *a, **kw):
-        """pred, retried once after removing the user's checkpoints when over the page quota."""
+    # ------------------------------------------------------------ the prefix cache
+    def _base(self):
+        """(the file the prompt goes into, prompt tokens it already holds): with
+        ``cache``, the longest cached prefix of whole blocks, forked, the file
+        itself promising the prompt's blocks to requests arriving meanwhile
+        (with n > 1 the last prompt token is fed in each choice's fork)."""
+        req, L = self.req, len(self.prompt)
+        if not req.cache:
+            return kv.create(), 0
+        self.cache = PrefixCache(req.cache["dir"], block=int(self.info.get("page_size") or 16),
+                                 user=self.info["user"], trust=req.cache["trust"], ttl=req.cache["ttl"],
+                                 wait=req.cache["wait"], durable=req.cache.get("durable", False))
         try:
-            return pred(*a, **kw)
-        except QuotaExceeded:
-            if not (self.quota_retry and self.cache is not None and self.cache.purge()):
-                raise
-            self.quota_retry = False
-            return pred(*a, **kw)
+            return self.cache.open(self.prompt, limit=L - 1, promise=L if req.n == 1 else L - 1)
+        except InvalidPath as e:
+            raise BadRequest(f"cache.dir: {e}", "cache.dir") from None
+
+    def publish(self, f, tokens, upto) -> None:
+        """Make the full blocks of ``tokens[:upto]`` (held by ``f``) findable."""
+        if self.cache is not None:
+            self.cache.publish(f, tokens, min(upto, len(f)))
 
 
 class Choice:
@@ -285,7 +276,7 @@ class Choice:
                            presence=req.presence_penalty, frequency=req.frequency_penalty,
                            top_logprobs=req.top_logprobs if req.logprobs else None,
                            matcher=job.grammar.deep_copy() if job.grammar else None,
-                           eos_ids=job.tok.eos_ids, vocab=job.info["vocab_size"], pred=job.pred)
+                           eos_ids=job.tok.eos_ids, vocab=job.info["vocab_size"], pred=pred)
         free = job.grammar is None                   # no grammar: <tool_call> in the text is a marker
         self.text = TextStream(job.tok, list(req.stop) + ([MARKER] if req.tools and free else []))
         self.out: list = []                          # the answer's tokens
@@ -300,7 +291,6 @@ class Choice:
             self.send({"event": "text", "index": self.i, "text": echo})
         if job.offered and job.grammar is not None and self.undecided is None:
             self._calls()                                    # required / named: calls from the start
-        first = True
         while self.reason is None:
             budget = job.max_tokens - len(self.out)
             if budget <= 0:
@@ -318,9 +308,6 @@ class Choice:
                 self._token(t, lp)
                 if self.reason is not None:
                     break
-            if first and req.n == 1:
-                job.save(self.f, job.prompt, len(job.prompt))
-            first = False
             if self.reason is None and (self.dec.done or not step):
                 self.reason = "tool_calls" if self.parser else "stop"
         self._finish()
@@ -389,7 +376,8 @@ class Choice:
                    "completion_tokens": len(self.out)})
         job, L = self.job, len(self.job.prompt)
         stopped = self.parser is None and self.text.hit is not None
-        job.save(self.f, job.prompt + self.out, L + (self.text.cut if stopped else len(self.out)), prompt=False)
+        if job.req.n == 1:                                   # the next turn starts with prompt + answer
+            job.publish(self.f, job.prompt + self.out, L + (self.text.cut if stopped else len(self.out)))
 
     def send(self, ev) -> None:
         if not self.job.ev.send(ev):

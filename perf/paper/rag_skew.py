@@ -19,8 +19,9 @@ hold ~8,700 tokens: the queries in flight (8 x ~400) and ~18 of 200 documents (~
 Contenders (one kernel with its HTTP gateway, a second gateway in front of it with its prefix
 cache off, and llama.cpp's server; all up for the whole run, alternating within each round):
   recompute  the gateway, prefix cache off: every query computes its whole prompt;
-  lru        the gateway's prefix-caching serving program (automatic, least-recently-used
-             prefix cache per user: vLLM's policy), same prompts;
+  lru        the gateway's prefix-caching serving program (automatic, per user: every full
+             16-token block of earlier prompts, found by their hash chain, least recently used
+             dropped first: vLLM's policy), same prompts;
   app        the stock rag LIP (``userland/rag.py --k 1``) through the kernel's socket: its own
              policy (the instruction's and each document's KV kept as cache files, popular
              ones kept, the rest expiring; a question merges instruction + document and
@@ -33,7 +34,12 @@ The prompt contenders send [system: rag.py's instruction, user: "Document: ...\\
 the same text the rag LIP assembles, greedy, --max-tokens.  Reported per alpha and contender:
 queries/s (median over rounds, per-round spread), time to first token p50 (streamed for the
 HTTP contenders; the rag LIP sends its answer whole, so its figure is the time to the
-answer), and the ratio to recompute.  The plot shows queries/s vs alpha.
+answer), and the ratio to recompute.  For `lru`, also its hit rate (cached_tokens of the
+streamed usage / prompt tokens) beside what vLLM's automatic prefix caching would reuse on the
+same queries in the same order with a pool of as many tokens (perf/apc_sim.py, simulated
+exactly at 16- and 128-token blocks).  The block cache's claim, never below 0.97x of recompute
+at uniform popularity, wants --alphas inf --queries 200 or more.  The plot shows queries/s vs
+alpha.
 """
 from __future__ import annotations
 
@@ -88,23 +94,34 @@ def question(subject: str) -> str:
     return f"Which lanterns does {subject} sell in the harbour town?"
 
 
-def http_query(url: str, model: str, system: str, doc: str, subject: str, max_tokens: int) -> tuple[float, float]:
-    """(time to first content chunk, total) of one streamed chat request."""
+def messages(system: str, doc: str, subject: str) -> list[dict]:
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"Document: {doc}\n\nQuestion: {question(subject)}"}]
+
+
+def http_query(url: str, model: str, system: str, doc: str, subject: str, max_tokens: int,
+               usage: bool = False) -> tuple:
+    """(time to first content chunk, total, cached prompt tokens, prompt tokens) of one streamed
+    chat request; the token counts from the usage chunk when ``usage`` (else 0, 0)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": f"Document: {doc}\n\nQuestion: {question(subject)}"}]}
+            "messages": messages(system, doc, subject)}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
-    ttft = None
+    ttft, cached, prompt = None, 0, 0
     with httpx.Client(timeout=900) as c, c.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
-            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+            if line.startswith("data: ") and line != "data: [DONE]":
                 d = json.loads(line[6:])
-                if any((ch.get("delta") or {}).get("content") for ch in d.get("choices", [])):
+                if ttft is None and any((ch.get("delta") or {}).get("content") for ch in d.get("choices", [])):
                     ttft = time.perf_counter() - t0
+                if d.get("usage"):
+                    prompt = d["usage"]["prompt_tokens"]
+                    cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total
+    return (ttft if ttft is not None else total), total, cached, prompt
 
 
 def rag_query(sock: str, source: str, ddir: Path, subject: str, max_tokens: int) -> tuple[float, float]:
@@ -121,21 +138,46 @@ def rag_query(sock: str, source: str, ddir: Path, subject: str, max_tokens: int)
                     raise RuntimeError(f"rag.py failed: {ev}")
                 break
         total = time.perf_counter() - t0
-    return (first if first is not None else total), total
+    return (first if first is not None else total), total, 0, 0
 
 
 def run_point(fn, picks: list[int], concurrency: int) -> dict:
     ttfts, lock = [], threading.Lock()
+    tokens = [0, 0]                                   # cached, prompt
 
     def job(i):
-        ttft, _ = fn(i)
+        ttft, _, cached, prompt = fn(i)
         with lock:
             ttfts.append(ttft)
+            tokens[0] += cached
+            tokens[1] += prompt
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(job, picks))
     wall = time.perf_counter() - t0
-    return {"qps": len(picks) / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99)}
+    return {"qps": len(picks) / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
+            "hit": tokens[0] / tokens[1] if tokens[1] else None}
+
+
+class BlockSims:
+    """vLLM's APC (perf/apc_sim.py) at 16- and 128-token blocks over a pool of as many tokens
+    as the kernel's, fed the block cache's queries as they are served (the state carries over
+    from point to point, as the gateway's cache does)."""
+
+    def __init__(self, sym, system: str, subjects: list, a):
+        from apc_sim import APC
+        from bench_overload import load_tokenizer
+        from symphony.engine.loader import default_model_path
+        from symphony.lip.tools import render
+        self.tok, self.render, self.system, self.subjects, self.a = (load_tokenizer(default_model_path()), render,
+                                                                    system, subjects, a)
+        self.pages = sym.stats()["kv_pages_total"]
+        self.apcs = {b: APC(self.pages * 16 // b, b, a.concurrency) for b in (16, 128)}
+
+    def run(self, picks: list[int]) -> dict:
+        prompts = [self.tok.encode_chat(self.render(messages(self.system, self.subjects[i][1], self.subjects[i][0])))
+                   for i in picks]
+        return {b: apc.run(prompts, [self.a.max_tokens] * len(prompts))["hit_rate"] for b, apc in self.apcs.items()}
 
 
 def label(alpha: float) -> str:
@@ -190,18 +232,24 @@ def main() -> int:
         url, model = {"recompute": (f"http://127.0.0.1:{sym.port_nocache}", sym.model),
                       "lru": (f"http://127.0.0.1:{sym.port}", sym.model),
                       "llamacpp": (f"http://127.0.0.1:{llama.port}" if llama else "", "llamacpp")}[c]
-        return lambda i: http_query(url, model, system, subjects[i][1], subjects[i][0], a.max_tokens)
+        return lambda i: http_query(url, model, system, subjects[i][1], subjects[i][0], a.max_tokens,
+                                    usage=c == "lru")
 
     res: dict = {label(x): {c: [] for c in contenders} for x in alphas}
+    sims = BlockSims(sym, system, subjects, a) if "lru" in contenders else None
     try:
         for c in contenders:                              # warm-up: each path once
             run_point(fn_for(c), [0, 1], 2)
+            if c == "lru":
+                sims.run([0, 1])
         for r in range(a.rounds):
             for alpha in alphas:
                 picks = draw(a.docs, a.queries, alpha, seed=1000 * r + int(0 if math.isinf(alpha) else alpha * 100))
                 order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
                 for c in order:
                     res[label(alpha)][c].append(run_point(fn_for(c), picks, a.concurrency))
+                    if c == "lru":                        # vLLM's APC on the same queries, in the same order
+                        res[label(alpha)][c][-1]["apc"] = sims.run(picks)
                 print(f"  round {r + 1}/{a.rounds} alpha {label(alpha)} ({len(set(picks))} distinct documents): "
                       + ", ".join(f"{c} {res[label(alpha)][c][-1]['qps']:.2f} q/s" for c in contenders), flush=True)
     finally:
@@ -221,6 +269,16 @@ def main() -> int:
                    for c in contenders if c != "recompute"] if "recompute" in contenders else [])
         ttft = [f"{statistics.median(x['ttft_p50'] for x in row[c]):.2f}" for c in contenders]
         print(f"| {lab} | " + " | ".join(cells + ratios + ttft) + " |")
+    if sims is not None:
+        print(f"\nthe block cache (lru) vs vLLM's automatic prefix caching simulated on the same queries in the "
+              f"same order with a pool of as many blocks (perf/apc_sim.py; {sims.pages} pages of 16 tokens): "
+              "prompt tokens reused / prompt tokens, median (per-round spread)")
+        print("| alpha | block cache | APC, 16-token blocks | APC, 128-token blocks |\n|---|---|---|---|")
+        for lab, row in res.items():
+            got = [x for x in row["lru"] if x.get("hit") is not None]
+            if got:
+                print(f"| {lab} | {fmt([x['hit'] for x in got], 3)} | {fmt([x['apc'][16] for x in got], 3)} | "
+                      f"{fmt([x['apc'][128] for x in got], 3)} |")
     if a.json:
         Path(a.json).write_text(json.dumps(res))
     plt = pyplot()

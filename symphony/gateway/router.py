@@ -14,9 +14,10 @@ router sends a request where its prefix is cached:
 3. **least loaded**: the live kernel with the fewest requests in flight
    (the gateway's own count), ties taken in turn.
 
-**Affinity keys** follow the serving program's prefix cache
-(symphony.lip.prefixcache), which checkpoints a chat prompt at the end of
-every message: a chat request's keys are the chained BLAKE2b digests of its
+**Affinity keys** follow the shape of a chat (the serving program's prefix
+cache, symphony.lip.prefixcache, reuses every full block of a prefix it has
+seen, so a kernel that saw the leading messages holds their KV): a chat
+request's keys are the chained BLAKE2b digests of its
 leading messages (the system prompt, then each message after it), salted by
 the prefix-cache directory (a user's own, or the shared one: caches that are
 not shared do not attract each other) and the tools offered (the chat

@@ -22,6 +22,7 @@ PRED = 1
 KV_CREATE, KV_OPEN, KV_CLOSE, KV_REMOVE, KV_FORK, KV_TRUNCATE = 2, 3, 4, 5, 6, 7
 KV_EXTRACT, KV_MERGE, KV_STAT, KV_LIST, KV_ADVISE, KV_RENAME, KV_SYNC, KV_MKDIR, KV_RMDIR = \
     8, 9, 10, 11, 12, 13, 14, 15, 16
+KV_LOOKUP, KV_PUBLISH = 17, 18   # chain files: block-keyed prefix caching (kvfs/chains.py)
 SEND, RECV, WRITE_STREAM = 20, 21, 22
 CAP_HTTP, CAP_READ_FILE, CAP_LIST_DIR = 30, 31, 32
 INFO = 40
@@ -53,3 +54,8 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0   # a sampling temperature: 0 (gr
 MAX_MASK_WORDS = 1 << 20          # a token mask's uint32 words (the kernel wants exactly ceil(vocab/32))
 MAX_ID = (1 << 63) - 1            # a FETCH's reply id and byte offset are ints up to this
 MAX_LIST_ITEMS = 1 << 16          # ranges of an extract, files of a merge
+KEY_WORDS = 4                     # a chain key: 16 bytes, 4 int32 words of the call's array
+MAX_KEYS_PER_CALL = MAX_TOKENS_PER_CALL // KEY_WORDS
+MAX_BLOCK = 4096                  # tokens of a chain file's block
+MAX_LOOKUP_WAIT_S = 300.0         # the longest a lookup may wait for promised blocks
+MAX_TRUST = 256                   # users a lookup trusts besides its own

@@ -31,8 +31,8 @@ from . import abi
 
 __all__ = ["SchemaError", "Undecodable", "UnknownOp", "REQUESTS", "decode", "build", "encode", "describe",
            "Empty", "Pred", "KvCreate", "KvOpen", "KvHandle", "KvPath", "KvMkdir", "KvFork", "KvTruncate",
-           "KvExtract", "KvMerge", "KvStat", "KvAdvise", "KvRename", "Send", "WriteStream", "Fetch",
-           "CapHttp", "CapReadFile", "CapListDir"]
+           "KvExtract", "KvMerge", "KvStat", "KvAdvise", "KvRename", "KvLookup", "KvPublish", "Send",
+           "WriteStream", "Fetch", "CapHttp", "CapReadFile", "CapListDir"]
 
 
 class SchemaError(ValueError):
@@ -90,6 +90,15 @@ AnyJson = _must(Any, "any JSON value")
 Stream = _must(Literal["stdout", "stderr"], "'stdout' or 'stderr'")
 ReplyId = _must(int, f"an int in [1, {abi.MAX_ID}]", ge=1, le=abi.MAX_ID)
 Offset = _must(int, f"an int in [0, {abi.MAX_ID}]", ge=0, le=abi.MAX_ID)
+BlockSize = _must(int, f"an int in [1, {abi.MAX_BLOCK}] (a multiple of the page size)", ge=1, le=abi.MAX_BLOCK)
+NKeys = _must(int, f"an int in [0, {abi.MAX_KEYS_PER_CALL}]", ge=0, le=abi.MAX_KEYS_PER_CALL)
+_Limit = _must(int, "an int >= 0 (blocks), or null", ge=0)
+Limit = Optional[_Limit]
+Wait = _must(float, f"a number of seconds in [0, {abi.MAX_LOOKUP_WAIT_S:g}]", ge=0, le=abi.MAX_LOOKUP_WAIT_S)
+Trust = _must(list[Annotated[str, Meta(min_length=1, max_length=32)]],
+              f"a list of at most {abi.MAX_TRUST} user names, or null", max_length=abi.MAX_TRUST)
+_Ttl = _must(float, "a number of seconds >= 0, or null", ge=0)
+Ttl = Optional[_Ttl]
 _Headers = _must(dict[str, Any], "an object of header names to values, or null")
 Headers = Optional[_Headers]
 
@@ -205,6 +214,35 @@ class KvRename(_Body):
     new: Path
 
 
+class KvLookup(_Body, kw_only=True):
+    """KV_LOOKUP: the longest chain of ``n_keys`` keys (the call's int32 array: 4 words
+    a key) written in directory ``dir`` by the caller or a ``trust``ed user, with
+    ``block`` tokens a key, at most ``limit`` blocks of it (null: all); waits up to
+    ``wait`` seconds while a longer one is being written; the result is a new file
+    holding it (copy-on-write), anonymous, or with ``claim`` a chain file in ``dir``
+    with these keys that others may wait for (``mode``; advised cache, expiring
+    after ``ttl`` seconds; null: never).  KVFS checks the block against the page size."""
+    dir: Path
+    block: BlockSize
+    n_keys: NKeys
+    limit: Limit = None
+    wait: Wait = 0.0
+    claim: Flag = False
+    trust: Optional[Trust] = None
+    mode: Mode = None
+    ttl: Ttl = None
+
+
+class KvPublish(_Body, kw_only=True):
+    """KV_PUBLISH: make the named file ``kv`` (read-write) a chain file of its
+    directory with ``n_keys`` keys (the call's int32 array), replacing any it had;
+    0 keys: no chain file any more."""
+    kv: Handle
+    block: BlockSize
+    n_keys: NKeys
+    ttl: Ttl = None
+
+
 class Send(_Body):
     """SEND: a message (any JSON value) to the user who ran the LIP."""
     data: AnyJson
@@ -248,6 +286,7 @@ REQUESTS: dict[int, type] = {
     abi.KV_REMOVE: KvPath, abi.KV_RMDIR: KvPath, abi.KV_LIST: KvPath, abi.KV_MKDIR: KvMkdir,
     abi.KV_FORK: KvFork, abi.KV_TRUNCATE: KvTruncate, abi.KV_EXTRACT: KvExtract, abi.KV_MERGE: KvMerge,
     abi.KV_STAT: KvStat, abi.KV_ADVISE: KvAdvise, abi.KV_RENAME: KvRename,
+    abi.KV_LOOKUP: KvLookup, abi.KV_PUBLISH: KvPublish,
     abi.SEND: Send, abi.WRITE_STREAM: WriteStream, abi.FETCH: Fetch,
     abi.CAP_HTTP: CapHttp, abi.CAP_READ_FILE: CapReadFile, abi.CAP_LIST_DIR: CapListDir,
 }

@@ -309,6 +309,12 @@ class Data:
             last = e
         return self._assemble(who, segs, path, mode)
 
+    def prefix(self, who: Principal, src: Inode, n: int, path: Optional[str] = None,
+               mode: Optional[int] = None) -> int:
+        """A new file holding the first ``n`` tokens of ``src`` (the caller
+        checked it may read it): `extract` of [0, n) without a handle."""
+        return self._assemble(who, [(src, 0, n)], path, mode)
+
     def merge(self, who: Principal, hids: Sequence[int], path: Optional[str] = None,
               mode: Optional[int] = None) -> int:
         """A new file: the files' tokens one after another, each at its own positions
@@ -326,6 +332,8 @@ class Data:
         del inode.blocks[keep:]
         del inode.positions[n:]
         inode.mtime = _now()
+        if inode.chain is not None:
+            self.fs.chains.cut(inode, n)
 
     def _make_resident(self, inodes: list[Inode], extra: int = 0,
                        protect: Optional[Callable[[], set]] = None) -> None:

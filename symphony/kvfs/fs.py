@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 from symphony.engine.engine import Engine
 from .config import KVFSConfig
+from .chains import Chains
 from .data import Data, KVPred, StepPlan
 from .errors import (AlreadyExists, DirectoryNotEmpty, InvalidArgument, IsADirectory,
                      NotADirectory, NotFound, PermissionDenied)
@@ -73,9 +74,10 @@ class KVFS:
         self._expiry: list[tuple[float, int]] = []       # heap of (expire_at, ino)
         self.evict_first: Callable[[], list[int]] = evict_first or (lambda: [])   # pids to swap out first
         self.pinned: Callable[[], set[int]] = pinned or (lambda: set())          # pids never page-evicted
-        self.memory = Memory(self.pager, self.quotas, self.handles,
-                             lambda inode: self._unlink(inode.parent, inode.name), self.evict_first, self.pinned)
+        unlink = lambda inode: self._unlink(inode.parent, inode.name)    # noqa: E731
+        self.memory = Memory(self.pager, self.quotas, self.handles, unlink, self.evict_first, self.pinned)
         self.data = Data(self, self.memory)
+        self.chains = Chains(self, unlink)                  # block-keyed prefix files (chains.py)
         if restore and config.durable_dir:
             from .store import restore_all
             self.restore_report = restore_all(self)
@@ -115,6 +117,8 @@ class KVFS:
     def close(self, who: Principal, hid: int) -> None:
         h = self._handle(who, hid)
         self._forget_handle(h)
+        if h.inode.chain is not None:
+            self.chains.closed(h.inode, who.pid)
         self._maybe_free(h.inode)
 
     def remove(self, who: Principal, path: str) -> None:
@@ -180,6 +184,8 @@ class KVFS:
                     raise InvalidArgument(f"cannot move {old} into itself")
                 d = d.parent
         del op.children[oname]
+        if isinstance(node, Inode):
+            self.chains.forget(node)                        # its keys belonged to the old directory
         node.name, node.parent = nname, np_
         np_.children[nname] = node
         if isinstance(node, Inode) and node.durable and rewrite_durable:
@@ -258,6 +264,11 @@ class KVFS:
             raise InvalidArgument(f"unknown advice {hint!r} (keep, drop_first, normal, cache, expire)")
         self._tick()
 
+    def renew(self, inode: Inode, seconds: float) -> None:
+        """Move a file's pending expiry to ``seconds`` from now (a cache hit; its
+        entry in the expiry heap moves when it comes due, see `_tick`)."""
+        inode.expire_at = time.monotonic() + seconds
+
     def sync(self, who: Principal, hid: int) -> None:
         """Write a named file to the durable directory; it is there again after
         a restart (until removed)."""
@@ -333,7 +344,7 @@ class KVFS:
 
     # memory (memory.Memory): counters, what processes hold, reclaim, suspension
     def stats(self) -> dict:
-        return self.memory.stats()
+        return {**self.memory.stats(), **self.chains.counters()}
 
     def pid_blocks(self, pids: Iterable[int]) -> set[int]:
         return self.memory.pid_blocks(pids)
@@ -372,7 +383,10 @@ class KVFS:
         while self._expiry and self._expiry[0][0] <= now:
             _, ino = heapq.heappop(self._expiry)
             inode = self.inodes.get(ino)
-            if inode is None or inode.expire_at is None or inode.expire_at > now:
+            if inode is None or inode.expire_at is None:
+                continue
+            if inode.expire_at > now:                         # renewed since: due later
+                heapq.heappush(self._expiry, (inode.expire_at, ino))
                 continue
             inode.expire_at = None
             log.info("KV file %s expired", inode.path or f"<anonymous {ino}>")
@@ -445,6 +459,7 @@ class KVFS:
         inode = parent.children.pop(name)
         parent.mtime = time.time()
         if isinstance(inode, Inode):
+            self.chains.forget(inode)
             if inode.durable:
                 from .store import remove_durable
                 remove_durable(self, inode)

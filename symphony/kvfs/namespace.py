@@ -176,6 +176,7 @@ class Inode(Node):
         self.advice = "normal"
         self.expire_at: Optional[float] = None
         self.durable = False
+        self.chain = None            # a chain file's keys (chains.Chain), else None
 
     @property
     def length(self) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from symphony.engine.page_allocator import pages_for
 
+from .chains import MAX_KEYS
 from .errors import CorruptFile, InvalidArgument
 from .namespace import ADVICE, ROOT_USER, Block, Directory, Inode, split_path
 
@@ -96,7 +97,8 @@ def snapshot(fs, inode: Inode, **extra) -> SyncSnapshot:
         "ctime": inode.ctime, "mtime": inode.mtime, "advice": inode.advice, "length": n,
         "positions": inode.positions, "dtype": str(kv.dtype).replace("torch.", ""),
         "page_shape": [L, 2, H, D],
-        "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot, **extra})
+        "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot,
+        "chain": fs.chains.record(inode), **extra})
     fs.refs.hold(blocks)
     return SyncSnapshot(inode.path, header, blocks, n)
 
@@ -261,7 +263,7 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
     per_slot = L * 2 * H * D * torch.empty((), dtype=kv.dtype).element_size()
     if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
         raise CorruptFile(f"{file}: data length does not match {n} tokens")
-    _check_header(header, file, getattr(fs.engine, "max_seq_len", None) or 1 << 30)
+    _check_header(header, file, getattr(fs.engine, "max_seq_len", None) or 1 << 30, fs.page_size)
     if not n:
         data = torch.empty(0, dtype=kv.dtype)
     else:                                                     # a writable buffer is used in place
@@ -269,7 +271,7 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
     return header, data.view(L, 2, n, H, D)
 
 
-def _check_header(h: dict, file: str, context: int) -> None:
+def _check_header(h: dict, file: str, context: int, page: int) -> None:
     """The header's fields that become an inode's, checked for type and range (an imported
     file's header comes from a client)."""
     pos = h.get("positions")
@@ -284,6 +286,30 @@ def _check_header(h: dict, file: str, context: int) -> None:
         raise CorruptFile(f"{file}: mode must be an int in [0, 0o777]")
     if not isinstance(h.get("path"), str) or not isinstance(h.get("owner"), str):
         raise CorruptFile(f"{file}: path and owner must be strings")
+    _check_chain(h.get("chain"), page, file)
+
+
+def _check_chain(c, page: int, file: str) -> None:
+    """A chain file's keys (chains.Chains.record): a block of whole pages, at most
+    chains.MAX_KEYS keys, each 16 to 64 bytes in hex; a ttl or null."""
+    if c is None:
+        return
+    if not isinstance(c, dict) or set(c) - {"block", "keys", "ttl"}:
+        raise CorruptFile(f"{file}: chain must be {{block, keys, ttl}}")
+    b, keys, ttl = c.get("block"), c.get("keys"), c.get("ttl")
+    if type(b) is not int or b < page or b % page:
+        raise CorruptFile(f"{file}: chain block must be a multiple of the page size {page}")
+    if not isinstance(keys, list) or len(keys) > MAX_KEYS:
+        raise CorruptFile(f"{file}: chain keys must be a list of at most {MAX_KEYS}")
+    for k in keys:
+        if not isinstance(k, str) or not 32 <= len(k) <= 128:
+            raise CorruptFile(f"{file}: a chain key must be 16 to 64 bytes in hex")
+        try:
+            bytes.fromhex(k)
+        except ValueError:
+            raise CorruptFile(f"{file}: a chain key must be hex") from None
+    if ttl is not None and (type(ttl) not in (int, float) or not ttl > 0):
+        raise CorruptFile(f"{file}: chain ttl must be null or seconds > 0")
 
 
 def materialize(fs, header: dict, data: torch.Tensor, owner: str, mode: int) -> Inode:
@@ -331,6 +357,7 @@ def load_durable(fs, file: Path) -> Inode:
     fs._link(d, parts[-1], inode)
     fs.inodes[inode.ino] = inode
     inode.durable, inode.durable_file = True, Path(file)
+    fs.chains.restore(inode, header.get("chain"))
     fs.memory.touch(inode)
     return inode
 

@@ -99,6 +99,7 @@ def import_file(fs, who: Principal, path: str, header: dict, data, mode: Optiona
                         fs._new_mode(header["mode"] if mode is None else mode, fs.config.default_file_mode))
     fs._link(parent, name, inode)
     fs.inodes[inode.ino] = inode
+    fs.chains.restore(inode, header.get("chain"))      # keys as its owner published them: trusted as theirs
     ttl = header.get("expire_in")
     if type(ttl) in (int, float) and ttl >= 0:
         inode.expire_at = time.monotonic() + ttl

@@ -1,64 +1,51 @@
-"""Automatic prefix caching as a library: KV files named by the hash of the tokens they hold.
+"""Automatic prefix caching as a library: every full block of every earlier prompt, found by its hash chain.
 
-    pc = PrefixCache("/home/alice/serve-cache", block=16, user="alice", specials=tok.special_ids)
-    hit, n = pc.lookup(prompt, limit=len(prompt) - 1)   # a trusted read-only file of prompt[:n], or None
-    f = hit.fork() if hit else kv.create()              # compute only prompt[n:]
-    ...                                                  # pred(f, prompt[n:]) ...
-    pc.save(f, prompt, after=n, upto=len(f))            # checkpoints of the new full blocks
+    pc = PrefixCache("/home/alice/serve-cache", block=16, user="alice")
+    f, n = pc.open(prompt, limit=len(prompt) - 1, promise=len(prompt))   # one system call
+    ...                                                  # pred(f, prompt[n:]) ...: compute only the rest
+    pc.publish(f, prompt + answer, upto=len(f))         # the answer's full blocks too (a conversation's next turn)
+    f.close()
 
-**Names.** A prompt is cut into blocks of ``block`` tokens (the kernel's page
-size).  Block k's digest is BLAKE2b-128 of block k-1's digest and block k's
-tokens (the first one chains from a salt), so it names every token before it;
-the checkpoint of the first p tokens is ``DIR/<hex digest>``, the digest of
-block p/block - 1 when p is a multiple of the block, else of that chain and
-the p % block tokens after it.
+**Keys.**  A prompt is cut into blocks of ``block`` tokens (a multiple of the
+kernel's page size: a prefix of whole blocks is whole pages, shared, never
+copied).  Block k's key is BLAKE2b-128 of block k-1's key and block k's token
+ids (the first chains from a salt), so a key names every token before it:
+equal keys, equal prefixes.  As in vLLM's automatic prefix caching, only full
+blocks are cached, and at most ``limit`` tokens are reused (a prompt's last
+token is always computed: its distribution is the answer's first); a prompt's
+blocks past the first ``abi.MAX_KEYS_PER_CALL`` (2048: 32,768 tokens at 16 a
+block) are not cached.
 
-**Where checkpoints go** (a file per block would spend the 10,000 named files
-a user may have):
+**One call to look up and to claim.**  `open` is one ``kv.lookup`` (see
+symphony.lip.runtime): the kernel finds the longest chain of the prompt's keys
+among the chain files of the directory that the user or a ``trust``ed user
+wrote (writable by nobody else; anything else, planted or half-written, is
+passed over), forks it copy-on-write, and makes the result itself a chain
+file promising the keys of the first ``promise`` tokens: requests that arrive
+while it is being computed wait for it (at most ``wait`` seconds, less if
+its writer stops making progress or ends) and fork it, instead of computing
+the same prefix again -- a burst of requests with one system prompt computes
+it once.  The file is a cache file (the memory manager deletes it when
+memory is short and nobody has it open) expiring after ``ttl`` seconds
+unless a hit of the user's own renews it; its name is random (it says nothing
+of the prompt).  `publish` adds the blocks fed after the prompt (the
+answer), so the conversation's next turn finds prompt and answer.  The kernel
+keeps one file per distinct prompt: when a request's file is done, the user's
+files whose keys are a prefix of its keys are removed.
 
-* right before every special token (a chat template's message openers and
-  closers): so exactly at the end of each message, of a system prompt, of an
-  assistant answer;
-* every ``grid`` blocks (long text without special tokens);
-* the end of what is saved (the prompt; the prompt + answer).
+**Failures never fail the request**: a directory that cannot be made or
+written gives an unclaimed (anonymous) result; a full inode or page-reference
+quota makes the kernel remove the user's least recently used unopened cache
+files first; the page quota is made room for by the kernel the same way.  Only
+a directory that is no valid KVFS path raises (InvalidPath).
 
-A checkpoint at a block boundary shares whole pages with the file it was cut
-from; one elsewhere also holds a copy of its last, partial page (one page
-each).  A repeated system prompt ends at a special token; a conversation's
-next turn is the previous prompt + answer (ending exactly where the answer's
-closer now stands) + a new message: both find a checkpoint right before their
-new tokens, and compute nothing of the old ones (but the answer's last token
-when it was cut by max_tokens: a lookup also probes one token before each
-special token).
+**Durable.**  With ``durable``, each `publish` also syncs the file to the
+kernel's durable directory, its keys with it: another kernel that adopts it
+(``--peer-durable-dir``) finds the conversation by the same lookup.
 
-**Lookup** searches the prompt's candidate boundaries (the same rule) from the
-top: it probes the last, then 1, 2, 3, 5, 9, ... boundaries lower until a
-checkpoint is there, then binary-searches between that one and the miss above
-it (checkpoints of one prefix are made together, so where a boundary has one
-the boundaries below it normally have one too; a hole, such as a checkpoint
-the memory manager dropped, costs reuse, never correctness).  The next turn of
-a conversation or a repeated prompt finds its checkpoint within the first few
-probes; a cold prompt with C boundaries costs ~log2(C) + 1.  A probe is one
-``kv.stat`` (no handle); the winner is opened read-only and checked again on
-the handle.  A file counts only if it is trustworthy: owned by the running
-user or a user in ``trust``, writable by nobody else, holding exactly the p
-tokens its name promises, at positions 0..p-1.  Anything else (missing,
-dropped by the memory manager, planted, half-written) is a miss: it is never
-forked.
-
-**Saving** is ``f.extract([[0, p]], path)`` (shares f's pages, computes
-nothing) at each candidate boundary above what the lookup found, then
-``advise("cache")`` (the memory manager may delete it while nobody has it open:
-a later lookup misses) and ``advise("expire", ttl)``, renewed on each hit of
-one's own file, so that unused checkpoints leave the namespace.  With
-``durable``, every checkpoint made is also synced to the kernel's durable
-directory (each holds its whole prefix: a conversation's next turn may fork
-any of them), so that another kernel can adopt them if this one dies.  Two requests
-making the same checkpoint at once is fine (AlreadyExists); a full quota or a
-refused directory stops saving for this request (the request itself never
-fails); on a full quota (named files, pages or page references) the user's own
-checkpoints in the directory are removed (`purge`) so that the cache cannot
-keep the user from working.
+**Shared and private.**  Without other ``trust``ed users the files are
+private (0600, in the user's own directory); with them, readable by every
+user (0644), so that the trusted users' lookups may fork them.
 """
 from __future__ import annotations
 
@@ -67,182 +54,92 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .errors import (AlreadyExists, InvalidArgument, InvalidPath, NoSpace, NotADirectory, NotFound,
-                     PermissionDenied, QuotaExceeded, SyscallError)
+from symphony.ipc import abi
+
+from .errors import AlreadyExists, InvalidPath, NotADirectory, NotFound, PermissionDenied, SyscallError
 from .runtime import KVFile, kv
 
 __all__ = ["PrefixCache"]
 
 
 class PrefixCache:
-    """KV checkpoints of token prefixes in directory ``directory`` (see the module docstring).
-
-    ``trust``: users whose checkpoints are used besides ``user`` (the running
-    user); with any, new checkpoints are readable by everyone (mode 0644),
-    otherwise private (0600).  ``specials``: token ids that mark boundaries."""
+    """Block-level prefix caching in directory ``directory`` (see the module docstring)."""
 
     def __init__(self, directory: str, *, block: int, user: str, trust: Iterable[str] = (),
-                 specials: Iterable[int] = (), grid: int = 32, ttl: Optional[float] = 3600.0,
-                 salt: bytes = b"symphony-prefix-v1", durable: bool = False):
+                 ttl: Optional[float] = 3600.0, wait: float = 30.0, salt: bytes = b"symphony-prefix-v2",
+                 durable: bool = False):
         self.dir = directory.rstrip("/") or "/"
-        self.durable = durable                # sync every checkpoint made (kv_sync)
-        self.block, self.grid, self.ttl, self.user = int(block), int(grid), ttl, user
-        self.trust = frozenset(trust) | {user}
-        self.mode = 0o644 if set(trust) - {user} else None
-        self.specials = np.array(sorted(set(specials)), dtype=np.int64)
+        self.durable = durable              # sync the file, keys and all, each time it is published
+        self.block, self.ttl, self.wait, self.user = int(block), ttl, float(wait), user
+        self.trust = sorted(set(trust) - {user})
+        self.mode = 0o644 if self.trust else None
         self.root = hashlib.blake2b(salt, digest_size=16).digest()
-        self.saving = True
-        self._prompt: list = []
-        self._chain: list[bytes] = []      # digests of the blocks of self._prompt
+        self.claim = True
+        self._published = 0                 # blocks the claimed file's keys cover
+        self._tokens: list = []
+        self._chain: list[bytes] = []       # keys of the blocks of self._tokens
 
     # ------------------------------------------------------------ public API
-    def lookup(self, tokens: Sequence[int], limit: int) -> tuple[Optional[KVFile], int]:
-        """The longest trusted checkpoint of ``tokens[:p]``, p <= ``limit``: (an open
-        read-only handle, p), or (None, 0).  The caller forks and closes it.
-        InvalidPath: the directory is not a valid KVFS path."""
-        self._prompt = list(tokens)
-        self._chain = self._digests(self._prompt, len(self._prompt) // self.block)
-        cands = self.candidates(self._prompt, limit, lookup=True)
-        top = len(cands) - 1
-        while top >= 0:
-            best = self._search(cands, top)
-            if best < 0:
-                break
-            p = cands[best]
+    def open(self, tokens: Sequence[int], limit: int, promise: int) -> tuple[KVFile, int]:
+        """(a new read-write file holding the longest cached prefix of ``tokens``,
+        at most ``limit`` tokens, whole blocks; its length).  Unless it cannot,
+        the file promises the blocks of ``tokens[:promise]`` (the caller feeds
+        them next): others wait for them.  InvalidPath: a bad directory."""
+        n = min(min(promise, len(tokens)) // self.block, abi.MAX_KEYS_PER_CALL)
+        if n == 0:
+            return kv.create(), 0
+        keys = b"".join(self.keys(tokens, n))
+        for attempt in range(2):
             try:
-                f = kv.open(self.path(self._prompt, p))
-                st = f.stat()                                # the file this handle holds, not the path
+                f = kv.lookup(self.dir, keys, self.block, limit=max(0, limit) // self.block, wait=self.wait,
+                              claim=self.claim, trust=self.trust, mode=self.mode, ttl=self.ttl)
+                self._published = n if f.path else 0
+                return f, len(f)
+            except NotFound:
+                if attempt or not self._mkdirs():
+                    break
+            except (PermissionDenied, NotADirectory):
+                break
+        self.claim = False
+        return kv.create(), 0
+
+    def publish(self, f: KVFile, tokens: Sequence[int], upto: int) -> bool:
+        """Extend ``f``'s keys to the full blocks of ``tokens[:upto]`` (``f`` holds
+        them), if ``f`` is a claimed chain file; whether it did.  With ``durable``,
+        then sync the claimed file (keys and all), new blocks or not."""
+        n = min(min(upto, len(tokens)) // self.block, abi.MAX_KEYS_PER_CALL)
+        if f.path is None:
+            return False
+        done = False
+        if n > self._published:
+            try:
+                f.publish(b"".join(self.keys(tokens, n)), self.block, self.ttl)
+                self._published, done = n, True
             except SyscallError:
-                top = best - 1
-                continue
-            if self._good(st, p):
-                if st["owner"] == self.user and self.ttl:
-                    _quiet(f.advise, "expire", self.ttl)     # in use: keep it longer
-                return f, p
-            f.close()
-            top = best - 1
-        return None, 0
+                return False
+        if self.durable:
+            try:
+                f.sync()                    # a kernel without a durable directory: not durable, the request goes on
+            except SyscallError:
+                pass
+        return done
 
-    def save(self, f: KVFile, tokens: Sequence[int], *, after: int, upto: int) -> int:
-        """Checkpoints of ``f`` (which holds ``tokens[:upto]`` at least) at the
-        candidate boundaries in (``after``, ``upto``]; returns how many were made."""
-        made = 0
-        for p in self.candidates(tokens, upto):
-            if p <= after or not self.saving:
-                continue
-            made += self._checkpoint(f, self.path(tokens, p), p, sync=self.durable)
-        return made
-
-    def candidates(self, tokens: Sequence[int], limit: int, lookup: bool = False) -> list[int]:
-        """The prefix lengths in (0, ``limit``] where checkpoints of ``tokens`` go;
-        with ``lookup``, also one token before each special token: an answer
-        cut by max_tokens was saved without its last token (never fed), and
-        its next turn then computes just that one again."""
-        B, limit = self.block, min(limit, len(tokens))
-        arr = np.asarray(tokens[:limit], dtype=np.int64)
-        at = np.flatnonzero(np.isin(arr, self.specials)) if self.specials.size else np.zeros(0, int)
-        ps = {int(i) for i in at}                            # right before each special token
-        if lookup:
-            ps.update(int(i) - 1 for i in at)
-        ps.update(range(B * self.grid, limit + 1, B * self.grid))
-        ps.add(limit)
-        return sorted(p for p in ps if 0 < p <= limit)
-
-    def path(self, tokens: Sequence[int], p: int) -> str:
-        """The name of the checkpoint of ``tokens[:p]``."""
-        full, rest = divmod(p, self.block)
-        chain = self._digests(tokens, full)
-        digest = chain[-1] if chain else self.root
-        if rest:                                             # the chain, then the partial block
-            tail = np.asarray(tokens[full * self.block:p], dtype=np.int32).tobytes()
-            digest = hashlib.blake2b(digest + tail, digest_size=16).digest()
-        return f"{self.dir}/{digest.hex()}"
-
-    def purge(self) -> int:
-        """Remove the running user's checkpoints in the directory; returns how many."""
-        n = 0
-        try:
-            entries = kv.list(self.dir)
-        except SyscallError:
-            return 0
-        for e in entries:
-            if e.get("type") == "file" and e.get("owner") == self.user:
-                try:
-                    kv.remove(f"{self.dir}/{e['name']}")
-                    n += 1
-                except SyscallError:
-                    pass
-        return n
-
-    # ------------------------------------------------------------ helpers
-    def _digests(self, tokens: Sequence[int], n: int) -> list[bytes]:
-        """Digests of the first ``n`` blocks of ``tokens`` (reusing the prompt's)."""
+    def keys(self, tokens: Sequence[int], n: int) -> list[bytes]:
+        """The keys of the first ``n`` blocks of ``tokens`` (the last ones' reused)."""
         B, chain = self.block, []
         k = min(n, len(self._chain))
-        if k and list(tokens[:k * B]) == self._prompt[:k * B]:
+        if k and list(tokens[:k * B]) == self._tokens[:k * B]:
             chain = self._chain[:k]
         prev = chain[-1] if chain else self.root
         arr = np.asarray(tokens[:n * B], dtype=np.int32)
         for i in range(len(chain), n):
             prev = hashlib.blake2b(prev + arr[i * B:(i + 1) * B].tobytes(), digest_size=16).digest()
             chain.append(prev)
+        if len(chain) >= len(self._chain):
+            self._tokens, self._chain = list(tokens[:n * B]), chain
         return chain
 
-    def _search(self, cands: list, top: int) -> int:
-        """The index of the longest good-looking checkpoint in ``cands[:top + 1]``
-        (-1: none): probes top, top-1, top-2, top-3, then twice as far each time,
-        down to 0, until one is there, then a binary search between it and the miss
-        above it.  (The first few one by one: a conversation's last checkpoint is a
-        few boundaries below its next prompt's top, and may be the only one there,
-        as when only each turn's last checkpoint was made durable and moved.)"""
-        ok = lambda i: self._good(kv_stat(self.path(self._prompt, cands[i])), cands[i])
-        miss, i, step, tries = top + 1, top, 1, 0
-        while not ok(i):
-            if i == 0:
-                return -1
-            tries += 1
-            miss, i = i, max(0, i - step)
-            step = step * 2 if tries >= 3 else 1
-        lo, hi = i, miss - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _good(self, st: Optional[dict], p: int) -> bool:
-        return (st is not None and st.get("type") == "file" and st["owner"] in self.trust
-                and not st["mode"] & 0o022 and st["length"] == p and st.get("next_position") == p)
-
-    def _checkpoint(self, f: KVFile, path: str, p: int, sync: bool = False) -> int:
-        for attempt in range(2):
-            try:
-                g = f.extract([[0, p]], path=path, mode=self.mode)
-            except AlreadyExists:
-                return 0                                     # another request made it: fine
-            except NotFound:
-                if attempt or not self._mkdirs():
-                    self.saving = False
-                    return 0
-                continue
-            except QuotaExceeded:
-                self.saving = False
-                self.purge()                                 # any quota (files, pages, page references):
-                return 0                                     # the cache must not keep the user from working
-            except (NoSpace, PermissionDenied, InvalidPath, InvalidArgument, NotADirectory):
-                self.saving = False
-                return 0
-            with g:
-                _quiet(g.advise, "cache")
-                if self.ttl:
-                    _quiet(g.advise, "expire", self.ttl)
-                if sync:                                     # a kernel without a durable directory: not
-                    _quiet(g.sync)                           # durable, and the request goes on
-            return 1
-        return 0
-
+    # ------------------------------------------------------------ helpers
     def _mkdirs(self) -> bool:
         """Make the directory and its missing parents (system ones such as
         /home/<user> exist or are made by the kernel: their errors are ignored)."""
@@ -256,20 +153,3 @@ class PrefixCache:
                 if i == len(parts):
                     return False
         return True
-
-
-def kv_stat(path: str) -> Optional[dict]:
-    """stat, None for a missing or unreachable file; InvalidPath (a bad directory) is raised."""
-    try:
-        return kv.stat(path)
-    except InvalidPath:
-        raise
-    except SyscallError:
-        return None
-
-
-def _quiet(fn, *args) -> None:
-    try:
-        fn(*args)
-    except SyscallError:
-        pass

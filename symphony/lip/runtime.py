@@ -202,6 +202,13 @@ def mask_words(mask) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- KV files
+def _key_words(keys) -> np.ndarray:
+    """Chain keys (bytes, 16 a key) as the call's int32 array."""
+    if not isinstance(keys, (bytes, bytearray)) or len(keys) % 16:
+        raise InvalidArgument("keys must be bytes, 16 for each key", "EINVAL")
+    return np.frombuffer(bytes(keys), dtype="<i4").astype(np.int32)
+
+
 class KVFile:
     """A handle to a KV file.  Use as a context manager to close it."""
 
@@ -256,6 +263,12 @@ class KVFile:
     def sync(self) -> None:
         _sys(abi.KV_SYNC, kv=self.handle)
 
+    def publish(self, keys: bytes, block: int, ttl: Optional[float] = None) -> None:
+        """Make this named file a chain file of its directory (see `kv.lookup`):
+        ``keys`` (16 bytes each, concatenated) name its first blocks of ``block``
+        tokens, replacing any keys it had (b"": none).  Needs a read-write handle."""
+        _sys(abi.KV_PUBLISH, _key_words(keys), kv=self.handle, block=block, n_keys=len(keys) // 16, ttl=ttl)
+
     def remove(self) -> None:
         """Close the handle and, for a named file, unlink it."""
         path = self.path
@@ -284,6 +297,27 @@ class _KV:
     def merge(files: Sequence[KVFile], path: Optional[str] = None, mode: Optional[int] = None) -> KVFile:
         d, _ = _sys(abi.KV_MERGE, kvs=[f.handle for f in files], path=path, mode=mode)
         return KVFile(d["handle"], path, True, d["length"])
+
+    @staticmethod
+    def lookup(dir: str, keys: bytes, block: int, *, limit: Optional[int] = None, wait: float = 0.0,
+               claim: bool = False, trust: Sequence[str] = (), mode: Optional[int] = None,
+               ttl: Optional[float] = None) -> KVFile:
+        """The longest cached prefix among the chain files of ``dir``: a new file,
+        read-write, holding its first ``len(f)`` tokens (whole blocks of ``block``
+        tokens, at most ``limit`` blocks; 0 on a miss), copy-on-write.  ``keys``:
+        the prompt's chain keys, 16 bytes a block, concatenated (key i names blocks
+        0..i, e.g. a hash chain of their tokens).  Files count when owned by you
+        or a ``trust``ed user, readable by you and writable by nobody else.
+        ``wait``: seconds to wait while a longer prefix is being written by
+        another LIP (it ends early if that LIP stops making progress or closes
+        it).  ``claim``: the result is itself a chain file in ``dir`` (random
+        name, ``f.path``) with ``keys``, advised "cache", expiring after ``ttl``
+        seconds: others' lookups find its blocks as you write them, and wait
+        for them; without the right to claim (no write permission, no quota
+        room) it is anonymous (``f.path`` None)."""
+        d, _ = _sys(abi.KV_LOOKUP, _key_words(keys), dir=dir, block=block, n_keys=len(keys) // 16,
+                    limit=limit, wait=wait, claim=claim, trust=list(trust) or None, mode=mode, ttl=ttl)
+        return KVFile(d["handle"], d["path"], True, d["length"])
 
     @staticmethod
     def remove(path: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import orjson
 
+from symphony.ipc import abi
+
 from .runtime import send
 from .tools import NAME
 
@@ -23,6 +25,7 @@ __all__ = ["BadRequest", "Events", "Request"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 HELD_BYTES = 32 << 10           # a merged event's size bound: well inside a 64 KiB ring slot
 FORMATS = ("text", "json_object", "json_schema")
+CACHE_WAIT_S = 30.0             # how long a request waits at most for a prefix another one is computing
 
 
 class BadRequest(ValueError):
@@ -326,14 +329,18 @@ def _cache(v):
     if not isinstance(v, dict) or not isinstance(v.get("dir"), str) or not v["dir"].startswith("/"):
         raise BadRequest("cache must be null or {\"dir\": ABSOLUTE_KVFS_DIR, \"trust\": [USER, ...]}", "cache.dir")
     trust = v.get("trust") or []
-    if not isinstance(trust, list) or not all(isinstance(u, str) for u in trust):
-        raise BadRequest("cache.trust must be a list of user names", "cache.trust")
+    if not isinstance(trust, list) or len(trust) > abi.MAX_TRUST \
+            or not all(isinstance(u, str) and 0 < len(u) <= 32 for u in trust):
+        raise BadRequest(f"cache.trust must be a list of at most {abi.MAX_TRUST} user names", "cache.trust")
     for k in v:
-        if k not in ("dir", "trust", "ttl", "durable"):
+        if k not in ("dir", "trust", "ttl", "wait", "durable"):
             raise BadRequest(f"unknown field {k!r} in cache", f"cache.{k}")
     ttl = v.get("ttl", 3600)
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
         raise BadRequest("cache.ttl must be null or a number of seconds > 0", "cache.ttl")
+    wait = v.get("wait", CACHE_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= abi.MAX_LOOKUP_WAIT_S:
+        raise BadRequest(f"cache.wait must be a number of seconds in [0, {abi.MAX_LOOKUP_WAIT_S:g}]", "cache.wait")
     if not isinstance(v.get("durable", False), bool):
         raise BadRequest("cache.durable must be true or false", "cache.durable")
-    return {"dir": v["dir"], "trust": trust, "ttl": ttl, "durable": v.get("durable", False)}
+    return {"dir": v["dir"], "trust": trust, "ttl": ttl, "wait": float(wait), "durable": v.get("durable", False)}

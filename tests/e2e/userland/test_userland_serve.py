@@ -18,6 +18,7 @@ from symphony.lip.tools import CallParser, call_text, render
 from symphony.programs import resolve
 
 SERVE = resolve("serve")
+BLOCK = 16                                  # the prefix cache's block: the kernel's page size
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}}}
 WEATHER = [{"name": "get_weather", "description": "Get the current weather of a city",
@@ -125,21 +126,19 @@ def test_call_parser_and_rendering():
     assert msgs[3]["content"] == "<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>"
 
 
-def test_prefix_cache_names_and_boundaries():
-    pc = PrefixCache("/d", block=4, user="u", specials=[1, 2], grid=2)
-    toks = [5, 6, 1, 7, 8, 9, 10, 2, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
-    assert pc.candidates(toks, 19) == [2, 7, 8, 16, 19]              # before the specials at 2, 7; grid 8, 16; end
-    assert pc.candidates(toks, 9) == [2, 7, 8, 9]
-    assert pc.candidates(toks, 9, lookup=True) == [1, 2, 6, 7, 8, 9]     # a lookup also probes before them
-    a, b = pc.path(toks, 8), pc.path(toks[:8] + [0] * 4, 8)
-    assert a == b and a.startswith("/d/") and len(a) == 3 + 32           # names cover exactly their tokens
-    assert pc.path(toks, 4) != pc.path([0] + toks[1:], 4) and pc.path(toks, 8) != pc.path(toks, 4)
-    # a prefix that ends inside a block: its own name, the same for the same tokens, never a block's
-    assert pc.path(toks, 7) == pc.path(toks[:7] + [9, 9], 7) != pc.path(toks[:6] + [0], 7)
-    assert len({pc.path(toks, p) for p in range(1, 19)}) == 18
+def test_prefix_cache_keys_name_whole_prefixes():
+    pc = PrefixCache("/d", block=4, user="u")
+    toks = [5, 6, 1, 7, 8, 9, 10, 2, 11, 12, 13, 14, 15]
+    keys = pc.keys(toks, 3)
+    assert len(keys) == 3 and all(len(k) == 16 for k in keys)
+    assert pc.keys(toks[:8] + [0] * 4, 2) == keys[:2]                  # equal prefixes, equal keys
+    assert pc.keys([0] + toks[1:], 3)[0] != keys[0]                    # a changed token changes its key
+    other = pc.keys(toks[:4] + [0] + toks[5:], 3)                      # ... and every key after it
+    assert other[0] == keys[0] and not set(other[1:]) & set(keys)
+    assert PrefixCache("/d", block=4, user="u", salt=b"x").keys(toks, 1) != keys[:1]
+    assert pc.keys(toks, 3) == keys                                     # the prompt's chain is reused
 
 
-# ---------------------------------------------------------------- serving on the kernel
 def test_chat_text_stop_and_n(kernel):
     q = "What is the capital of France?"
     with kernel.client() as c:                                            # what userland/chat.py answers
@@ -315,6 +314,7 @@ def test_bad_requests_are_error_events(kernel):
 def test_prefix_cache_reuses_system_prompt_and_conversation(kernel, smollm):
     cache = {"dir": f"/home/root/serve-{uuid.uuid4().hex[:8]}", "trust": []}
     stats = lambda: kernel.client().stats()["forward_passes"]
+    tok = smollm.tokenizer
 
     status, a, lip_a = serve(kernel, **chat("What is 2+2?", SYSTEM, max_tokens=8, cache=cache))  # cold
     L = a[0]["prompt_tokens"]
@@ -323,11 +323,11 @@ def test_prefix_cache_reuses_system_prompt_and_conversation(kernel, smollm):
     status, b, lip_b = serve(kernel, **chat("Name a colour.", SYSTEM, max_tokens=8, cache=cache))
     passes = stats() - passes
     L, M = b[0]["prompt_tokens"], b[0]["cached_tokens"]
-    sys_tokens = smollm.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}],
-                                              add_generation_prompt=False)
-    new = L - len(sys_tokens)                                          # the tokens after the system prompt
-    assert status == 0 and M == L - new                                  # the whole system prompt, exactly
-    assert lip_b["tokens"] == L - M + done(b)["completion_tokens"] - 1     # the kernel computed only those
+    pa = tok.encode_chat(render(chat("What is 2+2?", SYSTEM)["messages"]))
+    pb = tok.encode_chat(render(chat("Name a colour.", SYSTEM)["messages"]))
+    common = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
+    assert status == 0 and M == common // BLOCK * BLOCK                   # every full block they share
+    assert lip_b["tokens"] == L - M + done(b)["completion_tokens"] - 1     # the kernel computed only the rest
     assert passes <= done(b)["completion_tokens"] + 1                     # one prefill pass, then decode steps
     status, b_plain, lip_plain = serve(kernel, **chat("Name a colour.", SYSTEM, max_tokens=8))
     assert texts(b_plain) == texts(b) and b_plain[0]["cached_tokens"] == 0 and lip_plain["tokens"] > L
@@ -337,33 +337,67 @@ def test_prefix_cache_reuses_system_prompt_and_conversation(kernel, smollm):
             {"role": "assistant", "content": texts(b)}, {"role": "user", "content": "And another one?"}]
     status, c, lip_c = serve(kernel, mode="chat", messages=msgs, max_tokens=8, cache=cache)
     L2, M2 = c[0]["prompt_tokens"], c[0]["cached_tokens"]
-    # the old turn is not computed again (the answer was cut by max_tokens: its last token, never fed, is)
-    assert status == 0 and M2 == L + done(b)["completion_tokens"] - 1 and L2 - M2 < 24
+    fed_b = L + done(b)["completion_tokens"] - 1                           # b's file: prompt + answer, last unfed
+    assert status == 0 and M2 % BLOCK == 0 and L // BLOCK * BLOCK <= M2 <= fed_b // BLOCK * BLOCK
     assert lip_c["tokens"] == L2 - M2 + done(c)["completion_tokens"] - 1
     files = kernel.client().kv_ls(cache["dir"])
-    assert 3 <= len(files) <= 24 and all(f["owner"] == "root" and f["mode"] == 0o600 for f in files)
+    # one file per distinct prompt: b's is pruned when c's, which holds all its blocks, is done
+    lengths = [len(pa) + done(a)["completion_tokens"] - 1, L2 + done(c)["completion_tokens"] - 1]
+    if M2 < fed_b // BLOCK * BLOCK:                                        # the answer re-tokenized otherwise
+        lengths.append(fed_b)
+    assert all(f["owner"] == "root" and f["mode"] == 0o600 for f in files)
+    assert sorted(f["length"] for f in files) == sorted(lengths)
 
 
 @requires_root
 def test_prefix_cache_ignores_untrusted_files(kernel, smollm):
-    """Mallory plants a KV file of other tokens under the name of Alice's prompt prefix in a
-    shared cache directory: Alice's request does not fork it (unless she trusts Mallory)."""
+    """Mallory plants a chain file of other tokens under the keys of Alice's prompt in a shared
+    cache directory: Alice's request does not fork it (unless she trusts Mallory)."""
     d = f"/shared/serve-{uuid.uuid4().hex[:8]}"
     req = chat("Name a fruit.", "You are a helpful assistant. " * 12, max_tokens=8)
     tok = smollm.tokenizer
     prompt = tok.encode_chat(render(req["messages"]))
-    pc = PrefixCache(d, block=16, user="alice", specials=tok.special_ids)
-    p = pc.candidates(prompt, len(prompt) - 1)[-1]                        # the prompt's own last block
+    n = (len(prompt) - 1) // BLOCK
+    keys = PrefixCache(d, block=BLOCK, user="alice").keys(prompt, n)
     plant = ("from symphony.lip import kv, pred\n"
-             "def main(path, n):\n"
+             "def main(path, n, keys):\n"
              "    kv.mkdir(path.rsplit('/', 1)[0], mode=0o755)\n"
              "    with kv.create(path, mode=0o644) as f:\n"
-             "        pred(f, [42] * int(n), output='argmax')\n")
+             "        pred(f, [42] * int(n), output='argmax')\n"
+             "        f.publish(bytes.fromhex(keys), 16)\n")
     with kernel.client(user="mallory") as c:
-        c.spawn(plant, [pc.path(prompt, p), str(p)])
+        c.spawn(plant, [f"{d}/planted", str(n * BLOCK), b"".join(keys).hex()])
         assert list(c.events(timeout=60))[-1]["status"] == 0
     status, plain, _ = serve(kernel, user="alice", **req)
     status2, cached, _ = serve(kernel, user="alice", **req, cache={"dir": d, "trust": []})
     assert status == status2 == 0 and cached[0]["cached_tokens"] == 0 and texts(cached) == texts(plain)
     status, poisoned, _ = serve(kernel, user="alice", **req, cache={"dir": d, "trust": ["mallory"]})
-    assert status == 0 and poisoned[0]["cached_tokens"] == p                # trusted: used as it is
+    assert status == 0 and poisoned[0]["cached_tokens"] == n * BLOCK      # trusted: used as it is
+
+
+@requires_root
+def test_a_users_private_prompts_stay_private(kernel, smollm):
+    """Alice's private cache: Bob's requests naming her directory get no cache (and no error),
+    and its names say nothing of her prompts; a shared directory is used across users only
+    for files of users one trusts."""
+    mine = f"/home/alice/serve-{uuid.uuid4().hex[:8]}"
+    req = chat("Where is my parcel 4711?", "You are the support desk. " * 12, max_tokens=4)
+    status, a, _ = serve(kernel, user="alice", **req, cache={"dir": mine, "trust": []})
+    status2, a2, _ = serve(kernel, user="alice", **req, cache={"dir": mine, "trust": []})
+    assert status == status2 == 0 and a2[0]["cached_tokens"] >= BLOCK
+    status, b, _ = serve(kernel, user="bob", **req, cache={"dir": mine, "trust": ["alice"]})
+    assert status == 0 and b[0]["cached_tokens"] == 0
+    with kernel.client(user="bob") as c:
+        with pytest.raises(Exception, match="may not list"):
+            c.kv_ls(mine)
+    prompt = smollm.tokenizer.encode_chat(render(req["messages"]))
+    keys = PrefixCache(mine, block=BLOCK, user="alice").keys(prompt, len(prompt) // BLOCK)
+    names = {f["name"] for f in kernel.client(user="alice").kv_ls(mine)}
+    assert names and not names & {k.hex()[:16] for k in keys} and all(len(x) == 16 for x in names)
+    shared = f"/shared/serve-{uuid.uuid4().hex[:8]}"
+    status, a, _ = serve(kernel, user="alice", **req, cache={"dir": shared, "trust": ["bob"]})
+    files = kernel.client().kv_ls(shared)
+    assert status == 0 and files and all(f["mode"] == 0o644 for f in files)   # shared: readable by all
+    status, b, _ = serve(kernel, user="bob", **req, cache={"dir": shared, "trust": []})
+    status2, b2, _ = serve(kernel, user="carol", **req, cache={"dir": shared, "trust": ["alice"]})
+    assert status == status2 == 0 and b[0]["cached_tokens"] == 0 and b2[0]["cached_tokens"] >= BLOCK

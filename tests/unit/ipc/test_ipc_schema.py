@@ -30,6 +30,9 @@ GOOD = {
     abi.KV_EXTRACT: {"kv": 1, "ranges": [[0, 4], [8, 9]]}, abi.KV_MERGE: {"kvs": [1, 2], "path": "/tmp/m.kv"},
     abi.KV_STAT: {"path": "/tmp/a.kv"}, abi.KV_ADVISE: {"kv": 1, "hint": "expire", "seconds": 2.5},
     abi.KV_RENAME: {"old": "/tmp/a.kv", "new": "/tmp/b.kv"},
+    abi.KV_LOOKUP: {"dir": "/home/a/c", "block": 16, "n_keys": 3, "limit": 2, "wait": 1.5, "claim": True,
+                    "trust": ["bob"], "mode": 0o644, "ttl": 60.0},
+    abi.KV_PUBLISH: {"kv": 1, "block": 32, "n_keys": 0, "ttl": None},
     abi.SEND: {"data": {"any": ["json", 1, None]}}, abi.WRITE_STREAM: {"stream": "stderr", "data": "x"},
     abi.FETCH: {"id": 1, "offset": 0},
     abi.CAP_HTTP: {"url": "http://h/", "method": "POST", "body": "b", "headers": {"a": "b"}, "timeout": 2},
@@ -38,6 +41,17 @@ GOOD = {
 
 # (op, body, field named, words the message must hold): wrong types, missing fields, out-of-range values
 BAD = [
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 16, "n_keys": 2049}, "n_keys", "n_keys must be an int in [0, 2048]"),
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 0, "n_keys": 1}, "block", "block must be an int in [1, 4096]"),
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 16, "n_keys": 1, "wait": 301}, "wait",
+     "wait must be a number of seconds in [0, 300], got 301"),
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 16, "n_keys": 1, "wait": -1}, "wait", "got -1"),
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 16, "n_keys": 1, "trust": ["x"] * 257}, "trust",
+     "trust must be a list of at most 256 user names"),
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 16, "n_keys": 1, "trust": [""]}, "trust", "trust must be"),
+    (abi.KV_LOOKUP, {"dir": "/d", "block": 16, "n_keys": 1, "limit": -1}, "limit", "limit must be an int >= 0"),
+    (abi.KV_LOOKUP, {"block": 16, "n_keys": 1}, "dir", "dir is required"),
+    (abi.KV_PUBLISH, {"kv": 1, "block": 16, "n_keys": 1, "ttl": -2}, "ttl", "ttl must be a number of seconds"),
     (abi.PRED, {"kv": 0, "n_tokens": "3"}, "n_tokens", "n_tokens must be an int in [1, 8192], got '3'"),
     (abi.PRED, {"kv": 0, "n_tokens": True}, "n_tokens", "n_tokens must be an int in [1, 8192], got True"),
     (abi.PRED, {"kv": 0, "n_tokens": 1.0}, "n_tokens", "got 1.0"),
