@@ -190,7 +190,8 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                         "its oldest idle or half-sent one is closed, else the new one is refused (503)")
     d.add_argument("--max-pending-per-addr", type=int, default=16, metavar="N",
                    help="connections of one client address whose request's headers have not all arrived "
-                        "(not yet authenticated) (default 16); beyond, its oldest such one is closed (408)")
+                        "(not yet authenticated) for over a second (default 16; a burst of new ones is "
+                        "not counted); beyond, its oldest such one is closed (408)")
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:

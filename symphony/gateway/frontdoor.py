@@ -27,9 +27,13 @@ and the bounds are:
 * **size**: the request line and headers at most ``max_header_bytes`` (431,
   then closed);
 * **per client address** (IPv4, or an IPv6 /64): at most ``max_per_addr``
-  connections open and ``max_pending_per_addr`` PENDING.  Beyond either, the
-  address's own oldest IDLE connection is closed, else its oldest PENDING
-  one; with none, the new connection gets 503 and is closed;
+  connections open and ``max_pending_per_addr`` PENDING for longer than
+  ``pending_grace`` (1 s: a burst of honest clients opening at once is all
+  PENDING for a moment; the connections a slow-headers attack holds are old).
+  Beyond the first, the address's own oldest IDLE connection is closed, else
+  its oldest PENDING one; with none, the new connection gets 503 and is
+  closed.  Beyond the second (checked whenever the address opens a
+  connection or begins a request), its oldest PENDING ones are closed;
 * **in all**: at most ``max_connections``.  Beyond it, room is made the same
   way at the address holding the most connections, if that is another
   address holding more than this one; otherwise the new connection gets 503.
@@ -51,6 +55,7 @@ import ipaddress
 import logging
 import socket
 import struct
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -79,8 +84,11 @@ class DoorConfig:
     max_connections: int = 4096
     max_per_addr: int = 256
     max_pending_per_addr: int = 16
+    pending_grace: float = 1.0          # a connection PENDING this long counts against max_pending_per_addr
 
     def __post_init__(self):
+        if not isinstance(self.pending_grace, (int, float)) or not 0 <= self.pending_grace <= 60:
+            raise ValueError(f"pending_grace must be in [0, 60] seconds, got {self.pending_grace!r}")
         for name in ("header_timeout", "body_timeout", "write_timeout", "keep_alive_timeout"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 < v <= 86400:
@@ -159,14 +167,14 @@ class Door:
                 return False
         here[conn] = None
         self.open += 1
-        conn.door_state = State.PENDING
+        conn.door_state, conn.door_since = State.PENDING, time.monotonic()
         self._limit_pending(conn)
         return True
 
     def pending(self, conn) -> None:
         """``conn`` begins a request: PENDING until its headers are in."""
         if conn.door_state is not State.PENDING:
-            conn.door_state = State.PENDING
+            conn.door_state, conn.door_since = State.PENDING, time.monotonic()
             here = self.conns.get(conn.door_addr)
             if here is not None and conn in here:       # oldest-first order: it is the newest now
                 del here[conn]
@@ -182,8 +190,8 @@ class Door:
 
     # ------------------------------------------------------------------ helpers
     def _limit_pending(self, conn) -> None:
-        here = self.conns[conn.door_addr]
-        pending = [p for p in here if p.door_state is State.PENDING]
+        here, old = self.conns[conn.door_addr], time.monotonic() - self.cfg.pending_grace
+        pending = [p for p in here if p.door_state is State.PENDING and getattr(p, "door_since", 0.0) <= old]
         while len(pending) > self.cfg.max_pending_per_addr:
             victim = pending.pop(0)                      # the oldest: this address's slowest
             self.counts["evicted_pending"] += 1

@@ -30,7 +30,7 @@ def opened(door, addr, name, state=None):
 
 
 def test_half_sent_connections_beyond_an_address_bound_close_its_oldest():
-    door = Door(DoorConfig(max_pending_per_addr=3, max_per_addr=10))
+    door = Door(DoorConfig(max_pending_per_addr=3, max_per_addr=10, pending_grace=0))
     a = [opened(door, "10.0.0.2", f"a{i}") for i in range(5)]
     assert [c.closed for c in a] == [408, 408, None, None, None]
     b = opened(door, "10.0.0.3", "b")
@@ -43,8 +43,25 @@ def test_half_sent_connections_beyond_an_address_bound_close_its_oldest():
     assert a[3].closed == 408 and a[2].closed is None
 
 
+def test_a_burst_of_new_connections_is_not_evicted_but_old_half_sent_ones_are(monkeypatch):
+    """Honest clients opening at once are all PENDING for a moment: only connections
+    PENDING for longer than the grace count against the address's bound."""
+    import symphony.gateway.frontdoor as fd
+    now = [1000.0]
+    monkeypatch.setattr(fd.time, "monotonic", lambda: now[0])
+    door = Door(DoorConfig(max_pending_per_addr=3, max_per_addr=200, pending_grace=1.0))
+    slow = [opened(door, "10.0.0.2", f"s{i}") for i in range(5)]
+    assert all(c.closed is None for c in slow)
+    now[0] += 2.0                                        # the first five are old now
+    burst = [opened(door, "10.0.0.2", f"b{i}") for i in range(100)]
+    assert [c.closed for c in slow] == [408, 408, None, None, None]
+    assert all(c.closed is None for c in burst) and door.counts["evicted_pending"] == 2
+    with pytest.raises(ValueError, match="pending_grace"):
+        DoorConfig(pending_grace=-1)
+
+
 def test_an_address_at_its_bound_gives_up_its_oldest_idle_then_pending_else_refuses():
-    door = Door(DoorConfig(max_pending_per_addr=4, max_per_addr=4))
+    door = Door(DoorConfig(max_pending_per_addr=4, max_per_addr=4, pending_grace=0))
     busy = [opened(door, "10.0.0.2", f"b{i}", State.ACTIVE) for i in range(2)]
     idle = opened(door, "10.0.0.2", "i", State.IDLE)
     pend = opened(door, "10.0.0.2", "p")
@@ -59,7 +76,7 @@ def test_an_address_at_its_bound_gives_up_its_oldest_idle_then_pending_else_refu
 
 
 def test_a_full_door_makes_room_at_the_heaviest_other_address_only():
-    door = Door(DoorConfig(max_connections=6, max_per_addr=6, max_pending_per_addr=6))
+    door = Door(DoorConfig(max_connections=6, max_per_addr=6, max_pending_per_addr=6, pending_grace=0))
     heavy = [opened(door, "10.0.0.2", f"h{i}") for i in range(5)]
     light = opened(door, "10.0.0.3", "l")
     assert door.open == 6
@@ -121,7 +138,7 @@ def test_a_websocket_stays_counted_against_its_address_until_it_closes():
         while (msg := await receive())["type"] == "websocket.receive":
             await send({"type": "websocket.send", "text": msg["text"]})
 
-    door = Door(DoorConfig(max_per_addr=3, max_pending_per_addr=2))
+    door = Door(DoorConfig(max_per_addr=3, max_pending_per_addr=2, pending_grace=0))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
