@@ -77,7 +77,7 @@ def syscalls_page() -> str:
     lines.append("The bounds a body is checked against, declared once in `symphony.ipc.abi`:\n")
     lines += ["| constant | value |", "|---|---|"]
     for name in ("MAX_TOKENS_PER_CALL", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MAX_MASK_WORDS",
-                 "MAX_LIST_ITEMS", "MAX_ID", "OUTPUTS"):
+                 "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_VALUE", "MAX_LIST_ITEMS", "MAX_ID", "OUTPUTS"):
         if hasattr(abi, name):
             lines.append(f"| `{name}` | `{getattr(abi, name)!r}` |")
     lines += ["", "Reply statuses: " + ", ".join(f"`{n}` = {getattr(abi, n)}" for n in ("OK", "ERR", "CHUNKED")

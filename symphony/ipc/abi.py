@@ -53,3 +53,5 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0   # a sampling temperature: 0 (gr
 MAX_MASK_WORDS = 1 << 20          # a token mask's uint32 words (the kernel wants exactly ceil(vocab/32))
 MAX_ID = (1 << 63) - 1            # a FETCH's reply id and byte offset are ints up to this
 MAX_LIST_ITEMS = 1 << 16          # ranges of an extract, files of a merge
+MAX_LOGIT_BIAS = 1024             # (token id, bias) pairs of a pred's logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0      # |bias| at most this (OpenAI's range: a bias of +-100 forces or bans a token)

@@ -127,13 +127,14 @@ class PredCalls:
             mask = bits[: self.vocab].astype(bool)
             if not mask.any():
                 _fail("InvalidArgument", "EINVAL", "the mask allows no token")
+        bias = _logit_bias(req.logit_bias, self.vocab) if req.logit_bias else None
         # the rest of the check is KVFS's: handle, tokens, positions, length limit, quota
         tokens, positions = self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
         now = time.monotonic()
         self.sched.add(PredCall(key=(lip.id, req.kv), lip=lip.id, user=lip.user, n_tokens=n,
                                 priority=lip.priority, arrival=now, proc=lip, slot=slot, call_id=cid,
                                 kv=req.kv, tokens=tokens, positions=positions, all_logits=req.all_logits,
-                                want=Want(out, k, mask, sampling)))
+                                want=Want(out, k, mask, sampling, bias)))
         lip.last_active = now
         return None
 
@@ -255,6 +256,21 @@ class PredCalls:
             toks = ids[off:off + n].tolist()
             self.answers.reply(lip, slot, cid, {"length": length, "token": toks[-1], "tokens": toks})
         return reply_tokens
+
+
+def _logit_bias(pairs: list, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64, values float32) of a pred's logit_bias, checked: ids in the
+    vocabulary and each once, values finite (the schema bounded the count and range)."""
+    ids = np.fromiter((t for t, _ in pairs), dtype=np.int64, count=len(pairs))
+    values = np.fromiter((v for _, v in pairs), dtype=np.float32, count=len(pairs))
+    if ids.max() >= vocab:
+        _fail("InvalidArgument", "EINVAL", f"logit_bias names token {int(ids.max())}; the vocabulary is [0, {vocab})")
+    if np.unique(ids).size != ids.size:
+        _fail("InvalidArgument", "EINVAL", "logit_bias names a token more than once")
+    if not np.isfinite(values).all() or np.abs(values).max() > abi.MAX_LOGIT_BIAS_VALUE:
+        _fail("InvalidArgument", "EINVAL", f"logit_bias values must be finite, in "
+              f"[-{abi.MAX_LOGIT_BIAS_VALUE}, {abi.MAX_LOGIT_BIAS_VALUE}]")
+    return ids, values
 
 
 def pin_arena(base: int, size: int, on: bool) -> None:
