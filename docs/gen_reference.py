@@ -8,6 +8,9 @@
   build with, so the words are the ones an error message uses);
 * ``kernel-flags.md``: every flag of ``symphony-kernel``, from the argparse parser the kernel
   itself parses with (caught as the kernel builds it: nothing is started);
+* ``serving.md``: the serving program's contract (``symphony.ipc.serving``): the request the
+  gateway sends a serving program and the events it answers with, every field with its type
+  and bounds as msgspec checks them on both sides;
 * ``errors.md``: the exceptions a system call raises in a LIP (``symphony.lip.errors``), the
   errno-style codes KVFS declares for them (``symphony.kvfs.errors``), and every (type, code)
   pair the kernel's code answers calls with (found by reading the sources, not by running them).
@@ -33,7 +36,8 @@ def generate() -> dict[str, str]:
     """{file name under docs/reference/: its text}."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    return {"syscalls.md": syscalls_page(), "kernel-flags.md": kernel_flags_page(), "errors.md": errors_page()}
+    return {"syscalls.md": syscalls_page(), "kernel-flags.md": kernel_flags_page(), "errors.md": errors_page(),
+            "serving.md": serving_page()}
 
 
 # ---------------------------------------------------------------- system calls
@@ -223,6 +227,91 @@ def _raised_pairs() -> dict[str, dict[str, set[str]]]:
                 pkg = ".".join(path.relative_to(REPO).parent.parts[:2])
                 out.setdefault(a.value, {}).setdefault(b.value, set()).add(pkg)
     return out
+
+
+# ---------------------------------------------------------------- the serving contract
+def serving_page() -> str:
+    import msgspec
+    from symphony.ipc import serving as c
+    doc = c.__doc__.split("\n\n")
+    lines = [HEADER + "# The serving program's contract\n",
+             "What the HTTP gateway asks of a serving program (the stock `userland/serve.py`, or a program "
+             "an administrator serves a route with: `symphony-gateway --program ROUTE=PROGRAM`) and what the "
+             "program answers, generated from the types that declare it (`symphony.ipc.serving`). Both sides "
+             "check with these types (msgspec: strict types, the bounds below, unknown fields refused): the "
+             "gateway before it sends a request (a violation is a 400 naming the field) and as each event "
+             "arrives (an event outside the contract, or out of order, fails the request with 500 "
+             "`program_failed`); the program as it reads its argument and before it sends each event. "
+             "How the gateway runs the programs: [Serving over HTTP](../guide/serving.md).\n",
+             " ".join(" ".join(p.split()) for p in doc[1:2]).replace("::", ":") + "\n",
+             "```", *[ln[4:] for ln in doc[2].splitlines()], "```\n",
+             " ".join(doc[3].split()) + "\n"]
+    structs = [c.ServeRequest, c.Message, c.ToolCall, c.Tool, c.NamedTool, c.Cache, *c.Format.__args__]
+    lines.append("## The request\n")
+    lines.append("The program's one argument: a `ServeRequest` as JSON. A null field has its default.\n")
+    for tp in structs:
+        lines += _struct_section(tp, msgspec)
+    lines.append("## The events\n")
+    lines.append("Each `send()` of the program is one event: a JSON object whose `event` field names its "
+                 "type.\n")
+    for tp in (*c.EVENTS, c.TokenLogprob, c.TopLogprob):
+        lines += _struct_section(tp, msgspec)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _struct_section(tp, msgspec) -> list:
+    info = msgspec.inspect.type_info(tp)
+    tag = f" (`{info.tag_field}`: `\"{info.tag}\"`)" if info.tag_field else ""
+    out = [f"### {tp.__name__}\n", f"{_md(' '.join((tp.__doc__ or '').split()))}{tag}\n",
+           "| field | type | default |", "|---|---|---|"]
+    for f in info.fields:
+        if f.required:
+            default = "(required)"
+        elif f.default is not msgspec.NODEFAULT:
+            default = f"`{_json(f.default)}`"
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f"`{_json(f.default_factory())}`"
+        else:
+            default = "(absent)"
+        out.append(f"| `{f.name}` | {_md(_type_words(f.type, msgspec))} | {default} |")
+    return out + [""]
+
+
+def _type_words(t, msgspec) -> str:
+    """msgspec.inspect type info -> words with its bounds ("int, 1 to 16")."""
+    i = msgspec.inspect
+    if isinstance(t, i.UnionType):
+        parts = [_type_words(u, msgspec) for u in t.types if not isinstance(u, i.NoneType)]
+        nullable = any(isinstance(u, i.NoneType) for u in t.types)
+        return " or ".join(parts) + (" or null" if nullable else "")
+    bounds = []
+    for name, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >="),
+                       ("max_length", "length <=")):
+        v = getattr(t, name, None)
+        if v is not None:
+            bounds.append(f"{word} {v}")
+    if getattr(t, "pattern", None):
+        bounds.append(f"matching `{t.pattern}`")
+    b = f" ({', '.join(bounds)})" if bounds else ""
+    if isinstance(t, i.BoolType):
+        return "bool"
+    if isinstance(t, i.IntType):
+        return "int" + b
+    if isinstance(t, i.FloatType):
+        return "number" + b
+    if isinstance(t, i.StrType):
+        return "string" + b
+    if isinstance(t, i.LiteralType):
+        return " or ".join(f"`{_json(v)}`" for v in t.values)
+    if isinstance(t, i.ListType):
+        return f"list of {_type_words(t.item_type, msgspec)}{b}"
+    if isinstance(t, i.TupleType):
+        return "[" + ", ".join(_type_words(x, msgspec) for x in t.item_types) + "]"
+    if isinstance(t, i.DictType):
+        return "object"
+    if isinstance(t, i.StructType):
+        return f"[`{t.cls.__name__}`](#{t.cls.__name__.lower()})"
+    return "any JSON value"
 
 
 # ---------------------------------------------------------------- main

@@ -21,9 +21,11 @@ import json
 import re
 from typing import Optional, Sequence
 
+from .grammar import compact_schema
 from .helpers import StopChecker
 
-__all__ = ["MARKER", "NAME", "CallParser", "call_text", "calls_grammar", "render", "system_section"]
+__all__ = ["MARKER", "NAME", "CallParser", "RepeatGuard", "call_text", "calls_grammar", "closed", "render",
+           "system_section"]
 
 MARKER = "<tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")           # OpenAI's function-name rule
@@ -88,17 +90,45 @@ def _lark_string(s: str) -> str:
 
 
 def _schema(parameters: Optional[dict]) -> str:
-    """A tool's schema for %json: compact JSON unless the schema says otherwise."""
-    schema = dict(parameters or ANY_OBJECT)
-    schema["x-guidance"] = {"whitespace_flexible": False, **(schema.get("x-guidance") or {})}
-    return json.dumps(schema)
+    """A tool's schema for %json: compact JSON unless the schema says otherwise, and
+    objects closed (`closed`)."""
+    return json.dumps(compact_schema(closed(parameters or ANY_OBJECT)))
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+
+
+def closed(schema):
+    """``schema`` with every object that lists its ``properties`` and says nothing of
+    others given ``additionalProperties: false``: a call's arguments hold the
+    properties its tool declares, and a model cannot wander off into invented keys
+    until the token limit cuts it (JSON Schema's default would allow them)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    for k in _SUBSCHEMAS:
+        if k in out:
+            out[k] = closed(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(x) for x in out[k]]
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(x) for name, x in out[k].items()}
+    return out
 
 
 def calls_grammar(tools: Sequence[dict], *, only: Optional[str] = None, parallel: bool = True,
-                  text_schema: Optional[dict] = None, start: str = "start") -> str:
+                  text_rule: Optional[str] = None, start: str = "start") -> str:
     """Lark grammar: one call (several, newline-separated, with ``parallel``)
     of ``tools`` (of the tool named ``only``), arguments following each tool's
-    schema.  ``text_schema``: the answer may instead be JSON text of that schema."""
+    schema.  ``text_rule``: the answer may instead be text matching that Lark
+    rule body (`symphony.lip.grammar.format_rule` of a format)."""
     chosen = [t for t in tools if only is None or t["name"] == only]
     rules, alts = [], []
     for i, t in enumerate(chosen):
@@ -107,7 +137,7 @@ def calls_grammar(tools: Sequence[dict], *, only: Optional[str] = None, parallel
                      f"{_lark_string(_END)}")
         rules.append(f"args_{i}: %json {_schema(t.get('parameters'))}")
     calls = "call" if not parallel else 'call ("\\n" call)*'
-    top = f"{start}: calls" if text_schema is None else f"{start}: text | calls\ntext: %json {_schema(text_schema)}"
+    top = f"{start}: calls" if text_rule is None else f"{start}: text | calls\ntext: {text_rule}"
     return "\n".join([top, f"calls: {calls}", f"call: {' | '.join(alts)}", *rules]) + "\n"
 
 
@@ -117,10 +147,12 @@ class CallParser:
     ``feed(text) -> [event]``: ``{"call": k, "name": NAME, "arguments": first piece}``
     when call k's name is known, then ``{"call": k, "arguments": piece}``; the
     pieces of call k concatenate to its arguments' JSON text.  ``finish()``
-    flushes a call cut short.  ``calls``: how many calls started."""
+    flushes a call cut short.  ``calls``: how many calls started; ``ended``: how
+    many were written whole (their block closed)."""
 
     def __init__(self):
         self.buf, self.calls, self.args = "", 0, None    # args: the StopChecker of the open call
+        self.ended = 0
         self.text = ""                                     # the open call's arguments so far
 
     def feed(self, text: str) -> list[dict]:
@@ -151,6 +183,7 @@ class CallParser:
             if not stop:
                 break
             self.buf, self.args = self.args.rest[len(_END):], None
+            self.ended += 1
         return events
 
     def finish(self) -> list[dict]:
@@ -162,6 +195,52 @@ class CallParser:
         if held.startswith("}") and not _parses(self.text) and _parses(self.text + "}"):
             return [{"call": self.calls - 1, "arguments": "}"}]
         return []
+
+
+class RepeatGuard:
+    """Call events in (`CallParser`'s), the ones to send out: a call that could be
+    repeating an earlier call of the same answer (same name, its arguments so far
+    the start of that call's) is held back, sent once it differs, and dropped when
+    it ends the same: ``repeated`` is then its index (the answer ends before it; a
+    small model otherwise tends to write the same call again and again until the
+    token limit cuts it)."""
+
+    def __init__(self):
+        self.calls: list = []          # [name, arguments so far] per call
+        self.held: list = []           # the last call's events, while it could be a repeat
+        self.repeated: Optional[int] = None
+
+    def push(self, events: list, ended: int) -> list:
+        """The events to send of ``events``; ``ended``: the calls written whole so far."""
+        out = []
+        for e in events:
+            k = e["call"]
+            if self.repeated is not None and k >= self.repeated:
+                continue
+            if "name" in e:
+                if self.held:                  # the call before ended while it could repeat: it does
+                    self.repeated, self.held = k - 1, []
+                    continue
+                self.calls.append([e["name"], ""])
+            self.calls[k][1] += e["arguments"]
+            if self._could_repeat(k):
+                self.held.append(e)
+            else:
+                out += self.held + [e]
+                self.held = []
+        k = len(self.calls) - 1
+        if self.held and ended > k and self._could_repeat(k):
+            self.repeated, self.held = k, []
+        return out
+
+    def flush(self) -> list:
+        """What is held (a call cut short while it could still have been a repeat)."""
+        out, self.held = self.held, []
+        return out
+
+    def _could_repeat(self, k: int) -> bool:
+        name, args = self.calls[k]
+        return k == len(self.calls) - 1 and any(n == name and a.startswith(args) for n, a in self.calls[:k])
 
 
 def _parses(text: str) -> bool:

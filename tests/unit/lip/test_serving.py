@@ -105,3 +105,50 @@ def test_a_merged_event_stays_small_and_an_error_sends_what_was_held(sent):
     assert "".join(e["text"] for e in sent[:-1]) == piece * 200
     assert len(sent) - 1 < 50                                       # of 200 pieces of ~5 KB with their logprobs
     assert all(len(orjson.dumps(e)) <= HELD_BYTES for e in sent)
+
+
+# ---------------------------------------------------------------- tool calls: repeats and closed objects
+def _parsed(text, chunk=3):
+    """RepeatGuard's output for call blocks ``text`` fed ``chunk`` characters at a time."""
+    from symphony.lip.tools import CallParser, RepeatGuard
+    p, g, out = CallParser(), RepeatGuard(), []
+    for i in range(0, len(text), chunk):
+        out += g.push(p.feed(text[i:i + chunk]), p.ended)
+        if g.repeated is not None:
+            break
+    return out + g.flush() + g.push(p.finish(), p.ended), g
+
+
+def test_a_call_that_repeats_an_earlier_one_is_dropped_and_ends_the_answer():
+    from symphony.lip.tools import call_text
+    a, b = call_text("get_weather", '{"city":"Paris"}'), call_text("get_weather", '{"city":"Rome"}')
+    for chunk in (1, 3, 7, 1000):
+        out, g = _parsed("\n".join([a, b, a, b]), chunk)          # the third call repeats the first
+        assert g.repeated == 2
+        calls = {}
+        for e in out:
+            calls.setdefault(e["call"], ["", ""])
+            calls[e["call"]][0] = e.get("name", calls[e["call"]][0])
+            calls[e["call"]][1] += e["arguments"]
+        assert calls == {0: ["get_weather", '{"city":"Paris"}'], 1: ["get_weather", '{"city":"Rome"}']}
+    # a call that only starts like an earlier one is sent whole, in order
+    c = call_text("get_weather", '{"city":"Paris, TX"}')
+    out, g = _parsed("\n".join([a, c]), 2)
+    assert g.repeated is None and "".join(e["arguments"] for e in out if e["call"] == 1) == '{"city":"Paris, TX"}'
+    # a repeat cut short (the token limit) is not known to repeat: what came is sent
+    out, g = _parsed(a + "\n" + a[:-16], 5)
+    assert g.repeated is None and "".join(e["arguments"] for e in out if e["call"] == 1) == '{"city":"Paris'
+
+
+def test_tool_objects_are_closed_unless_the_schema_says_otherwise():
+    from symphony.lip.tools import closed
+    s = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                          "l": {"type": "array", "items": {"properties": {"c": {}}}},
+                                          "open": {"properties": {}, "additionalProperties": True}},
+         "anyOf": [{"properties": {"x": {}}}], "$defs": {"d": {"properties": {"y": {}}}}}
+    c = closed(s)
+    assert c["additionalProperties"] is False and c["properties"]["a"]["additionalProperties"] is False
+    assert c["properties"]["l"]["items"]["additionalProperties"] is False
+    assert c["properties"]["open"]["additionalProperties"] is True
+    assert c["anyOf"][0]["additionalProperties"] is False and c["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in s and closed({"type": "object"}) == {"type": "object"}
