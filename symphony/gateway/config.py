@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-ROUTES = ("chat", "completions", "responses")
+ROUTES = ("chat", "completions", "responses", "messages")
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,9 @@ class GatewayConfig:
     cache: str = "user"
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
+    max_sockets: int = 256                             # WebSocket connections open at once, all keys
+    max_sockets_per_key: int = 16                      # ... of one key
+    socket_max_age: float = 3600.0                     # a WebSocket connection's lifetime, seconds
 
     def __post_init__(self):
         self.kernels = list(dict.fromkeys(self.kernels or [self.socket_path]))
@@ -85,6 +88,10 @@ class GatewayConfig:
                 raise ConfigError(f"--program {r}=...: routes are {', '.join(ROUTES)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.max_sockets < 1 or self.max_sockets_per_key < 1:
+            raise ConfigError("--max-sockets and --max-sockets-per-key must be >= 1")
+        if not 0 < self.socket_max_age <= 86400:
+            raise ConfigError("--socket-max-age must be in (0, 86400] seconds")
 
 
 def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
@@ -112,7 +119,7 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     g.add_argument("--max-stored-mb", type=int, default=64,
                    help="MiB of stored /v1/responses kept per user, oldest dropped first (default 64)")
     g.add_argument("--program", action="append", default=[], metavar="ROUTE=PROGRAM",
-                   help="serve ROUTE (chat, completions, responses) with PROGRAM, a stock program's name or "
+                   help="serve ROUTE (chat, completions, responses, messages) with PROGRAM, a stock program's name or "
                         "a LIP file (default: the stock program serve)")
     g.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may use for the model (repeatable)")
@@ -123,6 +130,14 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     g.add_argument("--prefix-cache", default="user", choices=["user", "shared", "off"],
                    help="prefix caching of the serving program: per user (default), shared between the "
                         "keys marked share_cache, or off")
+    g.add_argument("--max-sockets", type=int, default=256,
+                   help="WebSocket connections (/v1/responses WebSocket mode) open at once, all keys (default 256)")
+    g.add_argument("--max-sockets-per-key", type=int, default=16,
+                   help="WebSocket connections one key may have open at once (default 16); beyond, the "
+                        "handshake is refused with 429")
+    g.add_argument("--socket-max-age", type=float, default=3600.0,
+                   help="seconds a WebSocket connection lives (default 3600, the specification's 60 minutes); "
+                        "then it ends with the error websocket_connection_limit_reached")
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -156,7 +171,8 @@ def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[li
                          max_stored_bytes=args.max_stored_mb << 20, programs=programs,
                          default_max_tokens=args.default_max_tokens or None,
                          model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+                         tls_cert=args.tls_cert, tls_key=args.tls_key, max_sockets=args.max_sockets,
+                         max_sockets_per_key=args.max_sockets_per_key, socket_max_age=args.socket_max_age)
 
 
 def to_argv(args) -> list[str]:
@@ -169,7 +185,8 @@ def to_argv(args) -> list[str]:
                     ("--max-stored-responses", args.max_stored_responses),
                     ("--max-stored-mb", args.max_stored_mb), ("--default-max-tokens", args.default_max_tokens),
                     ("--attachments", args.attachments),
-                    ("--prefix-cache", args.prefix_cache)):
+                    ("--prefix-cache", args.prefix_cache), ("--max-sockets", args.max_sockets),
+                    ("--max-sockets-per-key", args.max_sockets_per_key), ("--socket-max-age", args.socket_max_age)):
         if v is not None:
             out += [flag, str(v)]
     for spec in args.program:

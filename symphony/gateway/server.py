@@ -3,7 +3,8 @@
     symphony-gateway --http 0.0.0.0:8000 [--socket PATH] [--keys FILE] [--tls-cert PEM --tls-key PEM]
     symphony-gateway --http 0.0.0.0:8000 --kernel PATH --kernel PATH ...      (several kernels)
 
-It runs uvicorn (with uvloop and httptools) on the app of app.py and talks
+It runs uvicorn (with uvloop, httptools, and websockets for the WebSocket
+mode of /v1/responses) on the app of app.py and talks
 to its kernels over their Unix sockets (kernels.py; router.py says which
 kernel serves what).  Started as root (``symphony-kernel
 --http`` does), it reads the key file, the TLS files and binds its port
@@ -94,7 +95,11 @@ def main(argv=None) -> int:
     else:
         log.info("%d API keys from %s", len(keys.keys), cfg.keys_path)
     import uvicorn
+    import warnings
     from .app import Gateway, build_app
+    # uvicorn's "websockets" protocol is the one of its implementations that can refuse a
+    # WebSocket handshake with an HTTP status (401, 429): kept on purpose, its notice silenced
+    warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     from symphony.programs import ProgramError
     try:
         gw = Gateway(cfg, keys)
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"symphony-gateway: error: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
         return 2
-    ucfg = uvicorn.Config(app, loop="uvloop", http="httptools", ws="none", lifespan="on", log_level="warning",
+    ucfg = uvicorn.Config(app, loop="uvloop", http="httptools", ws="websockets", lifespan="on", log_level="warning",
                           access_log=False, ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key,
                           timeout_keep_alive=30, limit_concurrency=cfg.max_active + 64)
     try:
@@ -148,7 +153,8 @@ def main(argv=None) -> int:
 PRELOAD = ("anyio._backends._asyncio", "uvicorn.protocols.http.httptools_impl", "uvicorn.lifespan.on",
            "uvicorn.loops.uvloop", "encodings.idna", "email.utils", "http.cookies", "prometheus_client.exposition",
            "prometheus_client.openmetrics.exposition", "symphony.gateway.completions", "symphony.gateway.responses",
-           "symphony.gateway.lips", "starlette.background", "starlette.datastructures", "starlette.formparsers",
+           "symphony.gateway.lips", "symphony.gateway.messages", "symphony.gateway.ws",
+           "uvicorn.protocols.websockets.websockets_impl", "websockets.legacy.server", "starlette.background", "starlette.datastructures", "starlette.formparsers",
            "json", "hmac", "hashlib")
 
 
