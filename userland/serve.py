@@ -26,9 +26,13 @@ this program honours it:
 * ``tools`` are listed in a system-prompt section (symphony.lip.tools:
   Hermes/Qwen ``<tool_call>`` blocks; earlier calls and ``tool`` results are
   rendered the same way).  ``required``/named: the answer is calls (several
-  with ``parallel_tool_calls``, never the same call twice: a call repeating an
-  earlier one ends the answer) whose arguments validate against the tool's
-  schema, and the choice ends ``tool_calls``.  ``auto``: the model answers in
+  with ``parallel_tool_calls``) whose arguments validate against the tool's
+  schema (objects that list their properties take no others), and the choice
+  ends ``tool_calls``.  Never a runaway list: the first call streams as it
+  comes, each later one is sent once written whole; a call that repeats an
+  earlier one ends the answer, and one cut by ``max_tokens`` is dropped (the
+  answer is the calls before it, ``tool_calls``; only a first call cut short
+  ends ``length``).  ``auto``: the model answers in
   text or, once it writes ``<tool_call>``, the rest is constrained to calls
   (with ``response_format``: that format or calls, from the first token).
   ``none``: the tools stay in the prompt (so a conversation's prompt does not
@@ -92,7 +96,7 @@ from symphony.lip.grammar import GrammarRejected, format_grammar, format_rule, j
 from symphony.lip.prefixcache import PrefixCache
 from symphony.lip.serving import BadRequest, Events, Request
 from symphony.lip.streaming import TextStream
-from symphony.lip.tools import MARKER, CallParser, RepeatGuard, calls_grammar, render
+from symphony.lip.tools import MARKER, CallParser, CallGuard, calls_grammar, render
 
 SEED_MASK = (1 << 64) - 1
 
@@ -331,10 +335,14 @@ class Choice:
         self._calls()
 
     def _calls(self) -> None:
-        self.parser, self.calldec, self.guard = CallParser(), StreamDecoder(self.job.tok), RepeatGuard()
+        self.parser, self.calldec, self.guard = CallParser(), StreamDecoder(self.job.tok), CallGuard()
 
     def _call_events(self, events, last: bool = False) -> None:
-        events = self.guard.push(events, self.parser.ended) + (self.guard.flush() if last else [])
+        events = self.guard.push(events, self.parser.ended)
+        if last:
+            events += self.guard.finish()
+            if self.reason == "length" and self.parser.ended and self.guard.sent:
+                self.reason = "tool_calls"                   # the calls written whole; the one begun is dropped
         if self.guard.repeated is not None and self.reason is None:
             self.reason = "tool_calls"                       # it began to repeat a call: the answer ends
         for e in events:
@@ -368,7 +376,8 @@ class Choice:
         if stopped and self.text.hit != MARKER:
             done["stop_sequence"] = self.text.hit
         self.send(done)
-        if self.parser is not None and self.guard.repeated is not None:
+        if self.parser is not None and (self.guard.repeated is not None or self.guard.cut
+                                        or self.parser.ended < self.parser.calls):
             return                                           # its text ends in a dropped call: not a checkpoint
         job.save(self.f, job.prompt + self.out, L + (self.text.cut if stopped else len(self.out)), prompt=False)
 

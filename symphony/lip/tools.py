@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from .grammar import compact_schema
 from .helpers import StopChecker
 
-__all__ = ["MARKER", "NAME", "CallParser", "RepeatGuard", "call_text", "calls_grammar", "closed", "render",
+__all__ = ["MARKER", "NAME", "CallParser", "CallGuard", "call_text", "calls_grammar", "closed", "render",
            "system_section"]
 
 MARKER = "<tool_call>"
@@ -197,18 +197,21 @@ class CallParser:
         return []
 
 
-class RepeatGuard:
-    """Call events in (`CallParser`'s), the ones to send out: a call that could be
-    repeating an earlier call of the same answer (same name, its arguments so far
-    the start of that call's) is held back, sent once it differs, and dropped when
-    it ends the same: ``repeated`` is then its index (the answer ends before it; a
-    small model otherwise tends to write the same call again and again until the
-    token limit cuts it)."""
+class CallGuard:
+    """Call events in (`CallParser`'s), the ones to send out, so that an answer of
+    calls never ends in a runaway: the first call streams as it comes; each later
+    call is held until it is written whole, then sent, or dropped when it repeats
+    an earlier call of the answer (same name and arguments: ``repeated`` is then
+    its index, and the answer ends before it; a small model otherwise tends to
+    write the same call again and again until the token limit).  A call still
+    held at the end was cut by the token limit: `finish` drops it (``cut``) unless
+    its arguments are whole, so the answer is the calls written whole."""
 
     def __init__(self):
-        self.calls: list = []          # [name, arguments so far] per call
-        self.held: list = []           # the last call's events, while it could be a repeat
+        self.calls: list = []          # [name, arguments] per call
+        self.held: list = []           # the events of the call being written, after the first
         self.repeated: Optional[int] = None
+        self.cut = False
 
     def push(self, events: list, ended: int) -> list:
         """The events to send of ``events``; ``ended``: the calls written whole so far."""
@@ -218,29 +221,41 @@ class RepeatGuard:
             if self.repeated is not None and k >= self.repeated:
                 continue
             if "name" in e:
-                if self.held:                  # the call before ended while it could repeat: it does
-                    self.repeated, self.held = k - 1, []
-                    continue
+                if self.held:                  # the call before was written whole (the parser began this one)
+                    out += self._settle(k - 1)
+                    if self.repeated is not None:
+                        continue
                 self.calls.append([e["name"], ""])
             self.calls[k][1] += e["arguments"]
-            if self._could_repeat(k):
-                self.held.append(e)
-            else:
-                out += self.held + [e]
-                self.held = []
-        k = len(self.calls) - 1
-        if self.held and ended > k and self._could_repeat(k):
-            self.repeated, self.held = k, []
+            (out if k == 0 else self.held).append(e)
+        if self.held and ended >= len(self.calls):
+            out += self._settle(len(self.calls) - 1)
         return out
 
-    def flush(self) -> list:
-        """What is held (a call cut short while it could still have been a repeat)."""
-        out, self.held = self.held, []
-        return out
+    def finish(self) -> list:
+        """The end of the answer: the events of a call still held whose arguments are
+        whole JSON (only its closing tag was cut); one cut shorter is dropped (``cut``)."""
+        if not self.held:
+            return []
+        if _parses(self.calls[-1][1]):
+            return self._settle(len(self.calls) - 1)
+        self.held, self.cut = [], True
+        return []
 
-    def _could_repeat(self, k: int) -> bool:
-        name, args = self.calls[k]
-        return k == len(self.calls) - 1 and any(n == name and a.startswith(args) for n, a in self.calls[:k])
+    @property
+    def sent(self) -> int:
+        """How many calls were (or will be) sent whole or, the first, as it came."""
+        n = len(self.calls) - (1 if self.held or self.cut else 0)
+        return n if self.repeated is None else min(n, self.repeated)
+
+    def _settle(self, k: int) -> list:
+        """Call ``k`` was written whole: its held events merged into one, or nothing if it
+        repeats one before it."""
+        held, self.held = self.held, []
+        if self.calls[k] in self.calls[:k]:
+            self.repeated = k
+            return []
+        return [dict(held[0], arguments="".join(e["arguments"] for e in held))]
 
 
 def _parses(text: str) -> bool:

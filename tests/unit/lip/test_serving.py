@@ -109,35 +109,46 @@ def test_a_merged_event_stays_small_and_an_error_sends_what_was_held(sent):
 
 # ---------------------------------------------------------------- tool calls: repeats and closed objects
 def _parsed(text, chunk=3):
-    """RepeatGuard's output for call blocks ``text`` fed ``chunk`` characters at a time."""
-    from symphony.lip.tools import CallParser, RepeatGuard
-    p, g, out = CallParser(), RepeatGuard(), []
+    """CallGuard's output for call blocks ``text`` fed ``chunk`` characters at a time, and the
+    guard (as the serving program drives it: to the text's end, or until a call repeats)."""
+    from symphony.lip.tools import CallGuard, CallParser
+    p, g, out = CallParser(), CallGuard(), []
     for i in range(0, len(text), chunk):
         out += g.push(p.feed(text[i:i + chunk]), p.ended)
         if g.repeated is not None:
             break
-    return out + g.flush() + g.push(p.finish(), p.ended), g
+    out += g.push(p.finish(), p.ended) + g.finish()
+    return out, g
 
 
-def test_a_call_that_repeats_an_earlier_one_is_dropped_and_ends_the_answer():
+def _calls(events) -> dict:
+    calls = {}
+    for e in events:
+        calls.setdefault(e["call"], ["", ""])
+        calls[e["call"]][0] = e.get("name", calls[e["call"]][0])
+        calls[e["call"]][1] += e["arguments"]
+    return calls
+
+
+def test_calls_never_end_in_a_runaway():
     from symphony.lip.tools import call_text
     a, b = call_text("get_weather", '{"city":"Paris"}'), call_text("get_weather", '{"city":"Rome"}')
     for chunk in (1, 3, 7, 1000):
-        out, g = _parsed("\n".join([a, b, a, b]), chunk)          # the third call repeats the first
-        assert g.repeated == 2
-        calls = {}
-        for e in out:
-            calls.setdefault(e["call"], ["", ""])
-            calls[e["call"]][0] = e.get("name", calls[e["call"]][0])
-            calls[e["call"]][1] += e["arguments"]
-        assert calls == {0: ["get_weather", '{"city":"Paris"}'], 1: ["get_weather", '{"city":"Rome"}']}
-    # a call that only starts like an earlier one is sent whole, in order
-    c = call_text("get_weather", '{"city":"Paris, TX"}')
+        out, g = _parsed("\n".join([a, b, a, b]), chunk)          # the third call repeats the first: the end
+        assert g.repeated == 2 and g.sent == 2
+        assert _calls(out) == {0: ["get_weather", '{"city":"Paris"}'], 1: ["get_weather", '{"city":"Rome"}']}
+        first = [e for e in out if e["call"] == 0]
+        assert len(first) > 1 or chunk == 1000                     # the first call streams in pieces
+        assert len([e for e in out if e["call"] == 1]) == 1           # a later one goes whole, in one event
+    c = call_text("get_weather", '{"city":"Paris, TX"}')            # starts like an earlier call: sent whole
     out, g = _parsed("\n".join([a, c]), 2)
-    assert g.repeated is None and "".join(e["arguments"] for e in out if e["call"] == 1) == '{"city":"Paris, TX"}'
-    # a repeat cut short (the token limit) is not known to repeat: what came is sent
-    out, g = _parsed(a + "\n" + a[:-16], 5)
-    assert g.repeated is None and "".join(e["arguments"] for e in out if e["call"] == 1) == '{"city":"Paris'
+    assert g.repeated is None and _calls(out)[1] == ["get_weather", '{"city":"Paris, TX"}']
+    out, g = _parsed(a + "\n" + b[:-20], 5)                         # a later call cut by the token limit: dropped
+    assert g.cut and g.sent == 1 and _calls(out) == {0: ["get_weather", '{"city":"Paris"}']}
+    out, g = _parsed(a + "\n" + b[:-12], 5)                         # only its closing tag cut: kept
+    assert not g.cut and _calls(out)[1] == ["get_weather", '{"city":"Rome"}']
+    out, g = _parsed(a[:-20], 5)                                     # the first call cut short: sent as it came
+    assert not g.cut and g.sent == 1 and _calls(out) == {0: ["get_weather", '{"city":"P']}
 
 
 def test_tool_objects_are_closed_unless_the_schema_says_otherwise():
