@@ -79,6 +79,7 @@ setup(
         "uvicorn>=0.30",        # the ASGI server, run with uvloop and httptools
         "httptools",
         "websockets",           # uvicorn's WebSocket protocol: the WebSocket mode of /v1/responses
+        "pypdf",                # the text of PDF files sent inline to the gateway
         "prometheus-client",    # GET /metrics
     ],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "anthropic",

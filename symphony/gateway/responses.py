@@ -45,7 +45,7 @@ from .serving import ServeRun
 from .store import Stored
 from .streams import collect, sse_response
 
-COMPACT_TOKENS = 256
+COMPACT_TOKENS = 160
 COMPACT_PROMPT = ("Write a summary of the conversation above that keeps every fact, name, number, decision and "
                   "open question needed to continue it. Write only the summary.")
 

@@ -300,9 +300,15 @@ def convert(obj, typ):
 
 
 def _invalid(e: msgspec.ValidationError) -> ApiError:
+    """The 400 of a body that does not fit its type, naming the parameter (a missing
+    field: the field itself)."""
     msg = str(e)
     m = _AT.search(msg)
-    return ApiError(400, f"invalid request: {msg}", param=(m.group(1) if m else None) or None)
+    param = (m.group(1) if m else "") or ""
+    missing = re.match(r"Object missing required field `([^`]*)`", msg)
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return ApiError(400, f"invalid request: {msg}", param=param or None)
 
 
 MAX_INLINE_TEXT = 1 << 20
@@ -311,8 +317,9 @@ TEXT_TYPES = ("text/", "application/json", "application/xml", "application/x-yam
 
 def text_of(content: Content, where: str, *, attachments: str = "refuse") -> str:
     """One string from a message's content (a string or parts).  A text file
-    given inline (``file_data``: a ``data:text/...;base64,`` URL) is included
-    as ``[file NAME]`` and its text.  An image or a file the model cannot read
+    given inline (``file_data``: a ``data:text/...;base64,`` URL), or a PDF
+    with text in it (read by pypdf: at most 2 MiB, its first 50 pages), is
+    included as ``[file NAME]`` and its text.  An image or a file the model cannot read
     is refused (400), or with ``attachments="placeholder"`` replaced by a line
     saying what it was (``[image]``, ``[file NAME: application/pdf, 1234
     bytes, not readable as text]``).  Other parts (audio, ...) are refused."""
@@ -365,4 +372,35 @@ def _inline_text(data: Optional[str], at: str) -> tuple[Optional[str], str]:
             return raw.decode("utf-8"), mime
         except UnicodeDecodeError:
             pass
+    if mime == "application/pdf" and len(raw) <= MAX_PDF_BYTES:
+        text = _pdf_text(raw)
+        if text:
+            return text, mime
     return None, f"{mime}, {len(raw)} bytes"
+
+
+MAX_PDF_BYTES = 2 << 20             # a PDF read as text: at most this big ...
+MAX_PDF_PAGES = 50                  # ... and its first pages only
+
+
+def _pdf_text(raw: bytes) -> Optional[str]:
+    """The text of a PDF (pypdf), at most MAX_PDF_PAGES pages and MAX_INLINE_TEXT
+    characters; None for one pypdf cannot read (encrypted, malformed) or without text."""
+    import io
+    import logging
+    try:
+        from pypdf import PdfReader
+        logging.getLogger("pypdf").setLevel(logging.ERROR)      # a malformed file is the client's, not a log line
+        reader = PdfReader(io.BytesIO(raw))
+        if reader.is_encrypted:
+            return None
+        out, size = [], 0
+        for page in reader.pages[:MAX_PDF_PAGES]:
+            text = page.extract_text() or ""
+            out.append(text)
+            size += len(text)
+            if size > MAX_INLINE_TEXT:
+                break
+        return "\n".join(out).strip()[:MAX_INLINE_TEXT] or None
+    except Exception:                                           # noqa: BLE001 - any unreadable PDF is a placeholder
+        return None

@@ -246,7 +246,9 @@ class Connection:
                 raise ApiError(400, f"{f!r} is an HTTP field: it must not be sent in a WebSocket response.create",
                                param=f)
         del d["type"]
-        return convert(d, ResponsesRequest)
+        r = convert(d, ResponsesRequest)
+        r.stream = True                                   # a socket's turns are streamed, always
+        return r
 
     def _previous(self, rid: Optional[str]) -> Optional[Stored]:
         """The response a turn continues: this connection's latest, else the key's stored ones."""
