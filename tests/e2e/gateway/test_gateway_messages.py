@@ -18,23 +18,17 @@ import httpx
 import openai
 import pytest
 
-from conftest import KernelProc
-from .test_gateway import FAKE, free_port, wait_for_gateway
+from .test_gateway import fake_gateway
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     from symphony.gateway.keys import add_key
-    from modelfiles import write_tiny_gguf
     d = tmp_path_factory.mktemp("gateway-messages")
-    model = write_tiny_gguf(d, seed=1)
     keys = d / "keys.json"
     alice, _ = add_key(str(keys), "alice-key", "alice")
-    port = free_port()
-    k = KernelProc(d, "--model", str(model), "--http", f"127.0.0.1:{port}", "--keys", str(keys),
-                   *sum((["--program", f"{r}={FAKE}"] for r in ("chat", "completions", "responses", "messages")), []))
-    wait_for_gateway(k)
-    k.url, k.key = f"http://127.0.0.1:{port}", alice
+    k = fake_gateway(d, keys)
+    k.key = alice
     yield k
     k.stop()
 

@@ -22,8 +22,7 @@ import pytest
 import websockets
 from websockets.sync.client import connect
 
-from conftest import REPO, KernelProc
-from .test_gateway import FAKE, free_port, wait_for_gateway
+from .test_gateway import fake_gateway
 
 MAX_AGE = 20                            # --socket-max-age of this module's gateway
 
@@ -31,18 +30,12 @@ MAX_AGE = 20                            # --socket-max-age of this module's gate
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     from symphony.gateway.keys import add_key
-    from modelfiles import write_tiny_gguf
     d = tmp_path_factory.mktemp("gateway-ws")
-    model = write_tiny_gguf(d, seed=1)
     keys = d / "keys.json"
     alice, _ = add_key(str(keys), "alice-key", "alice")
     bob, _ = add_key(str(keys), "bob-key", "bob")
-    port = free_port()
-    k = KernelProc(d, "--model", str(model), "--http", f"127.0.0.1:{port}", "--keys", str(keys),
-                   "--max-sockets-per-key", "2", "--socket-max-age", str(MAX_AGE), "--max-body-mb", "1",
-                   *sum((["--program", f"{r}={FAKE}"] for r in ("chat", "completions", "responses", "messages")), []))
-    wait_for_gateway(k)
-    k.url, k.ws = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/responses"
+    k = fake_gateway(d, keys, "--max-sockets-per-key", "2", "--socket-max-age", str(MAX_AGE), "--max-body-mb", "1")
+    k.ws = k.url.replace("http://", "ws://") + "/v1/responses"
     k.keys = {"alice": alice, "bob": bob}
     yield k
     k.stop()
@@ -108,6 +101,9 @@ def test_turns_run_in_order_and_a_store_false_chain_continues_only_on_its_socket
         assert [(m["role"], m["content"]) for m in msgs] == [("user", "second turn"), ("assistant", "second turn"),
                                                              ("user", "REQUEST")]
         assert cont[-1]["response"]["previous_response_id"] == rid
+        # the connection holds one conversation (its last response): an older store:false one is gone
+        older = turn(ws, store=False, previous_response_id=first[-1]["response"]["id"], input="x")
+        assert older[-1]["error"]["code"] == "previous_response_not_found"
     assert httpx.get(f"{gw.url}/v1/responses/{rid}", headers={"Authorization": f"Bearer {gw.keys['alice']}"}
                      ).status_code == 404                                        # store: false is nowhere else
     with sock(gw) as ws:
