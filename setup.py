@@ -78,9 +78,12 @@ setup(
         "starlette>=0.40",      # routing, requests, streamed responses
         "uvicorn>=0.30",        # the ASGI server, run with uvloop and httptools
         "httptools",
+        "websockets",           # uvicorn's WebSocket protocol: the WebSocket mode of /v1/responses
+        "pypdf",                # the text of PDF files sent inline to the gateway
         "prometheus-client",    # GET /metrics
     ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "httpx"],
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "anthropic",
+                             "httpx"],
                     "docs": ["mkdocs>=1.6"]},     # mkdocs build --strict (docs/, mkdocs.yml)
     entry_points={"console_scripts": [
         "symphony=symphony.cli:main",

@@ -11,6 +11,9 @@
 * ``client-rpc.md``: every request of the client RPC (a client or the gateway <-> the kernel's
   socket) with its fields and its reply type, from ``symphony.ipc.rpc`` (the types both sides
   check with);
+* ``serving.md``: the serving program's contract (``symphony.ipc.serving``): the request the
+  gateway sends a serving program and the events it answers with, every field with its type
+  and bounds as msgspec checks them on both sides;
 * ``errors.md``: the exceptions a system call raises in a LIP (``symphony.lip.errors``), the
   errno-style codes KVFS declares for them (``symphony.kvfs.errors``), and every (type, code)
   pair the kernel's code answers calls with (found by reading the sources, not by running them).
@@ -37,7 +40,7 @@ def generate() -> dict[str, str]:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     return {"syscalls.md": syscalls_page(), "client-rpc.md": client_rpc_page(), "kernel-flags.md": kernel_flags_page(),
-            "errors.md": errors_page()}
+            "errors.md": errors_page(), "serving.md": serving_page()}
 
 
 # ---------------------------------------------------------------- system calls
@@ -81,7 +84,7 @@ def syscalls_page() -> str:
     lines.append("The bounds a body is checked against, declared once in `symphony.ipc.abi`:\n")
     lines += ["| constant | value |", "|---|---|"]
     for name in ("MAX_TOKENS_PER_CALL", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MAX_MASK_WORDS",
-                 "MAX_LIST_ITEMS", "MAX_ID", "OUTPUTS"):
+                 "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_VALUE", "MAX_LIST_ITEMS", "MAX_ID", "OUTPUTS"):
         if hasattr(abi, name):
             lines.append(f"| `{name}` | `{getattr(abi, name)!r}` |")
     lines += ["", "Reply statuses: " + ", ".join(f"`{n}` = {getattr(abi, n)}" for n in ("OK", "ERR", "CHUNKED")
@@ -139,7 +142,7 @@ def client_rpc_page() -> str:
         lines += [f"### {t.__name__}\n", (f"`\"event\": \"{tag}\"`. " if tag else "") + _md(doc) + "\n",
                   "| field | type | default |", "|---|---|---|"]
         for f in msgspec.inspect.type_info(t).fields:
-            lines.append(f"| `{f.name}` | {_md(_type_words(f.type))} | {_default(f)} |")
+            lines.append(f"| `{f.name}` | {_md(_rpc_type_words(f.type))} | {_default(f)} |")
         lines.append("")
     lines += ["## Limits\n", "| constant | value |", "|---|---|"]
     for name in ("MAX_SOURCE_BYTES", "CHUNK_BYTES", "MAX_TRANSFER_BYTES", "MAX_PATH"):
@@ -155,16 +158,16 @@ def _default(f) -> str:
     return f"`{_json(msgspec.to_builtins(v))}`"
 
 
-def _type_words(t) -> str:
+def _rpc_type_words(t) -> str:
     import msgspec.inspect as i
     if isinstance(t, i.Metadata):
-        return _type_words(t.type)
+        return _rpc_type_words(t.type)
     if isinstance(t, i.LiteralType):
         return " or ".join(f'"{v}"' for v in t.values)
     if isinstance(t, i.UnionType):
-        return " or ".join(_type_words(u) for u in t.types)
+        return " or ".join(_rpc_type_words(u) for u in t.types)
     if isinstance(t, i.ListType):
-        return f"list of {_type_words(t.item_type)}"
+        return f"list of {_rpc_type_words(t.item_type)}"
     return {i.IntType: "int", i.FloatType: "number", i.StrType: "string", i.BoolType: "bool", i.NoneType: "null",
             i.DictType: "object", i.AnyType: "any JSON value"}.get(type(t), getattr(t, "__class__").__name__)
 
@@ -305,6 +308,91 @@ def _raised_pairs() -> dict[str, dict[str, set[str]]]:
                 pkg = ".".join(path.relative_to(REPO).parent.parts[:2])
                 out.setdefault(a.value, {}).setdefault(b.value, set()).add(pkg)
     return out
+
+
+# ---------------------------------------------------------------- the serving contract
+def serving_page() -> str:
+    import msgspec
+    from symphony.ipc import serving as c
+    doc = c.__doc__.split("\n\n")
+    lines = [HEADER + "# The serving program's contract\n",
+             "What the HTTP gateway asks of a serving program (the stock `userland/serve.py`, or a program "
+             "an administrator serves a route with: `symphony-gateway --program ROUTE=PROGRAM`) and what the "
+             "program answers, generated from the types that declare it (`symphony.ipc.serving`). Both sides "
+             "check with these types (msgspec: strict types, the bounds below, unknown fields refused): the "
+             "gateway before it sends a request (a violation is a 400 naming the field) and as each event "
+             "arrives (an event outside the contract, or out of order, fails the request with 500 "
+             "`program_failed`); the program as it reads its argument and before it sends each event. "
+             "How the gateway runs the programs: [Serving over HTTP](../guide/serving.md).\n",
+             " ".join(" ".join(p.split()) for p in doc[1:2]).replace("::", ":") + "\n",
+             "```", *[ln[4:] for ln in doc[2].splitlines()], "```\n",
+             " ".join(doc[3].split()) + "\n"]
+    structs = [c.ServeRequest, c.Message, c.ToolCall, c.Tool, c.NamedTool, c.Cache, *c.Format.__args__]
+    lines.append("## The request\n")
+    lines.append("The program's one argument: a `ServeRequest` as JSON. A null field has its default.\n")
+    for tp in structs:
+        lines += _struct_section(tp, msgspec)
+    lines.append("## The events\n")
+    lines.append("Each `send()` of the program is one event: a JSON object whose `event` field names its "
+                 "type.\n")
+    for tp in (*c.EVENTS, c.TokenLogprob, c.TopLogprob):
+        lines += _struct_section(tp, msgspec)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _struct_section(tp, msgspec) -> list:
+    info = msgspec.inspect.type_info(tp)
+    tag = f" (`{info.tag_field}`: `\"{info.tag}\"`)" if info.tag_field else ""
+    out = [f"### {tp.__name__}\n", f"{_md(' '.join((tp.__doc__ or '').split()))}{tag}\n",
+           "| field | type | default |", "|---|---|---|"]
+    for f in info.fields:
+        if f.required:
+            default = "(required)"
+        elif f.default is not msgspec.NODEFAULT:
+            default = f"`{_json(f.default)}`"
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f"`{_json(f.default_factory())}`"
+        else:
+            default = "(absent)"
+        out.append(f"| `{f.name}` | {_md(_type_words(f.type, msgspec))} | {default} |")
+    return out + [""]
+
+
+def _type_words(t, msgspec) -> str:
+    """msgspec.inspect type info -> words with its bounds ("int, 1 to 16")."""
+    i = msgspec.inspect
+    if isinstance(t, i.UnionType):
+        parts = [_type_words(u, msgspec) for u in t.types if not isinstance(u, i.NoneType)]
+        nullable = any(isinstance(u, i.NoneType) for u in t.types)
+        return " or ".join(parts) + (" or null" if nullable else "")
+    bounds = []
+    for name, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >="),
+                       ("max_length", "length <=")):
+        v = getattr(t, name, None)
+        if v is not None:
+            bounds.append(f"{word} {v}")
+    if getattr(t, "pattern", None):
+        bounds.append(f"matching `{t.pattern}`")
+    b = f" ({', '.join(bounds)})" if bounds else ""
+    if isinstance(t, i.BoolType):
+        return "bool"
+    if isinstance(t, i.IntType):
+        return "int" + b
+    if isinstance(t, i.FloatType):
+        return "number" + b
+    if isinstance(t, i.StrType):
+        return "string" + b
+    if isinstance(t, i.LiteralType):
+        return " or ".join(f"`{_json(v)}`" for v in t.values)
+    if isinstance(t, i.ListType):
+        return f"list of {_type_words(t.item_type, msgspec)}{b}"
+    if isinstance(t, i.TupleType):
+        return "[" + ", ".join(_type_words(x, msgspec) for x in t.item_types) + "]"
+    if isinstance(t, i.DictType):
+        return "object"
+    if isinstance(t, i.StructType):
+        return f"[`{t.cls.__name__}`](#{t.cls.__name__.lower()})"
+    return "any JSON value"
 
 
 # ---------------------------------------------------------------- main

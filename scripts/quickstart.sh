@@ -19,7 +19,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
     $PY -m pip install -q "torch==2.13.0"
 fi
 # the test suite also builds the docs (tests/e2e/docs/test_docs.py: mkdocs build --strict)
-extras=test; modules="symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema, starlette, uvicorn, httptools, prometheus_client, openai, httpx"
+extras=test; modules="symphony, gguf, tokenizers, safetensors, jinja2, orjson, msgspec, posix_ipc, uvloop, llguidance, pytest, pytest_benchmark, hypothesis, jsonschema, starlette, uvicorn, httptools, websockets, pypdf, prometheus_client, openai, anthropic, httpx"
 if [ "$mode" = test ]; then extras=test,docs; modules="$modules, mkdocs"; fi
 if ! $PY -c "import $modules" 2>/dev/null \
    || [ "$($PY -c 'import symphony,os;print(os.path.dirname(os.path.dirname(symphony.__file__)))')" != "$PWD" ]; then

@@ -2,92 +2,65 @@
 
     symphony run serve '{"mode": "chat", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
 
-This is the program behind every `/v1/chat/completions`, `/v1/completions` and
-`/v1/responses` request of `symphony-gateway`.  An administrator may serve a
+This is the program behind every `/v1/chat/completions`, `/v1/completions`,
+`/v1/responses` and `/v1/messages` request of `symphony-gateway`.  An administrator may serve a
 route with a program of their own: it must keep this contract.
 
-**Input.** `main` gets ONE argument, a JSON object (the gateway has checked
-types and ranges; the program checks again and refuses bad input with an
-``error`` event, never a traceback).  Unknown fields are refused.
+**The contract** (the request's fields and bounds, the events, their order,
+the errors) is declared once in `symphony.ipc.serving` and checked on both
+sides (docs/reference/serving.md); `main` gets ONE argument, the request as
+JSON, and refuses bad input with an ``error`` event, never a traceback.  How
+this program honours it:
 
-* ``mode``: ``"chat"`` or ``"text"``.
-* chat: ``messages``: ``[{"role": "system"|"developer"|"user"|"assistant"|"tool",
-  "content": str, "name"?: str, "tool_calls"?: [{"id", "name", "arguments": JSON
-  text}], "tool_call_id"?: str}]`` (content flattened to one string; null
-  content is ""; ``developer`` is a system message; ``name`` is ignored).
-* text: ``prompt``: a string or a list of token ids; ``echo`` (bool): the
-  answer's text starts with the prompt (its own first ``text`` event).
-* ``max_tokens``: int >= 1, or null (default): up to the end of the context.
-  ``temperature`` in [0, 2] (default 1; 0 = greedy), ``top_p`` in (0, 1],
-  ``seed``: int or null (choice i uses seed + i), ``stop``: up to 4 non-empty
-  strings, ``n``: 1..16 choices, ``logprobs`` (bool), ``top_logprobs``: 0..20
-  (needs logprobs), ``presence_penalty``, ``frequency_penalty`` in [-2, 2]
-  (logit -= presence * (count > 0) + frequency * count over the tokens the
-  choice generated so far).
-* ``response_format``: null, ``{"type": "text"}``, ``{"type": "json_object"}``
-  (the answer is a JSON object) or ``{"type": "json_schema", "schema": {...}}``
-  (the answer validates against the schema); compact JSON unless the schema's
-  ``x-guidance`` says otherwise.
-* ``tools``: ``[{"name", "description"?, "parameters"?}]`` (parameters: a JSON
-  schema, default any object; names: 1-64 of ``[A-Za-z0-9_-]``),
-  ``tool_choice``: ``"auto"`` (default with tools), ``"none"``, ``"required"``
-  or ``{"name": NAME}``; ``parallel_tool_calls`` (default true).  Tools are
-  listed in a system-prompt section (symphony.lip.tools: Hermes/Qwen
-  ``<tool_call>`` blocks; earlier calls and ``tool`` results are rendered the
-  same way).  ``required``/named: the answer is one call (several with
-  parallel_tool_calls) whose arguments validate against the tool's schema.
-  ``auto``: the model answers in text or, once it writes ``<tool_call>``, the
-  rest is constrained to calls (with ``response_format``: JSON text or calls,
-  from the first token).  ``none``: the tools stay in the prompt (so a
-  conversation's prompt does not change with tool_choice) but a call is never
-  made: the answer ends where the model begins one (finish_reason ``stop``).
-  Call markup is never sent as text.
-* ``cache``: null (no prefix caching) or ``{"dir": KVFS_DIR, "trust": [USER,
-  ...], "ttl"?: seconds (default 3600), "wait"?: seconds (default 30),
-  "durable"?: bool (default false)}``: see Prefix caching.
-* ``stream`` (bool, default true): false when the client waits for the whole
-  answer; the output is then the same with fewer events (see Output).
-
-**Output** (``send``, in this order):
-
-1. ``{"event": "prompt", "prompt_tokens": N, "cached_tokens": M}`` once (M:
-   prompt tokens whose KV was forked from the cache, not computed).
-2. ``{"event": "text", "index": i, "text": str}``: choice i's next text (never
-   part of a UTF-8 character or of a stop string; the stop string is not
-   sent).  With logprobs, ``"logprobs": [{"token", "bytes", "logprob",
-   "top_logprobs": [{"token", "bytes", "logprob"}, ...]}]``: one entry per token
-   whose text the event completes (a token cut by a stop string comes with the
-   last text; tokens wholly inside it are not reported), the model's raw
-   log-softmax (before penalties, grammar and temperature), alternatives most
-   probable first; ``token`` is the bytes as UTF-8 with ``\\xNN`` escapes for
-   an incomplete character.
-3. ``{"event": "tool_call", "index": i, "call": k, "id": "call_<24 hex>",
-   "name": NAME, "arguments": str}`` when call k of choice i starts, then
-   ``{"event": "tool_call", "index": i, "call": k, "arguments": str}``; the
-   pieces concatenate to the arguments' JSON text.
-4. ``{"event": "done", "index": i, "finish_reason": "stop"|"length"|"tool_calls",
-   "completion_tokens": n}`` when choice i ends (n: tokens of the answer, an
-   end-of-sequence token included).
-
-Choices run in threads on copy-on-write forks of the prompt's KV (computed
-once); their events interleave, each choice's in order.  Greedy output is
-deterministic.  Exit status 0.
-
-With ``stream`` false, a choice's first ``text`` or ``tool_call`` event goes
-at once and the ones after it are merged (symphony.lip.serving.Events): one
-``text`` event for the text between two other events (its logprobs
-concatenated), one ``tool_call`` event for the rest of a call's arguments,
-each at most ~32 KiB of JSON (more: several).  A 1,000-token answer is then
-2 text events instead of ~1,000 (with top_logprobs 20, one per ~20 tokens),
-and the events still concatenate to exactly the streamed answer.
-
-**Errors**: ``{"event": "error", "status": S, "code": C, "message": str,
-"param": str|null}``, nothing after it, exit status 2.  400
-``invalid_request`` (bad fields, echo with logprobs, an empty prompt, a
-template error), 400 ``context_length_exceeded`` (the prompt, or prompt +
-max_tokens, beyond the context), 400 ``invalid_schema`` (llguidance rejects
-the response or tool schema; its message), 429 ``kv_quota_exceeded``, 503
-``kv_no_space``, 500 ``internal_error``.
+* chat: the messages go through the model's chat template (``developer`` is a
+  system message; ``name`` is ignored).  text: ``prompt`` is a string or token
+  ids; ``echo`` sends the prompt as the answer's first ``text`` event.
+* Sampling: ``temperature`` 0 is greedy (deterministic), else the kernel
+  samples with ``top_p``/``top_k`` and a seed per step derived from ``seed``;
+  ``presence_penalty``/``frequency_penalty`` (logit -= presence * (count > 0) +
+  frequency * count over the choice's own tokens) and ``logit_bias`` (added to
+  the logits, in the kernel when it chooses) apply to every step.
+* ``response_format``: JSON (compact unless the schema's ``x-guidance`` says
+  otherwise), a JSON schema, a regex, one of a list of strings or a Lark
+  grammar, through llguidance's token masks (symphony.lip.grammar).
+* ``tools`` are listed in a system-prompt section (symphony.lip.tools:
+  Hermes/Qwen ``<tool_call>`` blocks; earlier calls and ``tool`` results are
+  rendered the same way).  ``required``/named: the answer is calls (several
+  with ``parallel_tool_calls``) whose arguments validate against the tool's
+  schema (objects that list their properties take no others), and the choice
+  ends ``tool_calls``.  Never a runaway list: the first call streams as it
+  comes, each later one is sent once written whole; a call that repeats an
+  earlier one ends the answer, and one cut by ``max_tokens`` is dropped (the
+  answer is the calls before it, ``tool_calls``; only a first call cut short
+  ends ``length``).  ``auto``: the model answers in
+  text or, once it writes ``<tool_call>``, the rest is constrained to calls
+  (with ``response_format``: that format or calls, from the first token).
+  ``none``: the tools stay in the prompt (so a conversation's prompt does not
+  change with tool_choice) but a call is never made: the answer ends where the
+  model begins one (finish_reason ``stop``).  Call markup is never sent as
+  text; each call has one id (``call_<24 hex>``), sent with its first piece.
+* ``logprobs``: one entry per token whose text the event completes (a token
+  cut by a stop string comes with the last text; tokens wholly inside it are
+  not reported), the model's raw log-softmax (before penalties, bias, grammar
+  and temperature), alternatives most probable first; ``token`` is the bytes
+  as UTF-8 with ``\\xNN`` escapes for an incomplete character.  Text is never
+  part of a UTF-8 character or of a stop string; the stop string is not sent
+  and ``done`` names it (``stop_sequence``).
+* Choices run in threads on copy-on-write forks of the prompt's KV (computed
+  once); their events interleave, each choice's in order.
+* With ``stream`` false, a choice's first ``text`` or ``tool_call`` event goes
+  at once and the ones after it are merged (symphony.lip.serving.Events): one
+  ``text`` event for the text between two other events (its logprobs
+  concatenated), one ``tool_call`` event for the rest of a call's arguments,
+  each at most ~32 KiB of JSON (more: several).  A 1,000-token answer is then
+  2 text events instead of ~1,000, and the events still concatenate to
+  exactly the streamed answer.
+* Errors: 400 ``invalid_request`` (bad fields, a template error, a token id
+  outside the vocabulary), 400 ``context_length_exceeded`` (the prompt, or
+  prompt + max_tokens, beyond the context), 400 ``invalid_schema`` (llguidance
+  rejects the format or a tool's schema; its message), 429
+  ``kv_quota_exceeded``, 503 ``kv_no_space``, 500 ``internal_error``; exit
+  status 2.
 
 **Prefix caching.** With ``cache``, KV is reused across requests the way
 vLLM's automatic prefix caching does, block by block (symphony.lip.prefixcache
@@ -124,11 +97,11 @@ import traceback
 
 from symphony.lip import InvalidPath, NoSpace, QuotaExceeded, StreamDecoder, TokenizerError, info, kv, pred, tokenizer
 from symphony.lip.decoding import Decoder
-from symphony.lip.grammar import GrammarRejected, json_schema, lark, matcher, token_bytes
+from symphony.lip.grammar import GrammarRejected, format_grammar, format_rule, json_schema, lark, matcher, token_bytes
 from symphony.lip.prefixcache import PrefixCache
 from symphony.lip.serving import BadRequest, Events, Request
 from symphony.lip.streaming import TextStream
-from symphony.lip.tools import MARKER, CallParser, calls_grammar, render
+from symphony.lip.tools import MARKER, CallParser, CallGuard, calls_grammar, render
 
 SEED_MASK = (1 << 64) - 1
 
@@ -175,6 +148,9 @@ class Job:
                              f"{asked}. Please reduce the length of the prompt or completion.",
                              "messages" if req.mode == "chat" else "prompt", "context_length_exceeded")
         self.max_tokens = req.max_tokens or ctx - L
+        vocab = self.info["vocab_size"]
+        if any(t >= vocab for t in req.logit_bias):
+            raise BadRequest(f"logit_bias names a token outside the vocabulary [0, {vocab})", "logit_bias")
         self.offered = bool(req.tools) and req.tool_choice != "none"
         self.grammar, self.calls = self._grammars()
         self.cache = None                            # the prefix cache (symphony.lip.prefixcache)
@@ -195,7 +171,7 @@ class Job:
 
     def _grammars(self):
         """(matcher of the whole answer or None, matcher of calls after <tool_call> or None)."""
-        req = self.req
+        req, fmt = self.req, self.req.response_format
         named = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
         for i, t in enumerate(req.tools if self.offered else ()):
             try:
@@ -204,20 +180,25 @@ class Job:
                 raise BadRequest(f"the schema of tool {t['name']!r} was rejected: {e}", f"tools[{i}].parameters",
                                  "invalid_schema") from None
         try:
-            if self.offered and (req.tool_choice != "auto" or req.response_format is not None):
+            if self.offered and (req.tool_choice != "auto" or fmt is not None):
                 g = calls_grammar(req.tools, only=named, parallel=req.parallel_tool_calls,
-                                  text_schema=req.response_format if req.tool_choice == "auto" else None)
+                                  text_rule=format_rule(fmt) if fmt is not None and req.tool_choice == "auto"
+                                  else None)
                 return matcher(lark(g)), None
-            text = matcher(json_schema(req.response_format)) if req.response_format is not None else None
+            text = matcher(format_grammar(fmt)) if fmt is not None else None
             calls = matcher(lark(calls_grammar(req.tools, parallel=req.parallel_tool_calls))) \
                 if self.offered else None
             return text, calls
         except GrammarRejected as e:
-            raise BadRequest(f"the schema was rejected: {e}", "response_format", "invalid_schema") from None
+            raise BadRequest(f"the {'schema' if 'Json' in type(fmt).__name__ else 'format'} was rejected: {e}",
+                             "response_format", "invalid_schema") from None
 
     # ------------------------------------------------------------ running
     def run(self) -> None:
         req, L = self.req, len(self.prompt)
+        if req.count_only:
+            self.ev.send({"event": "prompt", "prompt_tokens": L, "cached_tokens": 0})
+            return
         base, M = self._base()
         self.ev.send({"event": "prompt", "prompt_tokens": L, "cached_tokens": M})
         with base:
@@ -272,8 +253,8 @@ class Choice:
     def __init__(self, job: "Job", index: int, f, feed: list):
         self.job, self.i, self.f, self.feed, req = job, index, f, feed, job.req
         seed = None if req.seed is None else (req.seed + index) & SEED_MASK
-        self.dec = Decoder(f, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                           presence=req.presence_penalty, frequency=req.frequency_penalty,
+        self.dec = Decoder(f, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
+                           logit_bias=req.logit_bias, presence=req.presence_penalty, frequency=req.frequency_penalty,
                            top_logprobs=req.top_logprobs if req.logprobs else None,
                            matcher=job.grammar.deep_copy() if job.grammar else None,
                            eos_ids=job.tok.eos_ids, vocab=job.info["vocab_size"], pred=pred)
@@ -344,9 +325,16 @@ class Choice:
         self._calls()
 
     def _calls(self) -> None:
-        self.parser, self.calldec = CallParser(), StreamDecoder(self.job.tok)
+        self.parser, self.calldec, self.guard = CallParser(), StreamDecoder(self.job.tok), CallGuard()
 
-    def _call_events(self, events) -> None:
+    def _call_events(self, events, last: bool = False) -> None:
+        events = self.guard.push(events, self.parser.ended)
+        if last:
+            events += self.guard.finish()
+            if self.reason == "length" and self.parser.ended and self.guard.sent:
+                self.reason = "tool_calls"                   # the calls written whole; the one begun is dropped
+        if self.guard.repeated is not None and self.reason is None:
+            self.reason = "tool_calls"                       # it began to repeat a call: the answer ends
         for e in events:
             ev = {"event": "tool_call", "index": self.i, "call": e["call"]}
             if "name" in e:
@@ -369,13 +357,18 @@ class Choice:
             for t, lp in toks:
                 self._token(t, lp)
         if self.parser is not None:
-            self._call_events(self.parser.feed(self.calldec.flush()) + self.parser.finish())
+            self._call_events(self.parser.feed(self.calldec.flush()) + self.parser.finish(), last=True)
         else:
             self._text(*self.text.finish())
-        self.send({"event": "done", "index": self.i, "finish_reason": self.reason,
-                   "completion_tokens": len(self.out)})
         job, L = self.job, len(self.job.prompt)
         stopped = self.parser is None and self.text.hit is not None
+        done = {"event": "done", "index": self.i, "finish_reason": self.reason, "completion_tokens": len(self.out)}
+        if stopped and self.text.hit != MARKER:
+            done["stop_sequence"] = self.text.hit
+        self.send(done)
+        if self.parser is not None and (self.guard.repeated is not None or self.guard.cut
+                                        or self.parser.ended < self.parser.calls):
+            return                                           # its text ends in a dropped call: not cached
         if job.req.n == 1:                                   # the next turn starts with prompt + answer
             job.publish(self.f, job.prompt + self.out, L + (self.text.cut if stopped else len(self.out)))
 

@@ -24,7 +24,7 @@ kernel's step (kernel/syscall/calls/pred.py) makes the same three calls itself.
 Validation happened when the call was submitted (`Engine.check_call`, through
 `KVFS.check_pred`); the runner only asserts what would corrupt memory.  If the
 batched forward pass raises, each call is run alone so that only the culprit
-fails (its slots were never counted as written by its owner).  Masks, top-k
+fails (its slots were never counted as written by its owner).  Logit biases, masks, top-k
 and sampling run on the device (`sampler`); nothing here waits for the device but a decode
 step on the CUDA graphs in which every call wants only its greedy token (argmax, or sample at
 temperature 0, unmasked): the graph's last nodes take the argmax and copy the token ids to the
@@ -43,7 +43,7 @@ from .graphs import DecodeGraphs, decode_step
 from .kv_cache import KVPool
 from .model import BatchMeta, PagedLlama
 from .page_allocator import pages_for
-from .sampler import SamplingParams, apply_mask, sample, top_k
+from .sampler import SamplingParams, apply_bias, apply_mask, sample, top_k
 
 OUTPUTS = ("logits", "topk", "sample", "argmax")   # = symphony.ipc.abi.OUTPUTS (tied by test_runner.py)
 
@@ -56,6 +56,7 @@ class Want:
     k: int = 20                             # top-k: how many
     mask: Optional[np.ndarray] = None       # [vocab] bool: tokens allowed (logits/topk/argmax/sample)
     sampling: SamplingParams = SamplingParams()
+    bias: Optional[tuple] = None            # (ids [n] int64 unique, values [n] float32): added first
 
 
 @dataclass
@@ -144,7 +145,7 @@ class Runner:
         self._count(calls, step.tokens, dt)
         # every unmasked argmax of the pass in one kernel (a launch and a few µs of host time each
         # otherwise: at 64 calls a pass, more than the pass itself on a GPU)
-        plain = [c.want.output == "argmax" and c.want.mask is None for c in calls]
+        plain = [c.want.output == "argmax" and c.want.mask is None and c.want.bias is None for c in calls]
         ids = logits.argmax(-1) if sum(plain) > 1 else None               # [rows]
         results, row = [], 0
         for c, p in zip(calls, plain):
@@ -244,12 +245,15 @@ def run_planned(owner: PageOwner, runner: Runner, calls: Sequence) -> list:
 def greedy(want: Want) -> bool:
     """Whether a call wants only its greedy token: an unmasked argmax, or a sample at temperature 0
     (which `sampler.sample` takes as the argmax)."""
-    return want.mask is None and (want.output == "argmax"
+    return want.mask is None and want.bias is None and (want.output == "argmax"
                                   or want.output == "sample" and want.sampling.temperature == 0)
 
 
 def finish(x: torch.Tensor, want: Want) -> Any:
-    """A call's result from its logits rows ``x`` [rows, vocab], on x's device."""
+    """A call's result from its logits rows ``x`` [rows, vocab], on x's device:
+    the bias added, then the mask, then the output asked for."""
+    if want.bias is not None:
+        x = apply_bias(x, want.bias)                      # [rows, vocab] float32, a copy
     if want.output == "logits":
         return x if want.mask is None else apply_mask(x, want.mask)
     x = apply_mask(x, want.mask)                          # [rows, vocab] float32

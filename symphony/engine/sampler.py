@@ -1,9 +1,10 @@
-"""What a pred call gets back, computed where the logits are: masks, top-k,
-greedy and sampled tokens.  Written once, used by the runner (every kernel pred)
+"""What a pred call gets back, computed where the logits are: logit biases, masks,
+top-k, greedy and sampled tokens.  Written once, used by the runner (every kernel pred)
 and the CLI.
 
     params = check_sampling(temperature=0.8, top_p=0.9, top_k=40, seed=7)
-    x = apply_mask(logits, allowed)            # [rows, vocab], -inf where not allowed
+    x = apply_bias(logits, (ids, values))      # [rows, vocab] float32, values added at the ids
+    x = apply_mask(x, allowed)                 # [rows, vocab], -inf where not allowed
     toks = sample(x, params)                   # [rows] int64, on x's device
     logprobs, ids = top_k(x, 20)               # [rows, 20] float32, [rows, 20] int32
 
@@ -57,6 +58,18 @@ def check_sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None) -> SamplingPa
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def apply_bias(x: torch.Tensor, bias: Optional[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
+    """``x`` [rows, vocab] as float32 with ``bias`` = (token ids [n] int64, values [n]
+    float32; ids unique) added to every row at those ids: a new tensor, ``x`` is not
+    written.  ``bias`` None: ``x`` as float32."""
+    if bias is None:
+        return x.float()
+    ids, values = bias
+    x = x.float().clone()
+    x[:, torch.from_numpy(ids).to(x.device)] += torch.from_numpy(values).to(x.device)
+    return x
 
 
 def apply_mask(x: torch.Tensor, allowed: Optional[np.ndarray]) -> torch.Tensor:
@@ -128,4 +141,4 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
 
 
 __all__ = ["MAX_TEMPERATURE", "MIN_TEMPERATURE", "NUCLEUS_CANDIDATES", "SamplingError", "SamplingParams",
-           "apply_mask", "check_sampling", "nucleus", "sample", "top_k"]
+           "apply_bias", "apply_mask", "check_sampling", "nucleus", "sample", "top_k"]

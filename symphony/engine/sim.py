@@ -221,7 +221,7 @@ class SimRunner(Runner):
         for c, n in zip(calls, rows):
             w = c.want
             try:
-                if w.output == "argmax" and w.mask is None:
+                if w.output == "argmax" and w.mask is None and w.bias is None:
                     results.append(CallResult(ids[r:r + n]))
                 else:
                     results.append(CallResult(finish(self.logits(h[r:r + n], greedy[r:r + n]), w)))

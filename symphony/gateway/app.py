@@ -3,17 +3,20 @@
     GET  /health, /metrics                      each kernel's state (503 when none answers); Prometheus
     GET  /v1/models[/{id}]                      the model the kernels serve, and their states
     POST /v1/chat/completions, /v1/completions  OpenAI, streamed (SSE) or not   (completions.py)
-    POST /v1/responses; GET|DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items
-                                                OpenAI / Open Responses          (responses.py)
+    POST /v1/responses; GET|DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items;
+    POST /v1/responses/compact                  OpenAI / Open Responses          (responses.py)
+    WebSocket /v1/responses                     its WebSocket mode               (ws.py)
+    POST /v1/messages, /v1/messages/count_tokens
+                                                Anthropic's Messages API          (messages.py)
     POST /v1/lips; POST /v1/lips/{id}/input; DELETE /v1/lips/{id}; GET /v1/lips
     GET|DELETE /v1/kv?path=; GET /v1/kv/stat?path=
                                                 programs and KV files over HTTP  (lips.py)
 
-Every /v1 request is authenticated by its API key (``Authorization: Bearer``,
-keys.py), bounded (body size; the key's rate and concurrency; the gateway's
+Every /v1 request is authenticated by its API key (``Authorization: Bearer``
+or ``x-api-key``, keys.py), bounded (body size; the key's rate and concurrency; the gateway's
 requests in flight: limits.py) and logged (one access-log line: request id,
 key, route, status, tokens, time to first token, total time).  Every error is
-OpenAI-shaped with its status; nothing a client sends can produce a 500
+OpenAI-shaped (Anthropic-shaped on /v1/messages) with its status; nothing a client sends can produce a 500
 (a 500 means a bug, and says so in the log with the request id).  With
 several kernels (``--kernel`` repeated), each request runs on the one
 kernels.py and router.py choose.
@@ -31,7 +34,7 @@ import orjson
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from symphony.programs import available, resolve
 
@@ -44,6 +47,7 @@ from .moves import Mover
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .store import ResponseStore
 from .streams import ClientGone
+from .ws import Sockets
 
 log = logging.getLogger("symphony.gateway")
 access = logging.getLogger("symphony.gateway.access")
@@ -62,6 +66,7 @@ class Gateway:
         self.store = ResponseStore(cfg.max_stored_responses, cfg.max_stored_bytes)
         self.mover = Mover(self.kernels, self.store, self.cache_dir)      # KV that follows its users (moves.py)
         self._moves: set = set()
+        self.sockets = Sockets(cfg)
         self.lips: dict[int, tuple[str, object, dict]] = {}   # gateway LIP id -> (key name, session, row)
         self.models: list[str] = []
         self.context_tokens = 2048
@@ -166,7 +171,8 @@ class Gateway:
         presented = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
         key = self.keys.lookup(presented)
         if key is None:
-            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)" if not presented
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
+                           if not presented
                            else "invalid API key", code="invalid_api_key")
         return key
 
@@ -199,11 +205,12 @@ def _stock_programs() -> dict[str, tuple[str, str]]:
 # ---------------------------------------------------------------- the ASGI app
 def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
     """The Starlette app serving ``gw``."""
-    from . import completions, lips, responses
+    from . import completions, lips, messages, responses, ws
 
-    def api(handler, route: str, *, needs_body: bool = True):
+    def api(handler, route: str, *, needs_body: bool = True, errors: str = "openai"):
         async def endpoint(request: Request):
             request.state.route = route
+            request.state.errors = errors                     # the shape of this route's errors
             key = None
             try:
                 key = gw.authenticate(request)
@@ -256,11 +263,16 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
         Route("/v1/chat/completions", api(completions.chat_completions, "chat"), methods=["POST"]),
         Route("/v1/completions", api(completions.completions, "completions"), methods=["POST"]),
         Route("/v1/responses", api(responses.create, "responses"), methods=["POST"]),
+        WebSocketRoute("/v1/responses", lambda websocket: ws.endpoint(gw, websocket)),
+        Route("/v1/responses/compact", api(responses.compact, "responses.compact"), methods=["POST"]),
         Route("/v1/responses/{rid}", api(responses.get, "responses.get", needs_body=False), methods=["GET"]),
         Route("/v1/responses/{rid}", api(responses.delete, "responses.delete", needs_body=False),
               methods=["DELETE"]),
         Route("/v1/responses/{rid}/input_items", api(responses.input_items, "responses.input_items",
                                                      needs_body=False), methods=["GET"]),
+        Route("/v1/messages", api(messages.create, "messages", errors="anthropic"), methods=["POST"]),
+        Route("/v1/messages/count_tokens", api(messages.count_tokens, "messages.count_tokens", errors="anthropic"),
+              methods=["POST"]),
         Route("/v1/lips", api(lips.submit, "lips.submit"), methods=["POST"]),
         Route("/v1/lips", api(lips.listing, "lips.list", needs_body=False), methods=["GET"]),
         Route("/v1/lips/{lip:int}/input", api(lips.send_input, "lips.input"), methods=["POST"]),
@@ -278,7 +290,8 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
         await gw.kernels.close()
 
     async def api_error(request: Request, e: ApiError):
-        return Response(e.json(), status_code=e.status, media_type="application/json", headers=e.headers())
+        return Response(e.json(_shape(request.scope)), status_code=e.status, media_type="application/json",
+                        headers=e.headers())
 
     async def client_gone(request: Request, e: ClientGone):
         return Response(b"", status_code=499)
@@ -287,13 +300,18 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
         rid = request.scope.get("state", {}).get("request_id", "?")
         log.error("request %s (%s %s) failed: %s: %s", rid, request.method, request.url.path, type(e).__name__, e,
                   exc_info=e)
-        return Response(ApiError(500, f"internal error (request id {rid})").json(), status_code=500,
+        return Response(ApiError(500, f"internal error (request id {rid})").json(_shape(request.scope)), status_code=500,
                         media_type="application/json")
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, ClientGone: client_gone, ClientDisconnect: client_gone,
                                         Exception: bug})
     return AccessLog(app, gw)
+
+
+def _shape(scope) -> str:
+    """The error shape of the route a request reached: "anthropic" or "openai"."""
+    return scope.get("state", {}).get("errors", "openai")
 
 
 class AccessLog:
@@ -312,7 +330,7 @@ class AccessLog:
         t0 = time.monotonic()
         state = scope.setdefault("state", {})
         state["request_id"] = rid
-        info = {"status": 500, "started": False}
+        info = {"status": 500, "started": False, "state": state}
 
         async def send_wrapped(msg):
             if msg["type"] == "http.response.start":
@@ -360,7 +378,7 @@ class AccessLog:
         info["status"], info["started"] = e.status, True
         if skip_body:
             info["skip_body"] = True
-        body = e.json()
+        body = e.json(_shape({"state": info.get("state", {})}))
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", rid.encode())] + [(k.lower().encode(), v.encode())
                                                        for k, v in e.headers().items()]

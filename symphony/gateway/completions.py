@@ -4,6 +4,8 @@ Each request becomes the serving program's request (serving.py); its events
 become OpenAI's ``chat.completion`` / ``text_completion`` objects, or their
 streamed chunks (``chat.completion.chunk`` / ``text_completion`` over SSE,
 ending with ``data: [DONE]``), exactly as the ``openai`` package parses them.
+Besides OpenAI's parameters (``logit_bias`` included), vLLM's extra ones are
+taken: ``top_k``, ``structured_outputs`` and the ``guided_*`` names (tools.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .errors import ApiError
 from .schema import ChatRequest, CompletionRequest, decode, text_of
 from .serving import ServeRun
 from .streams import collect, sse_response
-from .tools import output_format, tool_choice, tool_list
+from .tools import answer_format, logit_bias, tool_choice, tool_list
 
 
 def _sampling(r, max_tokens) -> dict:
@@ -22,13 +24,10 @@ def _sampling(r, max_tokens) -> dict:
     if any(not s for s in stop):
         raise ApiError(400, "stop strings must not be empty", param="stop")
     return {"max_tokens": max_tokens, "temperature": 1.0 if r.temperature is None else r.temperature,
-            "top_p": 1.0 if r.top_p is None else r.top_p, "seed": r.seed, "stop": stop, "n": r.n or 1,
-            "presence_penalty": r.presence_penalty or 0.0, "frequency_penalty": r.frequency_penalty or 0.0}
-
-
-def _refuse_unsupported(r) -> None:
-    if r.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+            "top_p": 1.0 if r.top_p is None else r.top_p, "top_k": max(0, r.top_k or 0), "seed": r.seed,
+            "stop": stop, "n": r.n or 1, "presence_penalty": r.presence_penalty or 0.0,
+            "frequency_penalty": r.frequency_penalty or 0.0, "logit_bias": logit_bias(r.logit_bias),
+            "response_format": answer_format(r)}
 
 
 # ---------------------------------------------------------------- chat
@@ -52,11 +51,8 @@ def chat_request(r: ChatRequest, attachments: str) -> dict:
     tools = tool_list([{"name": t.function.name, "description": t.function.description or "",
                         "parameters": t.function.parameters} for t in r.tools or []])
     choice, offered = tool_choice(r.tool_choice, tools, flat=False)
-    fmt = r.response_format
     req = {"mode": "chat", "messages": messages, **_sampling(r, r.max_completion_tokens or r.max_tokens),
            "logprobs": bool(r.logprobs), "top_logprobs": r.top_logprobs or 0,
-           "response_format": output_format(fmt.type, fmt.json_schema.schema if fmt and fmt.json_schema else None,
-                                            "response_format.json_schema") if fmt else None,
            "tools": offered, "tool_choice": choice,
            "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
            "stream": bool(r.stream)}
@@ -68,7 +64,6 @@ def chat_request(r: ChatRequest, attachments: str) -> dict:
 async def chat_completions(gw, body: bytes, key, request):
     r = decode(body, ChatRequest)
     gw.check_model(r.model)
-    _refuse_unsupported(r)
     req = gw.prepare(chat_request(r, gw.cfg.attachments), key)
     run = ServeRun(gw, "chat", [req], req["n"], key, gw.priority(request, key))
     base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": r.model}
@@ -153,7 +148,6 @@ def completion_requests(r: CompletionRequest) -> list[dict]:
 async def completions(gw, body: bytes, key, request):
     r = decode(body, CompletionRequest)
     gw.check_model(r.model)
-    _refuse_unsupported(r)
     reqs = [gw.prepare(x, key) for x in completion_requests(r)]
     run = ServeRun(gw, "completions", reqs, r.n or 1, key, gw.priority(request, key))
     base = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),

@@ -10,7 +10,7 @@ from typing import Optional
 from symphony.ipc.transport import is_loopback  # noqa: F401  (the gateway's test of a loopback address)
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
-ROUTES = ("chat", "completions", "responses")
+ROUTES = ("chat", "completions", "responses", "messages")
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,9 @@ class GatewayConfig:
     max_connections: int = 4096
     max_conns_per_addr: int = 256
     max_pending_per_addr: int = 16
+    max_sockets: int = 256                             # WebSocket connections open at once, all keys
+    max_sockets_per_key: int = 16                      # ... of one key
+    socket_max_age: float = 3600.0                     # a WebSocket connection's lifetime, seconds
 
     def door(self):
         """The front door's bounds (frontdoor.DoorConfig)."""
@@ -128,6 +131,10 @@ class GatewayConfig:
                 raise ConfigError(f"{flag} must be >= 1")
         if self.max_conns_per_addr < self.max_pending_per_addr:
             raise ConfigError("--max-conns-per-addr must be >= --max-pending-per-addr")
+        if self.max_sockets < 1 or self.max_sockets_per_key < 1:
+            raise ConfigError("--max-sockets and --max-sockets-per-key must be >= 1")
+        if not 0 < self.socket_max_age <= 86400:
+            raise ConfigError("--socket-max-age must be in (0, 86400] seconds")
 
 
 def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
@@ -155,7 +162,7 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
     g.add_argument("--max-stored-mb", type=int, default=64,
                    help="MiB of stored /v1/responses kept per user, oldest dropped first (default 64)")
     g.add_argument("--program", action="append", default=[], metavar="ROUTE=PROGRAM",
-                   help="serve ROUTE (chat, completions, responses) with PROGRAM, a stock program's name or "
+                   help="serve ROUTE (chat, completions, responses, messages) with PROGRAM, a stock program's name or "
                         "a LIP file (default: the stock program serve)")
     g.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may use for the model (repeatable)")
@@ -192,6 +199,14 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                    help="connections of one client address whose request's headers have not all arrived "
                         "(not yet authenticated) for over a second (default 16; a burst of new ones is "
                         "not counted); beyond, its oldest such one is closed (408)")
+    g.add_argument("--max-sockets", type=int, default=256,
+                   help="WebSocket connections (/v1/responses WebSocket mode) open at once, all keys (default 256)")
+    g.add_argument("--max-sockets-per-key", type=int, default=16,
+                   help="WebSocket connections one key may have open at once (default 16); beyond, the "
+                        "handshake is refused with 429")
+    g.add_argument("--socket-max-age", type=float, default=3600.0,
+                   help="seconds a WebSocket connection lives (default 3600, the specification's 60 minutes); "
+                        "then it ends with the error websocket_connection_limit_reached")
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -244,7 +259,9 @@ def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[li
                          max_pending_per_addr=args.max_pending_per_addr,
                          durable_responses=getattr(args, "durable_responses", False),
                          kernel_secret=getattr(args, "kernel_secret", None), kernel_ca=getattr(args, "kernel_ca", None),
-                         kernel_cert=getattr(args, "kernel_cert", None), kernel_key=getattr(args, "kernel_key", None))
+                         kernel_cert=getattr(args, "kernel_cert", None), kernel_key=getattr(args, "kernel_key", None),
+                         max_sockets=args.max_sockets, max_sockets_per_key=args.max_sockets_per_key,
+                         socket_max_age=args.socket_max_age)
 
 
 def to_argv(args) -> list[str]:
@@ -261,7 +278,9 @@ def to_argv(args) -> list[str]:
                     ("--body-timeout", args.body_timeout), ("--write-timeout", args.write_timeout),
                     ("--keep-alive-timeout", args.keep_alive_timeout), ("--max-header-kb", args.max_header_kb),
                     ("--max-http-connections", args.max_http_connections), ("--max-conns-per-addr", args.max_conns_per_addr),
-                    ("--max-pending-per-addr", args.max_pending_per_addr)):
+                    ("--max-pending-per-addr", args.max_pending_per_addr),
+                    ("--max-sockets", args.max_sockets), ("--max-sockets-per-key", args.max_sockets_per_key),
+                    ("--socket-max-age", args.socket_max_age)):
         if v is not None:
             out += [flag, str(v)]
     for spec in args.program:

@@ -79,6 +79,37 @@ class StreamOptions(Base):
     include_usage: bool = False
 
 
+# ---------------------------------------------------------------- vLLM's extra parameters
+LogitBias = dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]]
+
+
+class StructuredOutputs(Base, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs``: the answer is exactly one of ``choice``, matches
+    ``regex``, is JSON of schema ``json``, or follows the Lark ``grammar`` (one of them)."""
+    choice: Optional[Annotated[list[str], msgspec.Meta(min_length=1)]] = None
+    regex: Optional[str] = None
+    json: Union[dict, str, None] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Any = None
+    whitespace_pattern: Optional[str] = None
+    disable_any_whitespace: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None
+    disable_fallback: Optional[bool] = None
+
+
+class Extras(Base, kw_only=True):
+    """What vLLM's OpenAI server takes beyond OpenAI's fields (the ``extra_body`` of the
+    ``openai`` package), for chat and completions: ``top_k`` (-1 or 0: off), and the
+    answer constrained by ``structured_outputs`` or its older names ``guided_*``."""
+    top_k: Optional[Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)]] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_choice: Optional[Annotated[list[str], msgspec.Meta(min_length=1)]] = None
+    guided_regex: Optional[str] = None
+    guided_json: Union[dict, str, None] = None
+    guided_grammar: Optional[str] = None
+
+
 # ---------------------------------------------------------------- chat completions
 class ToolCallFunction(Base):
     name: str
@@ -99,7 +130,7 @@ class Message(Base):
     tool_call_id: Optional[str] = None
 
 
-class ChatRequest(Base):
+class ChatRequest(Extras):
     model: str
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
     max_tokens: Optional[PositiveInt] = None
@@ -119,12 +150,12 @@ class ChatRequest(Base):
     tools: Optional[Annotated[list[ChatTool], msgspec.Meta(max_length=MAX_TOOLS)]] = None
     tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = None
-    logit_bias: Optional[dict] = None
+    logit_bias: Optional[LogitBias] = None
     user: Optional[str] = None
 
 
 # ---------------------------------------------------------------- completions
-class CompletionRequest(Base):
+class CompletionRequest(Extras):
     model: str
     prompt: Union[str, list[Union[str, int, list[int]]]]    # text, texts, token ids, token id lists
     max_tokens: Optional[PositiveInt] = 16
@@ -141,14 +172,16 @@ class CompletionRequest(Base):
     frequency_penalty: Optional[Penalty] = None
     best_of: Optional[PositiveInt] = None
     suffix: Optional[str] = None
-    logit_bias: Optional[dict] = None
+    logit_bias: Optional[LogitBias] = None
+    response_format: Optional[ResponseFormat] = None
     user: Optional[str] = None
 
 
 # ---------------------------------------------------------------- responses
 class ResponseItem(Base):
     """One input item: a message (``type`` "message" or absent, with ``role``),
-    a ``function_call`` the model made earlier, or a ``function_call_output``."""
+    a ``function_call`` the model made earlier, a ``function_call_output``, or a
+    ``compaction`` (from ``/v1/responses/compact``)."""
     type: Optional[str] = None
     role: Optional[Literal["system", "developer", "user", "assistant"]] = None
     content: Content = None
@@ -158,6 +191,8 @@ class ResponseItem(Base):
     output: Union[str, list[Part], None] = None
     id: Optional[str] = None
     status: Optional[str] = None
+    phase: Optional[Literal["commentary", "final_answer"]] = None   # an assistant message's
+    encrypted_content: Optional[str] = None                          # a compaction item's
 
 
 class ResponseTool(Base):
@@ -205,6 +240,18 @@ class ResponsesRequest(Base):
     max_tool_calls: Optional[PositiveInt] = None
     background: Optional[bool] = None
     user: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+
+class CompactRequest(Base):
+    """POST /v1/responses/compact: the conversation (``input``, after the stored one of
+    ``previous_response_id``) to compact."""
+    model: str
+    input: Union[str, list[ResponseItem], None] = None
+    previous_response_id: Optional[str] = None
+    instructions: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
 
 
 # ---------------------------------------------------------------- LIPs over HTTP
@@ -239,12 +286,29 @@ def decode(body: bytes, typ):
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _AT.search(msg)
-        param = m.group(1) if m else None
-        raise ApiError(400, f"invalid request: {msg}", param=param or None) from None
+        raise _invalid(e) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def convert(obj, typ):
+    """``obj`` (decoded JSON) as a ``typ``; ApiError 400 naming the parameter when it is not."""
+    try:
+        return msgspec.convert(obj, type=typ)
+    except msgspec.ValidationError as e:
+        raise _invalid(e) from None
+
+
+def _invalid(e: msgspec.ValidationError) -> ApiError:
+    """The 400 of a body that does not fit its type, naming the parameter (a missing
+    field: the field itself)."""
+    msg = str(e)
+    m = _AT.search(msg)
+    param = (m.group(1) if m else "") or ""
+    missing = re.match(r"Object missing required field `([^`]*)`", msg)
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return ApiError(400, f"invalid request: {msg}", param=param or None)
 
 
 MAX_INLINE_TEXT = 1 << 20
@@ -253,8 +317,9 @@ TEXT_TYPES = ("text/", "application/json", "application/xml", "application/x-yam
 
 def text_of(content: Content, where: str, *, attachments: str = "refuse") -> str:
     """One string from a message's content (a string or parts).  A text file
-    given inline (``file_data``: a ``data:text/...;base64,`` URL) is included
-    as ``[file NAME]`` and its text.  An image or a file the model cannot read
+    given inline (``file_data``: a ``data:text/...;base64,`` URL), or a PDF
+    with text in it (read by pypdf: at most 2 MiB, its first 50 pages), is
+    included as ``[file NAME]`` and its text.  An image or a file the model cannot read
     is refused (400), or with ``attachments="placeholder"`` replaced by a line
     saying what it was (``[image]``, ``[file NAME: application/pdf, 1234
     bytes, not readable as text]``).  Other parts (audio, ...) are refused."""
@@ -307,4 +372,35 @@ def _inline_text(data: Optional[str], at: str) -> tuple[Optional[str], str]:
             return raw.decode("utf-8"), mime
         except UnicodeDecodeError:
             pass
+    if mime == "application/pdf" and len(raw) <= MAX_PDF_BYTES:
+        text = _pdf_text(raw)
+        if text:
+            return text, mime
     return None, f"{mime}, {len(raw)} bytes"
+
+
+MAX_PDF_BYTES = 2 << 20             # a PDF read as text: at most this big ...
+MAX_PDF_PAGES = 50                  # ... and its first pages only
+
+
+def _pdf_text(raw: bytes) -> Optional[str]:
+    """The text of a PDF (pypdf), at most MAX_PDF_PAGES pages and MAX_INLINE_TEXT
+    characters; None for one pypdf cannot read (encrypted, malformed) or without text."""
+    import io
+    import logging
+    try:
+        from pypdf import PdfReader
+        logging.getLogger("pypdf").setLevel(logging.ERROR)      # a malformed file is the client's, not a log line
+        reader = PdfReader(io.BytesIO(raw))
+        if reader.is_encrypted:
+            return None
+        out, size = [], 0
+        for page in reader.pages[:MAX_PDF_PAGES]:
+            text = page.extract_text() or ""
+            out.append(text)
+            size += len(text)
+            if size > MAX_INLINE_TEXT:
+                break
+        return "\n".join(out).strip()[:MAX_INLINE_TEXT] or None
+    except Exception:                                           # noqa: BLE001 - any unreadable PDF is a placeholder
+        return None

@@ -3,10 +3,11 @@
     symphony-gateway --http 0.0.0.0:8000 [--socket PATH] [--keys FILE] [--tls-cert PEM --tls-key PEM]
     symphony-gateway --http 0.0.0.0:8000 --kernel PATH --kernel PATH ...      (several kernels)
 
-It runs uvicorn (with uvloop and httptools) on the app of app.py, behind the
-front door of frontdoor.py (timeouts, and connections bounded per client
-address), and talks to its kernels over their Unix sockets (kernels.py;
-router.py says which kernel serves what).  Started as root (``symphony-kernel
+It runs uvicorn (with uvloop, httptools, and websockets for the WebSocket
+mode of /v1/responses) on the app of app.py, behind the front door of
+frontdoor.py (timeouts, and connections bounded per client address), and
+talks to its kernels over their Unix sockets (kernels.py; router.py says
+which kernel serves what).  Started as root (``symphony-kernel
 --http`` does), it reads the key file, the TLS files and binds its port
 first, then drops to ``--run-as UID`` (the uid the kernel trusts to act for
 the keys' users, ``symphony-kernel --gateway-uid``) before serving; it never
@@ -118,8 +119,12 @@ def main(argv=None) -> int:
     else:
         log.info("%d API keys from %s", len(keys.keys), cfg.keys_path)
     import uvicorn
+    import warnings
     from .app import Gateway, build_app
     from .frontdoor import Door, protocol_class
+    # uvicorn's "websockets" protocol is the one of its implementations that can refuse a
+    # WebSocket handshake with an HTTP status (401, 429): kept on purpose, its notice silenced
+    warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")
     from symphony.programs import ProgramError
     try:
         gw = Gateway(cfg, keys)
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
         return 2
     # the front door (frontdoor.py) bounds connections per client address; uvicorn's own
     # limit_concurrency would count every half-sent connection and answer everyone 503
-    ucfg = uvicorn.Config(app, loop="uvloop", http=protocol_class(door), ws="none", lifespan="on",
+    ucfg = uvicorn.Config(app, loop="uvloop", http=protocol_class(door), ws="websockets", lifespan="on",
                           log_level="warning", access_log=False, ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key,
                           timeout_keep_alive=cfg.keep_alive_timeout, limit_concurrency=None,
                           backlog=_BACKLOG)
@@ -178,7 +183,8 @@ def main(argv=None) -> int:
 PRELOAD = ("anyio._backends._asyncio", "uvicorn.protocols.http.httptools_impl", "uvicorn.lifespan.on",
            "uvicorn.loops.uvloop", "encodings.idna", "email.utils", "http.cookies", "prometheus_client.exposition",
            "prometheus_client.openmetrics.exposition", "symphony.gateway.completions", "symphony.gateway.responses",
-           "symphony.gateway.lips", "starlette.background", "starlette.datastructures", "starlette.formparsers",
+           "symphony.gateway.lips", "symphony.gateway.messages", "symphony.gateway.ws",
+           "uvicorn.protocols.websockets.websockets_impl", "websockets.legacy.server", "starlette.background", "starlette.datastructures", "starlette.formparsers",
            "json", "hmac", "hashlib")
 
 

@@ -5,14 +5,20 @@ serving program (by default the stock `userland/serve.py`) spawned for the
 key's user, with the key's priority and the gateway's limits, so that
 admission, fairness, suspension and KV quotas apply to HTTP traffic as they
 do to ``symphony run``.  The program gets the request, normalized, as its one
-argument (JSON) and answers with events (`send(dict)`), the contract
-serve.py's docstring defines:
+argument (JSON) and answers with events (`send(dict)`): the contract declared
+in `symphony.ipc.serving` (docs/reference/serving.md):
 
     {"event": "prompt", "prompt_tokens", "cached_tokens"}
     {"event": "text", "index", "text", "logprobs"?}
     {"event": "tool_call", "index", "call", "id"?, "name"?, "arguments"}
-    {"event": "done", "index", "finish_reason", "completion_tokens"}
+    {"event": "done", "index", "finish_reason", "completion_tokens", "stop_sequence"?}
     {"event": "error", "status", "code", "message", "param"}   (then exit 2)
+
+Each request is checked against the contract before it is sent (a violation
+is the client's: 400), and each event as it arrives: an event outside the
+contract, or out of order (a choice's piece before the prompt event or after
+its ``done``, a call's piece out of turn, a choice the request did not ask
+for), fails the request with 500 ``program_failed`` and closes the run.
 
 The request's ``stream`` is the client's: for an answer that is not
 streamed the program merges each choice's text into few events (the first
@@ -36,11 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import orjson
+
+from symphony.ipc import serving as contract
 
 from .errors import ApiError
 from .kernel import KernelRefused, KernelUnavailable, LipSession
@@ -72,6 +81,7 @@ class Choice:
     logprobs: list = field(default_factory=list)
     calls: list = field(default_factory=list)        # [{"id", "name", "arguments"}]
     finish_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None              # the stop string that ended it
     completion_tokens: int = 0
     last_at: Optional[float] = None
 
@@ -99,6 +109,7 @@ class ServeRun:
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUED_EVENTS)
         self._pumps: list[asyncio.Task] = []
         self._pending_prompt = len(requests)
+        self._prompted: set = set()                  # the runs whose prompt event came
         self._live = 0
         self._stderr: list[str] = []
         self._closed = False
@@ -116,6 +127,11 @@ class ServeRun:
         or none can take it."""
         source, filename = self.gw.program(self.route)
         kernels, pin = self.gw.kernels, self.pin
+        for req in self.requests:                    # the contract's own check, before anything runs
+            try:
+                contract.build_request(req)
+            except contract.ContractError as e:
+                raise ApiError(400, f"invalid request: {e}", param=e.param or None) from None
         try:
             for req in self.requests:
                 keys = request_keys(req)
@@ -166,14 +182,21 @@ class ServeRun:
         """The programs' output events, checked, with choice indexes made global;
         the first is always {"event": "prompt"} (summed over the prompts).
         ApiError if a program refuses the request or fails."""
+        early = []                                       # a batch's events before its last prompt event
         while self._live:
             k, ev = await self._queue.get()
             if ev is None:
                 self._live -= 1
                 continue
             out = self._accept(k, ev)
-            if out is not None:
-                yield out
+            if out is None:
+                continue
+            if self._pending_prompt:
+                early.append(out)
+                continue
+            yield out
+            while early:
+                yield early.pop(0)
         unfinished = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
         if not unfinished:
             self._remember_answers()
@@ -205,18 +228,18 @@ class ServeRun:
             return None
         if kind != "out":
             return None                                  # started, stdout, exit: not the answer
-        d = ev.get("data")
-        if not isinstance(d, dict):
-            return None
-        what = d.get("event")
-        if what == "error":
-            status = d.get("status") if isinstance(d.get("status"), int) and 400 <= d.get("status") < 600 else 400
-            raise ApiError(status, str(d.get("message", "the request was refused"))[:2000],
-                           code=d.get("code") if isinstance(d.get("code"), str) else None,
-                           param=d.get("param") if isinstance(d.get("param"), str) else None)
-        if what == "prompt":
-            self.prompt_tokens += _int(d.get("prompt_tokens"))
-            self.cached_tokens += _int(d.get("cached_tokens"))
+        try:
+            d = contract.decode_event(ev.get("data"))
+        except contract.ContractError as e:
+            raise self._broken(f"an event outside its contract ({e}; param {e.param or '-'})") from None
+        if isinstance(d, contract.ErrorEvent):
+            raise ApiError(d.status, d.message[:2000], code=d.code, param=d.param)
+        if isinstance(d, contract.PromptEvent):
+            if k in self._prompted:
+                raise self._broken("a second prompt event")
+            self._prompted.add(k)
+            self.prompt_tokens += d.prompt_tokens
+            self.cached_tokens += d.cached_tokens
             self._pending_prompt -= 1
             if self._pending_prompt:
                 return None
@@ -225,45 +248,53 @@ class ServeRun:
             m.cache_queries.inc(self.prompt_tokens)
             m.cache_hits.inc(self.cached_tokens)
             return {"event": "prompt", "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
-        i = _int(d.get("index"))
-        if not 0 <= i < self.n:
-            return None
-        i += k * self.n
+        if k not in self._prompted:
+            raise self._broken(f"a {type(d).__name__} before its prompt event")
+        if d.index >= self.n:
+            raise self._broken(f"an event of choice {d.index}; the request has {self.n}")
+        i = d.index + k * self.n
         c = self.choices[i]
+        if c.finish_reason is not None:
+            raise self._broken(f"an event of choice {d.index} after its done event")
         now = time.monotonic()
-        if what in ("text", "tool_call"):
+        if not isinstance(d, contract.DoneEvent):
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.gw.metrics.ttft.labels(self.route).observe(now - self.started)
             elif c.last_at is not None and self.streamed:
                 self.gw.metrics.itl.labels(self.route).observe(now - c.last_at)
             c.last_at = now
-        if what == "text":
-            text = d.get("text") if isinstance(d.get("text"), str) else ""
-            lps = d.get("logprobs") if isinstance(d.get("logprobs"), list) else None
-            c.text.append(text)
+        if isinstance(d, contract.TextEvent):
+            lps = ev["data"].get("logprobs") or None        # checked by decode_event
+            c.text.append(d.text)
             if lps:
                 c.logprobs.extend(lps)
-            return {"event": "text", "index": i, "text": text, "logprobs": lps}
-        if what == "tool_call":
-            call = _int(d.get("call"))
-            args = d.get("arguments") if isinstance(d.get("arguments"), str) else ""
-            if call == len(c.calls):
-                c.calls.append({"id": str(d.get("id") or f"call_{i}_{call}"), "name": str(d.get("name", "")),
-                                "arguments": args})
-                return {"event": "tool_call", "index": i, "call": call, "start": True, **c.calls[-1],
-                        "delta": args}
-            if 0 <= call < len(c.calls):
-                c.calls[call]["arguments"] += args
-                return {"event": "tool_call", "index": i, "call": call, "start": False, "delta": args}
-            return None
-        if what == "done":
-            c.finish_reason = d.get("finish_reason") if d.get("finish_reason") in (
-                "stop", "length", "tool_calls", "content_filter") else "stop"
-            c.completion_tokens = _int(d.get("completion_tokens"))
-            self.gw.metrics.generation_tokens.labels(self.route).inc(c.completion_tokens)
-            return {"event": "done", "index": i, "finish_reason": c.finish_reason}
-        return None
+            return {"event": "text", "index": i, "text": d.text, "logprobs": lps}
+        if isinstance(d, contract.ToolCallEvent):
+            if d.call == len(c.calls):                   # a new call: its first piece names it
+                if d.name is None:
+                    raise self._broken(f"call {d.call} of choice {d.index} began without a name")
+                c.calls.append({"id": d.id or f"call_{secrets.token_hex(12)}", "name": d.name,
+                                "arguments": d.arguments})
+                return {"event": "tool_call", "index": i, "call": d.call, "start": True, **c.calls[-1],
+                        "delta": d.arguments}
+            if d.call != len(c.calls) - 1 or d.name is not None or (d.id is not None and d.id != c.calls[-1]["id"]):
+                raise self._broken(f"a piece of call {d.call} of choice {d.index} out of order "
+                                   f"({len(c.calls)} calls so far)")
+            c.calls[-1]["arguments"] += d.arguments
+            return {"event": "tool_call", "index": i, "call": d.call, "start": False, "delta": d.arguments}
+        c.finish_reason = d.finish_reason
+        c.stop_sequence = d.stop_sequence
+        c.completion_tokens = d.completion_tokens
+        self.gw.metrics.generation_tokens.labels(self.route).inc(c.completion_tokens)
+        return {"event": "done", "index": i, "finish_reason": c.finish_reason}
+
+    def _broken(self, what: str) -> ApiError:
+        """The 500 of a serving program that broke its contract (a bug in the program)."""
+        log.error("serving program (user %s, LIP %s) sent %s", self.key.user,
+                  ",".join(str(s.lip) for s in self.sessions), what)
+        return ApiError(500, f"the serving program sent {what}; the gateway's log has the details",
+                        code="program_failed")
 
     async def first(self) -> dict:
         """Wait for the first event (the prompt's), so that a refusal is known
@@ -285,10 +316,6 @@ class ServeRun:
         for s in self.sessions:
             await s.close()
         self.gw.metrics.e2e.labels(self.route).observe(time.monotonic() - self.started)
-
-
-def _int(v) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
 def _kv_estimate(req: dict, context: int) -> int:

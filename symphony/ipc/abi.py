@@ -59,3 +59,5 @@ MAX_KEYS_PER_CALL = MAX_TOKENS_PER_CALL // KEY_WORDS
 MAX_BLOCK = 4096                  # tokens of a chain file's block
 MAX_LOOKUP_WAIT_S = 300.0         # the longest a lookup may wait for promised blocks
 MAX_TRUST = 256                   # users a lookup trusts besides its own
+MAX_LOGIT_BIAS = 1024             # (token id, bias) pairs of a pred's logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0      # |bias| at most this (OpenAI's range: a bias of +-100 forces or bans a token)

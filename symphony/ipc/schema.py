@@ -79,6 +79,11 @@ SampleTopK = Optional[_SampleTopK]
 _Seed = _must(int, "an int or null")
 Seed = Optional[_Seed]
 MaskWords = _must(int, f"an int in [0, {abi.MAX_MASK_WORDS}]", ge=0, le=abi.MAX_MASK_WORDS)
+_BIAS = abi.MAX_LOGIT_BIAS_VALUE
+_LogitBias = _must(list[tuple[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=-_BIAS, le=_BIAS)]]],
+                   f"a list of at most {abi.MAX_LOGIT_BIAS} [token id >= 0, bias in [{-_BIAS}, {_BIAS}]] "
+                   f"pairs, or null", max_length=abi.MAX_LOGIT_BIAS)
+LogitBias = Optional[_LogitBias]
 Length = _must(int, "an int >= 0", ge=0)
 Ranges = _must(list[tuple[int, int]], f"a non-empty list of at most {abi.MAX_LIST_ITEMS} [start, end) pairs",
                min_length=1, max_length=abi.MAX_LIST_ITEMS)
@@ -113,7 +118,9 @@ class Empty(_Body):
 
 class Pred(_Body):
     """PRED: append ``n_tokens`` tokens (the call's int32 array, then ``n_mask_words``
-    uint32 mask words) to KV file ``kv`` and run the model."""
+    uint32 mask words) to KV file ``kv`` and run the model.  ``logit_bias``: (token
+    id, bias) pairs added to the logits before the mask and any output (the kernel
+    checks the ids against the vocabulary and refuses a repeated id)."""
     kv: Handle
     n_tokens: NTokens
     positions: Positions = None
@@ -125,6 +132,7 @@ class Pred(_Body):
     top_k: SampleTopK = 0
     seed: Seed = None
     n_mask_words: MaskWords = 0
+    logit_bias: LogitBias = None
 
     def __post_init__(self):
         if self.positions is not None and len(self.positions) != self.n_tokens:

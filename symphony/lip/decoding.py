@@ -8,7 +8,7 @@
 
 Where the token is chosen:
   * greedy, nothing else asked: ``pred(output="argmax")``, only a token id crosses;
-  * sampling (temperature > 0, top-p): ``pred(output="sample")`` in the kernel,
+  * sampling (temperature > 0, top-p, top-k): ``pred(output="sample")`` in the kernel,
     with one seed per step derived from ``seed`` (the same seed gives the same tokens);
   * log-probabilities or presence/frequency penalties asked: the logits come
     back and the LIP chooses (argmax, or `Sampler` seeded with ``seed``).  Log-
@@ -19,7 +19,9 @@ A grammar (an llguidance ``LLMatcher``) constrains the choice: its bitmask is
 applied in the kernel (or in the LIP with the logits), and the tokens it forces
 (``compute_ff_tokens``) are appended without being chosen.  Penalties follow
 OpenAI: ``logit -= presence * (count > 0) + frequency * count`` over the tokens
-this decoder has produced (forced ones included).
+this decoder has produced (forced ones included).  ``logit_bias`` ({token id:
+bias}) is added to the logits before the mask, in the kernel (``pred(logit_bias=)``)
+or here with the logits.
 """
 from __future__ import annotations
 
@@ -61,18 +63,20 @@ class Decoder:
     (the matcher must accept them); ``pred``: the system call to use (a
     wrapper may retry it)."""
 
-    def __init__(self, f: KVFile, *, temperature: float = 0.0, top_p: float = 1.0,
+    def __init__(self, f: KVFile, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: Optional[int] = None, presence: float = 0.0, frequency: float = 0.0,
                  top_logprobs: Optional[int] = None, matcher=None, eos_ids: Sequence[int] = (),
-                 vocab: int = 0, pred=pred):
+                 vocab: int = 0, pred=pred, logit_bias: Optional[dict] = None):
         self.pred = pred                  # the pred system call (a caller may wrap it)
         self.f, self.temperature, self.top_p, self.seed = f, float(temperature), float(top_p), seed
+        self.top_k = int(top_k)
+        self.bias = sorted((logit_bias or {}).items()) or None       # [(token id, bias)]
         self.presence, self.frequency, self.top = float(presence), float(frequency), top_logprobs
         self.matcher, self.eos_ids, self.vocab = matcher, tuple(eos_ids), vocab
         self.penalize = bool(self.presence or self.frequency)
         self.in_lip = self.penalize or top_logprobs is not None
         self.counts = np.zeros(vocab, dtype=np.int32) if self.penalize else None
-        self.sampler = Sampler(temperature=self.temperature, top_p=self.top_p, seed=seed) \
+        self.sampler = Sampler(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed) \
             if self.in_lip and self.temperature > 0 else None
         self.steps = 0
         self.words = (vocab + 31) // 32
@@ -99,10 +103,11 @@ class Decoder:
         mask = self._mask()
         if not self.in_lip:
             if self.temperature > 0:
-                x = self.pred(self.f, feed + ff, output="sample", temperature=self.temperature,
-                         top_p=self.top_p, seed=step_seed(self.seed, self.steps), mask=mask)
+                x = self.pred(self.f, feed + ff, output="sample", temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=step_seed(self.seed, self.steps), mask=mask,
+                              logit_bias=self.bias)
             else:
-                x = self.pred(self.f, feed + ff, output="argmax", mask=mask)
+                x = self.pred(self.f, feed + ff, output="argmax", mask=mask, logit_bias=self.bias)
             out = [(t, None) for t in ff] + [(x, None)]
         else:
             rows = self._rows(feed + ff, len(ff) + 1 if self.top is not None else 1)
@@ -156,6 +161,8 @@ class Decoder:
 
     def _choose(self, row: np.ndarray, mask) -> int:
         x = np.array(row, dtype=np.float64)
+        for t, b in self.bias or ():
+            x[t] += b
         if self.counts is not None:
             x -= self.presence * (self.counts > 0) + self.frequency * self.counts
         if mask is not None:

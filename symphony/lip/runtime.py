@@ -121,7 +121,7 @@ def detokenize(tokens) -> str:
 # ---------------------------------------------------------------- pred
 def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, output: str = "logits",
          k: int = 20, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-         seed: Optional[int] = None, mask: Optional[Sequence[int]] = None):
+         seed: Optional[int] = None, mask: Optional[Sequence[int]] = None, logit_bias=None):
     """Append ``tokens`` to KV file ``f`` and run the model.
 
     ``output``:
@@ -133,6 +133,10 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
     ``mask``: the tokens allowed next, as a list of ids or a bitmask of
     ceil(vocab/32) uint32 words (see `mask_words`); all others get -inf in the
     kernel before any output.
+    ``logit_bias``: ``{token id: bias}`` or ``[(token id, bias), ...]`` (at most
+    1024 tokens, each once, bias in [-100, 100]): added to the logits in the
+    kernel before the mask and before any output (the logits returned, top-k,
+    argmax, sampling), as OpenAI's ``logit_bias`` is.
     """
     if not isinstance(f, KVFile):
         raise BY_NAME["InvalidArgument"]("pred needs a KVFile", "EINVAL")
@@ -142,7 +146,7 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         words = mask_words(mask)
         n_mask = int(words.size)
         toks = np.concatenate([toks, words.view(np.int32)])
-    if positions is None:                          # a decode step repeats the last one's body: built once
+    if positions is None and logit_bias is None:   # a decode step repeats the last one's body: built once
         key = (f.handle, n, n_mask, bool(all_logits), output, k, temperature, top_p, top_k, seed,
                type(k), type(temperature), type(top_p), type(top_k), type(seed))     # (True is not 1 here)
         try:
@@ -164,8 +168,9 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         data, arena = _call(abi.PRED, body, toks)
     else:
         data, arena = _sys(abi.PRED, toks, kv=f.handle, n_tokens=n, n_mask_words=n_mask,
-                           positions=_tokens(positions).tolist(), all_logits=bool(all_logits), output=output,
-                           k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+                           positions=None if positions is None else _tokens(positions).tolist(),
+                           all_logits=bool(all_logits), output=output, k=k, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed, logit_bias=_bias_pairs(logit_bias))
     f._length = data.get("length", f._length)
     if output in ("sample", "argmax"):
         return data["token"] if not all_logits else data["tokens"]
@@ -173,6 +178,19 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         ids, lp = arena                                # a TopK: int32 [rows, k], float32 [rows, k]
         return (ids[0], lp[0]) if not all_logits else (ids, lp)
     return arena if all_logits else arena[0]
+
+
+def _bias_pairs(bias):
+    """A logit_bias as the schema takes it: None, or [(token id, bias), ...]."""
+    if bias is None:
+        return None
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        return [(int(t) if isinstance(t, (np.integer,)) else t, float(v) if isinstance(v, np.floating) else v)
+                for t, v in items]
+    except (TypeError, ValueError):
+        raise InvalidArgument("logit_bias must be {token id: bias} or a list of (token id, bias) pairs",
+                              "EINVAL") from None
 
 
 def vocab_size() -> int:

@@ -21,9 +21,11 @@ import json
 import re
 from typing import Optional, Sequence
 
+from .grammar import compact_schema
 from .helpers import StopChecker
 
-__all__ = ["MARKER", "NAME", "CallParser", "call_text", "calls_grammar", "render", "system_section"]
+__all__ = ["MARKER", "NAME", "CallParser", "CallGuard", "call_text", "calls_grammar", "closed", "render",
+           "system_section"]
 
 MARKER = "<tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")           # OpenAI's function-name rule
@@ -88,17 +90,45 @@ def _lark_string(s: str) -> str:
 
 
 def _schema(parameters: Optional[dict]) -> str:
-    """A tool's schema for %json: compact JSON unless the schema says otherwise."""
-    schema = dict(parameters or ANY_OBJECT)
-    schema["x-guidance"] = {"whitespace_flexible": False, **(schema.get("x-guidance") or {})}
-    return json.dumps(schema)
+    """A tool's schema for %json: compact JSON unless the schema says otherwise, and
+    objects closed (`closed`)."""
+    return json.dumps(compact_schema(closed(parameters or ANY_OBJECT)))
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+
+
+def closed(schema):
+    """``schema`` with every object that lists its ``properties`` and says nothing of
+    others given ``additionalProperties: false``: a call's arguments hold the
+    properties its tool declares, and a model cannot wander off into invented keys
+    until the token limit cuts it (JSON Schema's default would allow them)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    for k in _SUBSCHEMAS:
+        if k in out:
+            out[k] = closed(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(x) for x in out[k]]
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(x) for name, x in out[k].items()}
+    return out
 
 
 def calls_grammar(tools: Sequence[dict], *, only: Optional[str] = None, parallel: bool = True,
-                  text_schema: Optional[dict] = None, start: str = "start") -> str:
+                  text_rule: Optional[str] = None, start: str = "start") -> str:
     """Lark grammar: one call (several, newline-separated, with ``parallel``)
     of ``tools`` (of the tool named ``only``), arguments following each tool's
-    schema.  ``text_schema``: the answer may instead be JSON text of that schema."""
+    schema.  ``text_rule``: the answer may instead be text matching that Lark
+    rule body (`symphony.lip.grammar.format_rule` of a format)."""
     chosen = [t for t in tools if only is None or t["name"] == only]
     rules, alts = [], []
     for i, t in enumerate(chosen):
@@ -107,7 +137,7 @@ def calls_grammar(tools: Sequence[dict], *, only: Optional[str] = None, parallel
                      f"{_lark_string(_END)}")
         rules.append(f"args_{i}: %json {_schema(t.get('parameters'))}")
     calls = "call" if not parallel else 'call ("\\n" call)*'
-    top = f"{start}: calls" if text_schema is None else f"{start}: text | calls\ntext: %json {_schema(text_schema)}"
+    top = f"{start}: calls" if text_rule is None else f"{start}: text | calls\ntext: {text_rule}"
     return "\n".join([top, f"calls: {calls}", f"call: {' | '.join(alts)}", *rules]) + "\n"
 
 
@@ -117,10 +147,12 @@ class CallParser:
     ``feed(text) -> [event]``: ``{"call": k, "name": NAME, "arguments": first piece}``
     when call k's name is known, then ``{"call": k, "arguments": piece}``; the
     pieces of call k concatenate to its arguments' JSON text.  ``finish()``
-    flushes a call cut short.  ``calls``: how many calls started."""
+    flushes a call cut short.  ``calls``: how many calls started; ``ended``: how
+    many were written whole (their block closed)."""
 
     def __init__(self):
         self.buf, self.calls, self.args = "", 0, None    # args: the StopChecker of the open call
+        self.ended = 0
         self.text = ""                                     # the open call's arguments so far
 
     def feed(self, text: str) -> list[dict]:
@@ -151,6 +183,7 @@ class CallParser:
             if not stop:
                 break
             self.buf, self.args = self.args.rest[len(_END):], None
+            self.ended += 1
         return events
 
     def finish(self) -> list[dict]:
@@ -162,6 +195,67 @@ class CallParser:
         if held.startswith("}") and not _parses(self.text) and _parses(self.text + "}"):
             return [{"call": self.calls - 1, "arguments": "}"}]
         return []
+
+
+class CallGuard:
+    """Call events in (`CallParser`'s), the ones to send out, so that an answer of
+    calls never ends in a runaway: the first call streams as it comes; each later
+    call is held until it is written whole, then sent, or dropped when it repeats
+    an earlier call of the answer (same name and arguments: ``repeated`` is then
+    its index, and the answer ends before it; a small model otherwise tends to
+    write the same call again and again until the token limit).  A call still
+    held at the end was cut by the token limit: `finish` drops it (``cut``) unless
+    its arguments are whole, so the answer is the calls written whole."""
+
+    def __init__(self):
+        self.calls: list = []          # [name, arguments] per call
+        self.held: list = []           # the events of the call being written, after the first
+        self.repeated: Optional[int] = None
+        self.cut = False
+
+    def push(self, events: list, ended: int) -> list:
+        """The events to send of ``events``; ``ended``: the calls written whole so far."""
+        out = []
+        for e in events:
+            k = e["call"]
+            if self.repeated is not None and k >= self.repeated:
+                continue
+            if "name" in e:
+                if self.held:                  # the call before was written whole (the parser began this one)
+                    out += self._settle(k - 1)
+                    if self.repeated is not None:
+                        continue
+                self.calls.append([e["name"], ""])
+            self.calls[k][1] += e["arguments"]
+            (out if k == 0 else self.held).append(e)
+        if self.held and ended >= len(self.calls):
+            out += self._settle(len(self.calls) - 1)
+        return out
+
+    def finish(self) -> list:
+        """The end of the answer: the events of a call still held whose arguments are
+        whole JSON (only its closing tag was cut); one cut shorter is dropped (``cut``)."""
+        if not self.held:
+            return []
+        if _parses(self.calls[-1][1]):
+            return self._settle(len(self.calls) - 1)
+        self.held, self.cut = [], True
+        return []
+
+    @property
+    def sent(self) -> int:
+        """How many calls were (or will be) sent whole or, the first, as it came."""
+        n = len(self.calls) - (1 if self.held or self.cut else 0)
+        return n if self.repeated is None else min(n, self.repeated)
+
+    def _settle(self, k: int) -> list:
+        """Call ``k`` was written whole: its held events merged into one, or nothing if it
+        repeats one before it."""
+        held, self.held = self.held, []
+        if self.calls[k] in self.calls[:k]:
+            self.repeated = k
+            return []
+        return [dict(held[0], arguments="".join(e["arguments"] for e in held))]
 
 
 def _parses(text: str) -> bool:

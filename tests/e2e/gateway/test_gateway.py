@@ -51,6 +51,19 @@ def wait_for_gateway(k: KernelProc, timeout: float = 60) -> None:
     raise RuntimeError("the gateway did not start:\n" + k.read_log()[-3000:])
 
 
+def fake_gateway(d: Path, keys: Path, *extra: str) -> KernelProc:
+    """A kernel on a tiny random model whose gateway serves every route with fake_serve.py
+    (``extra``: more flags); ``url`` set once the gateway answers."""
+    from modelfiles import write_tiny_gguf
+    port = free_port()
+    k = KernelProc(d, "--model", str(write_tiny_gguf(d, seed=1)), "--http", f"127.0.0.1:{port}", "--keys",
+                   str(keys), *extra, *sum((["--program", f"{r}={FAKE}"] for r in
+                                            ("chat", "completions", "responses", "messages")), []))
+    wait_for_gateway(k)
+    k.url = f"http://127.0.0.1:{port}"
+    return k
+
+
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     from symphony.gateway.keys import add_key

@@ -6,6 +6,10 @@ What the answers must be: sensible greedy text, the same streamed or not and alo
 tool-result turn; logprobs; n; stop strings never leaking; unicode never split; context
 overflow and bad schemas as 400s; a repeated 1,000-token system prompt and a response chain
 computing only their new tokens (the kernel's own counters say so); the README's curl examples.
+And the front door's newer parts on the model: logit_bias forcing and banning tokens (bad
+biases 400), choices, regexes and grammars (vLLM's names), required tool calls that end as
+tool_calls with one id each, the WebSocket mode's store:false chain reusing its KV, a
+compaction seeding a new chain, and Anthropic's Messages API with the `anthropic` client.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import time
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from conftest import REPO, KernelProc
@@ -232,3 +237,152 @@ def test_readme_curl_examples_run(gm):
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and out.stdout.strip(), (line, out.stderr)
         assert '"error":{' not in out.stdout.replace(" ", ""), (line, out.stdout[:500])
+
+
+# ---------------------------------------------------------------- the front door: every API on the real model
+TOKEN_LIP = '''from symphony.lip import send, tokenize, tokenizer
+def main(*words):
+    tok = tokenizer()
+    send({w: [tokenize(w)[0], tok.decode([tokenize(w)[0]])] for w in words})
+'''
+
+
+def first_tokens(gm, tmp_path, *words) -> dict:
+    """{word: [its first token id, that token's text]}, from the model's own tokenizer (a LIP)."""
+    p = tmp_path / "tok.py"
+    p.write_text(TOKEN_LIP)
+    r = gm.run(p, *words)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_logit_bias_forces_and_bans_tokens_and_bad_biases_are_400(gm, tmp_path):
+    c = oai(gm)
+    ids = first_tokens(gm, tmp_path, " Paris", " London")
+    paris, london = ids[" Paris"], ids[" London"]
+    plain = c.completions.create(model=gm.model, prompt="The capital of France is", max_tokens=1, temperature=0)
+    assert plain.choices[0].text == paris[1]
+    forced = c.completions.create(model=gm.model, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                  logit_bias={str(london[0]): 100})
+    assert forced.choices[0].text == london[1]
+    banned = c.completions.create(model=gm.model, prompt="The capital of France is", max_tokens=1, temperature=0.7,
+                                  seed=1, logit_bias={str(paris[0]): -100})
+    assert banned.choices[0].text != paris[1]
+    chat = c.chat.completions.create(model=gm.model, messages=ask("What is the capital of France?"), temperature=0,
+                                     max_tokens=12, logit_bias={str(paris[0]): -100})
+    assert "Paris" not in chat.choices[0].message.content
+    for bias in ({"49152": 1}, {str(paris[0]): 100.5}, {str(paris[0]): -101}, {"-3": 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=gm.model, messages=ask("Hi"), max_tokens=2, logit_bias=bias)
+        assert (e.value.body.get("param") or "").startswith("logit_bias"), e.value.body
+
+
+def test_structured_choices_regexes_and_grammars(gm):
+    c = oai(gm)
+    q = ask("Is the sky blue? Answer yes or no.")
+    for extra, ok in [({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                      ({"structured_outputs": {"choice": ["blue sky", "green sky"]}}, lambda t: t in ("blue sky",
+                                                                                                     "green sky")),
+                      ({"guided_regex": r"(yes|no), [a-z]+"}, lambda t: re.fullmatch(r"(yes|no), [a-z]+", t)),
+                      ({"structured_outputs": {"grammar": 'start: ("yes" | "no") "!"'}}, lambda t: t in ("yes!",
+                                                                                                          "no!"))]:
+        r = c.chat.completions.create(model=gm.model, messages=q, temperature=0, max_tokens=16, extra_body=extra)
+        assert ok(r.choices[0].message.content) and r.choices[0].finish_reason == "stop", (extra, r.choices[0])
+    t = c.completions.create(model=gm.model, prompt="My phone number is", max_tokens=20, temperature=0,
+                             extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", t.choices[0].text)
+    bad = httpx.post(gm.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {gm.key}"}, json={
+        "model": gm.model, "messages": q, "guided_regex": "(unclosed"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_schema"
+
+
+def test_required_tool_calls_end_as_tool_calls_with_one_id_each(gm):
+    c = oai(gm)
+    params = {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                                "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+                                                "parameters": params}}]
+    q = ask("What's the weather like in Paris and in Rome?")
+    r = c.chat.completions.create(model=gm.model, messages=q, tools=tools, tool_choice="required", temperature=0,
+                                  max_tokens=200)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    seen = [(x.function.name, x.function.arguments) for x in calls]
+    assert len(set(seen)) == len(seen) and len({x.id for x in calls}) == len(calls)     # no call twice
+    for x in calls:
+        jsonschema.validate(json.loads(x.function.arguments), dict(params, additionalProperties=False))
+    ids, args, finish = {}, {}, None
+    for ch in c.chat.completions.create(model=gm.model, messages=q, tools=tools, tool_choice="required",
+                                        temperature=0, max_tokens=200, stream=True):
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            if d.id is not None:
+                assert d.index not in ids, "a call's id comes once, with its first delta"
+                ids[d.index] = d.id
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        finish = (ch.choices[0].finish_reason if ch.choices else None) or finish
+    assert finish == "tool_calls" and sorted(ids) == list(range(len(calls)))
+    assert [args[i] for i in range(len(calls))] == [x.function.arguments for x in calls]
+    resp = c.responses.create(model=gm.model, input="What's the weather like in Paris?", tool_choice="required",
+                              tools=[{"type": "function", "name": "get_weather", "parameters": params}],
+                              temperature=0, max_output_tokens=100, stream=True)
+    items = {}
+    for ev in resp:
+        if ev.type in ("response.output_item.added", "response.output_item.done") and ev.item.type == "function_call":
+            items.setdefault(ev.output_index, set()).add((ev.item.id, ev.item.call_id))
+        if ev.type == "response.completed":
+            final = ev.response
+    assert items and all(len(v) == 1 for v in items.values())                           # one id from start to end
+    assert {(o.id, o.call_id) for o in final.output if o.type == "function_call"} == set.union(*items.values())
+
+
+def test_websocket_mode_and_compaction_on_the_model(gm):
+    c = oai(gm)
+    with c.responses.connect() as conn:
+        conn.response.create(model=gm.model, input="Remember the code word: cobalt. Reply with OK.", store=False,
+                             temperature=0, max_output_tokens=16)
+        first = next(ev for ev in conn if ev.type in ("response.completed", "response.incomplete", "error"))
+        assert first.type != "error"
+        conn.response.create(model=gm.model, input="What is the code word?", store=False, temperature=0,
+                             max_output_tokens=16, previous_response_id=first.response.id)
+        second = next(ev for ev in conn if ev.type in ("response.completed", "response.incomplete", "error"))
+    assert second.type != "error" and second.response.output_text
+    usage = second.response.usage
+    assert usage.input_tokens_details.cached_tokens >= first.response.usage.input_tokens   # the chain's KV reused
+    comp = c.with_options(timeout=900).responses.compact(model=gm.model, input=[
+        {"role": "user", "content": "Remember the compaction code word: slate."},
+        {"role": "assistant", "content": "OK."}])
+    assert comp.object == "response.compaction" and comp.output[-1].type == "compaction"
+    assert comp.usage.output_tokens > 0
+    window = [o.model_dump(exclude_none=True) for o in comp.output]
+    with c.responses.connect() as conn:
+        conn.response.create(model=gm.model, store=False, temperature=0, max_output_tokens=16,
+                             input=window + [{"type": "message", "role": "user", "content": "Continue."}])
+        last = next(ev for ev in conn if ev.type in ("response.completed", "response.incomplete", "error"))
+    assert last.type != "error" and last.response.output_text
+
+
+def test_the_messages_api_on_the_model(gm):
+    import anthropic
+    c = anthropic.Anthropic(base_url=gm.url, api_key=gm.key, max_retries=0, timeout=300)
+    greedy = {"temperature": 0}
+    r = c.messages.create(model=gm.model, max_tokens=24, system="You answer in one sentence.",
+                          messages=ask("What is the capital of France?"), extra_body=greedy)
+    assert "Paris" in r.content[0].text and r.stop_reason in ("end_turn", "max_tokens")
+    with c.messages.stream(model=gm.model, max_tokens=24, system="You answer in one sentence.",
+                           messages=ask("What is the capital of France?"), extra_body=greedy) as s:
+        text = "".join(s.text_stream)
+    assert text == r.content[0].text
+    stop = r.content[0].text.split()[2]
+    cut = c.messages.create(model=gm.model, max_tokens=24, system="You answer in one sentence.",
+                            messages=ask("What is the capital of France?"), stop_sequences=[stop], extra_body=greedy)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == r.content[0].text[:r.content[0].text.index(stop)]
+    tools = [{"name": "get_weather", "description": "Current weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    t = c.messages.create(model=gm.model, max_tokens=60, tools=tools, tool_choice={"type": "any"},
+                          messages=ask("What's the weather in Paris?"), extra_body=greedy)
+    uses = [b for b in t.content if b.type == "tool_use"]
+    assert t.stop_reason == "tool_use" and uses and all(isinstance(u.input.get("city"), str) for u in uses)
+    n = c.messages.count_tokens(model=gm.model, messages=ask("What's the weather in Paris?"), tools=tools)
+    assert n.input_tokens == t.usage.input_tokens + t.usage.cache_read_input_tokens

@@ -8,10 +8,13 @@ The last message (or the prompt) decides:
   "SLOW <n>"               -> n words, 0.2 s apart (for disconnects)
   "BIG <n>"                -> n words of 1 KiB each, as fast as the kernel takes them (slow readers)
   "REQUEST"                -> the request it was given, as JSON text (one event)
+  "BADEVENT <kind>"        -> an event outside the contract ("index": a choice the request has not;
+                              "order": text before the prompt event; "shape": a text event without text)
   anything else            -> its words echoed, one text event each ("[i] " before choice i > 0)
 max_tokens cuts the words (finish "length"); logprobs are -0.5 per word.
 The prompt event reports 1 token per word of every message, cached 0.
 With "stream": false the events are merged as the contract says (symphony.lip.serving.Events).
+With "count_only" it sends the prompt event alone.
 """
 import json
 import time
@@ -31,12 +34,22 @@ def main(request):
         n_prompt = len(last.split())
     if last.startswith("CRASH"):
         raise RuntimeError("fake_serve crashed on purpose")
+    if last.startswith("BADEVENT"):                     # sent raw: Events would refuse to send it
+        kind = last.split()[1]
+        if kind != "order":
+            send({"event": "prompt", "prompt_tokens": n_prompt, "cached_tokens": 0})
+        send({"event": "text", "index": 7, "text": "x"} if kind == "index" else
+             {"event": "text", "index": 0} if kind == "shape" else {"event": "text", "index": 0, "text": "x"})
+        send({"event": "done", "index": 0, "finish_reason": "stop", "completion_tokens": 1})
+        return 0
     if last.startswith("ERROR"):
         _, status, code = last.split()[:3]
         send({"event": "error", "status": int(status), "code": code, "message": f"refused: {code}",
               "param": "messages"})
         return 2
     send({"event": "prompt", "prompt_tokens": n_prompt, "cached_tokens": 0})
+    if r.get("count_only"):
+        return 0
     if last.startswith("REQUEST"):
         send({"event": "text", "index": 0, "text": request})
         send({"event": "done", "index": 0, "finish_reason": "stop", "completion_tokens": 1})

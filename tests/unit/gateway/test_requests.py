@@ -49,3 +49,109 @@ def test_kv_files_a_client_sends_are_bounded():
         with pytest.raises(ApiError) as e:
             decode(orjson.dumps({"program": "chat", "kv_files": bad}), LipRequest)
         assert e.value.status == 400 and e.value.param and "kv_files" in e.value.param
+
+
+# ---------------------------------------------------------------- inputs the gateway reads itself
+def _pdf(text: str) -> bytes:
+    """A well-formed one-page PDF (with its xref table) showing ``text``."""
+    stream = f"BT /F1 12 Tf 72 72 Td ({text}) Tj ET".encode()
+    objs = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 300 144] /Contents 4 0 R "
+            b"/Resources << /Font << /F1 5 0 R >> >> >>",
+            b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, o in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + o + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    return bytes(out)
+
+
+def test_a_pdf_is_read_as_text_and_an_unreadable_one_is_a_placeholder():
+    import base64
+    from symphony.gateway.errors import ApiError
+    from symphony.gateway.schema import Part, text_of
+    url = lambda b: "data:application/pdf;base64," + base64.b64encode(b).decode()   # noqa: E731
+    part = Part(type="input_file", filename="t.pdf", file_data=url(_pdf("Title: A Fixture")))
+    assert text_of([part], "x", attachments="refuse") == "[file t.pdf]\nTitle: A Fixture\n"
+    broken = Part(type="input_file", filename="b.pdf", file_data=url(b"%PDF-1.4 " + b"\x00garbage" * 300))
+    assert text_of([broken], "x", attachments="placeholder") == \
+        "[file b.pdf: application/pdf, 2409 bytes, not readable as text]"
+    with pytest.raises(ApiError) as e:
+        text_of([broken], "input[0].content", attachments="refuse")
+    assert e.value.status == 400 and e.value.param == "input[0].content[0].type"
+
+
+def test_a_compaction_carries_its_summary_and_nothing_else_is_taken():
+    import base64
+    import zlib
+    from symphony.gateway.errors import ApiError
+    from symphony.gateway.items import MAX_SEALED, SEAL, seal, unseal
+    assert unseal(seal("the code word is slate"), "x") == "the code word is slate"
+    bomb = SEAL + base64.urlsafe_b64encode(zlib.compress(b"{" + b" " * (MAX_SEALED * 4))).decode()
+    for bad in ("plain text", SEAL + "!!!", SEAL + base64.urlsafe_b64encode(b"not zlib").decode(), bomb,
+                SEAL + base64.urlsafe_b64encode(zlib.compress(b'{"v": 2, "summary": "x"}')).decode()):
+        with pytest.raises(ApiError) as e:
+            unseal(bad, "input[0].encrypted_content")
+        assert e.value.status == 400 and e.value.param == "input[0].encrypted_content"
+
+
+def test_logit_bias_and_answer_formats_become_the_contracts():
+    from symphony.gateway.errors import ApiError
+    from symphony.gateway.tools import answer_format, logit_bias
+    assert logit_bias({"7": 1.5, "0": -100.0}) == [[7, 1.5], [0, -100.0]] and logit_bias(None) == []
+    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, {"１": 1}, {str(i): 0 for i in range(1025)}):
+        with pytest.raises(ApiError) as e:
+            logit_bias(bad)
+        assert e.value.param == "logit_bias"
+
+    def fmt(**body):
+        return answer_format(decode(orjson.dumps({"model": "m", "messages": MSGS, **body}), ChatRequest))
+    assert fmt() is None and fmt(response_format={"type": "text"}) is None
+    assert fmt(guided_choice=["a", "b"]) == {"type": "choice", "choices": ["a", "b"]}
+    assert fmt(structured_outputs={"json": '{"type": "object"}'}) == {"type": "json_schema",
+                                                                      "schema": {"type": "object"}}
+    assert fmt(structured_outputs={"json_object": True}) == {"type": "json_object"}
+    for body, param in [(dict(guided_regex="a", guided_grammar="start: 'a'"), "guided_grammar"),
+                        (dict(structured_outputs={"choice": ["a"]}, guided_choice=["a"]), "guided_choice"),
+                        (dict(guided_json="[1, 2]"), "guided_json"), (dict(guided_json="{nope"), "guided_json"),
+                        (dict(structured_outputs={"whitespace_pattern": " "}), "structured_outputs.whitespace_pattern")]:
+        with pytest.raises(ApiError) as e:
+            fmt(**body)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.param)
+    with pytest.raises(ApiError):                                       # an unknown structured_outputs field
+        fmt(structured_outputs={"choices": ["a"]})
+
+
+def test_anthropic_blocks_become_the_contracts_messages():
+    from symphony.gateway.errors import ApiError
+    from symphony.gateway.messages import MessagesRequest, _conversation
+
+    def conv(messages, **kw):
+        return _conversation(decode(orjson.dumps({"model": "m", "max_tokens": 5, "messages": messages, **kw}),
+                                    MessagesRequest), "placeholder")
+    got = conv([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "source": {}},
+                                             {"type": "document", "title": "T",
+                                              "source": {"type": "text", "data": "doc text"}}]},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "b"},
+                                                  {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                              "content": [{"type": "text", "text": "boom"}]},
+                                             {"type": "text", "text": "and?"}]}], system="sys")
+    assert got == [{"role": "system", "content": "sys"},
+                   {"role": "user", "content": "a\n[image]\n[document T]\ndoc text\n"},
+                   {"role": "assistant", "content": "b", "tool_calls": [{"id": "t1", "name": "f",
+                                                                          "arguments": '{"x": 1}'}]},
+                   {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"},
+                   {"role": "user", "content": "and?"}]
+    for messages in ([{"role": "user", "content": [{"type": "audio"}]}],
+                     [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}],
+                     [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "pre"}]):
+        with pytest.raises(ApiError) as e:
+            conv(messages)
+        assert e.value.status == 400 and e.value.body("anthropic")["error"]["type"] == "invalid_request_error"

@@ -105,3 +105,61 @@ def test_a_merged_event_stays_small_and_an_error_sends_what_was_held(sent):
     assert "".join(e["text"] for e in sent[:-1]) == piece * 200
     assert len(sent) - 1 < 50                                       # of 200 pieces of ~5 KB with their logprobs
     assert all(len(orjson.dumps(e)) <= HELD_BYTES for e in sent)
+
+
+# ---------------------------------------------------------------- tool calls: repeats and closed objects
+def _parsed(text, chunk=3):
+    """CallGuard's output for call blocks ``text`` fed ``chunk`` characters at a time, and the
+    guard (as the serving program drives it: to the text's end, or until a call repeats)."""
+    from symphony.lip.tools import CallGuard, CallParser
+    p, g, out = CallParser(), CallGuard(), []
+    for i in range(0, len(text), chunk):
+        out += g.push(p.feed(text[i:i + chunk]), p.ended)
+        if g.repeated is not None:
+            break
+    out += g.push(p.finish(), p.ended) + g.finish()
+    return out, g
+
+
+def _calls(events) -> dict:
+    calls = {}
+    for e in events:
+        calls.setdefault(e["call"], ["", ""])
+        calls[e["call"]][0] = e.get("name", calls[e["call"]][0])
+        calls[e["call"]][1] += e["arguments"]
+    return calls
+
+
+def test_calls_never_end_in_a_runaway():
+    from symphony.lip.tools import call_text
+    a, b = call_text("get_weather", '{"city":"Paris"}'), call_text("get_weather", '{"city":"Rome"}')
+    for chunk in (1, 3, 7, 1000):
+        out, g = _parsed("\n".join([a, b, a, b]), chunk)          # the third call repeats the first: the end
+        assert g.repeated == 2 and g.sent == 2
+        assert _calls(out) == {0: ["get_weather", '{"city":"Paris"}'], 1: ["get_weather", '{"city":"Rome"}']}
+        first = [e for e in out if e["call"] == 0]
+        assert len(first) > 1 or chunk == 1000                     # the first call streams in pieces
+        assert len([e for e in out if e["call"] == 1]) == 1           # a later one goes whole, in one event
+    c = call_text("get_weather", '{"city":"Paris, TX"}')            # starts like an earlier call: sent whole
+    out, g = _parsed("\n".join([a, c]), 2)
+    assert g.repeated is None and _calls(out)[1] == ["get_weather", '{"city":"Paris, TX"}']
+    out, g = _parsed(a + "\n" + b[:-20], 5)                         # a later call cut by the token limit: dropped
+    assert g.cut and g.sent == 1 and _calls(out) == {0: ["get_weather", '{"city":"Paris"}']}
+    out, g = _parsed(a + "\n" + b[:-12], 5)                         # only its closing tag cut: kept
+    assert not g.cut and _calls(out)[1] == ["get_weather", '{"city":"Rome"}']
+    out, g = _parsed(a[:-20], 5)                                     # the first call cut short: sent as it came
+    assert not g.cut and g.sent == 1 and _calls(out) == {0: ["get_weather", '{"city":"P']}
+
+
+def test_tool_objects_are_closed_unless_the_schema_says_otherwise():
+    from symphony.lip.tools import closed
+    s = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                          "l": {"type": "array", "items": {"properties": {"c": {}}}},
+                                          "open": {"properties": {}, "additionalProperties": True}},
+         "anyOf": [{"properties": {"x": {}}}], "$defs": {"d": {"properties": {"y": {}}}}}
+    c = closed(s)
+    assert c["additionalProperties"] is False and c["properties"]["a"]["additionalProperties"] is False
+    assert c["properties"]["l"]["items"]["additionalProperties"] is False
+    assert c["properties"]["open"]["additionalProperties"] is True
+    assert c["anyOf"][0]["additionalProperties"] is False and c["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in s and closed({"type": "object"}) == {"type": "object"}

@@ -95,7 +95,8 @@ class PredCalls:
             _fail("InvalidArgument", "EINVAL", f"a mask is {words} uint32 words, got {n_mask}")
         if toks.size != n + n_mask:
             _fail("InvalidArgument", "EINVAL", f"token array holds {toks.size} ids, body says {n}+{n_mask}")
-        want = self._wants.get(req) if not n_mask and req.positions is None else None   # a decode step's body
+        cacheable = not n_mask and req.positions is None and not req.logit_bias
+        want = self._wants.get(req) if cacheable else None       # a decode step's body
         sampling = SamplingParams() if want is None else want.sampling                  # is the last one's
         if out == "sample" and want is None:         # fail before the forward pass, not after
             try:
@@ -115,13 +116,14 @@ class PredCalls:
             mask = bits[: self.vocab].astype(bool)
             if not mask.any():
                 _fail("InvalidArgument", "EINVAL", "the mask allows no token")
+        bias = _logit_bias(req.logit_bias, self.vocab) if req.logit_bias else None
         # the rest of the check is KVFS's: handle, tokens, positions, length limit, quota
         tokens, positions = self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
         now = time.monotonic()
         ino = self.fs.handles[req.kv].inode.ino          # (the handle was just checked) its calls run in order
         if want is None:
-            want = Want(out, k, mask, sampling)
-            if mask is None and req.positions is None:
+            want = Want(out, k, mask, sampling, bias)
+            if cacheable:
                 if len(self._wants) >= MAX_WANTS:
                     self._wants.clear()
                 self._wants[req] = want
@@ -131,6 +133,21 @@ class PredCalls:
                                 want=want))
         lip.last_active = now
         return None
+
+
+def _logit_bias(pairs: list, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64, values float32) of a pred's logit_bias, checked: ids in the
+    vocabulary and each once, values finite (the schema bounded the count and range)."""
+    ids = np.fromiter((t for t, _ in pairs), dtype=np.int64, count=len(pairs))
+    values = np.fromiter((v for _, v in pairs), dtype=np.float32, count=len(pairs))
+    if ids.max() >= vocab:
+        _fail("InvalidArgument", "EINVAL", f"logit_bias names token {int(ids.max())}; the vocabulary is [0, {vocab})")
+    if np.unique(ids).size != ids.size:
+        _fail("InvalidArgument", "EINVAL", "logit_bias names a token more than once")
+    if not np.isfinite(values).all() or np.abs(values).max() > abi.MAX_LOGIT_BIAS_VALUE:
+        _fail("InvalidArgument", "EINVAL", f"logit_bias values must be finite, in "
+              f"[-{abi.MAX_LOGIT_BIAS_VALUE}, {abi.MAX_LOGIT_BIAS_VALUE}]")
+    return ids, values
 
 
 def pin_arena(base: int, size: int, on: bool) -> None:
