@@ -59,7 +59,9 @@ def test_durable_files_are_private_on_disk(pk):
     with pk.client_as(ALICE_UID) as a:
         a.spawn(SYNCER)
         assert [e["data"] for e in a.events(timeout=60) if e["event"] == "out"] == ["synced\n"]
-    files = [f for f in d.iterdir() if f.name != "old.kvf"]
+    ident = d / "kernel-id"                              # the directory's identity (a gateway adopting from it)
+    assert stat.S_IMODE(os.stat(ident).st_mode) & 0o077 == 0
+    files = [f for f in d.iterdir() if f.name not in ("old.kvf", "kernel-id")]
     assert len(files) == 1 and stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600, files
     assert os.stat(files[0]).st_uid == 0
     pk.client().kv_rm(f"/home/uid{ALICE_UID}/kept.kv")

@@ -65,6 +65,11 @@ def make_netns() -> str | None:
     """A network namespace joined to this one by a veth pair (None where that is not possible)."""
     if not IS_ROOT:
         return None
+    for old in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
+        pid = old.split(" ")[0].removeprefix("symt")              # one an aborted run left (its pid gone):
+        if old.startswith("symt") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "link", "del", f"vs{pid}a"], capture_output=True)   # its address is ours
+            subprocess.run(["ip", "netns", "del", f"symt{pid}"], capture_output=True)
     ns, a, b = f"symt{os.getpid()}", f"vs{os.getpid()}a", f"vs{os.getpid()}b"
     steps = [["ip", "netns", "add", ns], ["ip", "link", "add", a, "type", "veth", "peer", "name", b],
              ["ip", "link", "set", b, "netns", ns], ["ip", "addr", "add", f"{HOST_IP}/30", "dev", a],
