@@ -108,10 +108,12 @@ class Flood:
 
     def __init__(self, url: str, key: str, n: int, body, path: str = "/v1/chat/completions",
                  addr: str = "127.0.0.2", retry_s: float = 0.2):
-        import httpx
-        self.httpx, self.url, self.key, self.n, self.body, self.path = httpx, url, key, n, body, path
+        from urllib.parse import urlsplit
+        u = urlsplit(url)
+        self.host, self.port, self.key, self.n, self.body, self.path = u.hostname, u.port, key, n, body, path
         self.addr, self.retry_s = addr, retry_s
         self.codes: dict = {}
+        self.socks: list = []                   # each client's connection now (shut down at the end)
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(n)]
 
@@ -121,28 +123,48 @@ class Flood:
         return self
 
     def __exit__(self, *exc):
+        """Stop: every request in flight ends now, its client leaving (the gateway stops its program)."""
         self.stop.set()
+        for sk in list(self.socks):
+            try:
+                sk.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for t in self.threads:
             t.join(60)
 
     def _client(self, i: int) -> None:
-        httpx = self.httpx
-        with httpx.Client(base_url=self.url, timeout=600, transport=httpx.HTTPTransport(local_address=self.addr),
-                          headers={"Authorization": f"Bearer {self.key}"}) as c:
-            j = 0
-            while not self.stop.is_set():
-                j += 1
-                try:
-                    with c.stream("POST", self.path, json=self.body(i, j)) as r:
-                        for _ in r.iter_bytes():
-                            if self.stop.is_set():
-                                break
-                        code = r.status_code
-                except httpx.HTTPError:
-                    code = "error"
-                self.codes[code] = self.codes.get(code, 0) + 1
-                if code != 200:
-                    self.stop.wait(self.retry_s)
+        import http.client
+        j, conn = 0, None
+        while not self.stop.is_set():
+            j += 1
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection(self.host, self.port, timeout=600,
+                                                      source_address=(self.addr, 0))
+                    conn.connect()
+                    self.socks.append(conn.sock)
+                conn.request("POST", self.path, body=json.dumps(self.body(i, j)).encode(),
+                             headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"})
+                r = conn.getresponse()
+                while r.read(65536) and not self.stop.is_set():
+                    pass
+                code = r.status
+                if self.stop.is_set() or r.will_close:
+                    conn.close()
+                    conn = None
+            except (OSError, http.client.HTTPException):
+                if conn is not None:
+                    conn.close()
+                    conn = None
+                if self.stop.is_set():
+                    break
+                code = "error"
+            self.codes[code] = self.codes.get(code, 0) + 1
+            if code != 200:
+                self.stop.wait(self.retry_s)
+        if conn is not None:
+            conn.close()
 
 
 def never_reading_streams(port: int, key: str, body: dict, n: int, addr: str = "127.0.0.3") -> list:
