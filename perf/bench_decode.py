@@ -4,6 +4,7 @@ embedded SmolLM2-135M-Instruct, Q4_1 + Q8_0).
     python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--prefill 1500]
                                 [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16|none]
                                 [--threads N] [--model PATH.gguf]
+                                [--servers symphony,llama-server,vllm|none] [--server-batches 1,16]
 
 Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every contender alike,
 and reports medians with the per-round spread:
@@ -14,18 +15,27 @@ and reports medians with the per-round spread:
         --no-int8),
       - the engine on the same weights dequantized to each --dtypes dtype (--weights float;
         --dtypes none skips them and the plain PyTorch loop: a 3B model's float32 copy is 12 GB),
-      - llama.cpp (llama-cpp-python) on the same file, when installed (perf-only dependency);
+      - llama.cpp's library (llama-cpp-python's low-level API, in this process: multi-sequence
+        batches, no server) on the same file, when installed (perf-only dependency);
   * a plain PyTorch loop over the float32 weights (contiguous KV), single stream;
   * ratios from the same rounds: quantized / float32 and quantized / llama.cpp;
   * the physical limit: bytes read per decode token (weights + KV) over the read bandwidth
     measured in the same run (a multi-threaded sum over 256 MiB), and each contender's share;
   * the resident memory of a real symphony-kernel started with each --weights mode (not with
     --no-rss), against 1.5 x (GGUF size + KV pool);
-  * the CPU model and its SIMD flags, the load average before and after.
+  * the CPU model and its SIMD flags, the load average before and after;
+  * batched decode through each server (--servers; not with --model): N concurrent streamed
+    greedy requests of distinct prompts (N from --server-batches), --steps tokens each, through
+    Symphony's gateway (a kernel with default flags), llama.cpp's `llama-server` (-np N, the same
+    GGUF) and vLLM (CPU, the GGUF dequantized to float32; perf/peers.py starts them, or says why
+    it cannot): decode tokens/s counted from the chunks' arrival times while every request is
+    decoding (from the last first token to the first last token), so prefill stays out; rounds
+    interleaved, every other server paused (SIGSTOP) while one is measured.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import statistics
@@ -36,6 +46,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from symphony.engine.config import DTYPES, EngineConfig          # noqa: E402
 from symphony.engine.engine import Engine, PredRequest           # noqa: E402
@@ -274,7 +285,16 @@ def main():
                     help="comma-separated dtypes of the dequantized engines: float32, bfloat16, "
                     "float16; none: no dequantized engine and no plain PyTorch loop")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (default: torch's)")
+    ap.add_argument("--servers", default="symphony,llama-server,vllm",
+                    help="batched decode through these servers (none: skip; not with --model)")
+    ap.add_argument("--server-batches", default="1,16", help="concurrent requests of the server decode test")
+    ap.add_argument("--servers-only", action="store_true", help="only the decode through the servers")
     args = ap.parse_args()
+    if args.servers_only:
+        cpu, _ = cpu_description()
+        print(f"# CPU: {cpu}, {os.cpu_count()} logical CPUs", flush=True)
+        bench_servers(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     dnames = [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "none"]
@@ -368,7 +388,7 @@ def main():
     if ref is not None:
         print(f"| plain PyTorch loop, float32 | {spread(res['torch_one'])} | - | - |")
     if lcpp:
-        print(f"| llama.cpp (llama-cpp-python) | {spread(res['lcpp_one'])} | {spread(res['lcpp_batch'])} | "
+        print(f"| llama.cpp's library (llama-cpp-python, in-process) | {spread(res['lcpp_one'])} | {spread(res['lcpp_batch'])} | "
               f"{spread(res['lcpp_prefill']) if has_pre else '-'} |")
     print("\nRatios (per round, then median; min..max over rounds):")
 
@@ -411,6 +431,126 @@ def main():
                 continue
             print(f"  --weights {mode}: {rss / 2**20:.0f} MiB (target 1.5 x (GGUF + KV pool) = "
                   f"{target / 2**20:.0f} MiB: {rss / target:.2f} of it)")
+    if args.servers not in ("", "none"):
+        if args.model:
+            print("\n# decode through the servers: skipped (--model: the peers serve the embedded model)")
+        else:
+            bench_servers(args)
+
+
+# ---------------------------------------------------------------- batched decode through the servers
+SERVER_TOPICS = ("a lighthouse keeper", "a clockmaker", "a desert caravan", "a submarine cook", "a glacier",
+                 "a tea merchant", "a lost kite", "a mountain railway", "an old violin", "a night market",
+                 "a beekeeper", "a comet", "a ferry captain", "a paper mill", "a snow owl", "a river delta")
+
+
+async def _decode_requests(url: str, model: str, n: int, steps: int, tag: str) -> list[tuple[list[float], int]]:
+    """``n`` concurrent streamed greedy requests: per request, its content chunks' arrival times
+    and its completion tokens (usage)."""
+    import httpx
+    from bench_gateway import _lines
+
+    async def one(client, i):
+        body = {"model": model, "temperature": 0, "max_tokens": steps, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"({tag}.{i}) Write a long story about "
+                              f"{SERVER_TOPICS[i % len(SERVER_TOPICS)]} number {i}."}]}
+        times, tokens = [], None
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in _lines(r, url):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = __import__("json").loads(line[6:])
+                if d.get("usage"):
+                    tokens = d["usage"].get("completion_tokens")
+                if any((c.get("delta") or {}).get("content") for c in d.get("choices", [])):
+                    times.append(time.perf_counter())
+        return times, tokens if tokens is not None else len(times)
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+
+def decode_rate(reqs: list[tuple[list[float], int]]) -> float:
+    """Tokens/s while every request decodes: from the last first chunk to the first last chunk,
+    each chunk weighted by its request's tokens a chunk (a server may send several tokens in a
+    chunk). NaN when no such window exists (a request ended before another began)."""
+    start = max(t[0] for t, _ in reqs if t)
+    end = min(t[-1] for t, _ in reqs if t)
+    if end <= start or any(len(t) < 2 for t, _ in reqs):
+        return float("nan")
+    tokens = 0.0
+    for t, n in reqs:
+        per_chunk = n / len(t)
+        tokens += per_chunk * sum(1 for x in t if start < x <= end)
+    return tokens / (end - start)
+
+
+def bench_servers(args) -> None:
+    """Batched decode through Symphony's gateway and the peers' servers, interleaved rounds."""
+    import tempfile
+    from pathlib import Path
+    import peers
+    from bench_gateway import Symphony, symphony_contender, peer_contender
+    names = [x for x in args.servers.split(",") if x and x != "none"]
+    batches = [int(x) for x in args.server_batches.split(",")]
+    print(f"\n# batched decode through the servers: batches {batches}, {args.steps} tokens a request, "
+          f"{args.rounds} interleaved rounds; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp, contextlib.ExitStack() as stack:
+        os.chmod(tmp, 0o755)
+        cs = []
+        for name in names:
+            if name == "symphony":
+                sym = Symphony(Path(tmp) / "symphony", kv_memory_mb=args.kv_mb * 4, nocache=False)
+                stack.callback(sym.stop)
+                cs.append(symphony_contender("symphony", sym))
+                continue
+            try:
+                p = stack.enter_context(peers.peer(name, slots=max(batches), threads=args.threads or None,
+                                                   ctx_per_slot=1024, log_dir=Path(tmp) / "logs"))
+            except peers.Unavailable as e:
+                print(f"# {name}: skipped: {e}", flush=True)
+                continue
+            p.pause()
+            cs.append(peer_contender(p))
+        for c in cs:
+            print(f"# {c.name}: {c.info.get('version')}; weights: {c.info.get('weights')}; command: "
+                  f"{' '.join(c.info.get('argv', []))}", flush=True)
+        res = {(c.name, b): [] for c in cs for b in batches}
+        for c in cs:                                                  # warm-up
+            c.resume()
+            asyncio.run(_decode_requests(c.url, c.model, 2, 4, "warm"))
+            c.pause()
+        for r in range(args.rounds):
+            for c in cs[r % len(cs):] + cs[:r % len(cs)]:
+                c.resume()
+                try:
+                    for b in batches:
+                        res[(c.name, b)].append(decode_rate(asyncio.run(
+                            _decode_requests(c.url, c.model, b, args.steps, f"r{r}b{b}"))))
+                finally:
+                    c.pause()
+            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} b{b} {v[-1]:.1f}" for (n, b), v in res.items()), flush=True)
+        print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+        print("\n| server | " + " | ".join(f"batch-{b} decode tok/s" for b in batches) + " |")
+        print("|---|" + "---|" * len(batches))
+        for c in cs:
+            print(f"| {c.name} | " + " | ".join(spread([x for x in res[(c.name, b)] if x == x] or [float('nan')])
+                                                for b in batches) + " |")
+        ours = [c for c in cs if c.peer is None]
+        for o in ours:
+            for c in cs:
+                if c.peer is None:
+                    continue
+                for b in batches:
+                    per = [x / y for x, y in zip(res[(o.name, b)], res[(c.name, b)]) if x == x and y == y]
+                    if per:
+                        print(f"  {o.name} / {c.name}, batch-{b}: {statistics.median(per):.2f}x "
+                              f"({min(per):.2f}..{max(per):.2f})")
 
 
 if __name__ == "__main__":
