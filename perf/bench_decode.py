@@ -3,8 +3,9 @@ embedded SmolLM2-135M-Instruct, Q4_1 + Q8_0).
 
     python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--prefill 1500]
                                 [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16|none]
-                                [--threads N] [--model PATH.gguf]
+                                [--threads N] [--model PATH.gguf] [--no-paths]
                                 [--servers symphony,llama-server,vllm|none] [--server-batches 1,16]
+                                [--servers-only] [--json OUT]
 
 Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every contender alike,
 and reports medians with the per-round spread:
@@ -23,7 +24,12 @@ and reports medians with the per-round spread:
     measured in the same run (a multi-threaded sum over 256 MiB), and each contender's share;
   * the resident memory of a real symphony-kernel started with each --weights mode (not with
     --no-rss), against 1.5 x (GGUF size + KV pool);
-  * the CPU model and its SIMD flags, the load average before and after;
+  * the default's choice against every path it may take (not with --no-paths): decode steps of
+    1, 8 and --batch sequences and a 128-token prefill chunk, with each qlinear path of the
+    float-accurate choice forced (the scalar one left out), in interleaved rounds: the path the
+    default takes (after the start-up calibration) and the fastest, side by side per row count;
+  * the CPU model and its SIMD flags, the load average before and after, and the CPU the other
+    processes used meanwhile (cores, from /proc/stat);
   * batched decode through each server (--servers; not with --model): N concurrent streamed
     greedy requests of distinct prompts (N from --server-batches), --steps tokens each, through
     Symphony's gateway (a kernel with default flags), llama.cpp's `llama-server` (-np N, the same
@@ -53,6 +59,9 @@ from symphony.engine.engine import Engine, PredRequest           # noqa: E402
 from symphony.engine.loader import default_model_path, load_model  # noqa: E402
 from symphony.engine.quant import QWeight, force_qlinear_path      # noqa: E402
 from symphony.engine.reference import ReferenceLlama             # noqa: E402
+from symphony.engine.ops import calibrate, qlinear_path_for, timing  # noqa: E402
+
+import peers                                                     # noqa: E402
 
 PREFILL_TEXT = ("The history of the violin begins in sixteenth-century Italy, where makers in Cremona "
                 "and Brescia gave the instrument the shape it still has. Over the following centuries "
@@ -182,21 +191,31 @@ def bench_engine_batch(eng, prompt_ids, steps, batch):
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's low-level API (multi-sequence batches)."""
 
-    def __init__(self, path, n_ctx, n_seq, threads):
+    def __init__(self, path, n_ctx, n_seq, threads, extra_bufts=True):
         import llama_cpp as lc
         self.lc = lc
-        # the high-level Llama() loads the model; its own context holds one sequence only,
-        # so a second context with n_seq_max sequences is made through the C API
-        self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+        if extra_bufts:
+            # the high-level Llama() loads the model; its own context holds one sequence only,
+            # so a second context with n_seq_max sequences is made through the C API
+            self.llm = lc.Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+            model = self.llm._model.model
+            self.vocab = self.llm.n_vocab()
+        else:                            # the model without extra buffer types (AMX, repacked)
+            lc.llama_backend_init()
+            mp = lc.llama_model_default_params()
+            mp.use_extra_bufts = False
+            model = self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+            if not model:
+                raise RuntimeError("llama.cpp could not load the model")
+            self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
         p = lc.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, 512, n_seq
         p.n_threads = p.n_threads_batch = threads
         if hasattr(p, "kv_unified"):
             p.kv_unified = True
-        self.ctx = lc.llama_init_from_model(self.llm._model.model, p)
+        self.ctx = lc.llama_init_from_model(model, p)
         if not self.ctx:
             raise RuntimeError("llama.cpp context creation failed")
-        self.vocab = self.llm.n_vocab()
 
     def _decode(self, items):
         """items: [(seq_id, tokens, start_pos)] -> next-token argmax per item."""
@@ -265,11 +284,47 @@ class LlamaCpp:
         return n * steps / (time.perf_counter() - t0)
 
 
+def bench_paths(eng, ids, pre, steps, rounds, batch):
+    """tok/s of the engine at each row count (1, 8, ``batch`` sequences decoding; a 128-token
+    prefill chunk) with the default choice and with each path it may take forced, interleaved
+    over ``rounds``: {rows: {path or "default": [tok/s per round]}}."""
+    paths = [p for p in calibrate.auto_paths(-1) if p != 0]
+    rows = [1, 8, batch] + ([128] if len(pre) >= 128 else [])
+    res = {m: {k: [] for k in ["default", *paths]} for m in rows}
+
+    def run(m):
+        if m == 128:
+            return bench_engine_prefill(eng, pre[:128])
+        return bench_engine_single(eng, ids, steps) if m == 1 else bench_engine_batch(eng, ids, max(2, steps // 4), m)
+    for _ in range(rounds):
+        for m in rows:
+            for k in res[m]:
+                with force_qlinear_path(-1 if k == "default" else k):
+                    res[m][k].append(run(m))
+    return res
+
+
+def print_paths(res, shape):
+    print("\nThe default's choice against every path it may take (tok/s, median of the rounds; "
+          "'default' resolved for a %d x %d u4 matrix):" % shape)
+    print("| rows | default (path) | fastest path | default / fastest | every path |")
+    print("|---|---|---|---|---|")
+    for m, by in res.items():
+        med = {k: statistics.median(v) for k, v in by.items()}
+        best = max((k for k in med if k != "default"), key=med.get)
+        chosen = qlinear_path_for(-1, m, *shape, 0)
+        others = ", ".join(f"{k} {med[k]:.1f}" for k in med if k != "default")
+        print(f"| {m if m != 128 else '128 (prefill)'} | {med['default']:.1f} ({chosen}) | {med[best]:.1f} ({best}) | "
+              f"{med['default'] / med[best]:.2f} | {others} |")
+
+
 def spread(v):
     return f"{statistics.median(v):.1f} ({min(v):.1f}..{max(v):.1f})"
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked (argparse's exit status 2 on a bad value); adds
+    ``dtype_names``, ``server_names`` and ``batches`` (lists)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
@@ -278,6 +333,9 @@ def main():
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2; "
                     "perf/make_gguf.py writes random 1B / 3B ones)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra weight buffer types (AMX, repacked layouts): "
+                    "llama-cpp-python 0.3.36's AMX buffers fault on some virtual machines")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8-activation contender")
     ap.add_argument("--no-rss", action="store_true", help="skip starting real kernels for their RSS")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV pool of the engines and kernels, MiB")
@@ -285,11 +343,36 @@ def main():
                     help="comma-separated dtypes of the dequantized engines: float32, bfloat16, "
                     "float16; none: no dequantized engine and no plain PyTorch loop")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (default: torch's)")
+    ap.add_argument("--no-paths", action="store_true", help="skip the default-vs-every-path table")
     ap.add_argument("--servers", default="symphony,llama-server,vllm",
                     help="batched decode through these servers (none: skip; not with --model)")
     ap.add_argument("--server-batches", default="1,16", help="concurrent requests of the server decode test")
     ap.add_argument("--servers-only", action="store_true", help="only the decode through the servers")
-    args = ap.parse_args()
+    ap.add_argument("--json", default=None, help="write the servers' decode figures (every round) to this file")
+    args = ap.parse_args(argv)
+    if args.steps < 2 or args.rounds < 1 or args.batch < 1 or args.prefill < 0 or args.kv_mb < 1:
+        ap.error("--steps must be >= 2, --rounds, --batch and --kv-mb >= 1, --prefill >= 0")
+    args.dtype_names = [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "none"]
+    for d in args.dtype_names:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
+    args.server_names = [x for x in args.servers.split(",") if x and x != "none"]
+    known = ("symphony",) + peers.NAMES
+    for bad in (x for x in args.server_names if x not in known):
+        ap.error(f"--servers: unknown {bad!r} (known: {', '.join(known)}, none)")
+    try:
+        args.batches = [int(x) for x in args.server_batches.split(",") if x]
+    except ValueError:
+        args.batches = []
+    if not args.batches or min(args.batches) < 1:
+        ap.error(f"--server-batches {args.server_batches!r}: comma-separated numbers >= 1")
+    if args.servers_only and (args.model or not args.server_names):
+        ap.error("--servers-only needs --servers and no --model (the servers serve the embedded model)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.servers_only:
         cpu, _ = cpu_description()
         print(f"# CPU: {cpu}, {os.cpu_count()} logical CPUs", flush=True)
@@ -297,10 +380,7 @@ def main():
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    dnames = [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "none"]
-    for d in dnames:
-        if d not in DTYPES:
-            ap.error(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
+    dnames = args.dtype_names
     threads = torch.get_num_threads()
     path = args.model or default_model_path()
     cpu, flags = cpu_description()
@@ -308,6 +388,7 @@ def main():
           f"torch {torch.__version__}", flush=True)
     print(f"# CPU: {cpu}, {os.cpu_count()} logical CPUs; SIMD flags: {' '.join(flags)}", flush=True)
     print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    ticks0 = timing.cpu_ticks()
     weights, tok = load_model(path, progress=False)
     kv_bytes = args.kv_mb * 2**20
 
@@ -338,7 +419,7 @@ def main():
     if not args.no_llamacpp:
         try:
             lcpp = LlamaCpp(path, n_ctx=max((len(ids) + args.steps + 8) * args.batch, len(pre) + 8),
-                            n_seq=args.batch, threads=threads)
+                            n_seq=args.batch, threads=threads, extra_bufts=not args.llamacpp_no_extra_bufts)
         except ImportError:
             print("# llama-cpp-python not installed: skipping llama.cpp (pip install llama-cpp-python)")
     bw_buf = torch.ones(64 * 2**20)                                  # 256 MiB of float32
@@ -375,7 +456,13 @@ def main():
                 res["lcpp_prefill"].append(lcpp.prefill(pre))
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {v[-1]:.1f}" for k, v in res.items() if v), flush=True)
-    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    paths = None if args.no_paths else bench_paths(engines["quantized"], ids, pre, args.steps // 2,
+                                                   args.rounds, args.batch)
+    load = timing.others_load(ticks0, timing.cpu_ticks())
+    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}; other processes "
+          f"used {'?' if load is None else f'{load:.1f}'} of {os.cpu_count()} cores meanwhile", flush=True)
+    if paths:
+        print_paths(paths, (576, 576))
     b = args.batch
     has_pre = bool(pre)
     print(f"\n| contender | single-stream tok/s | batch-{b} tok/s | prefill {len(pre)} tok/s |")
@@ -431,7 +518,7 @@ def main():
                 continue
             print(f"  --weights {mode}: {rss / 2**20:.0f} MiB (target 1.5 x (GGUF + KV pool) = "
                   f"{target / 2**20:.0f} MiB: {rss / target:.2f} of it)")
-    if args.servers not in ("", "none"):
+    if args.server_names:
         if args.model:
             print("\n# decode through the servers: skipped (--model: the peers serve the embedded model)")
         else:
@@ -488,19 +575,22 @@ def decode_rate(reqs: list[tuple[list[float], int]]) -> float:
     return tokens / (end - start)
 
 
-def bench_servers(args) -> None:
-    """Batched decode through Symphony's gateway and the peers' servers, interleaved rounds."""
+def bench_servers(args) -> dict:
+    """Batched decode through Symphony's gateway and the peers' servers, interleaved rounds:
+    {"rounds": {server: {batch: [figures per round]}}, "servers": {server: what it is}}."""
+    import json
     import tempfile
     from pathlib import Path
-    import peers
-    from bench_gateway import Symphony, symphony_contender, peer_contender
-    names = [x for x in args.servers.split(",") if x and x != "none"]
-    batches = [int(x) for x in args.server_batches.split(",")]
+    from bench_gateway import Symphony, _git_commit, symphony_contender, peer_contender, write_json
+    names, batches = args.server_names, args.batches
     print(f"\n# batched decode through the servers: batches {batches}, {args.steps} tokens a request, "
-          f"{args.rounds} interleaved rounds; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
-          flush=True)
+          f"{args.rounds} interleaved rounds; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+          f"peers from the {peers._where()}", flush=True)
+    out = {"machine": {"cpu": cpu_description()[0], "cores": os.cpu_count(), "load_before": os.getloadavg(),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _git_commit()},
+           "steps": args.steps, "batches": batches, "skipped": {}, "servers": {}, "rounds": {}}
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp, contextlib.ExitStack() as stack:
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)                    # a root kernel's gateway runs as another uid
         cs = []
         for name in names:
             if name == "symphony":
@@ -508,17 +598,22 @@ def bench_servers(args) -> None:
                 stack.callback(sym.stop)
                 cs.append(symphony_contender("symphony", sym))
                 continue
+            print(f"# starting {name} (slots {max(batches)}) ...", flush=True)
             try:
                 p = stack.enter_context(peers.peer(name, slots=max(batches), threads=args.threads or None,
                                                    ctx_per_slot=1024, log_dir=Path(tmp) / "logs"))
             except peers.Unavailable as e:
                 print(f"# {name}: skipped: {e}", flush=True)
+                out["skipped"][name] = str(e)
                 continue
             p.pause()
             cs.append(peer_contender(p))
         for c in cs:
-            print(f"# {c.name}: {c.info.get('version')}; weights: {c.info.get('weights')}; command: "
-                  f"{' '.join(c.info.get('argv', []))}", flush=True)
+            out["servers"][c.name] = c.info
+            print(f"# {c.name}: {c.info.get('version')}; weights: {c.info.get('weights')}; started in "
+                  f"{c.info.get('startup_s') or 0:.0f} s; command: "
+                  f"{' '.join(f'{k}={v}' for k, v in (c.info.get('env') or {}).items())} "
+                  f"{' '.join(c.info.get('argv', []))}".replace(":  ", ": "), flush=True)
         res = {(c.name, b): [] for c in cs for b in batches}
         for c in cs:                                                  # warm-up
             c.resume()
@@ -529,28 +624,38 @@ def bench_servers(args) -> None:
                 c.resume()
                 try:
                     for b in batches:
-                        res[(c.name, b)].append(decode_rate(asyncio.run(
-                            _decode_requests(c.url, c.model, b, args.steps, f"r{r}b{b}"))))
+                        load = peers.BoxLoad({c.name: c.pids()})
+                        reqs = asyncio.run(_decode_requests(c.url, c.model, b, args.steps, f"r{r}b{b}"))
+                        used = load.stop()
+                        res[(c.name, b)].append({"tok_s": decode_rate(reqs), "tokens": sum(n for _, n in reqs),
+                                                 "server_cores": used[f"{c.name}_cores"],
+                                                 "others_cores": used["others_cores"]})
                 finally:
                     c.pause()
             print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{n} b{b} {v[-1]:.1f}" for (n, b), v in res.items()), flush=True)
+                f"{n} b{b} {v[-1]['tok_s']:.1f}" for (n, b), v in res.items()), flush=True)
+        out["machine"]["load_after"] = os.getloadavg()
         print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
-        print("\n| server | " + " | ".join(f"batch-{b} decode tok/s" for b in batches) + " |")
-        print("|---|" + "---|" * len(batches))
+        print("\n| server | " + " | ".join(f"batch-{b} decode tok/s" for b in batches) +
+              " | its cores | others' cores |")
+        print("|---|" + "---|" * (len(batches) + 2))
         for c in cs:
-            print(f"| {c.name} | " + " | ".join(spread([x for x in res[(c.name, b)] if x == x] or [float('nan')])
-                                                for b in batches) + " |")
-        ours = [c for c in cs if c.peer is None]
-        for o in ours:
-            for c in cs:
-                if c.peer is None:
-                    continue
+            rows = [x for b in batches for x in res[(c.name, b)]]
+            print(f"| {c.name} | " + " | ".join(spread([x["tok_s"] for x in res[(c.name, b)] if x["tok_s"] == x["tok_s"]]
+                                                       or [float("nan")]) for b in batches) +
+                  f" | {spread([x['server_cores'] for x in rows])} | {spread([x['others_cores'] for x in rows])} |")
+        for o in (c for c in cs if c.peer is None):
+            for c in (c for c in cs if c.peer is not None):
                 for b in batches:
-                    per = [x / y for x, y in zip(res[(o.name, b)], res[(c.name, b)]) if x == x and y == y]
+                    per = [x["tok_s"] / y["tok_s"] for x, y in zip(res[(o.name, b)], res[(c.name, b)])
+                           if x["tok_s"] == x["tok_s"] and y["tok_s"] == y["tok_s"] and y["tok_s"] > 0]
                     if per:
                         print(f"  {o.name} / {c.name}, batch-{b}: {statistics.median(per):.2f}x "
                               f"({min(per):.2f}..{max(per):.2f})")
+        out["rounds"] = {c.name: {str(b): res[(c.name, b)] for b in batches} for c in cs}
+    if args.json:
+        write_json(args.json, json.loads(json.dumps(out, default=str)))
+    return out
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ import os
 import queue
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -76,6 +77,9 @@ from conftest import KernelProc as _TestKernelProc  # noqa: E402  (one way to st
 from symphony.client import Client                               # noqa: E402
 from symphony.engine.config import EngineConfig                  # noqa: E402
 from symphony.engine.engine import Engine, PredRequest           # noqa: E402
+from symphony.engine.runner import Want                          # noqa: E402
+
+GREEDY = Want("argmax")
 
 PROMPT = "Write a short story about a robot who learns to play the violin."
 
@@ -339,12 +343,14 @@ def run_together(k: KernelProc, source, arg_lists, *, filename, timeout, go: boo
 
 # ---------------------------------------------------------------- in-process contenders
 def engine_single(eng: Engine, ids: list[int], steps: int) -> tuple[float, list[int]]:
+    """The in-process engine's own single-stream loop: ``pred`` with the greedy token chosen in the
+    runner (as a LIP's ``output="argmax"`` is)."""
     seq = eng.new_sequence()
-    t = int(eng.pred(seq, ids).argmax())
+    t = int(eng.pred_batch([PredRequest(seq, ids, want=GREEDY)])[0])
     toks = [t]
     t0 = time.perf_counter()
     for _ in range(steps):
-        t = int(eng.pred(seq, [t]).argmax())
+        t = int(eng.pred_batch([PredRequest(seq, [t], want=GREEDY)])[0])
         toks.append(t)
     dt = time.perf_counter() - t0
     eng.release(seq)
@@ -352,14 +358,16 @@ def engine_single(eng: Engine, ids: list[int], steps: int) -> tuple[float, list[
 
 
 def engine_batch(eng: Engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    """The in-process engine's own batch: one ``pred_batch`` a step, every sequence's greedy token
+    chosen in the runner in one argmax (the strongest baseline the engine offers)."""
     seqs = [eng.new_sequence() for _ in prompts]
-    outs = eng.pred_batch([PredRequest(s, p) for s, p in zip(seqs, prompts)])   # prefill, untimed
-    toks = [[int(o.argmax())] for o in outs]
+    outs = eng.pred_batch([PredRequest(s, p, want=GREEDY) for s, p in zip(seqs, prompts)])   # prefill, untimed
+    toks = [[int(o)] for o in outs]
     t0 = time.perf_counter()
     for _ in range(steps):
-        outs = eng.pred_batch([PredRequest(s, [tk[-1]]) for s, tk in zip(seqs, toks)])
-        for tk, o in zip(toks, outs):
-            tk.append(int(o.argmax()))
+        outs = eng.pred_batch([PredRequest(s, [tk[-1]], want=GREEDY) for s, tk in zip(seqs, toks)])
+        for tk, o in zip(toks, torch.stack(outs).tolist()):
+            tk.append(o)
     dt = time.perf_counter() - t0
     for s in seqs:
         eng.release(s)
@@ -401,6 +409,7 @@ def kernel_concurrent(k: KernelProc, prompts: list[list[int]], steps: int, timeo
             "per_lip_median": statistics.median(r["tok_s"] for r in res),
             "per_lip_min": min(r["tok_s"] for r in res), "span": span, "wall": wall,
             "batches": batches, "calls": calls, "max_batch": after["max_batch"],
+            "host": {k: after["host"].get(k, 0) - before["host"].get(k, 0) for k in after["host"]},
             "tokens": [r["tokens"] for r in res]}
 
 
@@ -450,9 +459,11 @@ def null_calls(k: KernelProc, n: int, n_busy: int, rounds: int, timeout: float, 
         with k.client(timeout=timeout) as ctl:
             for _ in range(rounds):
                 for busy in (False, True):
+                    base = ctl.stats()
                     decoders = _start_decoders(k, n_busy, timeout) if busy else []
                     try:
                         r = _probe_round(probe, ctl, decoders, timeout, watch)
+                        r["decoded"] = ctl.stats()["batch_calls"] - base["batch_calls"]
                     finally:
                         _stop_decoders(ctl, decoders, timeout)
                     yield r
@@ -531,6 +542,127 @@ def robust(kern: list, inproc: list, busy: list) -> str:
     return f"{q}; best / best {max(kern) / max(inproc):.2f}x"
 
 
+
+# ---------------------------------------------------------------- the kernel's keys (--json)
+def machine() -> dict:
+    """The CPU, the cores, torch and the commit, for the record."""
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def load_engine(device: str, kv_mb: int) -> Engine:
+    """The in-process contender on ``device``: "cpu" (the embedded model) or "sim[:PROFILE]"."""
+    if device == "cpu":
+        return Engine.load(config=EngineConfig(page_size=16, kv_memory_bytes=kv_mb * 2**20), progress=False)
+    from symphony.engine.sim import SimEngine, parse_profile
+    return SimEngine.load(config=EngineConfig(page_size=16, kv_memory_bytes=kv_mb * 2**20, dtype=torch.bfloat16),
+                          profile=parse_profile(device))
+
+
+def device_ratios(device: str, ns: list[int], args, rec: dict, tag: str) -> None:
+    """Kernel tokens/s over the in-process engine's on ``device``, at each count of concurrent
+    LIPs in ``ns`` (1: one LIP's decode loop vs the in-process loop; more: N LIPs vs one
+    ``pred_batch`` of N), --key-rounds interleaved rounds; then, on a simulated device, the null
+    call while 64 LIPs decode.  Fills ``rec`` with ratio_<tag><N> and the per-round figures."""
+    kv_mb = max(args.kv_memory_mb, 1536 if device != "cpu" else 0)   # (the null part: 64 LIPs x 512 tokens)
+    eng = load_engine(device, kv_mb)
+    ids = eng.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    tmp = Path(tempfile.mkdtemp(prefix="bench-kernel-"))
+    dev = [] if device == "cpu" else ["--device", device]
+    k = KernelProc(tmp, "--kv-memory-mb", str(kv_mb), "--max-lips", str(max(ns) + 16),
+                   "--max-lips-per-user", str(max(ns) + 16), *dev)
+    print(f"\n## {device}: kernel (log {k.log_path}) and in-process engine up; N = {ns}, "
+          f"{args.key_rounds} interleaved rounds", flush=True)
+    watch = CpuWatch(k.proc.pid, *_children(k.proc.pid))
+    try:
+        kernel_single(k, ids, 4, args.timeout)                 # warm-up
+        engine_single(eng, ids, 4)
+        rounds: dict = {n: {"kernel": [], "inproc": [], "same": [], "others": [], "host": []} for n in ns}
+        for r in range(args.key_rounds):
+            for n in ns:
+                prompts = [ids[:-1] + [i + 100] for i in range(n)]
+                watch.start()
+                if n == 1:
+                    tk, toks_k = kernel_single(k, ids, args.steps, args.timeout)
+                    host = None
+                else:
+                    rk = kernel_concurrent(k, prompts, args.lip_steps, args.timeout)
+                    tk, toks_k, host = rk["agg"], rk["tokens"], rk["host"]
+                ok_ = watch.stop()
+                watch.start()
+                te, toks_e = engine_single(eng, ids, args.steps) if n == 1 else engine_batch(eng, prompts,
+                                                                                              args.lip_steps)
+                oe = watch.stop()
+                same = toks_k == toks_e if n == 1 else sum(a == b for a, b in zip(toks_k, toks_e))
+                for key, v in (("kernel", tk), ("inproc", te), ("same", same), ("others", max(ok_, oe)),
+                               ("host", host)):
+                    rounds[n][key].append(v)
+                print(f"  round {r + 1} N={n}: kernel {tk:.0f} tok/s, in-process {te:.0f} tok/s, "
+                      f"ratio {tk / te:.3f}, same tokens {same}; other processes' CPU {ok_:.0f}% / {oe:.0f}%",
+                      flush=True)
+        med = statistics.median
+        for n in ns:
+            rr = rounds[n]
+            rec[f"ratio_{tag}{n}"] = med(rr["kernel"]) / med(rr["inproc"])
+            rec.setdefault("rounds", {})[f"{tag}{n}"] = rr
+        if device != "cpu" and 64 in ns:
+            hosts = [h for h in rounds[64]["host"] if h]
+            preds = sum(h["handle"] for h in hosts)
+            rec["host_us_per_pred"] = sum(h["handle_s"] + h["launch_s"] + h["finish_s"] for h in hosts) / preds * 1e6
+            rec["host_us_per_pred_parts"] = {p: sum(h[p + "_s"] for h in hosts) / preds * 1e6
+                                             for p in ("handle", "launch", "finish")}
+            rec["host_us_per_pred_rounds"] = [(h["handle_s"] + h["launch_s"] + h["finish_s"]) / h["handle"] * 1e6
+                                              for h in hosts]
+            res = list(null_calls(k, args.null_calls, 64, args.null_rounds, args.timeout, watch))
+            busy = [x / 1e3 for r in res if r["busy"] for x in r["ns"]]
+            idle = [x / 1e3 for r in res if not r["busy"] for x in r["ns"]]
+            rec.update(null_p50_busy_us=pct(busy, 50), null_p99_busy_us=pct(busy, 99),
+                       null_p50_idle_us=pct(idle, 50), null_p99_idle_us=pct(idle, 99),
+                       null_busy_tok_s=[r["tok_s"] for r in res if r["busy"]])
+            print(f"  null call while 64 LIPs decode: p50 {rec['null_p50_busy_us']:.1f} us, p99 "
+                  f"{rec['null_p99_busy_us']:.1f} us (idle {rec['null_p50_idle_us']:.1f} / "
+                  f"{rec['null_p99_idle_us']:.1f} us)", flush=True)
+        if device != "cpu":
+            rec["sim_overruns"] = getattr(eng.runner, "overruns", 0)
+    finally:
+        rc = k.stop()
+        eng.close()
+    if rc != 0:
+        raise RuntimeError(f"kernel exited with status {rc}; log tail:\n{k.log_path.read_text(errors='replace')[-3000:]}")
+
+
+def keys_suite(args) -> int:
+    """The kernel's figures as keys (``--json OUT``): on the simulated device ratio_1/16/64/256,
+    host_us_per_pred and the null call while 64 LIPs decode; on the CPU ratio_cpu_1 and _32."""
+    rec: dict = {"machine": machine(), "args": vars(args)}
+    print(f"# {rec['machine']}", flush=True)
+    if args.device != "cpu":
+        device_ratios(args.device, [int(n) for n in args.sim_lips.split(",")], args, rec, "")
+    if args.device == "cpu" or not args.no_cpu:
+        device_ratios("cpu", [int(n) for n in args.cpu_lips.split(",")], args, rec, "cpu_")
+    print("\n| key | value | target |\n|---|---|---|")
+    targets = {"ratio_1": ">= 0.98", "ratio_64": ">= 0.95", "ratio_256": ">= 0.90", "host_us_per_pred": "<= 5",
+               "null_p99_busy_us": "<= 200", "ratio_cpu_1": ">= 0.96", "ratio_cpu_32": ">= 0.96"}
+    for key in sorted(k for k in rec if k.startswith(("ratio_", "host_us", "null_p"))):
+        v = rec[key]
+        print(f"| {key} | {v:.3f} | {targets.get(key, '')} |" if isinstance(v, float) else f"| {key} | {v} | |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rec, indent=1, default=str))
+        print(f"\nwritten to {args.json}")
+    return 0
+
+
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs, dtype=float), q))
 
@@ -553,13 +685,25 @@ def main():
     ap.add_argument("--gpus", default=None, metavar="N",
                     help="run both contenders on GPU N (the kernel with --gpus N; default: the CPU)")
     ap.add_argument("--parts", default="1234", help="which parts to run, e.g. 14 or 5 (default 1234)")
+    ap.add_argument("--device", default=None, metavar="cpu|sim[:PROFILE]",
+                    help="the kernel's keys instead of the parts: on a simulated device (sim, sim:h200-1b, ...: "
+                         "ratio_1/16/64/256, host_us_per_pred, the null call while 64 LIPs decode) and on "
+                         "the CPU (ratio_cpu_1, ratio_cpu_32); --json writes them")
+    ap.add_argument("--json", default=None, metavar="OUT", help="write the keys (and every round) to OUT")
+    ap.add_argument("--key-rounds", type=int, default=3, help="keys: interleaved rounds (default 3)")
+    ap.add_argument("--sim-lips", default="1,16,64,256", help="keys: LIP counts on the simulated device")
+    ap.add_argument("--cpu-lips", default="1,32", help="keys: LIP counts on the CPU")
+    ap.add_argument("--no-cpu", action="store_true", help="keys: skip the CPU (ratio_cpu_*)")
     args = ap.parse_args()
     parts = set(args.parts)
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # one socket per concurrent LIP
-    want = 4 * max(args.many, args.lips, args.null_lips) + 256
+    want = 4 * max(args.many, args.lips, args.null_lips, 300) + 256
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    if args.device is not None or args.json:
+        args.device = args.device or "cpu"
+        return keys_suite(args)
 
     device = f"cuda:{args.gpus}" if args.gpus is not None else "cpu"
     where = (f"GPU {torch.cuda.get_device_name(int(args.gpus))} (bfloat16)" if args.gpus is not None

@@ -114,9 +114,10 @@ def parser() -> argparse.ArgumentParser:
                    help="share of a core above which a LIP that computes between its calls (more than 2 ms "
                         "a call) is reniced to 19, so that it runs on the CPU the model leaves (default 0.1; "
                         "0: never)")
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads the model computes with (default: torch's, one per core); only "
-                        "the syscall thread computes, the others use one")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads the model computes "
+                   "with (default: torch's, one per core); only the device thread computes, the others use one")
+    p.add_argument("--serial-steps", action="store_true", help="a diagnosis aid: run each forward pass on "
+                   "the syscall thread, not on a device thread of its own while the syscall thread serves on")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve HTTP (the OpenAI API and programs over HTTP) on HOST:PORT: starts "
                         "symphony-gateway as a child, stopped with the kernel")
@@ -162,6 +163,7 @@ class KernelConfig:
     lip_busy_cpu: float
     gateway: Optional[dict]             # {"http", "uid", "argv"} with --http or --gateway-uid
     test_hooks: bool
+    overlap: bool = True                # the forward pass on a device thread (not --serial-steps)
 
 
 def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
@@ -201,7 +203,7 @@ def config_from_args(p: argparse.ArgumentParser, args) -> KernelConfig:
         user_page_refs=args.user_page_refs, kv_wait_s=args.kv_wait, max_lips=args.max_lips,
         token_budget=args.token_budget, policy=policy, max_queued_output=args.max_queued_output_kb << 10,
         caps=caps, admission=admission, bounds=bounds, lip_uids=lip_uids, lip_nice=args.lip_nice,
-        lip_busy_cpu=args.lip_busy_cpu, gateway=gateway, test_hooks=args.test_hooks)
+        lip_busy_cpu=args.lip_busy_cpu, gateway=gateway, test_hooks=args.test_hooks, overlap=not args.serial_steps)
 
 
 def build(cfg: KernelConfig, log: logging.Logger):
@@ -231,7 +233,7 @@ def build(cfg: KernelConfig, log: logging.Logger):
 
 
 def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int):
-    # (the quantized kernels are calibrated and logged by the syscall thread, which runs them)
+    # (the quantized kernels are calibrated and logged by the device thread, which runs them)
     _warm_up(engine)
     from .kernel.daemon import Kernel
     from .kernel.syscall.proc import ServedLips
@@ -258,7 +260,7 @@ def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int)
                   max_queued_output=cfg.max_queued_output, cap_policy=cfg.caps, lip_uids=cfg.lip_uids,
                   test_hooks=cfg.test_hooks, admission=cfg.admission, kv_wait_s=cfg.kv_wait_s,
                   compute_threads=compute_threads, bounds=cfg.bounds, lip_nice=cfg.lip_nice,
-                  lip_busy_cpu=cfg.lip_busy_cpu, gateway=cfg.gateway)
+                  lip_busy_cpu=cfg.lip_busy_cpu, gateway=cfg.gateway, overlap=cfg.overlap)
 
 
 class StartupError(RuntimeError):

@@ -438,7 +438,9 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   }
   if (M >= (t16 ? 2 * kDenseM : kDenseM)) return kDense;
   if (t8 && !cpu_has_avx512()) return M < kRowsAvx2 ? kQ15RowsAvx2 : kQ15T8Avx2;
-  if (t16) return kQ15T16Avx512Vnni;
+  // one row of a 4-bit weight: the AVX2 row kernel beats the VNNI one (its 1-row row kernel) on a
+  // Sapphire Rapids by ~6 % a decode step (perf/RESULTS.md); 8-bit weights keep the VNNI kernel
+  if (t16) return M == 1 && d.kind == kQU4 ? kQ15RowsAvx2 : kQ15T16Avx512Vnni;
   return cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
 }
 

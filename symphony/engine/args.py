@@ -31,6 +31,7 @@ class EngineArgs:
 
     model: Optional[str] = None          # GGUF file or safetensors directory; None: the embedded SmolLM2
     gpus: Optional[str] = None           # "0": that GPU; None: the CPU
+    device_spec: str = "cpu"             # --device: "cpu", or "sim[:PROFILE]": a simulated device (engine/sim.py)
     kv_memory_mb: int = 256
     page_size: int = 16
     dtype: Optional[str] = None          # a key of DTYPES; None: the device's default
@@ -54,6 +55,12 @@ class EngineArgs:
         p.add_argument("--gpus", default=None,
                        help="GPU index to run on, e.g. 0, or several, e.g. 0,1: one tensor-parallel rank "
                             "per GPU (default: CPU)")
+        p.add_argument("--device", dest="device_spec", default="cpu", metavar="cpu|sim[:PROFILE]",
+                       help="cpu (default; --gpus picks GPUs), or sim[:PROFILE]: a SIMULATED device for "
+                            "benchmarks and tests of the kernel, never for serving: the model's config and "
+                            "tokenizer, a real KV pool, and a forward pass that takes a modelled time and "
+                            "returns deterministic logits (profiles: h200-1b (default), h200-smollm2, or "
+                            "step_ms=..,call_us=..,token_us=..,kv_ns=..; docs/guide/benchmarks.md)")
         p.add_argument("--kv-memory-mb", type=int, default=256, help="KV page pool size in MiB (default 256)")
         p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
         p.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
@@ -86,6 +93,20 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
         """The engine's flags out of a namespace parsed with `add_cli_args`'s flags (others ignored)."""
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    def sim_profile(self):
+        """The simulated device's `sim.SimProfile` (None: a real device); ConfigError if the flags
+        ask for a simulated device with GPUs or tensor parallelism, or name no such profile."""
+        from .config import ConfigError
+        if self.device_spec == "cpu":
+            return None
+        from .sim import parse_profile
+        profile = parse_profile(self.device_spec)
+        if self.gpus:
+            raise ConfigError(f"--device {self.device_spec} simulates the device: it takes no --gpus")
+        if (self.tp or 1) > 1 or self.nnodes > 1:
+            raise ConfigError(f"--device {self.device_spec}: a simulated device runs no tensor parallelism")
+        return profile
 
     def devices(self) -> list[str]:
         """The torch devices ``--gpus`` names, one per rank (["cpu"] without it); ConfigError if bad."""
@@ -121,9 +142,11 @@ class EngineArgs:
     def to_config(self) -> "EngineConfig":
         """The validated `EngineConfig` the flags describe (ConfigError names what is wrong)."""
         from .config import DTYPES, EngineConfig
-        return EngineConfig(device=self.device(), dtype=DTYPES[self.dtype] if self.dtype else None,
+        sim = self.sim_profile() is not None
+        dtype = self.dtype or ("bfloat16" if sim else None)     # a simulated GPU's pool: bfloat16, in host memory
+        return EngineConfig(device=self.device(), dtype=DTYPES[dtype] if dtype else None,
                             page_size=self.page_size, kv_memory_bytes=self.kv_memory_mb * 2**20,
-                            cuda_graphs=False if self.no_cuda_graphs else None,
+                            cuda_graphs=False if self.no_cuda_graphs or sim else None,
                             weights=self.weights, quantize=self.quantize)
 
     def load(self, cfg: "Optional[EngineConfig]" = None):
@@ -134,6 +157,10 @@ class EngineArgs:
         from .engine import Engine
         from .quant import set_int8_activations
         cfg = self.to_config() if cfg is None else cfg
+        profile = self.sim_profile()
+        if profile is not None:
+            from .sim import SimEngine
+            return SimEngine.load(self.model, cfg, profile)
         set_int8_activations(self.activations == "int8")
         size = self.tp_size()
         if size == 1:

@@ -18,7 +18,8 @@ to ``kv`` (RoPE positions ``positions``, by default continuing after the last
 one), runs one forward pass and returns float32 next-token logits for the last
 token (``[vocab]``), or for every token (``[n, vocab]``) with ``all_logits``.
 `pred_batch` runs many such calls, on different sequences, mixed prefill and
-decode, as ONE forward pass.  A call with bad arguments raises `PredError`
+decode, as ONE forward pass; a `PredRequest`'s ``want`` asks for another result
+than logits (``Want("argmax")``: the greedy token ids, chosen on the device).  A call with bad arguments raises `PredError`
 (or `OutOfPages`) before anything changes: no sequence is touched, no page is
 taken; a failing forward pass changes nothing either.
 
@@ -42,7 +43,7 @@ from .graphs import DecodeGraphs
 from .kv_cache import KVPool, KVSequence
 from .model import PagedLlama
 from .page_allocator import OutOfPages
-from .runner import EngineStats, ModelStep, Runner, StepCall, StepOutput, run_planned
+from .runner import EngineStats, ModelStep, Runner, StepCall, StepOutput, Want, run_planned
 from symphony.tokenizer import Tokenizer
 from .quant import prepare_weights
 from .weights import ModelWeights
@@ -62,6 +63,7 @@ class PredRequest:
     tokens: TokenArray
     positions: Optional[TokenArray] = None
     all_logits: bool = False
+    want: Want = Want()          # what comes back (default: float32 logits); Want("argmax"): token ids
 
 
 class Engine:
@@ -70,11 +72,7 @@ class Engine:
         """``tp``: rank 0's `tp.launch.TensorParallel` when ``weights`` are rank 0's
         shard: the model runs on every rank (engine/tp/), ``model_config`` is the
         whole model's, and the KV pool's page operations reach every rank."""
-        self.config = config
-        self.tp = tp
-        self.model_config = weights.config if tp is None else tp.model
-        self.tokenizer = tokenizer
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self._setup(weights.config if tp is None else tp.model, tokenizer, config, tp)
         weights = prepare_weights(weights, config.keep_quantized, config.quantize)
         self.model = PagedLlama(weights, self.device, self.dtype, config.use_float32_head,
                                 tp=None if tp is None else tp.group)
@@ -84,10 +82,6 @@ class Engine:
             from .tp.kv import ShardedKVPool
             self.kv = ShardedKVPool(self.model_config, weights.config, config, tp.group)
         self.page_size = self.kv.page_size
-        self.max_seq_len = min(config.max_seq_len or self.model_config.max_context,
-                               self.model_config.max_context)
-        self.stats = EngineStats()
-        self._lock = threading.RLock()
         self.graphs: Optional[DecodeGraphs] = None
         if config.use_graphs and tp is None:          # (a step per rank: graphs are not captured)
             self.graphs = DecodeGraphs(self.model, self.kv, config.graph_max_batch,
@@ -99,6 +93,26 @@ class Engine:
         log.info("engine ready: %s on %s/%s, %d KV pages of %d positions (%.1f MiB)",
                  self.model_config.name or self.model_config.arch, self.device, self.dtype,
                  self.kv.num_pages, self.page_size, self.kv.num_pages * self.kv.page_bytes / 2**20)
+
+    def _setup(self, model_config, tokenizer: Optional[Tokenizer], config: EngineConfig, tp) -> None:
+        """What every engine has before its model and KV pool: configs, tokenizer, limits, counters."""
+        self.config = config
+        self.tp = tp
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.max_seq_len = min(config.max_seq_len or model_config.max_context, model_config.max_context)
+        self.stats = EngineStats()
+        self._lock = threading.RLock()
+        self.simulated = False            # a simulated device (engine/sim.py) says so
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens a kernel step should carry by default: on a CPU a prefill token costs ~100x a
+        decode step's share, so a small budget keeps every step (and every decoder) short; a
+        device (or a simulated one) takes more."""
+        small = self.device.type == "cpu" and not self.simulated
+        return min(256 if small else 2048, self.config.max_batch_tokens)
 
     @classmethod
     def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True,
@@ -116,8 +130,8 @@ class Engine:
     def calibrate_kernels(self):
         """With quantized weights on the CPU: install qlinear's automatic choices as measured on
         this CPU for the calling thread's torch thread count (`ops.calibrate.ensure`: from the
-        cache or a calibration of under two seconds; once per process and thread count) and log
-        them and the kernels a matrix then takes by rows. Call it on the thread that runs the
+        cache or a calibration of a few seconds, 15 at most on a busy box; once per process and
+        thread count) and log them and the kernels a matrix then takes by rows. Call it on the thread that runs the
         model. Returns the `ops.calibrate.Calibration`, or None (nothing to do)."""
         from .ops import calibrate
         from .quant import describe_cpu_kernels
@@ -140,6 +154,12 @@ class Engine:
         """Check one pred call on a file of ``length`` slots whose next default
         position is ``next_position``, without running it: (tokens, positions)
         as lists (positions None when defaulted), or `PredError`."""
+        if (positions is None and type(tokens) is np.ndarray and tokens.shape == (1,)
+                and tokens.dtype.kind in "iu" and type(all_logits) is bool):   # one token: every decode step
+            t = int(tokens[0])
+            if (0 <= t < self.model_config.vocab_size and 0 <= next_position < self.model_config.max_context
+                    and length + 1 <= self.max_seq_len):
+                return [t], None                    # (else the checks below say what is wrong)
         toks = _as_int_list(tokens, where + "tokens")
         if not toks:
             raise PredError(f"{where}tokens is empty")
@@ -254,7 +274,7 @@ class Sequences:
         if not alloc.can_allocate(sum(need)):
             raise OutOfPages(f"pred needs {sum(need)} KV pages, only {alloc.num_free} free")
         fresh = [alloc.allocate(k) for k in need]
-        step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits)
+        step = ModelStep([StepCall(r.seq.pages + f, r.seq.length, t, p, r.all_logits, r.want)
                           for r, (t, p), f in zip(requests, calls, fresh)])
         return SequencePlan(requests, [p for _, p in calls], fresh, step)
 
@@ -266,10 +286,15 @@ class Sequences:
         for r, p, f in zip(plan.requests, plan.positions, plan.fresh):
             r.seq.pages.extend(f)
             r.seq.positions.extend(p)
-        return [o.value if r.all_logits else o.value[0] for r, o in zip(plan.requests, out.results)]
+        return [o.value if r.all_logits else _first_row(o.value) for r, o in zip(plan.requests, out.results)]
 
     def undo(self, plan: SequencePlan) -> None:
         self.engine.kv.allocator.free([p for f in plan.fresh for p in f])
+
+
+def _first_row(value):
+    """A one-row result without its row dimension (top-k: its log-probs and ids each)."""
+    return tuple(v[0] for v in value) if isinstance(value, tuple) else value[0]
 
 
 def _as_int_list(x, what: str) -> list[int]:

@@ -119,14 +119,9 @@ class Runner:
         calls = step.calls
         if not calls:
             return StepOutput([])
-        if step.tokens > self.max_batch_tokens:
-            err = ValueError(f"step carries {step.tokens} tokens, more than max_batch_tokens="
-                             f"{self.max_batch_tokens}")
-            return StepOutput([CallResult(error=err) for _ in calls])
-        for c in calls:                                   # what would write outside the call's pages
-            assert len(c.tokens) == len(c.positions) > 0, "a call needs tokens, one position each"
-            assert len(c.pages) >= pages_for(c.start + len(c.tokens), self.page_size), \
-                "page table too short for the call"
+        refused = self.refuse(step)
+        if refused is not None:
+            return refused
         try:
             t0 = time.perf_counter()
             logits = self._forward(calls)                 # [rows of all calls, vocab]
@@ -151,6 +146,19 @@ class Runner:
                 results.append(CallResult(error=e))
             row += n
         return StepOutput(results)
+
+    def refuse(self, step: ModelStep) -> Optional[StepOutput]:
+        """An error for every call of a step over the token budget (None: it may run); asserts what
+        would write outside a call's pages."""
+        if step.tokens > self.max_batch_tokens:
+            err = ValueError(f"step carries {step.tokens} tokens, more than max_batch_tokens="
+                             f"{self.max_batch_tokens}")
+            return StepOutput([CallResult(error=err) for _ in step.calls])
+        for c in step.calls:                              # what would write outside the call's pages
+            assert len(c.tokens) == len(c.positions) > 0, "a call needs tokens, one position each"
+            assert len(c.pages) >= pages_for(c.start + len(c.tokens), self.page_size), \
+                "page table too short for the call"
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _forward(self, calls: list[StepCall]) -> torch.Tensor:

@@ -26,8 +26,8 @@ between two reads of the kernel.  Therefore the kernel
 * reads a request header once, into locals, and bounds-checks it against its
   own ``slot_bytes`` with Python integers (no overflow): ``json_len``,
   ``n_tokens`` and ``json_len + tokens`` beyond the slot raise ``RingError``;
-  bodies are *copied* out (``bytes``, a fresh int32 array) before use, so later
-  scribbling cannot change what the kernel validated;
+  bodies are *copied* out (``bytes``, a read-only int32 array over a bytes copy) before use, so
+  later scribbling cannot change what the kernel validated;
 * never unpickles anything: bodies are orjson bytes and raw int32 arrays (the
   caller parses the json, and must treat a parse error like a ``RingError``).
 
@@ -211,7 +211,7 @@ class KernelSide:
         json = mm[body:body + json_len]                        # bytes: a copy
         if n_tokens:
             t0 = body + ((json_len + 7) & ~7)
-            tokens = self._u8[t0:t0 + 4 * n_tokens].view("<i4").astype(np.int32, copy=True)
+            tokens = np.frombuffer(mm[t0:t0 + 4 * n_tokens], "<i4")    # over a bytes copy: read-only
         else:
             tokens = NO_TOKENS
         return new_request((call_id, op, json, tokens, flags))

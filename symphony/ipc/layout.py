@@ -220,7 +220,7 @@ class Request(NamedTuple):
     call_id: int
     op: int
     json: bytes
-    tokens: np.ndarray   # int32, a private copy
+    tokens: np.ndarray   # int32, a private read-only copy
     flags: int
 
 

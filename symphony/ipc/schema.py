@@ -262,7 +262,24 @@ _WHOLE = "a system call body must be a JSON object"
 def decode(op: int, raw: bytes):
     """The kernel side: ``raw`` (the ring's JSON bytes; empty means ``{}``) as op's
     type.  UnknownOp for an op without one; Undecodable for bytes that are not
-    JSON; SchemaError (naming the field) for JSON that does not fit."""
+    JSON; SchemaError (naming the field) for JSON that does not fit.  A small pred
+    body is decoded once (a decode loop sends the same bytes each step): the same
+    frozen `Pred` comes back for the same bytes."""
+    if op == abi.PRED and len(raw) <= 256:
+        body = _PREDS.get(raw)
+        if body is None:
+            body = _decode(op, raw)
+            if len(_PREDS) >= 4096:
+                _PREDS.clear()
+            _PREDS[raw] = body
+        return body
+    return _decode(op, raw)
+
+
+_PREDS: dict = {}       # small pred bodies -> their decoded Pred (the kernel's side; bounded)
+
+
+def _decode(op: int, raw: bytes):
     dec = _DECODERS.get(op)
     try:
         if dec is None:

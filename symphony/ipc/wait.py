@@ -145,9 +145,11 @@ class WaitSet:
     counters of its ring, see `KernelSide.create`), all watched by one
     edge-triggered epoll.
 
-    ``wait(timeout, ready)`` spins on ``ready()`` for up to the (adaptive) spin
-    budget, then blocks in ``epoll_wait``; call ``ready`` / poll the rings *after*
-    it returns.  The kernel never reads a LIP's eventfd (edge-triggered epoll
+    ``wait(timeout, ready)`` spins on ``ready()`` and a non-blocking look at the
+    epoll for up to the (adaptive) spin budget, then blocks in ``epoll_wait``; call
+    ``ready`` / poll the rings *after* it returns.  The doorbells that rang (and were
+    not muted) accumulate in a set that `take_rung` hands over, so the caller polls
+    only those rings (and every ring now and then: a muted bell's calls are seen so).  The kernel never reads a LIP's eventfd (edge-triggered epoll
     reports every write without a read), so no value a LIP stores there, nor its
     reading it, nor making it blocking, can block or confuse the kernel: it only
     decides whether *that* LIP's bell wakes the kernel.  Each ring that finds no
@@ -174,6 +176,7 @@ class WaitSet:
         self._muted: dict[int, float] = {}        # fd -> monotonic time to unmute
         self.mutes = 0                            # bells muted so far (statistics)
         self.spin = Spin(spin_us, adaptive)
+        self._rung: set[int] = set()              # LIP doorbells that rang since `take_rung`
 
     @property
     def spin_us(self) -> float:
@@ -204,6 +207,11 @@ class WaitSet:
                 self._ep.unregister(b.fd)
             except (OSError, ValueError):
                 pass
+
+    def take_rung(self) -> set[int]:
+        """The LIP doorbells (fds) that rang since the last call; the set starts empty again."""
+        rung, self._rung = self._rung, set()
+        return rung
 
     def watching(self) -> int:
         """How many doorbells are watched (muted ones included)."""
@@ -256,14 +264,17 @@ class WaitSet:
         if ready is not None:
             if ready():
                 return True
+            if self._events(self._ep.poll(0)):    # rung already: as a block woken at once
+                spin.blocked(0, time.perf_counter_ns() - t0, True)
+                return True
             budget = spin.budget()
             if budget:
                 end = t0 + budget
                 pc = time.perf_counter_ns
                 yld = spin.yielder()
                 while True:                        # ready() at least once more, however late
-                    if ready():                    # this thread got here (a preempted spin
-                        spin.won(budget)           # still sees what came meanwhile)
+                    if ready() or self._events(self._ep.poll(0)):   # this thread got here (a
+                        spin.won(budget)           # preempted spin still sees what came meanwhile)
                         return True
                     if pc() >= end:
                         break
@@ -280,18 +291,26 @@ class WaitSet:
             now = time.monotonic()
             if events or nxt is None or (deadline is not None and now >= deadline):
                 break
-        woken = bool(events)
-        if events:
-            with self._lock:
-                for fd, _ in events:
-                    b = self._bells.get(fd)
-                    if b is not None:
-                        self._check(b, now)
+        woken = self._events(events, now)
         if ready is not None:
             spin.blocked(budget, time.perf_counter_ns() - t0, woken)
         if woken:
             return True
         return bool(ready()) if ready is not None else False
+
+    def _events(self, events, now: float | None = None) -> bool:
+        """Note the bells of ``events`` (epoll's (fd, mask) pairs) as rung, and check each for
+        strikes; whether there was any event."""
+        if not events:
+            return False
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for fd, _ in events:
+                b = self._bells.get(fd)
+                if b is not None:
+                    self._rung.add(fd)
+                    self._check(b, now)
+        return True
 
     def close(self) -> None:
         """Close the epoll and the private eventfd (the LIPs' bells belong to their rings)."""

@@ -102,7 +102,8 @@ class Kernel:
                  lip_uids: Optional[tuple[int, int]] = None, test_hooks: bool = False,
                  admission: Optional[AdmissionLimits] = None, kv_wait_s: float = KV_WAIT_S,
                  compute_threads: Optional[int] = None, bounds: Optional[ClientBounds] = None,
-                 lip_nice: int = 0, lip_busy_cpu: float = BUSY_CPU, gateway: Optional[dict] = None):
+                 lip_nice: int = 0, lip_busy_cpu: float = BUSY_CPU, gateway: Optional[dict] = None,
+                 overlap: bool = True):
         """``served``: the syscall thread's LIP set, the one ``fs`` was built
         with (``KVFS(..., evict_first=served.swap_out_first, pinned=served.running_ids)``).
         ``policy``: the administrator's ceilings and defaults (limits.py; by
@@ -112,8 +113,9 @@ class Kernel:
         ``admission``: the admission queue's bounds and default KV estimate.
         ``kv_wait_s``: how long calls may all wait for device pages that
         cannot move before one LIP gets NoSpace (kernel/syscall/residency.py).
-        ``compute_threads``: torch's CPU threads for the syscall thread, the one
-        that runs the model (None: leave torch's setting as it is).
+        ``compute_threads``: torch's CPU threads for the thread that runs the model
+        (None: leave torch's setting as it is).  ``overlap``: that thread is a device
+        thread of its own, while the syscall thread serves on (False: the syscall thread).
         ``bounds``: what one client or user may make the kernel hold (bounds.py).
         ``lip_nice``: the nice value LIP workers start with (0..19); ``lip_busy_cpu``:
         the share of a core above which one is reniced to 19 (cpu.py; 0: never).
@@ -147,7 +149,7 @@ class Kernel:
                                  max_queued_output=max_queued_output,
                                  on_fatal=self._threadsafe(self.supervision.fail_loudly),
                                  lips=served, kv_wait_s=kv_wait_s, compute_threads=compute_threads,
-                                 on_input_read=self._threadsafe(self.inflow.taken))
+                                 on_input_read=self._threadsafe(self.inflow.taken), overlap=overlap)
         self.launcher = Launcher(self.procs, self.sys, self.uids, self.supervision, prefix=f"sym{self.instance}",
                                  n_slots=n_slots, arena_bytes=arena_rows * engine.model_config.vocab_size * 4,
                                  waitset=self.waitset, lip_nice=lip_nice)
@@ -307,7 +309,7 @@ class Kernel:
     def _credit_output(self, lip_id: int, n: int) -> None:
         """``n`` bytes of LIP ``lip_id``'s output were taken: its send() may go on (syscall thread)."""
         srv = self.sys
-        srv.submit(lambda: srv.credit_output(lip_id, n))
+        srv.submit(lambda: srv.credit_output(lip_id, n), anytime=True)
 
     async def _watch_cpu(self) -> None:
         """Every CHECK_EVERY_S: renice the LIPs that keep a core busy (cpu.py)."""

@@ -16,6 +16,7 @@ sees half of an update.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
@@ -105,6 +106,7 @@ class ServingSnapshot:
     user_cache_pages: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # of which only unopened cache files hold
     suspended: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))   # id -> pages it needs back to resume
     overload: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))    # preemptions, resumes, drops, swap bytes, ...
+    host: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))      # the syscall thread's time (HostTimes)
 
     def counters(self, lip_id: int) -> LipCounters:
         c = self.lips.get(lip_id)
@@ -123,4 +125,30 @@ class ServingSnapshot:
                 "kv_pages_total": self.kv_pages_total, "pending_reply_bytes": self.pending_reply_bytes,
                 "kv_device_free": self.kv_device_free, "kv_reclaimable": self.kv_reclaimable,
                 "suspended_lips": len(self.suspended), "suspended_pages": sum(self.suspended.values()),
-                **{k: self.overload.get(k, 0) for k in OVERLOAD_COUNTERS}, **dict(self.overload)}
+                **{k: self.overload.get(k, 0) for k in OVERLOAD_COUNTERS}, **dict(self.overload),
+                "host": dict(self.host)}
+
+
+class HostTimes:
+    """Where the syscall thread's time goes (its own; published as ``ServingSnapshot.host``):
+    seconds and counts per part of its loop -- ``handle`` (calls read, checked, queued or
+    answered), ``launch`` (a step scheduled and prepared), ``finish`` (a step committed and its
+    calls answered) -- and counters (``deferred``: calls that waited for the step in flight).
+    ``clock``: wall time (perf_counter); a benchmark may give the thread's CPU time instead."""
+
+    PARTS = ("handle", "launch", "finish")
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.counts = dict.fromkeys(self.PARTS + ("deferred",), 0)
+
+    def add(self, part: str, seconds: float, n: int = 1) -> None:
+        self.seconds[part] += seconds
+        self.counts[part] += n
+
+    def count(self, what: str) -> None:
+        self.counts[what] += 1
+
+    def snapshot(self) -> Mapping[str, float]:
+        return MappingProxyType({**{f"{k}_s": v for k, v in self.seconds.items()}, **self.counts})

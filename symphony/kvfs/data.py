@@ -27,7 +27,8 @@ truncated away, so the file is as it was before the call.  `pred` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -174,7 +175,8 @@ class Data:
                 inodes.append(self.handles.of(c.who, c.handle).inode)
             except Exception:
                 inodes.append(None)
-        protect = {b.id for i in inodes if i is not None for b in i.blocks}
+        # the blocks no placement may evict: every call's (made only if a placement must evict)
+        protect = functools.cache(lambda: {b.id for i in inodes if i is not None for b in i.blocks})
         placed: list = []
         for c, inode in zip(calls, inodes):
             try:
@@ -216,7 +218,7 @@ class Data:
         """Give back every page ``plan`` took (the step did not run)."""
         self._undo_placed([p for p in plan.placed if isinstance(p, Placement)])
 
-    def _place(self, c: KVPred, inode: Inode, protect: set[int]) -> Placement:
+    def _place(self, c: KVPred, inode: Inode, protect: Callable[[], set]) -> Placement:
         """The call's page table: its blocks resident, a shared partial last
         block copied (copy-on-write), fresh blocks for the new slots, charged to
         the caller.  Raises (changing nothing) when pages or quota run out."""
@@ -236,7 +238,7 @@ class Data:
         self.quotas.check({(who.user, who.pid): new + cow})
         self.quotas.check_refs(inode.owner, new)
         self._make_resident([inode], extra=new + cow, protect=protect)
-        fresh = self.refs.new(who, inode.owner, new + cow)
+        fresh = self.refs.new(who, inode.owner, new + cow) if new + cow else []
         blocks, replaced = list(inode.blocks), None
         if cow:
             replaced = blocks[-1]
@@ -325,10 +327,13 @@ class Data:
         del inode.positions[n:]
         inode.mtime = _now()
 
-    def _make_resident(self, inodes: list[Inode], extra: int = 0, protect: Optional[set] = None) -> None:
+    def _make_resident(self, inodes: list[Inode], extra: int = 0,
+                       protect: Optional[Callable[[], set]] = None) -> None:
         """Swap in every block of ``inodes`` and leave ``extra`` free device pages,
-        evicting no block in ``protect`` (by default: the blocks of ``inodes``)."""
-        protect = {b.id for i in inodes for b in i.blocks} if protect is None else protect
+        evicting no block in ``protect()`` (by default: the blocks of ``inodes``)."""
+        if extra <= self.pager.alloc.num_free and self.pager.all_resident():
+            return                                  # nothing to swap in, room enough: the common case
+        protect = {b.id for i in inodes for b in i.blocks} if protect is None else protect()
         missing = [b for i in inodes for b in i.blocks if b.device < 0]
         missing = list({b.id: b for b in missing}.values())
         self.memory.make_room(len(missing) + extra, protect)

@@ -85,6 +85,11 @@ class Pager:
         """Host slots free now or still to be made."""
         return len(self.host_free) + self.host_max - self.host_capacity
 
+    def all_resident(self) -> bool:
+        """Whether every block is on the device (none on the host or on disk: the common case,
+        in which nothing needs to be swapped in)."""
+        return not self.host_lru and self.disk_next == len(self.disk_free)
+
     def free_slots(self) -> int:
         """Non-device slots left (host + disk)."""
         return self.host_slots_free() + len(self.disk_free) + (self.disk_pages - self.disk_next)

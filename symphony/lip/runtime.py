@@ -21,6 +21,7 @@ _eos: tuple = ()
 EOS: int = -1         # the model's (first) end-of-sequence token id, set at attach (-1 outside a LIP)
 ATTACHED = ("EOS",)   # globals set by attach: `symphony.lip` reads them here at each access
 _local = threading.local()
+_bodies: dict = {}    # pred's encoded bodies by their arguments (a decode loop sends the same one each step)
 
 
 def attach(ring, tok) -> None:
@@ -48,11 +49,12 @@ def _sys(op: int, tokens: Optional[np.ndarray] = None, **fields):
 
 
 def _call(op: int, body=None, tokens: Optional[np.ndarray] = None):
-    """System call ``op``: ``body`` a schema Struct (see `_sys`), a raw dict (sent
-    unchecked: the kernel checks), or None -> (reply dict, arena or None)."""
+    """System call ``op``: ``body`` a schema Struct (see `_sys`), its encoding (bytes), a raw
+    dict (sent unchecked: the kernel checks), or None -> (reply dict, arena or None)."""
     if _ring is None:
         raise NotInLIP("symphony.lip calls work only inside a LIP run by the kernel (symphony run)")
-    raw = b"" if body is None else orjson.dumps(body) if isinstance(body, dict) else schema.encode(body)
+    raw = (b"" if body is None else body if isinstance(body, bytes) else orjson.dumps(body) if isinstance(body, dict)
+           else schema.encode(body))
     r = _ring.call(op, raw, tokens)
     raw = r.json
     if r.status == abi.CHUNKED:                    # too large for a slot: fetch it in chunks
@@ -140,10 +142,30 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         words = mask_words(mask)
         n_mask = int(words.size)
         toks = np.concatenate([toks, words.view(np.int32)])
-    data, arena = _sys(abi.PRED, toks, kv=f.handle, n_tokens=n, n_mask_words=n_mask,
-                       positions=None if positions is None else _tokens(positions).tolist(),
-                       all_logits=bool(all_logits), output=output, k=k, temperature=temperature,
-                       top_p=top_p, top_k=top_k, seed=seed)
+    if positions is None:                          # a decode step repeats the last one's body: built once
+        key = (f.handle, n, n_mask, bool(all_logits), output, k, temperature, top_p, top_k, seed,
+               type(k), type(temperature), type(top_p), type(top_k), type(seed))     # (True is not 1 here)
+        try:
+            body = _bodies.get(key)
+        except TypeError:                          # an unhashable argument: the schema refuses it below
+            body, key = None, None
+        if body is None:
+            try:
+                body = schema.build(abi.PRED, kv=f.handle, n_tokens=n, n_mask_words=n_mask, positions=None,
+                                    all_logits=bool(all_logits), output=output, k=k, temperature=temperature,
+                                    top_p=top_p, top_k=top_k, seed=seed)
+            except schema.SchemaError as e:
+                raise InvalidArgument(str(e), "EINVAL") from None
+            body = schema.encode(body)
+            if key is not None:
+                if len(_bodies) >= 256:
+                    _bodies.clear()
+                _bodies[key] = body
+        data, arena = _call(abi.PRED, body, toks)
+    else:
+        data, arena = _sys(abi.PRED, toks, kv=f.handle, n_tokens=n, n_mask_words=n_mask,
+                           positions=_tokens(positions).tolist(), all_logits=bool(all_logits), output=output,
+                           k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     f._length = data.get("length", f._length)
     if output in ("sample", "argmax"):
         return data["token"] if not all_logits else data["tokens"]

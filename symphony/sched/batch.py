@@ -162,6 +162,10 @@ class BatchScheduler:
             self._gather_deadline = now + self.gather_s
         return now < self._gather_deadline
 
+    def gather_left(self, now: float) -> float:
+        """Seconds `should_wait` still holds the step (0: launch now)."""
+        return max(0.0, self._gather_deadline - now) if self.should_wait(now) else 0.0
+
     def schedule(self, now: float = 0.0) -> Optional[Step]:
         """The next step, or None if no call is ready (none queued, or every
         queued one held).  Calls fully fed by the step leave the queue;

@@ -3,8 +3,10 @@
 The sources are ``csrc/``: the copy shipped inside an installed wheel as ``symphony/_csrc``, or
 the checkout's top-level ``csrc/`` (a source checkout or an editable install). They are compiled
 with ``torch.utils.cpp_extension`` into ``$SYMPHONY_BUILD_DIR`` or ``~/.cache/symphony/ops/<hash>``
-(the hash covers the sources' bytes, torch, the compiler flags and the CPU signature) under a file
-lock, so concurrent first users build once. The build compiles a copy of the sources kept by
+(the hash covers the sources' bytes and the whole toolchain: the interpreter, torch and where it
+is installed, the compiler, the flags and the CPU signature; `toolchain`) under a file lock, so
+concurrent first users build once, and each virtualenv or interpreter using the same cache
+builds once: switching between them does not rebuild. The build compiles a copy of the sources kept by
 content, ``~/.cache/symphony/src/<hash of their bytes>``, so the compiled paths do not depend on
 where the sources came from: a checkout, its worktrees and an installed wheel with the same sources
 share one build (and a copied build directory stays up to date) instead of rebuilding it in turn
@@ -21,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -157,16 +160,59 @@ def _build_dir(with_cuda: bool) -> Path:
 
 
 def build_hash(with_cuda: bool) -> str:
-    """What a build of the ops is made of, 16 hex digits: the sources' bytes, torch, Python, the
-    compiler flags and the CPU signature (the default build directory's name)."""
-    h = hashlib.sha256(b"staged sources\n")     # compiled from ~/.cache/symphony/src/<hash>
+    """What a build of the ops is made of, 16 hex digits (the default build directory's name):
+    the sources' bytes and everything `toolchain` names (interpreter, torch, compiler, flags,
+    CPU). Each environment gets a directory of its own, and one that comes back finds its
+    build where it left it: cpp_extension rewrites a directory's build.ninja, and rebuilds
+    everything, whenever the compiler or an include path in it changes."""
+    h = hashlib.sha256(b"staged sources\n")    # compiled from ~/.cache/symphony/src/<hash>
     h.update(_read_sources(csrc_dir())[0].encode())
-    h.update(torch.__version__.encode())
-    h.update(f"cuda={with_cuda} {torch.version.cuda}".encode())
-    h.update(f"py={sys.version_info[:2]}".encode())
-    h.update(" ".join(_cflags() + (_cuda_flags() if with_cuda else [])).encode())
-    h.update(_cpu_signature().encode())
+    for k, v in sorted(toolchain(with_cuda).items()):
+        h.update(f"{k}={v}\n".encode())
     return h.hexdigest()[:16]
+
+
+def toolchain(with_cuda: bool) -> dict[str, str]:
+    """Everything besides the sources that changes a build of the ops: the interpreter (version,
+    extension suffix, C headers), torch (version, commit, where it is installed: its headers
+    and libraries, the C++ ABI), the C++ compiler (``$CXX`` or c++, resolved, and what its
+    --version says), the compiler flags and the CPU signature (-march=native); with CUDA also
+    the CUDA version, nvcc and ``$TORCH_CUDA_ARCH_LIST``."""
+    out = {
+        "python": sys.version.replace("\n", " "),
+        "python_ext": str(sysconfig.get_config_var("EXT_SUFFIX")),
+        "python_include": str(sysconfig.get_paths().get("include")),
+        "torch": torch.__version__,
+        "torch_git": str(getattr(torch.version, "git_version", "")),
+        "torch_dir": str(Path(torch.__file__).resolve().parent),
+        "cxx11_abi": str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
+        "cxx": _compiler_id(os.environ.get("CXX") or "c++"),
+        "cflags": " ".join(_cflags()),
+        "cpu": _cpu_signature(),
+        "cuda": str(with_cuda),
+    }
+    if with_cuda:
+        out.update(cuda_version=str(torch.version.cuda), cuda_flags=" ".join(_cuda_flags()),
+                   nvcc=_compiler_id(_find_nvcc() or "nvcc"),
+                   arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
+    return out
+
+
+_compiler_ids: dict[str, str] = {}
+
+
+def _compiler_id(cmd: str) -> str:
+    """A compiler as it resolves on PATH, and the first line of its --version (once a process)."""
+    if cmd not in _compiler_ids:
+        exe = shutil.which(cmd)
+        where = os.path.realpath(exe) if exe else cmd
+        try:
+            proc = subprocess.run([exe or cmd, "--version"], capture_output=True, text=True, timeout=30)
+            version = (proc.stdout.strip().splitlines() or ["?"])[0]
+        except (OSError, subprocess.SubprocessError):
+            version = "not found"
+        _compiler_ids[cmd] = f"{where} ({version})"
+    return _compiler_ids[cmd]
 
 
 def _lock_timeout() -> float:

@@ -2,47 +2,69 @@
 
 `resolve_path` (csrc/cpu/qlinear.cpp) has a rule for which kernel an automatic choice takes,
 written from micro-benchmarks on one CPU. `ensure` replaces it, on the CPU it runs on, by what
-it measures there:
+it measures there, so that the choice is never worse than the rule's and, where the rule is
+wrong for this CPU, what the CPU runs fastest:
 
 * **What is timed.** Every path an automatic choice may take on this CPU
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
   kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMM), forced,
-  on one ``[1536, 576]`` weight per kind (u4, i8; random but seeded), at the row count that
+  on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
+  but seeded; `COPIES` of it called in
+  turn, so that, as in a decode step, a call does not find its weight in the core's own
+  caches), at the row count that
   stands for each bucket of rows (`BUCKETS`, from the rule's own thresholds: 1 row, 2-3, 4-31,
-  32-63, 64 and more, timed at 1, 2, 8, 48 and 128 rows: the kernel's prefill chunk), with the calling
-  thread's torch thread count. Each time is the median of `REPS` repetitions (the paths
-  interleaved), each a fixed number of calls. A path more than `PRUNE` times slower than the
-  fastest at a bucket is not timed at the larger ones (the dense GEMM excepted: its
-  dequantization is a fixed cost that more rows amortize), nor, within a bucket, one whose
-  first call was; the rule's choices always are (they are the baselines below). The whole is bounded by `BUDGET_S`; if that runs out, the cells not yet timed
-  keep the rule's choice and the result is not cached either.
-* **The choice.** Per (mode, kind, bucket) the path the mode may take with the lowest median,
-  if it beats the rule's choice by more than `MARGIN` and each of its repetitions was faster
-  than each of the rule's (with 5 interleaved repetitions a tie passes that by chance once in
-  252); otherwise the rule's: noise does not move a choice. A measurement where, the fastest
-  and the slowest repetition of a path set aside, the others still differ by more than
-  `UNSTEADY` times (another process took the cores) is used so, but not cached: the next start
-  measures again.
+  32-63, 64-127, 128 and more, timed at 1, 2, 8, 48, 96 and 128 rows: the kernel's prefill
+  chunk), with the calling thread's torch thread count.
+* **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in
+  interleaved rounds (one sample of each path a round, in a new order each round; a sample is
+  several calls at 1-8 rows, and as many times `MIN_CLEAN` samples are kept), each sample the
+  CPU time of the calling thread: the time another process held the core is not in it, what
+  that cost the kernel (cooled caches) is. With a thread team, a sample in which the team's
+  other threads waited for a core more than `CLEAN` of it is set aside (the calling thread
+  waited for them at a barrier), and so are outliers (beyond 3 median absolute deviations of
+  the median). A path's time is the median of what is left. Rounds go on until
+  every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest sample
+  is more than `PRUNE` times slower than the fastest path is dropped from the bucket and from larger ones (the dense GEMM
+  excepted: its dequantization is a fixed cost that more rows amortize); the rule's choices
+  never are (they are the baselines below). The whole is bounded by `BUDGET_S` of the calling
+  thread's CPU time and `WALL_S` of wall time, each bucket by its share of what is left; a
+  bucket not finished keeps the rule's choice. Where the cores are so taken that a bucket gets
+  too few kept samples with half its share, it and the buckets after it are timed at one
+  thread instead (the kernels split rows alike across threads), and a path must then beat the
+  rule's by `PROXY_MARGIN`.
+* **The choice.** Per (mode, kind, bucket), among the paths the mode may take that beat the
+  rule's choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all
+  pairs of their samples), the one with the lowest median; the rule's choice if none does, or
+  if it was not measured: noise does not move a choice, and a path measured slower than the
+  rule's is never taken.
+* **The box's load.** The CPU time other processes used meanwhile (/proc/stat less this
+  process) is recorded. A calibration on a busy box (others above `QUIET_CORES` cores on
+  average) or with unfinished buckets is used, and cached marked provisional: the next start
+  uses it only while the box is still busy, and measures again (caching the result) once it
+  is quiet (`timing.box_load` over 0.2 s).
 * **Where it goes.** `torch.ops.symphony.qlinear_set_auto`: a table in the ops library that
   qlinear's automatic choices read, so that ``QWeight.linear`` and the layer-stack op
   ``llama_layers`` (which passes -1 / -2 through) take the same kernels;
   ``ops.qlinear_path_for`` reports them.
 * **Cache.** ``qlinear-calibration-<threads>t.json`` in the ops build directory, keyed by the
   CPU (model name, vendor, family, model, stepping, a hash of its flags), the thread count, the
-  ops build (`build.build_hash`) and this module's plan (shape, buckets, repetitions). A cache
+  ops build (`build.build_hash`) and this module's plan (shape, buckets, thresholds). A cache
   that is unreadable or corrupt, whose key is another's, or whose choices name a path this CPU
   cannot take, is ignored with one log line and the CPU calibrated again. Written atomically
   (a temporary file renamed over it).
 * **Control.** ``SYMPHONY_QLINEAR_CALIBRATION``: ``auto`` (default: the cache, else calibrate),
   ``force`` (calibrate and rewrite the cache), ``off`` (the rule of resolve_path, as before).
 
-`ensure` logs one line (logger ``symphony.ops``): each choice, and whether it came from the
-cache or a fresh calibration (with its time), or that calibration is off.
+`ensure` logs one line (logger ``symphony.ops``): each choice, every cell where it left the
+rule's and by how much, the share of samples set aside, the other processes' load, and whether
+it came from the cache, a fresh calibration (with its time) or is provisional, or that
+calibration is off.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import hashlib
 import json
 import logging
@@ -57,7 +79,7 @@ from typing import Optional
 
 import torch
 
-from . import build
+from . import build, timing
 
 logger = logging.getLogger("symphony.ops")
 
@@ -67,36 +89,54 @@ MODES = (-1, -2)                        # float-accurate, int8 activations
 KINDS = (0, 1)                          # u4, i8 (csrc/quant.h)
 KIND_NAMES = {0: "u4", 1: "i8"}
 DENSE = 3
-# (first row of the bucket, rows timed for it, calls a repetition)
-BUCKETS = ((1, 1, 8), (2, 2, 8), (4, 8, 4), (32, 48, 1), (64, 128, 1))
+# (first row of the bucket, rows timed for it, calls a sample)
+BUCKETS = ((1, 1, 4), (2, 2, 4), (4, 8, 2), (32, 48, 1), (64, 96, 1), (128, 128, 1))
 SHAPE = (1536, 576)                     # [N, K] of the weights timed
-REPS = 5
-PRUNE = 3.0
-MARGIN = 0.05
-UNSTEADY = 1.25
-BUDGET_S = 1.5
-VERSION = 1
+COPIES = 8                              # of it, called in turn: 3.5-7 MiB, beyond a core's L2
+MIN_CLEAN = 5                           # samples kept per path and bucket
+MAX_ROUNDS = 40                         # rounds per bucket at most
+CLEAN = 0.1                             # share of a sample the other threads may wait for a core
+PRUNE = 2.0
+MARGIN = 0.02
+PROXY_MARGIN = 0.15                     # where the rows were timed at one thread instead
+WIN = 0.75
+QUIET_CORES = 0.3                       # other processes' load (cores) below which the box is quiet
+BUDGET_S = 4.0                          # CPU seconds of the calling thread
+WALL_S = 15.0
+VERSION = 2
 
 
 @dataclasses.dataclass
 class Calibration:
     """qlinear's automatic choices: ``choices[(mode, kind)]`` one path per bucket (``rows``: the
-    buckets' first rows); ``times[(kind, rows timed, path)]`` the median seconds a call measured
-    (empty when read from a cache written without them); ``source`` "calibrated", "cache",
-    "off" or "failed" (the last two: the rule, no choices); ``complete`` whether every cell was timed, ``steady``
-    whether the timings were steady (`UNSTEADY`; both: cacheable)."""
+    buckets' first rows), ``rules`` the same for the rule of resolve_path; ``times[(kind, rows
+    timed, path)]`` the median seconds a call measured (samples that waited for a core set
+    aside); ``source`` "calibrated", "cache", "off" or "failed" (the last two: the rule, no
+    choices); ``complete`` whether every bucket was measured, ``load`` the other processes' CPU
+    use meanwhile (cores; None where unknown), ``kept`` the share of samples kept, ``quiet``
+    whether the box was quiet (`QUIET_CORES`). Not complete or not quiet: ``provisional``."""
 
     rows: tuple[int, ...]
     choices: dict[tuple[int, int], list[int]]
     times: dict[tuple[int, int, int], float]
     source: str
     complete: bool = True
-    steady: bool = True
+    quiet: bool = True
     seconds: float = 0.0
     cache: Optional[Path] = None
+    rules: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
+    load: Optional[float] = None
+    kept: float = 1.0
+    one_thread: tuple[int, ...] = ()
+    unmeasured: tuple[str, ...] = ()
+
+    @property
+    def provisional(self) -> bool:
+        return not (self.complete and self.quiet)
 
     def describe(self) -> str:
-        """The choices as one line: ``-1 u4: 1 12, 2-3 12, 4-31 11, ...; ...``."""
+        """The choices as one line: ``-1 u4: 1 12, 2-3 12, 4-31 11, ...; ...``, then each cell
+        that left the rule's choice and by how much, and how the timings were taken."""
         if not self.choices:
             why = f"{ENV}=off" if self.source == "off" else "it failed"
             return f"qlinear calibration off ({why}): the built-in rule of csrc/cpu/qlinear.cpp"
@@ -107,11 +147,30 @@ class Calibration:
             for mode in MODES for kind in KINDS)
         how = (f"calibrated in {self.seconds:.2f} s" if self.source == "calibrated"
                else f"from the cache {self.cache}")
+        load = "unknown" if self.load is None else f"{self.load:.1f} cores"
+        how += f", other processes' load {load}, {self.kept:.0%} of samples kept"
+        if self.one_thread:
+            how += f", rows {', '.join(map(str, self.one_thread))} timed at one thread (the cores were taken)"
         if not self.complete:
-            how += f", budget of {BUDGET_S} s spent: cells not timed keep the rule's choice, not cached"
-        elif not self.steady:
-            how += ", unsteady timings (a busy CPU?): not cached"
-        return f"qlinear paths by rows ({how}): {cells}"
+            how += (", budget spent: buckets not measured (" + ", ".join(self.unmeasured) +
+                    ") keep the rule's choice")
+        if self.provisional:
+            how += ", provisional (measured again once the box is quiet)"
+        return f"qlinear paths by rows ({how}): {cells}; {self.why()}"
+
+    def why(self) -> str:
+        """Each cell whose choice is not the rule's: ``-1 u4 4-31: 11 for 3, -40%``."""
+        moved = []
+        for (mode, kind), paths in self.choices.items():
+            for b, p in enumerate(paths):
+                r = self.rules.get((mode, kind), paths)[b]
+                if p == r:
+                    continue
+                m = BUCKETS[b][1] if b < len(BUCKETS) else None
+                tp, tr = self.times.get((kind, m, p)), self.times.get((kind, m, r))
+                by = f", {tp / tr - 1:+.0%}" if tp and tr else ""
+                moved.append(f"{mode} {KIND_NAMES[kind]} from {self.rows[b]} rows: {p} for {r}{by}")
+        return ("left the rule: " + "; ".join(moved)) if moved else "the rule's choice in every cell"
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,11 +210,16 @@ def ensure() -> Calibration:
         if mode != "off":
             path, key = cache_path(threads), cache_key(threads)
             try:
-                calib = (read_cache(path, key) if mode == "auto" else None) or measure()
+                calib = read_cache(path, key) if mode == "auto" else None
+                if calib is not None and calib.provisional and _is_quiet(timing.box_load()):
+                    logger.info("qlinear calibration cache %s is provisional and the box is quiet "
+                                "now: calibrating again", path)
+                    calib = None
+                calib = calib or measure()
             except RuntimeError as e:
                 logger.warning("qlinear calibration failed (%s): the built-in rule decides", e)
                 calib = Calibration((), {}, {}, "failed")
-            if calib.source == "calibrated" and calib.complete and calib.steady:
+            if calib.source == "calibrated":
                 calib.cache = write_cache(path, key, calib)
             install(calib)
         logger.info("%s", calib.describe())
@@ -164,37 +228,63 @@ def ensure() -> Calibration:
         return calib
 
 
-def measure(budget_s: float = BUDGET_S) -> Calibration:
-    """Time the paths (module docstring) and pick the fastest per mode, kind and bucket; the
-    ops' table must hold no choices meanwhile (`clear`), as the rule fills untimed cells."""
-    t0 = time.perf_counter()
-    deadline = t0 + budget_s
+def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
+    """Time the paths (module docstring) and pick per mode, kind and bucket; the ops' table must
+    hold no choices meanwhile (`clear`), as the rule fills unmeasured cells."""
+    t0, c0, load0 = time.perf_counter(), time.thread_time(), timing.cpu_ticks()
     allowed = {mode: auto_paths(mode) for mode in MODES}
-    candidates = sorted(set().union(*allowed.values()))
+    candidates = sorted(set().union(*allowed.values()))        # (pruned as the buckets go)
     gen = torch.Generator().manual_seed(0)
-    samples: dict[tuple[int, int, int], list[float]] = {}     # (kind, rows, path) -> seconds a call
-    complete = True
+    samples: dict[tuple[int, int, int], list[float]] = {}     # (kind, rows, path) -> kept seconds
+    complete, n_all, n_kept, threads = True, 0, 0, torch.get_num_threads()
+    proxied: set = set()                                      # rows timed at one thread instead
+    unmeasured: list[str] = []
     for kind in KINDS:
-        w = _weight(kind, gen)
+        ws = [_weight(kind, gen) for _ in range(COPIES)]
         alive = list(candidates)
-        for _, m, calls in BUCKETS:
+        for b, (_, m, calls) in enumerate(BUCKETS):
             x = torch.randn(m, SHAPE[1], generator=gen)       # [M, K]
-            rules = {_rule(mode, m, kind) for mode in MODES}  # always timed: the baselines
-            got = _time_paths(x, w, kind, [p for p in candidates if p in alive or p in rules],
-                              rules, calls, deadline)
-            if got is None:
-                complete = False
-                continue
+            bucket: dict = {}
+            # each mode's paths in rounds of their own: a float kernel is timed beside the others
+            # the float choice weighs it against, not after an int8 kernel that left other data
+            # in the caches (which moved the 1-row choice between two kernels within 10 %)
+            for i, mode in enumerate(MODES):
+                left = (len(BUCKETS) * (len(KINDS) - kind) - b) * len(MODES) - i   # groups to go: each its share
+                rules = {_rule(mode, m, kind)}                # always timed: the baseline
+                fns = {p: qlinear_cycling(x, ws, kind, p) for p in allowed[mode]   # (a path the mode before
+                       if p in rules or (p in alive and p not in bucket)}             # timed is not timed again)
+                got, total = {}, 0
+                if not proxied:                               # (once the cores were taken: one thread; half
+                    parts = 2 * left if threads > 1 else left     # the share is kept for that, with a team)
+                    got, total = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, parts))
+                if not _measured(got, rules) and threads > 1:  # the cores are taken: the same on one
+                    with timing.torch_threads(1):
+                        got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
+                    total += more
+                    proxied.add(m if _measured(got, rules) else None)
+                n_all += total
+                n_kept += sum(len(s) for s in got.values())
+                for p, s in got.items():
+                    bucket.setdefault(p, []).extend(s)
+                if not _measured(got, rules):
+                    complete = False
+                    unmeasured.append(f"{KIND_NAMES[kind]} at {m} rows ({'int8' if mode == -2 else 'float'})")
+            got = bucket
             samples.update({(kind, m, p): s for p, s in got.items()})
-            best = min(statistics.median(s) for s in got.values())
-            alive = [p for p in alive
-                     if p == DENSE or (p in got and statistics.median(got[p]) <= PRUNE * best)]
-    choices = {(mode, kind): [_choose(mode, kind, m, allowed[mode], samples) for _, m, _ in BUCKETS]
+            med = {p: statistics.median(s) for p, s in got.items() if len(s) >= MIN_CLEAN}
+            if med:
+                best = min(med.values())
+                alive = [p for p in alive if p == DENSE or med.get(p, 0.0) <= PRUNE * best]
+    choices = {(mode, kind): [_choose(mode, kind, m, allowed[mode], samples,
+                                      PROXY_MARGIN if m in proxied else MARGIN) for _, m, _ in BUCKETS]
                for mode in MODES for kind in KINDS}
-    steady = all(sorted(s)[-2] <= UNSTEADY * sorted(s)[1] for s in samples.values())
-    times = {c: statistics.median(s) for c, s in samples.items()}
+    rules = {(mode, kind): [_rule(mode, m, kind) for _, m, _ in BUCKETS] for mode in MODES for kind in KINDS}
+    times = {c: statistics.median(s) for c, s in samples.items() if s}
+    load = timing.others_load(load0, timing.cpu_ticks())
     return Calibration(tuple(b[0] for b in BUCKETS), choices, times, "calibrated", complete,
-                       steady, time.perf_counter() - t0)
+                       _is_quiet(load), time.perf_counter() - t0, rules=rules, load=load,
+                       kept=n_kept / max(1, n_all), one_thread=tuple(sorted(proxied - {None})),
+                       unmeasured=tuple(unmeasured))
 
 
 def install(calib: Calibration) -> None:
@@ -231,8 +321,9 @@ def cache_key(threads: int) -> dict:
     loaded = build.loaded_build
     return {"version": VERSION, "cpu": cpu_identity(), "threads": threads,
             "build": loaded[1] if loaded else None,
-            "plan": {"shape": list(SHAPE), "buckets": [list(b) for b in BUCKETS], "reps": REPS,
-                     "prune": PRUNE, "margin": MARGIN}}
+            "plan": {"shape": list(SHAPE), "copies": COPIES, "scales": "float16", "buckets": [list(b) for b in BUCKETS],
+                     "min_clean": MIN_CLEAN, "max_rounds": MAX_ROUNDS, "clean": CLEAN,
+                     "prune": PRUNE, "margin": MARGIN, "win": WIN}}
 
 
 def cpu_identity() -> dict:
@@ -283,6 +374,14 @@ def read_cache(path: Path, key: dict) -> Optional[Calibration]:
         times = {(int(k), int(m), int(p)): float(t)
                  for k, by_m in data.get("times_s", {}).items()
                  for m, by_p in by_m.items() for p, t in by_p.items()}
+        rules = {(mode, kind): [int(p) for p in data["rules"][str(mode)][str(kind)]]
+                 for mode in MODES for kind in KINDS} if "rules" in data else {}
+        if any(len(c) != len(rows) for c in rules.values()):
+            raise ValueError("a rule per bucket expected")
+        load = data.get("load_cores")
+        how = dict(complete=bool(data.get("complete", True)), quiet=bool(data.get("quiet", True)),
+                   load=None if load is None else float(load), kept=float(data.get("kept", 1.0)),
+                   one_thread=tuple(int(m) for m in data.get("one_thread", ())))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         logger.warning("qlinear calibration cache %s is corrupt (%s): ignored, calibrating again",
                        path, e)
@@ -295,7 +394,7 @@ def read_cache(path: Path, key: dict) -> Optional[Calibration]:
                            "choice %d cannot take on this CPU: ignored, calibrating again",
                            path, bad, mode)
             return None
-    return Calibration(rows, choices, times, "cache", cache=path)
+    return Calibration(rows, choices, times, "cache", cache=path, rules=rules, **how)
 
 
 def write_cache(path: Path, key: dict, calib: Calibration) -> Optional[Path]:
@@ -306,7 +405,10 @@ def write_cache(path: Path, key: dict, calib: Calibration) -> Optional[Path]:
     data = {"key": key, "rows": list(calib.rows),
             "choices": {str(mode): {str(kind): calib.choices[(mode, kind)] for kind in KINDS}
                         for mode in MODES},
-            "times_s": times}
+            "times_s": times, "complete": calib.complete, "quiet": calib.quiet,
+            "load_cores": calib.load, "kept": calib.kept, "one_thread": list(calib.one_thread)}
+    if calib.rules:
+        data["rules"] = {str(mode): {str(kind): calib.rules[(mode, kind)] for kind in KINDS} for mode in MODES}
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -331,64 +433,68 @@ _lock = threading.Lock()
 _installed: dict[tuple[str, int], Calibration] = {}
 
 
+def qlinear_cycling(x: torch.Tensor, ws: list, kind: int, path: int):
+    """A callable: ``x`` times the next of the weights ``ws`` (`_weight`'s) on ``path``, so that
+    a call reads its weight from beyond the core's own caches, as a decode step does."""
+    turn = itertools.cycle(ws)
+    op = torch.ops.symphony.qlinear
+
+    def call():
+        qs, scales, mins, group = next(turn)
+        return op(x, qs, scales, mins, kind, group, path)
+    return call
+
+
 def _weight(kind: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A random quantized ``SHAPE`` weight of ``kind``, groups of 32: (qs, scales, mins, group)."""
+    """A random quantized ``SHAPE`` weight of ``kind``, groups of 32: (qs, scales, mins, group),
+    with float16 scales (and mins for u4) as GGUF's Q4_1 and Q8_0 keep them in memory (a kernel
+    that widens them pays for it here too)."""
     n, k = SHAPE
-    scales = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001     # [N, K/32]
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half()     # [N, K/32]
     if kind == 0:
         qs = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
         mins = -8 * scales
     else:
         qs = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        mins = torch.empty(0)
+        mins = torch.empty(0, dtype=torch.float16)
     return qs, scales, mins, 32
 
 
-def _time_paths(x: torch.Tensor, w, kind: int, paths: list[int], keep: set[int], calls: int,
-                deadline: float) -> Optional[dict[int, list[float]]]:
-    """The seconds a call of each path on x took, `REPS` repetitions (leaving out paths not in
-    ``keep`` whose first call took more than `PRUNE` times the fastest first call), or None if
-    the deadline passed first."""
-    qs, scales, mins, group = w
-    op = torch.ops.symphony.qlinear
-
-    def run(p: int) -> float:
-        t = time.perf_counter()
-        for _ in range(calls):
-            op(x, qs, scales, mins, kind, group, p)
-        return (time.perf_counter() - t) / calls
-
-    first: dict[int, float] = {}
-    for p in paths:
-        if time.perf_counter() > deadline:
-            return None
-        first[p] = run(p)
-    quick = min(first.values())
-    timed = [p for p in paths if p in keep or first[p] <= PRUNE * quick]
-    samples: dict[int, list[float]] = {p: [] for p in timed}
-    for _ in range(REPS):
-        if time.perf_counter() > deadline:
-            return None
-        for p in timed:                                        # interleaved: drift hits all alike
-            samples[p].append(run(p))
-    return samples
-
-
 def _choose(mode: int, kind: int, m: int, allowed: list[int],
-            samples: dict[tuple[int, int, int], list[float]]) -> int:
-    """The path ``mode`` takes at ``m`` rows: the timed one with the lowest median if it beats
-    the rule's choice clearly (module docstring), else the rule's."""
+            samples: dict[tuple[int, int, int], list[float]], margin: float = MARGIN) -> int:
+    """The path ``mode`` takes at ``m`` rows: among the measured paths (`MIN_CLEAN` samples)
+    that beat the rule's choice clearly (median more than ``margin`` lower, faster in `WIN` of
+    the pairs), the one with the lowest median; the rule's if none does or it was not
+    measured."""
     rule = _rule(mode, m, kind)
-    timed = {p: samples[(kind, m, p)] for p in allowed if (kind, m, p) in samples}
-    if not timed:
+    timed = {p: samples[(kind, m, p)] for p in allowed
+             if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}
+    if rule not in timed:
         return rule
     med = {p: statistics.median(s) for p, s in timed.items()}
-    best = min(med, key=lambda p: (med[p], p))
-    if rule not in timed:                       # (not timed: the budget ran out)
-        return rule
-    if med[best] * (1 + MARGIN) < med[rule] and max(timed[best]) < min(timed[rule]):
-        return best
-    return rule
+    better = [p for p in timed if p != rule and med[p] * (1 + margin) < med[rule]
+              and timing.wins(timed[p], timed[rule]) >= WIN]
+    return min(better, key=lambda p: (med[p], p)) if better else rule
+
+
+def _time_bucket(fns, calls: int, rules: set, limits) -> tuple[dict, int]:
+    """(Small calls are noisier, and cheap: `MIN_CLEAN` samples a call of a sample.)"""
+    return timing.interleaved(fns, calls=calls, min_kept=MIN_CLEAN * calls, max_rounds=MAX_ROUNDS * calls,
+                              clean=CLEAN, keep=frozenset(rules), prune=PRUNE, limits=limits)
+
+
+def _share(cpu_end: float, wall_end: float, parts: int) -> tuple[float, float]:
+    """Limits (thread CPU, wall) of one of ``parts`` equal shares of what is left until the ends."""
+    c, t = time.thread_time(), time.perf_counter()
+    return c + (cpu_end - c) / max(1, parts), t + (wall_end - t) / max(1, parts)
+
+
+def _measured(got: dict, rules: set) -> bool:
+    return all(len(got.get(p, ())) >= MIN_CLEAN for p in rules)
+
+
+def _is_quiet(load: Optional[float]) -> bool:
+    return load is None or load < QUIET_CORES
 
 
 def _rule(mode: int, m: int, kind: int) -> int:

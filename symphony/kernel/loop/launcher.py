@@ -97,10 +97,10 @@ class Launcher:
         lip.owner_uid, lip.owner_gid, lip.owner_groups = p.owner or (-1, -1, ())   # file capabilities' identity
         self.procs.admit(lip_id, ring)
         srv = self.sys
-        srv.submit(lambda: srv.add(lip))               # handed over (not touched here again); queued
+        srv.submit(lambda: srv.add(lip), anytime=True)               # handed over (not touched here again); queued
                                                        # before the zygote forks (FIFO)
         for data in p.inputs:                          # what it was sent while it waited, in order
-            srv.submit(lambda d=data: srv.give_input(lip_id, d))
+            srv.submit(lambda d=data: srv.give_input(lip_id, d), anytime=True)
         source, args, p.source, p.args, p.inputs = p.source, p.args, None, None, []   # the worker's alone now
         task = asyncio.get_running_loop().create_task(self._fork(lip_id, source, args, p, ring, uid, pinned))
         self._forks.add(task)

@@ -105,7 +105,7 @@ class LipLifecycle:
             self.admission.keep_input(lip_id, data)
             return
         srv = self.sys
-        srv.submit(lambda: srv.give_input(lip_id, data))
+        srv.submit(lambda: srv.give_input(lip_id, data), anytime=True)
 
     def kill(self, lip_id: int, reason: str) -> bool:
         """Kill a live LIP (the first reason is the one its exit event gives;

@@ -140,7 +140,7 @@ class ClientSessions:
             return {"entries": await asyncio.wrap_future(
                 self.sys.slow_call(user, lambda: list_job(self.fs, who, path)))}
         if op == "kv_stat":
-            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, msg.get("path"))))
+            return await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.stat(who, msg.get("path")), anytime=True))
         if op == "kv_rm":
             await asyncio.wrap_future(self.sys.call_future(lambda: self.fs.remove(who, msg.get("path"))))
             return {"ok": True}
@@ -156,7 +156,8 @@ class ClientSessions:
     def _test_hook(self, uid: int, msg: dict) -> dict:
         """Fault injection, only with --test-hooks, root only:
         {"hook": "stall", "seconds": s}: hold the syscall thread s seconds;
-        {"hook": "syscall_crash"}: an unexpected exception in its loop."""
+        {"hook": "syscall_crash"}: an unexpected exception in its loop;
+        {"hook": "step_fault"}: the next forward pass raises (its calls get the error)."""
         if uid != 0:
             raise PermissionError("test hooks are root only")
         hook = msg.get("hook")
@@ -167,6 +168,8 @@ class ClientSessions:
             self.sys.submit(lambda: time.sleep(secs))
         elif hook == "syscall_crash":
             self.sys.inject_fault()
+        elif hook == "step_fault":
+            self.sys.submit(self.sys.device.fail_next, anytime=True)
         else:
             raise ValueError(f"unknown test hook {hook!r}")
         return {"ok": True}

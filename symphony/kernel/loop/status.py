@@ -38,7 +38,7 @@ class FreshSnapshots:
         request, so a flood of `stats` during a stall queues one command, not many."""
         pending = self._request
         if pending is None or pending.done():
-            pending = self._request = asyncio.wrap_future(self.sys.call_future(lambda: None))
+            pending = self._request = asyncio.wrap_future(self.sys.call_future(lambda: None, anytime=True))
         try:
             await asyncio.wait_for(asyncio.shield(pending), wait_s)   # a timeout leaves it for the others
         except (asyncio.TimeoutError, RuntimeError):

@@ -16,6 +16,7 @@ may still be answered; exited: nothing is written to its ring again.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -79,9 +80,9 @@ class LipProc:
         """Waiting in recv() or on a capability call: its pages may be swapped out page by page."""
         return self.parked_recv is not None or self.caps_in_flight > 0
 
-    @property
+    @functools.cached_property
     def principal(self) -> Principal:
-        return Principal(self.user, self.id)
+        return Principal(self.user, self.id)          # (user and id never change)
 
     @property
     def counters(self) -> LipCounters:

@@ -56,19 +56,34 @@ class Residency:
         self._stalled_since = None
 
     # ------------------------------------------------------------------ the plan
+    def schedule(self, now: float):
+        """The scheduler's next step (`BatchScheduler.schedule`), the LIPs that must wait for
+        device pages held out of it (`plan`); None if no call could be scheduled (the stall
+        clock runs: `stalled`)."""
+        self.sched.hold(self.plan(self.sched.next_chunks()))
+        batch = self.sched.schedule(now)
+        if batch is None:
+            self.stalled()
+        else:
+            self.moved()
+        return batch
+
     def plan(self, chunks: dict) -> set[int]:
         """The LIPs whose calls must wait this step (held in the scheduler),
         given each LIP's next chunks (``{lip: [(call, tokens)]}``,
         `BatchScheduler.next_chunks`); suspends and resumes LIPs on the way."""
-        needs, any_suspended = {}, False
+        any_suspended = any(l.suspended for l in self.lips.values() if l.state == Serving.RUNNING)
+        if not any_suspended and self.fs.pager.all_resident():
+            # nothing to swap in: a bound will do (a chunk of n tokens takes at most n // S + 2 pages)
+            S = self.fs.page_size
+            if sum(n // S + 2 for cs in chunks.values() for _, n in cs) <= self.alloc.num_free:
+                return set()                               # all fit: the common case
+        needs = {}
         for lip in self.lips.values():
-            if lip.state != Serving.RUNNING:
-                continue
-            any_suspended |= lip.suspended
-            if lip.id in chunks:
+            if lip.state == Serving.RUNNING and lip.id in chunks:
                 needs[lip.id] = sum(self._need(c, n, lip.suspended) for c, n in chunks[lip.id])
         if not any_suspended and sum(needs.values()) <= self.alloc.num_free:
-            return set()                                   # all fit: the common case
+            return set()                                   # all fit
         mem = []
         for lip in self.lips.values():
             if lip.state != Serving.RUNNING:

@@ -1,42 +1,45 @@
-"""The system-call layer: one thread that owns the engine and KVFS.
+"""The system-call layer: the syscall thread, which owns KVFS, the scheduler and the LIPs
+it serves, and the device thread it hands each forward pass to (device.py).
 
-Loop (never blocks on a LIP):
-    1. run control commands from the event loop (add/remove LIP, input, ...)
+Loop (never blocks on a LIP, never waits for the device):
+    1. run control commands from the event loop (add/remove LIP, input, ...); while a
+       step is on the device, only those marked ``anytime`` (they touch no KV page)
     2. poll every LIP's slots for requests; decode each body as its op's type
        (ipc/schema.py) and dispatch it to its handler (calls/: one part per
-       interface, the table built from the schema): KVFS and message calls
-       are answered at once, pred calls are checked and queued, capability
-       calls go to a thread pool, recv waits for input
-    3. if pred calls are queued, run one step (`PredCalls.step`, calls/pred.py):
-       residency decides who may run (residency.py), the scheduler forms the
-       batch, KVFS prepares its pages, the runner runs one forward pass, KVFS
-       commits, and the finished calls are answered
-    3b. run a slice of each user's slow call (a durable sync, a large
-       listing: slowlane.py), so that no one call holds the thread
-    4. publish what it serves (`snapshot`: counters, KV pages) for the event
-       loop's ps/stats/admission: at most every PUBLISH_EVERY_S, and at once
-       after every command the event loop awaits (`call_future`: a reclaim,
-       kv ls/rm), so a snapshot is at most PUBLISH_EVERY_S old, and exact
-       when a LIP's exit event goes out
-    5. nothing to do: wait on the LIPs' doorbells (spin briefly, then block)
+       interface, the table built from the schema): pred calls are checked and
+       queued, message and capability calls, NOP, INFO and KV metadata answered at
+       once -- also while a step is on the device; a call that changes KV files waits
+       (`deferred`) until the step in flight is back, since the device is writing pages
+    3. the step in flight is back (the device rang the doorbell): KVFS commits it and
+       its calls are answered (step.py's `Stepper.finish`), then the deferred calls
+       and commands run
+    4. no step in flight and pred calls queued: plan one and hand it to the device
+       (`Stepper.launch`: residency and the scheduler pick the chunks, KVFS prepares
+       their pages) -- unless the last step's callers are coming back (`should_wait`)
+    4b. run a slice of each user's slow call (a durable sync, a large listing:
+       slowlane.py), between steps, so that no one call holds the thread
+    5. publish what it serves (`snapshot`: counters, KV pages) for the event loop's
+       ps/stats/admission: at most every PUBLISH_EVERY_S, and at once after every command
+       the event loop awaits (`call_future`: a reclaim, kv ls/rm), so a snapshot is at
+       most PUBLISH_EVERY_S old, and exact when a LIP's exit event goes out
+    6. nothing to do: wait on the LIPs' doorbells and the device's (spin briefly, then block);
+       the next pass polls the rings whose doorbells rang (every ring every FULL_POLL_S)
 
-The LIPs it serves (`lips`, proc.ServedLips) are its own; the event loop
-hands each over once (`add`) and learns about them only from `snapshot`.
+With ``overlap=False`` (``--serial-steps``) the step runs on this thread, start to end.
 
-Every request is hostile until checked: a malformed ring entry is answered
-with EINVAL and counted; a LIP with too many strikes is killed.  Errors are
-replied as {"error": code, "type": name, "message": text}.
+The LIPs it serves (`lips`, proc.ServedLips) are its own; the event loop hands each over
+once (`add`) and learns about them only from `snapshot`.  Every request is hostile until
+checked: a malformed ring entry is answered with EINVAL and counted; a LIP with too many
+strikes is killed.  Errors are replied as {"error": code, "type": name, "message": text}.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import os
 import time
 from collections import deque
 from concurrent.futures import Future
-from types import MappingProxyType
 from typing import Callable, Optional
 
 import torch
@@ -48,15 +51,20 @@ from symphony.kvfs import KVFS
 from symphony.sched import BatchScheduler
 
 from symphony.kernel.syscall.answers import Answers
-from symphony.kernel.syscall.calls import CapCalls, InfoCalls, KvCalls, MessageCalls, PredCalls, dispatch_table
+from symphony.kernel.syscall.calls import (CapCalls, InfoCalls, KvCalls, MessageCalls, PredCalls, anytime_ops,
+                                           dispatch_table)
 from symphony.kernel.syscall.calls.messages import MAX_MESSAGE_BYTES, MAX_QUEUED_OUTPUT
 from symphony.kernel.syscall.calls.pred import pin_arena
+from symphony.kernel.syscall.commands import Commands
+from symphony.kernel.syscall.device import Device, InlineDevice
+from symphony.kernel.syscall.step import Stepper
 from symphony.kernel.capabilities import Capabilities
 from symphony.kernel.failure import SyscallFailure
 from symphony.kernel.syscall.proc import LipProc, ServedLips, Serving
 from symphony.kernel.syscall.residency import KV_WAIT_S, Residency
 from symphony.kernel.syscall.slowlane import RingThread, SlowLane, Writer
-from symphony.kernel.snapshot import LipCounters, ServingSnapshot
+from symphony.kernel.snapshot import HostTimes, LipCounters
+from symphony.kernel.syscall.publish import Publisher
 
 log = logging.getLogger("symphony.syscalls")
 
@@ -65,7 +73,7 @@ MAX_STRIKES = 8
 MAX_CRASHES = 20        # unexpected loop errors within CRASH_WINDOW_S before the kernel gives up
 CRASH_WINDOW_S = 10.0
 PUBLISH_EVERY_S = 0.005  # while busy, `snapshot` is at most this old
-RECLAIMABLE_EVERY_S = 0.25  # its kv_reclaimable at most this old (it walks the running LIPs' pages)
+FULL_POLL_S = 0.01       # every ring is polled at least this often (else only those whose bell rang)
 
 
 class InjectedFault(Exception):
@@ -86,7 +94,7 @@ class SyscallServer:
                  max_queued_output: int = MAX_QUEUED_OUTPUT,
                  on_fatal: Optional[Callable[[str], None]] = None, lips: Optional[ServedLips] = None,
                  kv_wait_s: float = KV_WAIT_S, compute_threads: Optional[int] = None,
-                 on_input_read: Optional[Callable[[int, int], None]] = None):
+                 on_input_read: Optional[Callable[[int, int], None]] = None, overlap: bool = True):
         """``emit``/``kill``/``on_fatal``/``on_input_read``: how this thread tells
         the event loop of a LIP's output, a LIP to kill, that it cannot go on, and
         that a LIP's recv() took so many bytes of input (each safe from any thread).  ``lips``: the LIP set whose `swap_out_first` and
@@ -94,8 +102,9 @@ class SyscallServer:
         lips.swap_out_first, pinned=lips.running_ids)``).  ``kv_wait_s``: how
         long calls may all wait for device pages that cannot move before the
         most important one fails with NoSpace (residency.py).  ``compute_threads``:
-        torch's CPU threads in this thread, which runs every forward pass (None:
-        torch's default for a new thread)."""
+        torch's CPU threads in the thread that runs every forward pass (None:
+        torch's default for a new thread).  ``overlap``: the forward pass runs on a
+        device thread of its own while this one serves calls (False: on this thread)."""
         if compute_threads is not None and (not isinstance(compute_threads, int) or compute_threads < 1):
             raise ValueError(f"compute_threads must be None or an int >= 1, got {compute_threads!r}")
         self.compute_threads = compute_threads
@@ -103,13 +112,12 @@ class SyscallServer:
         self.kill = kill
         self.on_fatal = on_fatal          # the thread cannot go on: shut the kernel down (any thread)
         self.crashes: deque = deque(maxlen=MAX_CRASHES)
-        # tokens per forward pass: on a CPU a prefill token costs ~100x a decode
-        # step's share, so a small budget keeps every step (and every decoder) short
-        default = 256 if engine.device.type == "cpu" else 2048
-        self.max_batch_tokens = min(max_batch_tokens or default, engine.config.max_batch_tokens)
+        # tokens per forward pass (`Engine.step_tokens`: small on a CPU, where a prefill token costs ~100x
+        # a decode step's share)
+        self.max_batch_tokens = min(max_batch_tokens or engine.step_tokens, engine.config.max_batch_tokens)
         chunk_tokens = chunk_tokens or max(8, self.max_batch_tokens // 2)
         self.lips: ServedLips = lips if lips is not None else ServedLips()
-        self.commands: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self.commands = Commands(self.door.ring, lambda: self._publish(), InjectedFault)
         self.sched = BatchScheduler(token_budget=self.max_batch_tokens, chunk_tokens=chunk_tokens,
                                     gather_s=0.003)
         self.stop = threading.Event()
@@ -120,48 +128,38 @@ class SyscallServer:
         # the parts, each given what it works with
         self.answers = Answers(kill)
         self.residency = Residency(fs, self.lips, self.sched, self.answers, kv_wait_s)
-        self.preds = PredCalls(engine, fs, self.sched, self.residency, self.answers)
+        cuda = engine.device.type == "cuda"
+        self.device = (Device(engine.runner.run, cuda, self.door.ring, self._device_setup) if overlap
+                       else InlineDevice(engine.runner.run, cuda, self._device_setup))
+        self.stepper = Stepper(engine, fs, self.sched, self.residency, self.answers, self.device)
+        self.preds = PredCalls(engine, fs, self.sched)
         self.messages = MessageCalls(self.lips, self.answers, emit, on_input_read or (lambda lip_id, n: None),
                                      max_queued_output)
         self.kv = KvCalls(fs, self.slow, self.writer, self.answers)
         self.caps = CapCalls(caps or Capabilities(max_bytes=MAX_MESSAGE_BYTES), self.answers, self.submit)
         self.info = InfoCalls(engine)
         self.dispatch = dispatch_table(self.info, self.preds, self.kv, self.messages, self.caps)
+        self.anytime_ops = anytime_ops(self.info, self.preds, self.kv, self.messages, self.caps)
+        self.deferred: deque = deque()    # (lip, slot, request) read while a step was on the device
+        self._by_bell: dict = {}          # a served LIP's doorbell fd -> the LIP
+        self._full_poll_at = float("-inf")
+        self.host = HostTimes()
         self._dirty = False
-        self._reclaimable_n, self._reclaimable_at, self._reclaimable_stale = 0, float("-inf"), False
-        self._cache_by_user = MappingProxyType({})     # user -> pages only unopened cache files hold
+        self.publisher = Publisher(engine, fs, self.lips, self.stepper, self.residency, self.slow, self.host)
         self._admitted = 0
         self._publish()                   # the first snapshot, before the thread starts
         self.thread = threading.Thread(target=self.run, name="symphony-syscalls", daemon=True)
 
     # ------------------------------------------------------------------ control (any thread)
-    def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the syscall thread (it owns the engine and KVFS)."""
-        self.commands.put(fn)
-        self.door.ring()
+    def submit(self, fn: Callable[[], None], anytime: bool = False) -> None:
+        """Run ``fn`` on the syscall thread (it owns KVFS and the LIPs' records): between steps,
+        or also while a step is on the device when ``anytime`` (``fn`` touches no KV page)."""
+        self.commands.submit(fn, anytime)
 
-    def call_future(self, fn: Callable[[], object]) -> Future:
-        """Run ``fn`` on the syscall thread; a Future of its result (or error).
+    def call_future(self, fn: Callable[[], object], anytime: bool = False) -> Future:
+        """Run ``fn`` on the syscall thread (as `submit`); a Future of its result (or error).
         Never blocks: the event loop awaits it with ``asyncio.wrap_future``."""
-        fut: Future = Future()
-
-        def run():
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                result, error = fn(), None
-            except BaseException as e:       # handed back to the caller
-                result, error = None, e
-            try:
-                self._publish()              # the caller's next ps/stats sees what fn did
-            except Exception:                # never at the cost of the caller's answer
-                log.exception("syscall thread: the snapshot could not be published")
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-        self.submit(run)
-        return fut
+        return self.commands.call_future(fn, anytime)
 
     def call(self, fn: Callable[[], object], timeout: Optional[float] = 30.0):
         """Run ``fn`` on the syscall thread and wait for its result (not from
@@ -200,15 +198,9 @@ class SyscallServer:
         """The thread's body: `_serve`, supervised.  An unexpected exception is
         logged with its traceback and the loop goes on with its state intact;
         too many in a short time and the kernel is shut down (``on_fatal``)."""
-        if self.compute_threads is not None:
-            torch.set_num_threads(self.compute_threads)   # per thread (OpenMP): this one runs the model
-        self.compute_threads = torch.get_num_threads()
-        log.info("syscall thread running (%d compute threads)", self.compute_threads)
-        try:                                # here: the thread count and the thread that compute
-            self.engine.calibrate_kernels()
-        except Exception:                   # noqa: BLE001 - the rule of the ops still serves
-            log.exception("syscall thread: calibrating the quantized kernels failed; "
-                          "their built-in rule decides")
+        torch.set_num_threads(1)            # this thread computes nothing: no OpenMP team of its own
+        self.device.start()
+        self.device.ready.wait()
         profile_to = os.environ.get("SYMPHONY_PROFILE_SYSCALLS")
         try:
             if profile_to:                  # a diagnosis aid: cProfile of this thread, written at stop
@@ -224,7 +216,37 @@ class SyscallServer:
                 return
             self._supervise()
         finally:
+            self._drain()
+            self.device.stop()
             self.rings.shutdown()           # the exited LIPs' rings unmapped before the thread ends
+
+    def _device_setup(self) -> None:
+        """On the thread that runs the model (the device thread, or this one): its torch threads
+        and the quantized kernels' calibration for them."""
+        if self.engine.device.type == "cuda":   # the current device is per thread: this one launches the steps
+            torch.cuda.set_device(self.engine.device)
+        if self.compute_threads is not None:
+            torch.set_num_threads(self.compute_threads)   # per thread (OpenMP): this one runs the model
+        self.compute_threads = torch.get_num_threads()
+        log.info("%s running the model (%d compute threads)", threading.current_thread().name,
+                 self.compute_threads)
+        try:
+            self.engine.calibrate_kernels()
+        except Exception:                   # noqa: BLE001 - the rule of the ops still serves
+            log.exception("calibrating the quantized kernels failed; their built-in rule decides")
+
+    def _drain(self) -> None:
+        """Stopping: the step on the device comes back and its calls are answered (nothing is
+        lost, no page leaks)."""
+        job = self.device.wait(timeout=30.0)
+        if job is None and self.stepper.in_flight:
+            log.error("syscall thread: the step in flight did not come back within 30 s of the stop")
+            return
+        if job is not None:
+            try:
+                self.stepper.finish(job)
+            except Exception:
+                log.exception("syscall thread: the last step could not be finished")
 
     def _supervise(self) -> None:
         while not self.stop.is_set():
@@ -254,37 +276,60 @@ class SyscallServer:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            if self._run_commands():
-                self._dirty = True
-            work = self._poll()
-            for lip, slot in work:
-                self._handle_safely(lip, slot)
-            busy, lane_s = bool(work), 0.0
-            if len(self.slow):                          # a slice of each user's slow call (slowlane.py)
-                t0 = time.perf_counter()
-                if self.slow.run():
-                    lane_s = time.perf_counter() - t0
-            if busy or lane_s:
-                self._dirty = True
-            if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
-                self._publish()
-            if len(self.sched):
-                if self.sched.should_wait(time.perf_counter()):
-                    continue                   # the last step's callers are coming back: poll again
-                if self.preds.step():
-                    self._dirty = True
-                    continue
-                # every queued call waits for device pages: idle until something changes
-            if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
-                self.door.wait(lane_s, self._has_calls)   # LIPs get the CPU it leaves (busy ones reniced to 19)
-            elif not busy:
-                wait = 0.05                    # short: muted LIP bells are polled
-                if self._dirty:                # wake in time to publish what was done (and to count
-                    due = (self._reclaimable_at + RECLAIMABLE_EVERY_S if self._reclaimable_stale   # the
-                           else self.snapshot.at + PUBLISH_EVERY_S)                               # reclaimable)
-                    wait = min(wait, max(0.0, due - time.monotonic()))
-                self.door.wait(wait, self._has_work)
+            idle = self._serve_once()
+            if idle is not None:
+                self.door.wait(*idle)
         log.info("syscall thread stopped")
+
+    def _serve_once(self) -> Optional[tuple]:
+        """One pass of the loop (the module's docstring); (seconds, ready) to wait on the
+        doorbells when there is nothing to do, None to go on at once."""
+        flight = self.stepper.in_flight
+        if self.commands.run(between=not flight):
+            self._dirty = True
+        clock = self.host.clock
+        t0 = clock()
+        work = self._poll()
+        for lip, slot in work:
+            self._handle_safely(lip, slot)
+        if work:
+            self.host.add("handle", clock() - t0, len(work))
+        job = self.device.take()
+        if job is not None:                         # the step is back: commit, answer
+            t0 = clock()
+            self.stepper.finish(job)
+            self.host.add("finish", clock() - t0)
+            self._run_deferred()
+            self.commands.run(between=True)
+            self._dirty, flight = True, False
+        busy, lane_s = bool(work) or job is not None, 0.0
+        if not flight and len(self.slow):          # a slice of each user's slow call (slowlane.py)
+            t0 = time.perf_counter()
+            if self.slow.run():
+                lane_s = time.perf_counter() - t0
+        if busy or lane_s:
+            self._dirty = True
+        if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
+            self._publish()
+        if not flight and len(self.sched):
+            left = self.sched.gather_left(time.perf_counter())
+            if left:                           # the last step's callers are coming back: wait for their
+                return left, self._has_calls   # bells (a spin, then epoll), leaving the CPU to them
+            t0 = clock()
+            launched = self.stepper.launch(time.monotonic())
+            self.host.add("launch", clock() - t0)
+            if launched:
+                self._dirty = True
+                return None
+            # every queued call waits for device pages: idle until something changes
+        if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
+            return lane_s, self._has_calls  # LIPs get the CPU it leaves (busy ones reniced to 19)
+        if busy:
+            return None
+        wait = 0.05                        # short: muted LIP bells are polled
+        if self._dirty:                    # wake in time to publish what was done (and to count the reclaimable)
+            wait = min(wait, max(0.0, self.publisher.due(PUBLISH_EVERY_S) - time.monotonic()))
+        return wait, self._has_work
 
     def _handle_safely(self, lip: LipProc, slot: int) -> None:
         """`_handle`, contained: an error it could not answer (a reply that does
@@ -296,33 +341,37 @@ class SyscallServer:
             self._condemn(lip, f"killed: the kernel could not answer a system call ({type(e).__name__}: {e})")
 
     def _has_work(self) -> bool:
-        return self.slow.busy() or self._has_calls()
+        return (self.slow.busy() and not self.stepper.in_flight) or self._has_calls()
 
     def _has_calls(self) -> bool:
-        """A command or a LIP's call waits."""
-        if not self.commands.empty():
-            return True
-        return any(l.ring.pending() for l in self.lips.values() if l.state == Serving.RUNNING)
+        """A command or a finished step waits (a LIP's call rings its bell: the wait sees it)."""
+        return self.device.done() or self.commands.pending(self.stepper.in_flight)
 
-    def _run_commands(self) -> bool:
-        """Run the queued commands; whether there were any."""
-        ran = False
-        while True:
-            try:
-                fn = self.commands.get_nowait()
-            except queue.Empty:
-                return ran
-            ran = True
-            try:
-                fn()
-            except InjectedFault:
-                raise
-            except Exception:
-                log.exception("kernel command failed")
+    def _run_deferred(self) -> None:
+        """The calls that waited for the step in flight, in the order they came."""
+        while self.deferred:
+            lip, slot, req = self.deferred.popleft()
+            if lip.state in (Serving.RUNNING, Serving.KILLING):
+                try:
+                    self._dispatch(lip, slot, req)
+                except Exception as e:
+                    log.exception("LIP %d: system call could not be answered", lip.id)
+                    self._condemn(lip, f"killed: the kernel could not answer a system call "
+                                       f"({type(e).__name__}: {e})")
 
     def _poll(self) -> list:
+        """(LIP, slot) of every new request in the rings whose doorbells rang, or in every ring
+        every FULL_POLL_S (a LIP whose bell is muted, or that does not ring, is served so)."""
         out = []
-        for lip in list(self.lips.values()):
+        rung = self.door.take_rung()
+        now = time.monotonic()
+        if now - self._full_poll_at >= FULL_POLL_S:
+            self._full_poll_at = now
+            lips = list(self.lips.values())
+        else:
+            by_bell = self._by_bell
+            lips = [by_bell[fd] for fd in rung if fd in by_bell]
+        for lip in lips:
             if lip.state != Serving.RUNNING:
                 continue
             try:
@@ -350,6 +399,8 @@ class SyscallServer:
         lip.admitted = self._admitted
         self._admitted += 1
         self.lips[lip.id] = lip           # (its arena was pinned before its worker forked: pin_ring)
+        self._by_bell[lip.ring.bell_fd] = lip
+        self._full_poll_at = float("-inf")   # it may have rung before: look at every ring next
         self._publish()
 
     def remove(self, lip_id: int) -> tuple[LipCounters, int]:
@@ -360,6 +411,7 @@ class SyscallServer:
         if lip is None:
             return LipCounters(), 0
         lip.state = Serving.EXITED
+        self._by_bell.pop(lip.ring.bell_fd, None)
         self.sched.drop_lip(lip.id)
         self.residency.forget(lip.id)
         peak = self.fs.quotas.peak(lip.id)
@@ -405,37 +457,9 @@ class SyscallServer:
             self.kill(lip.id, reason)
 
     def _publish(self) -> None:
-        """Replace `snapshot` with what this thread serves now (O(LIPs))."""
-        e, alloc = self.engine.stats, self.engine.kv.allocator
-        self.snapshot = ServingSnapshot(
-            at=time.monotonic(), lips=MappingProxyType({i: (l.calls, l.preds, l.tokens, l.replies.total)
-                                                        for i, l in self.lips.items()}),
-            batches=self.preds.batches, batch_calls=self.preds.batch_calls, max_batch=self.preds.max_batch,
-            forward_passes=e.forward_passes, pred_calls=e.pred_calls, engine_max_batch=e.max_batch_calls,
-            tokens_computed=e.tokens,
-            kv_pages_used=alloc.num_used, kv_pages_total=alloc.capacity,
-            kv_pages_free=alloc.num_free + self.fs.pager.free_slots(), kv_device_free=alloc.num_free,
-            kv_reclaimable=self._reclaimable(),
-            lip_pages=MappingProxyType({i: self.fs.quotas.by_pid.get(i, 0) for i in self.lips}),
-            user_pages=MappingProxyType({u: n for u, n in self.fs.quotas.by_user.items() if n}),
-            user_cache_pages=self._cache_by_user,
-            suspended=MappingProxyType({i: self.residency.pages_of(l)[1] for i, l in self.lips.items()
-                                        if l.suspended}),
-            overload=MappingProxyType({**self.fs.stats(), **self.residency.overload, "slow_calls": len(self.slow),
-                                       "slow_slices": self.slow.slices}))
-        self._dirty = self._reclaimable_stale
-
-    def _reclaimable(self) -> int:
-        """`KVFS.reclaimable`, computed at most every RECLAIMABLE_EVERY_S: it walks
-        the pages of the running LIPs' files, too much for every publish.  A
-        publish that used an older count leaves the snapshot to publish again
-        once it may be counted anew (`_serve`), so an idle kernel's is exact."""
-        now = time.monotonic()
-        self._reclaimable_stale = now - self._reclaimable_at < RECLAIMABLE_EVERY_S
-        if not self._reclaimable_stale:
-            self._reclaimable_n, self._reclaimable_at = self.fs.reclaimable(), now
-            self._cache_by_user = MappingProxyType(self.fs.cache_pages_by_user())
-        return self._reclaimable_n
+        """Replace `snapshot` with what this thread serves now (O(LIPs), publish.py)."""
+        self.snapshot = self.publisher.snapshot()
+        self._dirty = self.publisher.stale
 
     # ------------------------------------------------------------------ dispatch
     def _handle(self, lip: LipProc, slot: int) -> None:
@@ -453,6 +477,14 @@ class SyscallServer:
             self.answers.lost(lip, slot, 0, e)
             return
         lip.calls += 1
+        if self.stepper.in_flight and req.op not in self.anytime_ops:
+            self.deferred.append((lip, slot, req))       # it may touch the pages the device is writing
+            self.host.count("deferred")
+            return
+        self._dispatch(lip, slot, req)
+
+    def _dispatch(self, lip: LipProc, slot: int, req) -> None:
+        """Decode and run one request read from ``lip``'s ``slot``; its reply or error."""
         try:
             body = schema.decode(req.op, req.json)       # the op's typed body: the one shape check
             result = self.dispatch[req.op](lip, slot, req.call_id, body, req.tokens)

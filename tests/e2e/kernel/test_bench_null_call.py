@@ -17,5 +17,7 @@ def test_null_call_rounds_idle_then_busy(kernel):
         assert len(r["ns"]) == 40 and all(x > 0 for x in r["ns"])
         assert 0 < r["span"] <= r["dt"]
     busy = res[1]
-    assert busy["calls"] > 0 and busy["passes"] > 0 and busy["tok_s"] > 0   # the model was decoding
+    # the model was decoding (the warm-up steps and on; the probe's own round may fit inside one
+    # step, whose calls the kernel answers while the device runs it)
+    assert busy["decoded"] > 0 and res[0]["decoded"] == 0
     assert kernel.client().stats()["lips"] == 0                              # probe and decoder gone

@@ -207,7 +207,7 @@ def test_serving_snapshot_stats_fields():
     assert set(st) == {"batches", "batch_calls", "max_batch", "forward_passes", "pred_calls", "tokens_computed",
                        "engine_max_batch", "kv_pages_used", "kv_pages_total", "pending_reply_bytes",
                        "kv_device_free", "kv_reclaimable", "suspended_lips", "suspended_pages",
-                       "suspensions", "resumes", "memory_waits", "kv_wait_failures"}
+                       "suspensions", "resumes", "memory_waits", "kv_wait_failures", "host"}
     over = ServingSnapshot(suspended={3: 7, 4: 2}, overload={"suspensions": 5, "cache_drops": 1}).as_stats()
     assert over["suspended_lips"] == 2 and over["suspended_pages"] == 9
     assert over["suspensions"] == 5 and over["resumes"] == 0 and over["cache_drops"] == 1
@@ -241,7 +241,7 @@ def test_stats_during_a_stall_queue_one_publish_request_not_one_per_call():
         def __init__(self):
             self.requests = []
 
-        def call_future(self, fn):
+        def call_future(self, fn, anytime=False):
             f = Future()
             self.requests.append((f, fn))
             return f

@@ -356,7 +356,7 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
             return 7 if m < 2 else 8
         return ((10 if m >= 4 else 5) if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
-        return 3 if m >= 64 else 9
+        return 3 if m >= 64 else 12 if m == 1 and qw.kind == U4 else 9
     if m >= 32:
         return 3
     if t8 and not HAS_AVX512:

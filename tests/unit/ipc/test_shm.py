@@ -132,7 +132,8 @@ def test_request_is_copied_out(ring):
     req = got["req"]
     assert (req.op, req.json, req.flags) == (3, b'{"a":1}', 5)
     assert req.tokens.tolist() == [9, 8, 7] and req.tokens.dtype == np.int32
-    assert req.tokens.flags.writeable and req.tokens.base is None      # a copy that aliases nothing
+    # a copy that aliases nothing the LIP can write: read-only, over an immutable bytes object
+    assert not req.tokens.flags.writeable and isinstance(req.tokens.base, bytes)
     assert isinstance(req.json, bytes)
 
 

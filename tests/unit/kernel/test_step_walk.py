@@ -1,10 +1,10 @@
-"""The walk of one step, traced: `PredCalls.step` on a syscall server built in
-process (its thread not started), one plain step and one under memory
-pressure (a LIP suspended for a more important one).
+"""The walk of one step, traced: `Stepper.step` on a syscall server built in
+process (its thread not started, the step run inline), one plain step and one
+under memory pressure (a LIP suspended for a more important one).
 
   * the step's own calls, in order, are the walk docs/design/pred-walk.md
-    shows: the scheduler's next chunks, residency's plan, hold, schedule,
-    KVFS prepares, the runner runs, KVFS commits, the replies;
+    shows: schedule (residency, then the scheduler), KVFS prepares, the device
+    runs (launch, take), KVFS commits, the replies;
   * no file calls back into a file that is still on the stack above it (the
     memory planner yields its moves; KVFS's parts do not call their facade);
   * calls go down the layers: the engine never calls KVFS, the scheduler or
@@ -70,7 +70,8 @@ def server():
     served = ServedLips()
     fs = KVFS(eng, KVFSConfig(host_pages=64), evict_first=served.swap_out_first, pinned=served.running_ids)
     door = WaitSet()
-    srv = SyscallServer(eng, fs, door, lambda *a: None, lambda *a: None, lips=served)
+    srv = SyscallServer(eng, fs, door, lambda *a: None, lambda *a: None, lips=served, overlap=False)
+    srv.device.start()
     lips = []
     for i in range(2):
         ring = KernelSide.create(f"symwalk{secrets.token_hex(3)}", n_slots=4, slot_bytes=4096,
@@ -95,7 +96,7 @@ def step_calls(moves) -> list:
     """The step's own calls into other files, consecutive repeats folded."""
     out = []
     for src, dst, name, _ in moves:
-        if src == "kernel/syscall/calls/pred.py" and (not out or out[-1] != (dst, name)):
+        if src == "kernel/syscall/step.py" and (not out or out[-1] != (dst, name)):
             out.append((dst, name))
     return out
 
@@ -113,13 +114,13 @@ def test_a_step_is_one_walk_down_the_layers(server):
     srv, fs, lips = server
     for lip in lips:
         submit(srv, lip, fs.create(lip.principal), 9)
-    moves = trace(srv.preds.step)
+    moves = trace(srv.stepper.step)
     check_layers(moves)
     walk = [f"{d.split('/')[-1]}:{n}" for d, n in step_calls(moves) if d != "kernel/syscall/proc.py"
             and not d.endswith("namespace.py")]
-    assert walk == ["batch.py:next_chunks", "residency.py:plan", "batch.py:hold", "batch.py:schedule",
-                    "residency.py:moved", "fs.py:passes", "fs.py:prepare", "runner.py:run", "fs.py:commit",
-                    "batch.py:took", "answers.py:reply"], walk
+    walk = [w for i, w in enumerate(walk) if i == 0 or walk[i - 1] != w]     # a reply per call: one
+    assert walk == ["residency.py:schedule", "pred.py:chunk", "fs.py:prepare", "device.py:launch",
+                    "device.py:take", "batch.py:took", "fs.py:commit", "answers.py:reply"], walk
     assert all(not d.startswith(("engine/runner", "engine/model")) for s, d, _, _ in moves if s.startswith("kvfs/"))
 
 
@@ -127,9 +128,9 @@ def test_under_pressure_the_planner_yields_and_residency_makes_the_moves(server)
     srv, fs, (low, high) = server
     submit(srv, low, fs.create(low.principal), 60)        # 15 of the 23 pages
     while srv.sched.queue:
-        srv.preds.step()
+        srv.stepper.step()
     submit(srv, high, fs.create(high.principal), 40)      # 10 more: the less important LIP goes out
-    moves = trace(srv.preds.step)
+    moves = trace(srv.stepper.step)
     assert low.suspended and srv.residency.overload["suspensions"] == 1
     check_layers(moves)
     assert not [m for m in moves if m[0] == "sched/memory.py" and m[1].startswith("kernel/")]

@@ -1,7 +1,7 @@
 """The system-call handlers, one module per interface (as the ABI groups them):
 
     info.py      nop, info                          (InfoCalls)
-    pred.py      pred: submission and the step      (PredCalls, PredCall, Stage)
+    pred.py      pred: checked and queued           (PredCalls, PredCall, Stage; the step: ../step.py)
     kv.py        the KV file calls                  (KvCalls)
     messages.py  send, write_stream, recv, fetch    (MessageCalls)
     caps.py      http, read_file, list_dir          (CapCalls)
@@ -11,6 +11,8 @@ its constructor; its ``OPS`` maps the ABI ops it serves to its handler
 methods, each ``handler(lip, slot, call_id, body, tokens)`` with ``body``
 already decoded as the op's type (`symphony.ipc.schema`).  A handler returns
 the reply body, or None when the call is answered later (or already was).
+Its ``ANYTIME`` names the ops it may serve while a step is on the device (they
+touch no KV page the device may be writing); the others wait for the step.
 
 `dispatch_table` builds the syscall thread's op -> handler table from
 `schema.REQUESTS`, the one table of ops and their body types: an op without a
@@ -45,6 +47,18 @@ def handled_ops(parts=PARTS) -> dict[int, str]:
     return out
 
 
+def anytime_ops(*parts) -> frozenset:
+    """The ops the part objects ``parts`` serve while a step is on the device (each part's
+    ``ANYTIME``, a subset of its ``OPS``)."""
+    out = set()
+    for p in parts:
+        extra = set(p.ANYTIME) - set(p.OPS)
+        if extra:
+            raise ValueError(f"{type(p).__name__}.ANYTIME names ops it does not serve: {sorted(extra)}")
+        out |= set(p.ANYTIME)
+    return frozenset(out)
+
+
 def dispatch_table(*parts) -> dict[int, Handler]:
     """op -> bound handler of the part objects ``parts``, for exactly the ops of
     `schema.REQUESTS` (anything else raises ValueError)."""
@@ -59,4 +73,4 @@ def dispatch_table(*parts) -> dict[int, Handler]:
 
 
 __all__ = ["CapCalls", "InfoCalls", "KvCalls", "MessageCalls", "PARTS", "PredCall", "PredCalls", "Stage",
-           "dispatch_table", "handled_ops"]
+           "anytime_ops", "dispatch_table", "handled_ops"]

@@ -19,6 +19,7 @@ class CapCalls:
     (runs a function on the syscall thread: the pool's threads answer through it)."""
 
     OPS = {abi.CAP_HTTP: "http", abi.CAP_READ_FILE: "read_file", abi.CAP_LIST_DIR: "list_dir"}
+    ANYTIME = set(OPS)          # served while a step is on the device: they touch no KV page
 
     def __init__(self, caps: Capabilities, answers: Answers, submit: Callable[[Callable[[], None]], None]):
         self.caps, self.answers, self.submit = caps, answers, submit
@@ -40,7 +41,7 @@ class CapCalls:
                     self.answers.reply(lip, slot, cid, res)
                 else:
                     self.answers.error(lip, slot, cid, err)
-            self.submit(reply)
+            self.submit(reply, anytime=True)
         lip.caps_in_flight += 1
         lip.blocked_since = time.monotonic()
         args = {k: v for k, v in msgspec.structs.asdict(body).items() if v is not None}   # absent: policy default

@@ -8,6 +8,7 @@ class InfoCalls:
     """The informational calls; given the engine (the model's shape)."""
 
     OPS = {abi.NOP: "nop", abi.INFO: "info"}
+    ANYTIME = set(OPS)          # served while a step is on the device: they touch no KV page
 
     def __init__(self, engine):
         self.engine = engine

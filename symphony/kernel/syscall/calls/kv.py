@@ -26,6 +26,9 @@ class KvCalls:
            abi.KV_FORK: "fork", abi.KV_TRUNCATE: "truncate", abi.KV_EXTRACT: "extract",
            abi.KV_MERGE: "merge", abi.KV_STAT: "stat", abi.KV_LIST: "list", abi.KV_ADVISE: "advise",
            abi.KV_RENAME: "rename", abi.KV_SYNC: "sync", abi.KV_MKDIR: "mkdir", abi.KV_RMDIR: "rmdir"}
+    # served while a step is on the device: metadata, and what moves no page (a listing runs in the
+    # slow lane, between steps); the others wait for the step in flight, which writes pages
+    ANYTIME = {abi.KV_CREATE, abi.KV_STAT, abi.KV_LIST, abi.KV_ADVISE, abi.KV_MKDIR}
 
     def __init__(self, fs: KVFS, slow: SlowLane, writer: Writer, answers: Answers):
         self.fs, self.slow, self.writer, self.answers = fs, slow, writer, answers

@@ -28,6 +28,7 @@ class MessageCalls:
     output bytes a LIP may have queued before send() waits."""
 
     OPS = {abi.SEND: "send", abi.WRITE_STREAM: "write_stream", abi.RECV: "recv", abi.FETCH: "fetch"}
+    ANYTIME = set(OPS)          # served while a step is on the device: they touch no KV page
 
     def __init__(self, lips: ServedLips, answers: Answers, emit: Callable[[int, dict], None],
                  on_input_read: Callable[[int, int], None], max_queued_output: int = MAX_QUEUED_OUTPUT):

@@ -1,22 +1,12 @@
-"""The pred system call on the syscall thread: submission, the step, delivery.
+"""The pred system call on the syscall thread: checked once, queued, answered by the step.
 
 One call is one record, `PredCall` (a `sched.Call` that carries its LIP, its
 slot and its `Stage`), from the ring entry to its reply.  It is checked once,
 at submission (`PredCalls.pred`: the body against the vocabulary and the
 arena, then `KVFS.check_pred`: handle, tokens, positions, length, quota), and
-queued in the scheduler.  Each step is one walk (`PredCalls.step`):
-
-    wait = residency.plan(sched.next_chunks())  who waits for pages; suspend, resume (residency.py)
-    sched.hold(wait)                            (sched/batch.py)
-    batch = sched.schedule(now)                 the chunks of this forward pass
-    plan = fs.prepare(chunks)                   page tables: swap-ins, copy-on-write, charges (kvfs/)
-    out = engine.runner.run(plan.step)          one forward pass; masks, top-k, sampling on the device
-    done = fs.commit(plan, out)                 keep what succeeded, undo what failed (fs.undo if it raised)
-    deliver(done)                               copy results into the LIPs' arenas, reply
-
-(a step that writes one file through two handles runs as two passes of the
-prepare / run / commit, `KVFS.passes`).  The in-process engine and KVFS's
-`pred_batch` use the same pieces (`engine.runner.run_planned`).
+queued in the scheduler keyed by its file (two calls on one file never share a
+step: their order matters).  The step that feeds and answers it is
+kernel/syscall/step.py's `Stepper`.
 """
 from __future__ import annotations
 
@@ -38,10 +28,11 @@ from symphony.sched import BatchScheduler, Call
 
 from symphony.kernel.syscall.answers import Answers
 from symphony.kernel.failure import fail as _fail
-from symphony.kernel.syscall.proc import LipProc, Serving
-from symphony.kernel.syscall.residency import Residency
+from symphony.kernel.syscall.proc import LipProc
 
 log = logging.getLogger("symphony.syscalls")
+
+MAX_WANTS = 4096                # checked bodies kept (a body is a few fields: a few hundred KB at most)
 
 
 class Stage(enum.Enum):
@@ -85,19 +76,15 @@ class PredCall(Call):
 
 
 class PredCalls:
-    """pred(): submission, steps, delivery.  Given the engine (its runner runs
-    each step), KVFS, the scheduler, residency and the answers; owns the step
-    counters (`batches`, `batch_calls`, `max_batch`)."""
+    """pred(): submission.  Given the engine (the vocabulary), KVFS and the scheduler."""
 
     OPS = {abi.PRED: "pred"}
+    ANYTIME = set(OPS)          # checked and queued while a step is on the device (the step feeds it)
 
-    def __init__(self, engine, fs: KVFS, sched: BatchScheduler, residency: Residency, answers: Answers):
-        self.engine, self.fs, self.sched, self.residency, self.answers = engine, fs, sched, residency, answers
+    def __init__(self, engine, fs: KVFS, sched: BatchScheduler):
+        self.fs, self.sched = fs, sched
         self.vocab = engine.model_config.vocab_size
-        self.sync_device = engine.device.type == "cuda"
-        self.batches = 0
-        self.batch_calls = 0
-        self.max_batch = 0
+        self._wants: dict = {}        # a checked body without mask or positions -> its Want (decode steps repeat it)
 
     # ------------------------------------------------------------------ submission
     def pred(self, lip, slot, cid, req: Pred, toks):
@@ -108,8 +95,9 @@ class PredCalls:
             _fail("InvalidArgument", "EINVAL", f"a mask is {words} uint32 words, got {n_mask}")
         if toks.size != n + n_mask:
             _fail("InvalidArgument", "EINVAL", f"token array holds {toks.size} ids, body says {n}+{n_mask}")
-        sampling = SamplingParams()
-        if out == "sample":                          # fail before the forward pass, not after
+        want = self._wants.get(req) if not n_mask and req.positions is None else None   # a decode step's body
+        sampling = SamplingParams() if want is None else want.sampling                  # is the last one's
+        if out == "sample" and want is None:         # fail before the forward pass, not after
             try:
                 sampling = check_sampling(*req.sampling)
             except SamplingError as e:
@@ -130,131 +118,19 @@ class PredCalls:
         # the rest of the check is KVFS's: handle, tokens, positions, length limit, quota
         tokens, positions = self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
         now = time.monotonic()
-        self.sched.add(PredCall(key=(lip.id, req.kv), lip=lip.id, user=lip.user, n_tokens=n,
+        ino = self.fs.handles[req.kv].inode.ino          # (the handle was just checked) its calls run in order
+        if want is None:
+            want = Want(out, k, mask, sampling)
+            if mask is None and req.positions is None:
+                if len(self._wants) >= MAX_WANTS:
+                    self._wants.clear()
+                self._wants[req] = want
+        self.sched.add(PredCall(key=ino, lip=lip.id, user=lip.user, n_tokens=n,
                                 priority=lip.priority, arrival=now, proc=lip, slot=slot, call_id=cid,
                                 kv=req.kv, tokens=tokens, positions=positions, all_logits=req.all_logits,
-                                want=Want(out, k, mask, sampling)))
+                                want=want))
         lip.last_active = now
         return None
-
-    # ------------------------------------------------------------------ the step
-    def step(self) -> bool:
-        """One forward pass of the queued calls and the replies of those it
-        completes; False if no call could be scheduled (all wait for pages).
-        A call that fails is answered with its error (KVFS undid its earlier
-        chunks); the others in the step are unaffected."""
-        self.sched.hold(self.residency.plan(self.sched.next_chunks()))
-        batch = self.sched.schedule(time.monotonic())
-        if batch is None:
-            self.residency.stalled()
-            return False
-        self.residency.moved()
-        items = [(c, start, n) for c, start, n in batch.items if c.proc.state == Serving.RUNNING]
-        if not items:
-            return True
-        t0 = time.perf_counter()
-        done = self._run([c.chunk(start, n) for c, start, n in items])
-        self.sched.took(time.perf_counter() - t0)
-        self.batches += 1
-        self.batch_calls += len(items)
-        self.max_batch = max(self.max_batch, len(items))
-        self._deliver_all(items, done)
-        return True
-
-    def _run(self, chunks: list[KVPred]) -> list:
-        """KVFS prepares, the runner runs, KVFS commits (or, if the runner
-        raised, undoes): once per pass (`KVFS.passes`: a file written twice
-        runs in two); a result per chunk."""
-        results: list = [None] * len(chunks)
-        for idx in self.fs.passes(chunks):
-            plan = self.fs.prepare([chunks[i] for i in idx])
-            try:
-                out = self.engine.runner.run(plan.step)
-            except BaseException:
-                self.fs.undo(plan)
-                raise
-            for i, r in zip(idx, self.fs.commit(plan, out)):
-                results[i] = r
-        return results
-
-    # ------------------------------------------------------------------ delivery
-    def _deliver_all(self, items: list, results: list) -> None:
-        """Fail what failed, advance what has more chunks, reply to the rest:
-        every call's copies to the host are queued first, then waited for once."""
-        finals, tokens = [], []                  # tokens: (call, its token ids on the device)
-        for (c, start, n), r in zip(items, results):
-            if r.error is not None:
-                self.sched.drop(c)                   # its other chunks never run
-                c.fail(self.answers, r.error)
-                continue
-            if start + n < c.n_tokens:
-                c.stage = Stage.FEEDING
-                continue
-            c.stage = Stage.REPLYING
-            c.proc.preds += 1
-            c.proc.tokens += len(c.tokens)
-            if c.want.output in ("argmax", "sample"):
-                tokens.append((c, r.value))
-                continue
-            try:
-                finals.append((c, self._copy_out(c, r.value)))
-            except Exception as e:
-                c.fail(self.answers, e)
-        if tokens:                               # every call's token ids in one copy to the host
-            try:
-                ids = torch.cat([v.reshape(-1).long() for _, v in tokens]).to("cpu", non_blocking=True)
-            except Exception as e:
-                for c, _ in tokens:
-                    c.fail(self.answers, e)
-                tokens = []
-            off = 0
-            for c, v in tokens:
-                finals.append((c, self._reply_tokens(c, ids, off, v.numel())))
-                off += v.numel()
-        if finals and self.sync_device:
-            torch.cuda.current_stream(self.engine.device).synchronize()
-        for c, reply in finals:
-            try:
-                reply()
-                c.stage = Stage.DONE
-            except Exception as e:
-                c.fail(self.answers, e)
-
-    def _copy_out(self, c: PredCall, value):
-        """Queue the copy of a logits or top-k call's result (computed on the
-        device by the runner) into the LIP's arena; returns the function that
-        replies once the copies are done.  No call waits for the device on its
-        own (token ids: `_deliver_all` copies every call's at once)."""
-        lip, slot, cid = c.proc, c.slot, c.call_id
-        length = self.fs.handles[c.kv].inode.length
-        out = c.want.output
-        if out == "logits":
-            rows = value.shape[0]                                 # value: [rows, vocab]
-            view = lip.ring.arena(slot, rows, self.vocab)
-            torch.from_numpy(view).copy_(value, non_blocking=True)   # a DMA into the pinned arena
-            return lambda: self.answers.reply(lip, slot, cid, {"length": length},
-                                              (abi.ARENA_LOGITS, rows, self.vocab))
-        lp, ids = value                                           # topk: [rows, k] float32, [rows, k] int32
-        rows, k = lp.shape
-        lp_h, ids_h = lp.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
-
-        def reply_topk():
-            view = lip.ring.arena(slot, 2 * rows, k)
-            view[:rows] = ids_h.numpy().view(np.float32)
-            view[rows:] = lp_h.numpy()
-            self.answers.reply(lip, slot, cid, {"length": length}, (abi.ARENA_TOPK, 2 * rows, k))
-        return reply_topk
-
-    def _reply_tokens(self, c: PredCall, ids: torch.Tensor, off: int, n: int):
-        """The reply of an argmax or sample call whose ``n`` token ids are ``ids[off:off + n]`` on
-        the host (once the copies are done)."""
-        lip, slot, cid = c.proc, c.slot, c.call_id
-        length = self.fs.handles[c.kv].inode.length
-
-        def reply_tokens():
-            toks = ids[off:off + n].tolist()
-            self.answers.reply(lip, slot, cid, {"length": length, "token": toks[-1], "tokens": toks})
-        return reply_tokens
 
 
 def pin_arena(base: int, size: int, on: bool) -> None:
