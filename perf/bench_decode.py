@@ -614,6 +614,9 @@ def bench_servers(args) -> dict:
                   f"{c.info.get('startup_s') or 0:.0f} s; command: "
                   f"{' '.join(f'{k}={v}' for k, v in (c.info.get('env') or {}).items())} "
                   f"{' '.join(c.info.get('argv', []))}".replace(":  ", ": "), flush=True)
+        if not cs:
+            print("# batched decode through the servers: no server to measure", flush=True)
+            return out
         res = {(c.name, b): [] for c in cs for b in batches}
         for c in cs:                                                  # warm-up
             c.resume()

@@ -483,6 +483,9 @@ def bench_b(field: Field, a, results: dict) -> None:
     for n in a.levels:
         field.enter_level(n)
         cs = field.contenders()
+        if not cs:
+            print(f"(b) {n} clients: no contender to measure (every peer skipped)", flush=True)
+            continue
         for workload in a.workloads:
             key = f"{workload}/{n}"
             per = {c.name: [] for c in cs}

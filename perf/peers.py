@@ -285,10 +285,15 @@ class Peer:
         return sum(_cpu(p) for p in self.pids())
 
     def pause(self) -> None:
-        """SIGSTOP every process: a paused peer takes no CPU from the contender being measured."""
-        for p in self.pids():
+        """SIGSTOP every process, and wait (up to 5 s) until each has stopped: a paused peer takes
+        no CPU from the contender measured next."""
+        pids = self.pids()
+        for p in pids:
             _signal(p, signal.SIGSTOP)
         self.paused = True
+        deadline = time.time() + 5
+        while time.time() < deadline and any((_stat(p) or ["T"])[0] not in "TtZX" for p in pids):
+            time.sleep(0.01)
 
     def resume(self) -> None:
         for p in self.pids():
