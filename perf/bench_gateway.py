@@ -160,6 +160,14 @@ class Symphony:
         with Client(self.sock) as c:
             return c.stats()
 
+    def counters(self) -> dict:
+        """The kernel's step counters and its syscall thread's time, flat."""
+        st = self.stats()
+        out = {k: st[k] for k in ("forward_passes", "pred_calls", "tokens_computed", "batches", "batch_calls")
+               if k in st}
+        out.update({f"host_{k}": v for k, v in (st.get("host") or {}).items()})
+        return out
+
     def stop(self):
         if self.nocache is not None:
             self.nocache.terminate()
@@ -190,11 +198,19 @@ class LlamaCpp:
 class Contender:
     """One server of (b): a name, its base URL and model, its processes, and what it is."""
 
-    def __init__(self, name: str, url: str, model: str, info: dict, pids, peer=None):
+    def __init__(self, name: str, url: str, model: str, info: dict, pids, peer=None, counters=None):
         self.name, self.url, self.model, self.info, self._pids, self.peer = name, url, model, info, pids, peer
+        self._counters = counters or (peer.metrics if peer is not None else dict)
 
     def pids(self) -> list[int]:
         return self._pids()
+
+    def counters(self) -> dict:
+        """The server's own cumulative counters (Symphony's stats, a peer's /metrics)."""
+        try:
+            return self._counters()
+        except Exception as e:                  # a counter read must never lose the round's figures
+            return {"error": str(e)[:200]}
 
     def pause(self):
         if self.peer is not None:
@@ -211,7 +227,7 @@ def symphony_contender(name: str, sym: Symphony) -> Contender:
     info = {"name": name, "version": f"symphony {_git_commit()}", "weights": weights, "argv": sym.argv,
             "kv": f"--kv-memory-mb {sym.kv_memory_mb} (float32 pages, shared prefixes forked)",
             "startup_s": round(sym.startup_s, 1)}
-    return Contender(name, sym.url, sym.model, info, sym.pids)
+    return Contender(name, sym.url, sym.model, info, sym.pids, counters=sym.counters)
 
 
 def peer_contender(p: peers.Peer) -> Contender:
@@ -365,6 +381,7 @@ def run_workload(c: Contender, workload: str, n: int, a, rnd: int) -> dict:
     if workload == "warm":
         asyncio.run(prime(c.url, c.model, system))
     load = peers.BoxLoad({c.name: c.pids()})
+    before = c.counters()
     t0 = time.perf_counter()
     if workload == "plain":
         asyncio.run(plain(c.url, c.model, n, a.turns, a.max_tokens, salt, a.plain_tokens, tally))
@@ -372,12 +389,47 @@ def run_workload(c: Contender, workload: str, n: int, a, rnd: int) -> dict:
         asyncio.run(conversations(c.url, c.model, n, a.turns, a.max_tokens, salt, system, tally))
     wall = time.perf_counter() - t0
     used = load.stop()
-    return {"tok_s": tally.tokens / wall, "wall_s": round(wall, 2), "ttft_p50": pct(tally.ttfts, 50),
+    steps = work(before, c.counters(), wall)
+    return {"steps": steps, "tok_s": tally.tokens / wall, "wall_s": round(wall, 2), "ttft_p50": pct(tally.ttfts, 50),
             "ttft_p99": pct(tally.ttfts, 99), "first_ttft_p50": pct(tally.first_ttfts, 50),
             "first_ttft_p99": pct(tally.first_ttfts, 99), "requests": tally.requests,
             "out_tokens_per_request": tally.tokens / max(1, tally.requests), "prompt_tokens": tally.prompt,
             "cached_tokens": tally.cached, "failures": tally.failures, "error": tally.error,
             "server_cores": used.get(f"{c.name}_cores"), "others_cores": used["others_cores"]}
+
+
+def work(before: dict, after: dict, wall: float) -> dict:
+    """What the server computed in a round, from its own counters: forward passes (``steps``),
+    steps a second, sequences and tokens a step, prompt tokens computed (not taken from a cache),
+    and where it says so, the seconds it spent on prompts and on generation. Symphony's kernel
+    counts passes, pred calls and tokens fed; llama-server its decode calls, busy slots a call,
+    prompt and generated tokens and their seconds; vLLM its engine steps' token histogram and
+    prompt tokens with their prefix-cache hits."""
+    d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float)) and k in before}
+    out: dict = {}
+    if "forward_passes" in d:                                    # Symphony
+        out = {"steps": d["forward_passes"], "seqs_per_step": d["pred_calls"] / max(1, d["forward_passes"]),
+               "tokens": d["tokens_computed"]}
+        out["syscall_thread_s"] = round(sum(d.get(f"host_{k}_s", 0.0) for k in ("handle", "launch", "finish")), 3)
+    elif "llamacpp:n_decode_total" in d:                         # llama-server
+        n = d["llamacpp:n_decode_total"]
+        busy = (after.get("llamacpp:n_busy_slots_per_decode", 0) * after["llamacpp:n_decode_total"] -
+                before.get("llamacpp:n_busy_slots_per_decode", 0) * before["llamacpp:n_decode_total"])
+        out = {"steps": n, "seqs_per_step": busy / max(1, n), "prompt_computed": d.get("llamacpp:prompt_tokens_total"),
+               "tokens": d.get("llamacpp:prompt_tokens_total", 0) + d.get("llamacpp:tokens_predicted_total", 0),
+               "prompt_s": d.get("llamacpp:prompt_seconds_total"),
+               "generation_s": d.get("llamacpp:tokens_predicted_seconds_total")}
+    elif "vllm:iteration_tokens_total_count" in d:               # vLLM
+        out = {"steps": d["vllm:iteration_tokens_total_count"], "tokens": d.get("vllm:iteration_tokens_total_sum")}
+        if "vllm:prompt_tokens_total" in d:
+            out["prompt_computed"] = d["vllm:prompt_tokens_total"] - d.get("vllm:prefix_cache_hits_total", 0)
+    if out.get("steps"):
+        out["steps_per_s"] = out["steps"] / wall
+        if out.get("tokens") is not None:
+            out["tokens_per_step"] = out["tokens"] / out["steps"]
+    out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+    out["counters"] = {k: round(v, 4) for k, v in d.items() if v}    # every counter that moved
+    return out
 
 
 def single_direct(sym: Symphony, request: dict) -> tuple[float, int]:
@@ -520,6 +572,12 @@ def print_rows(workload: str, n: int, a, cs: list[Contender], per: dict) -> None
         line += (f"; {statistics.median(col('out_tokens_per_request')):.1f} tokens a request, "
                  f"cached {sum(col('cached_tokens'))}/{sum(col('prompt_tokens'))} prompt tokens, "
                  f"others' CPU {spread(col('others_cores'))} cores")
+        st = [x.get("steps") or {} for x in rs]
+        for key, unit in (("steps_per_s", "steps/s"), ("seqs_per_step", "sequences a step"),
+                          ("tokens_per_step", "tokens a step")):
+            vals = [x[key] for x in st if x.get(key) is not None]
+            if vals:
+                line += f", {statistics.median(vals):.1f} {unit}"
         fails = sum(col("failures"))
         if fails:
             line += f"; {fails} FAILED ({next(x['error'] for x in rs if x['error'])})"

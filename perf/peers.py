@@ -277,6 +277,16 @@ class Peer:
             time.sleep(0.5)
         self.startup_s = time.time() - self.started
 
+    def metrics(self) -> dict[str, float]:
+        """Its Prometheus counters and gauges (``GET /metrics``; llama-server serves them with
+        ``--metrics``), each sample summed over its labels, histogram buckets left out:
+        {} when it serves none."""
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+                return parse_metrics(r.read().decode("utf-8", "replace"))
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+
     def pids(self) -> list[int]:
         """Its processes: the process group it leads and any descendant that left it."""
         return _tree(self.proc.pid, pgid=self.proc.pid)
@@ -385,6 +395,19 @@ def peer(name: str, *, slots: int = 16, gguf: Path | str | None = None, port: in
                 yield p
             finally:
                 p.stop()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text: {sample name: value summed over its label sets}, without histogram
+    buckets and summary quantiles (``_sum`` and ``_count`` kept)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if "le" in s.labels or "quantile" in s.labels or s.name.endswith("_created"):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
 
 
 def free_port() -> int:
