@@ -2,7 +2,7 @@
 
     python perf/bench_gateway.py [--rounds 3] [--clients 1,4,16,64] [--turns 3] [--max-tokens 32]
                                  [--peers llama-server,vllm] [--extras llama-cpp-python]
-                                 [--ours quantized,float] [--workloads warm,cold,plain]
+                                 [--ours quantized,float] [--workloads warm,cold,plain,short]
                                  [--only a,b,c] [--json OUT] [--kv-memory-mb 2048]
 
 Starts a kernel with --http (and a second gateway with --prefix-cache off in front of the same
@@ -22,11 +22,17 @@ kernel, for (c)). Reports medians and the per-round spread (min..max) of:
                before it is cached (a restart, a new system prompt, a burst of agents); its own
                row, with the first turns' TTFT apart;
         plain  N concurrent clients, each sending --turns single-turn requests of a distinct
-               ~--plain-tokens prompt (nothing in common from the first token): no cache helps.
+               ~--plain-tokens prompt (nothing in common from the first token): no cache helps;
+        short  (not by default) the same with a few tokens in and one out: requests/s, what a
+               request costs beside its tokens (HTTP, JSON, the template, starting its program).
       Per contender and round: generated tokens/s (usage.completion_tokens of every request over
       the run's wall time), TTFT p50/p99 (first content chunk), output tokens a request, prompt
       tokens and the cached ones the server reported, failed requests, and the CPU the box spent
-      elsewhere (other processes' cores, the load the figures were taken under). Ratios per
+      elsewhere (other processes' cores, the load the figures were taken under); and what the
+      server computed, from its own counters (Symphony's stats, a peer's /metrics): forward
+      passes a second, sequences and tokens a pass, prompt tokens computed, and the CPU each
+      part spent a generated token (Symphony: the kernel, its gateway, the serving programs;
+      vLLM: its API server, its engine). Ratios per
       round: Symphony / the better peer. Targets: at 16 and 64 clients (warm) >= 1.5x the better
       peer's tokens/s with lower TTFT p50 and p99; at 1 client >= 1.0x and TTFT no higher; plain
       at 16 clients >= 1.0x.
@@ -77,7 +83,7 @@ SYSTEM = ("You are a meticulous assistant for a regional library network. " * 2 
                                  for i in range(1, 26)))
 QUESTIONS = ["Which branch is open on Sunday?", "Can I renew a book online?", "How many books may I borrow?",
              "Do you have audiobooks?", "Where can I print a document?", "Is there a reading room?"]
-WORKLOADS = ("warm", "cold", "plain")
+WORKLOADS = ("warm", "cold", "plain", "short")
 
 
 def cpu_name() -> str:
@@ -160,6 +166,13 @@ class Symphony:
         with Client(self.sock) as c:
             return c.stats()
 
+    def parts(self) -> dict[str, list[int]]:
+        """The kernel's processes by part: the gateway (HTTP, JSON, the chat template), the
+        programs (the zygote and the serving programs it forks, one a request); the rest of
+        the kernel's time is its own (the model's steps and the system calls)."""
+        return {"gateway": peers.descendants_running(self.proc.pid, "symphony.gateway"),
+                "programs": peers.descendants_running(self.proc.pid, "workers.zygote")}
+
     def counters(self) -> dict:
         """The kernel's step counters and its syscall thread's time, flat."""
         st = self.stats()
@@ -198,9 +211,14 @@ class LlamaCpp:
 class Contender:
     """One server of (b): a name, its base URL and model, its processes, and what it is."""
 
-    def __init__(self, name: str, url: str, model: str, info: dict, pids, peer=None, counters=None):
+    def __init__(self, name: str, url: str, model: str, info: dict, pids, peer=None, counters=None, parts=None):
         self.name, self.url, self.model, self.info, self._pids, self.peer = name, url, model, info, pids, peer
         self._counters = counters or (peer.metrics if peer is not None else dict)
+        self._parts = parts or (peer.parts if peer is not None else dict)
+
+    def parts(self) -> dict[str, list[int]]:
+        """Its processes by part (tree roots); what is in no part is the main process's own."""
+        return self._parts()
 
     def pids(self) -> list[int]:
         return self._pids()
@@ -227,7 +245,7 @@ def symphony_contender(name: str, sym: Symphony) -> Contender:
     info = {"name": name, "version": f"symphony {_git_commit()}", "weights": weights, "argv": sym.argv,
             "kv": f"--kv-memory-mb {sym.kv_memory_mb} (float32 pages, shared prefixes forked)",
             "startup_s": round(sym.startup_s, 1)}
-    return Contender(name, sym.url, sym.model, info, sym.pids, counters=sym.counters)
+    return Contender(name, sym.url, sym.model, info, sym.pids, counters=sym.counters, parts=sym.parts)
 
 
 def peer_contender(p: peers.Peer) -> Contender:
@@ -236,8 +254,8 @@ def peer_contender(p: peers.Peer) -> Contender:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "?"
+        return subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty", "--abbrev=7"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
     except (OSError, subprocess.TimeoutExpired):
         return "?"
 
@@ -380,17 +398,24 @@ def run_workload(c: Contender, workload: str, n: int, a, rnd: int) -> dict:
     tally = Tally()
     if workload == "warm":
         asyncio.run(prime(c.url, c.model, system))
-    load = peers.BoxLoad({c.name: c.pids()})
+    parts = c.parts()
+    load = peers.BoxLoad({c.name: c.pids(), **{f"part:{k}": v for k, v in parts.items()}})
     before = c.counters()
     t0 = time.perf_counter()
     if workload == "plain":
         asyncio.run(plain(c.url, c.model, n, a.turns, a.max_tokens, salt, a.plain_tokens, tally))
+    elif workload == "short":                 # the cost of a request itself: a few tokens in, one out
+        asyncio.run(plain(c.url, c.model, n, a.turns, 1, salt, 8, tally))
     else:
         asyncio.run(conversations(c.url, c.model, n, a.turns, a.max_tokens, salt, system, tally))
     wall = time.perf_counter() - t0
     used = load.stop()
     steps = work(before, c.counters(), wall)
-    return {"steps": steps, "tok_s": tally.tokens / wall, "wall_s": round(wall, 2), "ttft_p50": pct(tally.ttfts, 50),
+    cores = {k[5:-6]: used.pop(k) for k in list(used) if k.startswith("part:")}
+    if cores:                          # CPU seconds a generated token, each part and the main process
+        cores["main"] = max(0.0, used[f"{c.name}_cores"] - sum(cores.values()))
+        steps["cpu_ms_per_token"] = {k: round(v * wall / max(1, tally.tokens) * 1000, 2) for k, v in cores.items()}
+    return {"steps": steps, "tok_s": tally.tokens / wall, "req_s": tally.requests / wall, "wall_s": round(wall, 2), "ttft_p50": pct(tally.ttfts, 50),
             "ttft_p99": pct(tally.ttfts, 99), "first_ttft_p50": pct(tally.first_ttfts, 50),
             "first_ttft_p99": pct(tally.first_ttfts, 99), "requests": tally.requests,
             "out_tokens_per_request": tally.tokens / max(1, tally.requests), "prompt_tokens": tally.prompt,
@@ -560,13 +585,16 @@ def bench_b(field: Field, a, results: dict) -> None:
 def print_rows(workload: str, n: int, a, cs: list[Contender], per: dict) -> None:
     what = {"warm": f"{a.turns} turns, system prompt cached before the round",
             "cold": f"{a.turns} turns, a system prompt nobody has seen (cold burst)",
-            "plain": f"{a.turns} distinct ~{a.plain_tokens}-token prompts a client, no shared prefix"}[workload]
+            "plain": f"{a.turns} distinct ~{a.plain_tokens}-token prompts a client, no shared prefix",
+            "short": f"{a.turns} requests a client of a few distinct tokens and 1 token out (a request's own cost)"
+            }[workload]
     print(f"(b) {workload}, {n} clients x {what}:")
     for c in cs:
         rs = per[c.name]
         col = lambda k: [x[k] for x in rs]   # noqa: E731
-        line = (f"    {c.name:16} {spread(col('tok_s'))} tok/s, TTFT p50 {spread(col('ttft_p50'))} s, "
-                f"p99 {spread(col('ttft_p99'))} s")
+        line = (f"    {c.name:16} {spread(col('req_s'))} requests/s" if workload == "short" else
+                f"    {c.name:16} {spread(col('tok_s'))} tok/s") + \
+            f", TTFT p50 {spread(col('ttft_p50'))} s, p99 {spread(col('ttft_p99'))} s"
         if workload == "cold":
             line += f", first turns p50 {spread(col('first_ttft_p50'))} s p99 {spread(col('first_ttft_p99'))} s"
         line += (f"; {statistics.median(col('out_tokens_per_request')):.1f} tokens a request, "
@@ -587,12 +615,13 @@ def print_rows(workload: str, n: int, a, cs: list[Contender], per: dict) -> None
         if not peer_names:
             break
         rounds = range(len(per[ours]))
-        best = [max(per[p][r]["tok_s"] for p in peer_names) for r in rounds]
-        ratio = [per[ours][r]["tok_s"] / b if b else float("nan") for r, b in zip(rounds, best)]
+        rate = "req_s" if workload == "short" else "tok_s"
+        best = [max(per[p][r][rate] for p in peer_names) for r in rounds]
+        ratio = [per[ours][r][rate] / b if b else float("nan") for r, b in zip(rounds, best)]
         p50 = [per[ours][r]["ttft_p50"] / min(per[p][r]["ttft_p50"] for p in peer_names) for r in rounds]
         p99 = [per[ours][r]["ttft_p99"] / min(per[p][r]["ttft_p99"] for p in peer_names) for r in rounds]
-        print(f"    {ours} / the better peer: tok/s {spread(ratio)}x, TTFT p50 {spread(p50)}x, "
-              f"p99 {spread(p99)}x (below 1: ours earlier)", flush=True)
+        print(f"    {ours} / the better peer: {'requests' if rate == 'req_s' else 'tok'}/s {spread(ratio)}x, "
+              f"TTFT p50 {spread(p50)}x, p99 {spread(p99)}x (below 1: ours earlier)", flush=True)
 
 
 def write_json(path: str, results: dict) -> None:

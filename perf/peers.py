@@ -291,6 +291,14 @@ class Peer:
         """Its processes: the process group it leads and any descendant that left it."""
         return _tree(self.proc.pid, pgid=self.proc.pid)
 
+    def parts(self) -> dict[str, list[int]]:
+        """Its processes by part, for the CPU each part spends (each list a set of tree roots):
+        vLLM's engine (EngineCore and its workers: the model's steps) apart from its API
+        server (HTTP, JSON, tokenizing, detokenizing); llama-server is one process."""
+        if self.name == "vllm":
+            return {"engine": descendants_running(self.proc.pid, "EngineCore")}
+        return {}
+
     def cpu_seconds(self) -> float:
         return sum(_cpu(p) for p in self.pids())
 
@@ -452,6 +460,23 @@ class BoxLoad:
         for k, v in self.groups.items():
             out[f"{k}_cores"] = round((_tree_cpu(v) - self.g0[k]) / dt, 2)
         return out
+
+
+def descendants_running(root: int, needle: str) -> list[int]:
+    """The processes under ``root`` whose command line contains ``needle`` (not their children)."""
+    out = []
+    for pid in _tree(root):
+        if pid == root:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if needle in cmd:
+            out.append(pid)
+    parents = set(out)
+    return [p for p in out if int((_stat(p) or ["", "0"])[1]) not in parents]
 
 
 def _box_busy() -> float:

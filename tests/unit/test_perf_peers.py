@@ -215,3 +215,38 @@ def test_bench_decode_skips_the_servers_not_installed_with_the_reason(no_peers, 
     printed = capsys.readouterr().out
     for name, why in out["skipped"].items():
         assert "not installed" in why and f"# {name}: skipped: {why}" in printed
+
+
+def test_prometheus_counters_are_summed_over_labels_without_buckets():
+    text = textwrap.dedent("""\
+        # TYPE llamacpp:n_decode_total counter
+        llamacpp:n_decode_total 12
+        # TYPE vllm:iteration_tokens_total histogram
+        vllm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 3
+        vllm:iteration_tokens_total_bucket{le="+Inf",model_name="m"} 5
+        vllm:iteration_tokens_total_sum{model_name="m"} 100
+        vllm:iteration_tokens_total_count{model_name="m"} 5
+        # TYPE vllm:prompt_tokens counter
+        vllm:prompt_tokens_total{engine="0"} 2
+        vllm:prompt_tokens_total{engine="1"} 3
+        """)
+    assert peers.parse_metrics(text) == {"llamacpp:n_decode_total": 12, "vllm:iteration_tokens_total_sum": 100,
+                                         "vllm:iteration_tokens_total_count": 5, "vllm:prompt_tokens_total": 5}
+
+
+def test_what_each_server_computed_in_a_round_from_its_counters():
+    sym = bench_gateway.work({"forward_passes": 10, "pred_calls": 10, "tokens_computed": 100, "host_handle_s": 1.0},
+                             {"forward_passes": 30, "pred_calls": 90, "tokens_computed": 300, "host_handle_s": 1.5}, 2.0)
+    assert (sym["steps"], sym["seqs_per_step"], sym["tokens_per_step"], sym["steps_per_s"]) == (20, 4.0, 10.0, 10.0)
+    assert sym["syscall_thread_s"] == 0.5 and sym["counters"]["pred_calls"] == 80
+    ls = bench_gateway.work({"llamacpp:n_decode_total": 10, "llamacpp:n_busy_slots_per_decode": 1.0,
+                             "llamacpp:prompt_tokens_total": 50, "llamacpp:tokens_predicted_total": 10},
+                            {"llamacpp:n_decode_total": 30, "llamacpp:n_busy_slots_per_decode": 3.0,
+                             "llamacpp:prompt_tokens_total": 150, "llamacpp:tokens_predicted_total": 70}, 4.0)
+    assert (ls["steps"], ls["seqs_per_step"], ls["prompt_computed"], ls["tokens"]) == (20, 4.0, 100, 160)
+    vl = bench_gateway.work({"vllm:iteration_tokens_total_count": 5, "vllm:iteration_tokens_total_sum": 50,
+                             "vllm:prompt_tokens_total": 40, "vllm:prefix_cache_hits_total": 0},
+                            {"vllm:iteration_tokens_total_count": 15, "vllm:iteration_tokens_total_sum": 250,
+                             "vllm:prompt_tokens_total": 240, "vllm:prefix_cache_hits_total": 128}, 5.0)
+    assert (vl["steps"], vl["tokens_per_step"], vl["prompt_computed"], vl["steps_per_s"]) == (10, 20.0, 72, 2.0)
+    assert bench_gateway.work({}, {"error": "no stats"}, 1.0) == {"counters": {}}
