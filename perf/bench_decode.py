@@ -4,6 +4,8 @@ embedded SmolLM2-135M-Instruct, Q4_1 + Q8_0).
     python perf/bench_decode.py [--steps 64] [--rounds 5] [--batch 32] [--prefill 1500]
                                 [--no-llamacpp] [--no-rss] [--dtypes float32,bfloat16,float16|none]
                                 [--threads N] [--model PATH.gguf] [--no-paths]
+                                [--servers symphony,llama-server,vllm|none] [--server-batches 1,16]
+                                [--servers-only] [--json OUT]
 
 Measures, in interleaved rounds (A B C A B C ...) so machine noise hits every contender alike,
 and reports medians with the per-round spread:
@@ -14,7 +16,8 @@ and reports medians with the per-round spread:
         --no-int8),
       - the engine on the same weights dequantized to each --dtypes dtype (--weights float;
         --dtypes none skips them and the plain PyTorch loop: a 3B model's float32 copy is 12 GB),
-      - llama.cpp (llama-cpp-python) on the same file, when installed (perf-only dependency);
+      - llama.cpp's library (llama-cpp-python's low-level API, in this process: multi-sequence
+        batches, no server) on the same file, when installed (perf-only dependency);
   * a plain PyTorch loop over the float32 weights (contiguous KV), single stream;
   * ratios from the same rounds: quantized / float32 and quantized / llama.cpp;
   * the physical limit: bytes read per decode token (weights + KV) over the read bandwidth
@@ -26,11 +29,19 @@ and reports medians with the per-round spread:
     float-accurate choice forced (the scalar one left out), in interleaved rounds: the path the
     default takes (after the start-up calibration) and the fastest, side by side per row count;
   * the CPU model and its SIMD flags, the load average before and after, and the CPU the other
-    processes used meanwhile (cores, from /proc/stat).
+    processes used meanwhile (cores, from /proc/stat);
+  * batched decode through each server (--servers; not with --model): N concurrent streamed
+    greedy requests of distinct prompts (N from --server-batches), --steps tokens each, through
+    Symphony's gateway (a kernel with default flags), llama.cpp's `llama-server` (-np N, the same
+    GGUF) and vLLM (CPU, the GGUF dequantized to float32; perf/peers.py starts them, or says why
+    it cannot): decode tokens/s counted from the chunks' arrival times while every request is
+    decoding (from the last first token to the first last token), so prefill stays out; rounds
+    interleaved, every other server paused (SIGSTOP) while one is measured.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import statistics
@@ -41,6 +52,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from symphony.engine.config import DTYPES, EngineConfig          # noqa: E402
 from symphony.engine.engine import Engine, PredRequest           # noqa: E402
@@ -48,6 +60,8 @@ from symphony.engine.loader import default_model_path, load_model  # noqa: E402
 from symphony.engine.quant import QWeight, force_qlinear_path      # noqa: E402
 from symphony.engine.reference import ReferenceLlama             # noqa: E402
 from symphony.engine.ops import calibrate, qlinear_path_for, timing  # noqa: E402
+
+import peers                                                     # noqa: E402
 
 PREFILL_TEXT = ("The history of the violin begins in sixteenth-century Italy, where makers in Cremona "
                 "and Brescia gave the instrument the shape it still has. Over the following centuries "
@@ -308,7 +322,9 @@ def spread(v):
     return f"{statistics.median(v):.1f} ({min(v):.1f}..{max(v):.1f})"
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked (argparse's exit status 2 on a bad value); adds
+    ``dtype_names``, ``server_names`` and ``batches`` (lists)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
@@ -328,13 +344,43 @@ def main():
                     "float16; none: no dequantized engine and no plain PyTorch loop")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (default: torch's)")
     ap.add_argument("--no-paths", action="store_true", help="skip the default-vs-every-path table")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dnames = [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "none"]
-    for d in dnames:
+    ap.add_argument("--servers", default="symphony,llama-server,vllm",
+                    help="batched decode through these servers (none: skip; not with --model)")
+    ap.add_argument("--server-batches", default="1,16", help="concurrent requests of the server decode test")
+    ap.add_argument("--servers-only", action="store_true", help="only the decode through the servers")
+    ap.add_argument("--json", default=None, help="write the servers' decode figures (every round) to this file")
+    args = ap.parse_args(argv)
+    if args.steps < 2 or args.rounds < 1 or args.batch < 1 or args.prefill < 0 or args.kv_mb < 1:
+        ap.error("--steps must be >= 2, --rounds, --batch and --kv-mb >= 1, --prefill >= 0")
+    args.dtype_names = [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "none"]
+    for d in args.dtype_names:
         if d not in DTYPES:
             ap.error(f"--dtypes: unknown dtype {d!r} (float32, bfloat16, float16)")
+    args.server_names = [x for x in args.servers.split(",") if x and x != "none"]
+    known = ("symphony",) + peers.NAMES
+    for bad in (x for x in args.server_names if x not in known):
+        ap.error(f"--servers: unknown {bad!r} (known: {', '.join(known)}, none)")
+    try:
+        args.batches = [int(x) for x in args.server_batches.split(",") if x]
+    except ValueError:
+        args.batches = []
+    if not args.batches or min(args.batches) < 1:
+        ap.error(f"--server-batches {args.server_batches!r}: comma-separated numbers >= 1")
+    if args.servers_only and (args.model or not args.server_names):
+        ap.error("--servers-only needs --servers and no --model (the servers serve the embedded model)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.servers_only:
+        cpu, _ = cpu_description()
+        print(f"# CPU: {cpu}, {os.cpu_count()} logical CPUs", flush=True)
+        bench_servers(args)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dnames = args.dtype_names
     threads = torch.get_num_threads()
     path = args.model or default_model_path()
     cpu, flags = cpu_description()
@@ -429,7 +475,7 @@ def main():
     if ref is not None:
         print(f"| plain PyTorch loop, float32 | {spread(res['torch_one'])} | - | - |")
     if lcpp:
-        print(f"| llama.cpp (llama-cpp-python) | {spread(res['lcpp_one'])} | {spread(res['lcpp_batch'])} | "
+        print(f"| llama.cpp's library (llama-cpp-python, in-process) | {spread(res['lcpp_one'])} | {spread(res['lcpp_batch'])} | "
               f"{spread(res['lcpp_prefill']) if has_pre else '-'} |")
     print("\nRatios (per round, then median; min..max over rounds):")
 
@@ -472,6 +518,147 @@ def main():
                 continue
             print(f"  --weights {mode}: {rss / 2**20:.0f} MiB (target 1.5 x (GGUF + KV pool) = "
                   f"{target / 2**20:.0f} MiB: {rss / target:.2f} of it)")
+    if args.server_names:
+        if args.model:
+            print("\n# decode through the servers: skipped (--model: the peers serve the embedded model)")
+        else:
+            bench_servers(args)
+
+
+# ---------------------------------------------------------------- batched decode through the servers
+SERVER_TOPICS = ("a lighthouse keeper", "a clockmaker", "a desert caravan", "a submarine cook", "a glacier",
+                 "a tea merchant", "a lost kite", "a mountain railway", "an old violin", "a night market",
+                 "a beekeeper", "a comet", "a ferry captain", "a paper mill", "a snow owl", "a river delta")
+
+
+async def _decode_requests(url: str, model: str, n: int, steps: int, tag: str) -> list[tuple[list[float], int]]:
+    """``n`` concurrent streamed greedy requests: per request, its content chunks' arrival times
+    and its completion tokens (usage)."""
+    import httpx
+    from bench_gateway import _lines
+
+    async def one(client, i):
+        body = {"model": model, "temperature": 0, "max_tokens": steps, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"({tag}.{i}) Write a long story about "
+                              f"{SERVER_TOPICS[i % len(SERVER_TOPICS)]} number {i}."}]}
+        times, tokens = [], None
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in _lines(r, url):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = __import__("json").loads(line[6:])
+                if d.get("usage"):
+                    tokens = d["usage"].get("completion_tokens")
+                if any((c.get("delta") or {}).get("content") for c in d.get("choices", [])):
+                    times.append(time.perf_counter())
+        return times, tokens if tokens is not None else len(times)
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+
+def decode_rate(reqs: list[tuple[list[float], int]]) -> float:
+    """Tokens/s while every request decodes: from the last first chunk to the first last chunk,
+    each chunk weighted by its request's tokens a chunk (a server may send several tokens in a
+    chunk). NaN when no such window exists (a request ended before another began)."""
+    start = max(t[0] for t, _ in reqs if t)
+    end = min(t[-1] for t, _ in reqs if t)
+    if end <= start or any(len(t) < 2 for t, _ in reqs):
+        return float("nan")
+    tokens = 0.0
+    for t, n in reqs:
+        per_chunk = n / len(t)
+        tokens += per_chunk * sum(1 for x in t if start < x <= end)
+    return tokens / (end - start)
+
+
+def bench_servers(args) -> dict:
+    """Batched decode through Symphony's gateway and the peers' servers, interleaved rounds:
+    {"rounds": {server: {batch: [figures per round]}}, "servers": {server: what it is}}."""
+    import json
+    import tempfile
+    from pathlib import Path
+    from bench_gateway import Symphony, _git_commit, symphony_contender, peer_contender, write_json
+    names, batches = args.server_names, args.batches
+    print(f"\n# batched decode through the servers: batches {batches}, {args.steps} tokens a request, "
+          f"{args.rounds} interleaved rounds; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+          f"peers from the {peers._where()}", flush=True)
+    out = {"machine": {"cpu": cpu_description()[0], "cores": os.cpu_count(), "load_before": os.getloadavg(),
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _git_commit()},
+           "steps": args.steps, "batches": batches, "skipped": {}, "servers": {}, "rounds": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp, contextlib.ExitStack() as stack:
+        os.chmod(tmp, 0o755)                    # a root kernel's gateway runs as another uid
+        cs = []
+        for name in names:
+            if name == "symphony":
+                sym = Symphony(Path(tmp) / "symphony", kv_memory_mb=args.kv_mb * 4, nocache=False)
+                stack.callback(sym.stop)
+                cs.append(symphony_contender("symphony", sym))
+                continue
+            print(f"# starting {name} (slots {max(batches)}) ...", flush=True)
+            try:
+                p = stack.enter_context(peers.peer(name, slots=max(batches), threads=args.threads or None,
+                                                   ctx_per_slot=1024, log_dir=Path(tmp) / "logs"))
+            except peers.Unavailable as e:
+                print(f"# {name}: skipped: {e}", flush=True)
+                out["skipped"][name] = str(e)
+                continue
+            p.pause()
+            cs.append(peer_contender(p))
+        for c in cs:
+            out["servers"][c.name] = c.info
+            print(f"# {c.name}: {c.info.get('version')}; weights: {c.info.get('weights')}; started in "
+                  f"{c.info.get('startup_s') or 0:.0f} s; command: "
+                  f"{' '.join(f'{k}={v}' for k, v in (c.info.get('env') or {}).items())} "
+                  f"{' '.join(c.info.get('argv', []))}".replace(":  ", ": "), flush=True)
+        if not cs:
+            print("# batched decode through the servers: no server to measure", flush=True)
+            return out
+        res = {(c.name, b): [] for c in cs for b in batches}
+        for c in cs:                                                  # warm-up
+            c.resume()
+            asyncio.run(_decode_requests(c.url, c.model, 2, 4, "warm"))
+            c.pause()
+        for r in range(args.rounds):
+            for c in cs[r % len(cs):] + cs[:r % len(cs)]:
+                c.resume()
+                try:
+                    for b in batches:
+                        load = peers.BoxLoad({c.name: c.pids()})
+                        reqs = asyncio.run(_decode_requests(c.url, c.model, b, args.steps, f"r{r}b{b}"))
+                        used = load.stop()
+                        res[(c.name, b)].append({"tok_s": decode_rate(reqs), "tokens": sum(n for _, n in reqs),
+                                                 "server_cores": used[f"{c.name}_cores"],
+                                                 "others_cores": used["others_cores"]})
+                finally:
+                    c.pause()
+            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} b{b} {v[-1]['tok_s']:.1f}" for (n, b), v in res.items()), flush=True)
+        out["machine"]["load_after"] = os.getloadavg()
+        print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+        print("\n| server | " + " | ".join(f"batch-{b} decode tok/s" for b in batches) +
+              " | its cores | others' cores |")
+        print("|---|" + "---|" * (len(batches) + 2))
+        for c in cs:
+            rows = [x for b in batches for x in res[(c.name, b)]]
+            print(f"| {c.name} | " + " | ".join(spread([x["tok_s"] for x in res[(c.name, b)] if x["tok_s"] == x["tok_s"]]
+                                                       or [float("nan")]) for b in batches) +
+                  f" | {spread([x['server_cores'] for x in rows])} | {spread([x['others_cores'] for x in rows])} |")
+        for o in (c for c in cs if c.peer is None):
+            for c in (c for c in cs if c.peer is not None):
+                for b in batches:
+                    per = [x["tok_s"] / y["tok_s"] for x, y in zip(res[(o.name, b)], res[(c.name, b)])
+                           if x["tok_s"] == x["tok_s"] and y["tok_s"] == y["tok_s"] and y["tok_s"] > 0]
+                    if per:
+                        print(f"  {o.name} / {c.name}, batch-{b}: {statistics.median(per):.2f}x "
+                              f"({min(per):.2f}..{max(per):.2f})")
+        out["rounds"] = {c.name: {str(b): res[(c.name, b)] for b in batches} for c in cs}
+    if args.json:
+        write_json(args.json, json.loads(json.dumps(out, default=str)))
+    return out
 
 
 if __name__ == "__main__":
