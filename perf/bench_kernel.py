@@ -361,7 +361,10 @@ def engine_batch(eng: Engine, prompts: list[list[int]], steps: int) -> tuple[flo
     """The in-process engine's own batch: one ``pred_batch`` a step, every sequence's greedy token
     chosen in the runner in one argmax (the strongest baseline the engine offers)."""
     seqs = [eng.new_sequence() for _ in prompts]
-    outs = eng.pred_batch([PredRequest(s, p, want=GREEDY) for s, p in zip(seqs, prompts)])   # prefill, untimed
+    per = max(1, eng.config.max_batch_tokens // max(len(p) for p in prompts))   # prefill, untimed, in batches
+    outs = [o for i in range(0, len(prompts), per)                                # the engine takes whole
+            for o in eng.pred_batch([PredRequest(s, p, want=GREEDY)
+                                     for s, p in zip(seqs[i:i + per], prompts[i:i + per])])]
     toks = [[int(o)] for o in outs]
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -399,7 +399,19 @@ def peer(name: str, *, slots: int = 16, gguf: Path | str | None = None, port: in
         with _sigterm_as_exit():
             p = Peer(name, argv, env, version, weights, port, str(log_path), slots, served_name)
             try:
-                p.wait_ready(start_timeout or START_TIMEOUT[name])
+                try:
+                    p.wait_ready(start_timeout or START_TIMEOUT[name])
+                except Unavailable:
+                    # a native build whose repacked weights (AMX tiles on a Sapphire Rapids) die with
+                    # SIGILL or SIGSEGV at load: once more without repacking, and said so beside the figures
+                    if name != "llama-server" or p.proc.returncode not in (-signal.SIGILL, -signal.SIGSEGV) \
+                            or "--no-repack" in argv:
+                        raise
+                    p.stop()
+                    argv = argv + ["--no-repack"]
+                    p = Peer(name, argv, env, version, weights + " (not repacked: the repacked load died with "
+                             f"signal {-p.proc.returncode})", port, str(log_path), slots, served_name)
+                    p.wait_ready(start_timeout or START_TIMEOUT[name])
                 yield p
             finally:
                 p.stop()
