@@ -17,8 +17,11 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
          chunks) first, one token each, then multi-token calls (prefills), a
          long prompt in chunks of at most ``chunk_tokens`` (and of the share),
          so a 10k-token prompt never stalls decoders for a whole prefill;
-         each group in turns between the user's LIPs (the LIP served the
-         fewest tokens first), then arrival.
+         decodes in turns between the user's LIPs (the LIP served the fewest
+         tokens first), then arrival; prefills first come, first served, a
+         prompt already begun before any other (its chunks follow each other),
+         so that of N prompts arriving together the first is answered after
+         its own prefill, not after all N (time to first token).
     A call appears at most once per step; calls on the same KV file wait for
     the earlier one (their order matters).  Calls of a `held` LIP (suspended,
     or waiting for device pages: sched/memory.py decides) stay queued and are
@@ -244,8 +247,11 @@ class BatchScheduler:
             turn: dict[int, int] = defaultdict(int)     # the k-th call of a LIP waits k turns
             keyed = []
             for c in cs:
-                keyed.append((c.remaining > 1, self.served_lip.get(c.lip, 0) + turn[c.lip], c.arrival, c.seq, c))
-                turn[c.lip] += c.remaining if c.remaining == 1 else min(c.remaining, self.chunk_tokens)
+                if c.remaining == 1:                    # decodes: in turns between the user's LIPs
+                    keyed.append((False, self.served_lip.get(c.lip, 0) + turn[c.lip], c.arrival, c.seq, c))
+                    turn[c.lip] += 1
+                else:                                   # prefills: a begun one first, then first come
+                    keyed.append((True, 0 if c.done else 1, c.arrival, c.seq, c))
             ordered = [k[-1] for k in sorted(keyed, key=lambda k: k[:4])]
             calls[(prio, user)] = ordered
             items = [1 if c.remaining == 1 else min(c.remaining, self.chunk_tokens, self.token_budget)

@@ -64,17 +64,18 @@ def test_a_light_user_beside_16_streams_rides_every_step_of_a_narrow_batch():
 
 
 def test_long_prompts_of_one_user_get_chunks_sized_to_the_decoder_beside_them():
-    """Alice's 16 prompts of 3,000 tokens alone: two 128-token chunks a step (197 ms).  With
-    bob decoding: bob's token and a 5-token chunk of hers (10 ms <= 1.5 x 7, the even step)."""
+    """Alice's 16 prompts of 3,000 tokens alone: two 128-token chunks a step (197 ms), her first
+    prompts first.  With bob decoding: bob's token and a 5-token chunk of hers (10 ms <= 1.5 x 7,
+    the even step)."""
     s = sched()
     for i in range(16):
         s.add(Call(f"p{i}", lip=i, user="alice", n_tokens=3000))
     assert comp(s.schedule()) == [("p0", 0, 128), ("p1", 0, 128)]
     s.add(Call("b", lip=100, user="bob", n_tokens=1))
-    assert comp(s.schedule()) == [("b", 0, 1), ("p2", 0, 5)]
+    assert comp(s.schedule()) == [("b", 0, 1), ("p0", 128, 5)]           # her begun prompts first
     s.add(Call("b", lip=100, user="bob", n_tokens=1))
-    assert comp(s.schedule()) == [("b", 0, 1), ("p3", 0, 5)]
-    assert comp(s.schedule()) == [("p4", 0, 128), ("p5", 0, 128)]        # bob thinking: hers again
+    assert comp(s.schedule()) == [("b", 0, 1), ("p0", 133, 5)]
+    assert comp(s.schedule()) == [("p0", 138, 128), ("p1", 128, 128)]    # bob thinking: hers again
 
 
 def test_a_light_users_prefill_sets_the_step_by_its_own_size():
