@@ -191,7 +191,7 @@ class Door:
     # ------------------------------------------------------------------ helpers
     def _limit_pending(self, conn) -> None:
         here, old = self.conns[conn.door_addr], time.monotonic() - self.cfg.pending_grace
-        pending = [p for p in here if p.door_state is State.PENDING and getattr(p, "door_since", 0.0) <= old]
+        pending = [p for p in here if p.door_state is State.PENDING and p.door_since <= old]
         while len(pending) > self.cfg.max_pending_per_addr:
             victim = pending.pop(0)                      # the oldest: this address's slowest
             self.counts["evicted_pending"] += 1
