@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
                    help="nice value LIP workers start with (default 0)")
     p.add_argument("--lip-busy-cpu", type=float, default=0.1, metavar="FRACTION",
                    help="share of a core above which a LIP that computes between its calls (more than 2 ms "
-                        "a call) is reniced to 19, so that it runs on the CPU the model leaves (default 0.1; "
+                        "a call) is demoted (nice 19, SCHED_IDLE), so that it runs on the CPU the model leaves (default 0.1; "
                         "0: never)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads the model computes "
                    "with (default: torch's, one per core); only the device thread computes, the others use one")

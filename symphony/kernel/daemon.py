@@ -85,7 +85,7 @@ from symphony.kernel.syscall.server import SyscallServer
 log = logging.getLogger("symphony.kernel")
 
 LISTEN_BACKLOG = 1024       # connections waiting for accept (a flood of them is refused after accept)
-BUSY_CPU = 0.1              # a LIP computing more of a core than this is reniced to 19 (cpu.py)
+BUSY_CPU = 0.1              # a LIP computing more of a core than this is demoted (cpu.py)
 
 
 class Kernel:
@@ -114,7 +114,7 @@ class Kernel:
         thread of its own, while the syscall thread serves on (False: the syscall thread).
         ``bounds``: what one client or user may make the kernel hold (bounds.py).
         ``lip_nice``: the nice value LIP workers start with (0..19); ``lip_busy_cpu``:
-        the share of a core above which one is reniced to 19 (cpu.py; 0: never).
+        the share of a core above which one is demoted (cpu.py; 0: never).
         ``gateway``: {"http": "HOST:PORT", "uid": UID or None, "argv": [...]}
         to start the HTTP gateway once ready (gateway_proc.py); ``uid``: the
         uid it serves as, trusted to act for any user but root (None: a free
@@ -325,7 +325,7 @@ class Kernel:
         srv.submit(lambda: srv.credit_output(lip_id, n), anytime=True)
 
     async def _watch_cpu(self) -> None:
-        """Every CHECK_EVERY_S: renice the LIPs that keep a core busy (cpu.py)."""
+        """Every CHECK_EVERY_S: demote the LIPs that keep a core busy (cpu.py)."""
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
             me, served = os.geteuid(), self.sys.snapshot

@@ -8,13 +8,15 @@ kernel's own threads.  A LIP that computes instead is *demoted*: every
 `CHECK_EVERY_S` the event loop reads each running LIP's CPU time
 (/proc/PID/stat) and its system calls (the serving snapshot), and one that
 used more than ``busy`` of a core since the last look, more than `PER_CALL_S`
-of it per call, is reniced to 19, all its threads: the kernel's threads (nice
-0, weight 1024) then get ~98% of a core such a thread wants, and a waiting
-LIP's wake-up preempts it.  (A LIP decoding as fast as the model answers uses
+of it per call, is *demoted*, all its threads: nice 19 and the SCHED_IDLE
+policy, so it runs only on CPU time no other thread wants, and any other
+thread's wake-up (the kernel's, a waiting LIP's) preempts it at once.  (Nice 19
+alone was not enough: a nice-19 thread keeps its slice once running, and 12 of
+them on 2 cores slowed a decoding neighbour 3.5-4.5x; under SCHED_IDLE 1.2-1.7x.)  (A LIP decoding as fast as the model answers uses
 a fraction of a millisecond a call; one spread over many processes still
-shows its CPU per call.)  A root kernel gives a demoted LIP its nice back once
+shows its CPU per call.)  A root kernel gives a demoted LIP its policy and nice back once
 it has been quiet (under a tenth of ``busy``) for `QUIET_S`; a kernel that is not
-root cannot (lowering a nice value needs the privilege), so its LIPs stay
+root cannot (raising a priority needs the privilege), so its LIPs stay
 demoted once busy.  What no nice value does: share the CPU between users
 (cgroup v2 ``cpu.weight`` per user would, under a root kernel; not done), or
 keep the users' own processes, outside the kernel, from competing with it.
@@ -75,7 +77,7 @@ class CpuGovernor:
                 if _renice(pid, DEMOTED_NICE):
                     s.demoted, s.quiet_since = True, None
                     self.demotions += 1
-                    log.info("LIP %d demoted to nice %d: it used %.0f%% of a core", lip, DEMOTED_NICE, 100 * rate)
+                    log.info("LIP %d demoted to SCHED_IDLE: it used %.0f%% of a core", lip, 100 * rate)
             elif s.demoted and self.can_restore:
                 if rate > self.busy / 10:
                     s.quiet_since = None
@@ -102,15 +104,22 @@ def _cpu_s(pid: int, uid: int) -> Optional[float]:
 
 
 def _renice(pid: int, nice: int) -> bool:
-    """Set the nice value of every thread of ``pid`` (Linux nice values are per thread)."""
+    """Set the nice value of every thread of ``pid`` (Linux nice values are per
+    thread); to `DEMOTED_NICE`, also the SCHED_IDLE policy, to any other value
+    back to SCHED_OTHER (which only a root kernel may)."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return False
+    policy = os.SCHED_IDLE if nice == DEMOTED_NICE else os.SCHED_OTHER
     done = False
     for tid in tids:
         try:
+            if policy == os.SCHED_OTHER:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, tid, nice)
+            if policy == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
             done = True
         except OSError:                         # the thread ended, or lowering needs root
             pass

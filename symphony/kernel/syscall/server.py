@@ -323,7 +323,7 @@ class SyscallServer:
                 return None
             # every queued call waits for device pages: idle until something changes
         if lane_s and not busy:            # slow calls alone: at most half of this thread, so that
-            return lane_s, self._has_calls  # LIPs get the CPU it leaves (busy ones reniced to 19)
+            return lane_s, self._has_calls  # LIPs get the CPU it leaves (busy ones demoted to SCHED_IDLE)
         if busy:
             return None
         wait = 0.05                        # short: muted LIP bells are polled
