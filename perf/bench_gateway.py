@@ -116,7 +116,8 @@ class Symphony:
     """A kernel with --http on a temporary socket; with ``nocache`` a second gateway in front of
     it with --prefix-cache off (``port_nocache``)."""
 
-    def __init__(self, tmp: Path, kv_memory_mb: int = 512, weights: str | None = None, nocache: bool = True):
+    def __init__(self, tmp: Path, kv_memory_mb: int = 512, weights: str | None = None, nocache: bool = True,
+                 extra: tuple = ()):
         tmp.mkdir(parents=True, exist_ok=True)
         self.sock = str(tmp / "k.sock")
         self.port, self.port_nocache = free_port(), (free_port() if nocache else None)
@@ -127,7 +128,7 @@ class Symphony:
         self.nocache = None
         self.argv = [sys.executable, "-m", "symphony.kernel", "--socket", self.sock, "--http",
                      f"127.0.0.1:{self.port}", "--kv-memory-mb", str(kv_memory_mb)] + \
-            (["--weights", weights] if weights else [])
+            (["--weights", weights] if weights else []) + [str(x) for x in extra]
         t0 = time.time()
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self._wait("symphony-gateway: serving", 300)

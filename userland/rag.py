@@ -1,20 +1,25 @@
 """Retrieval-augmented answers with each document's KV kept as a file.
 
     symphony run --grant read:DOCS userland/rag.py [--docs DOCS] "question"
-        [--k 2] [--keep-after 3] [--ttl 600] [--max-tokens 32] [--no-cache]
+        [--k 2] [--doc NAME ...] [--max-tokens 32] [--no-cache] [--cache NAME]
+        [--policy ttl [--keep-after 3] [--ttl 600] | --policy lfu --pin-tokens N]
 
 Retrieval is BM25 over the text files of DOCS (read through the read_file /
-list_dir capabilities).  The prompt is built from KV modules, Prompt Cache
+list_dir capabilities); `--doc NAME` (repeated) skips it and uses the named
+files of DOCS, in that order (a caller that retrieved them already).  The prompt is built from KV modules, Prompt Cache
 style, each computed once and kept in KVFS, in the private cache of the user
-running the program (/home/<user>/rag, which only that user can write, so no
-other user can plant a module there):
+running the program (/home/<user>/rag, or /home/<user>/NAME with --cache
+NAME: separate caches with separate policies; only that user can write there,
+so no other user can plant a module there):
 
     ~/rag/instr-<hash>.kv         the chat template's head and the system message,
                                   at positions 0..P-1
     ~/rag/<doc-hash>.kv           "Document: <text>" computed right after the
                                   instruction (it attended to it) and extracted:
                                   its own tokens at positions P..P+L-1
-    ~/rag/hits/<doc-hash>.<n>     an empty file whose name is the hit count
+    ~/rag/hits/<doc-hash>.<t>.<n> an empty file whose name is the hit count n
+                                  (t: the module's tokens)
+    ~/rag/pinned/<doc-hash>.<t>   with --policy lfu: the document is pinned
 
 A question merges [instruction, doc1, doc2, ...] (`kv.merge` keeps every
 module at its own positions: the documents all start at P and do not see each
@@ -28,11 +33,23 @@ kernel may delete it while no LIP has it open, least recently used first; the
 next question that needs it finds it gone (NotFound) and computes it again,
 as a cache miss ("kv_created" counts it).
 Policy: each use of a document counts a hit (the counter file is renamed
-n -> n+1, an atomic step even with concurrent LIPs).  A document with at least
---keep-after hits keeps its module with no expiry (policy "keep": still a
-cache file, dropped only under memory pressure); the others get
-advise("expire", --ttl) again on every use (a sliding lifetime).  A new advice
-replaces a pending expiry, so promoting a document is one advise("cache").
+n -> n+1, an atomic step even with concurrent LIPs).  Two policies:
+  ttl (default)  a document with at least --keep-after hits keeps its module
+                 with no expiry (policy "keep": still a cache file, dropped
+                 least recently used first under memory pressure); the others
+                 get advise("expire", --ttl) again on every use (a sliding
+                 lifetime).  A new advice replaces a pending expiry, so
+                 promoting a document is one advise("cache").
+  lfu            the most-hit documents whose modules fit in --pin-tokens
+                 tokens are *pinned* (advise("keep"): never evicted nor
+                 swapped, whatever else needs the memory); every other module is
+                 a cache file, dropped least recently used first.  Each
+                 question reconciles the pinned set (the markers in
+                 ~/rag/pinned) with the hit counts: a document that drops out
+                 of the most-hit is unpinned (a cache file again), one that
+                 enters is pinned, so under concurrent questions the set is
+                 right again at the next question.  The pinned modules hold KV
+                 memory for good: size --pin-tokens well below the user's quota.
 
 --no-cache computes the same modules as anonymous files every time: the same
 tokens at the same positions, so the same answer, with nothing reused.
@@ -72,39 +89,56 @@ def bm25(query, docs, k1=1.5, b=0.75):
 
 
 def parse(args):
-    opts = {"docs": None, "k": "2", "keep-after": "3", "ttl": "600", "max-tokens": "32"}
-    flags, rest, it = set(), [], iter(args)
+    opts = {"docs": None, "k": "2", "keep-after": "3", "ttl": "600", "max-tokens": "32",
+            "policy": "ttl", "pin-tokens": None, "cache": "rag"}
+    flags, rest, it, named = set(), [], iter(args), []
     for a in it:
         if a == "--no-cache":
             flags.add("no-cache")
+        elif a == "--doc":
+            named.append(next(it, None))
         elif a.startswith("--") and a[2:] in opts:
             opts[a[2:]] = next(it, None)
+            if opts[a[2:]] is None:
+                raise SystemExit(f"rag: {a} takes a value")
         elif a.startswith("--"):
             raise SystemExit(f"rag: unknown option {a}")
         else:
             rest.append(a)
-    if len(rest) != 1:
-        raise SystemExit('usage: rag.py [--docs DIR] [--k N] [--no-cache] ... "question"')
-    return opts, flags, rest[0]
+    if len(rest) != 1 or None in named:
+        raise SystemExit('usage: rag.py [--docs DIR] [--k N] [--doc NAME ...] [--no-cache] ... "question"')
+    if any(not n or "/" in n for n in named):
+        raise SystemExit(f"rag: --doc takes a file name in the documents' directory, got {named}")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", opts["cache"]):
+        raise SystemExit(f"rag: --cache takes a name of letters, digits, _ and -, got {opts['cache']!r}")
+    if opts["policy"] not in ("ttl", "lfu"):
+        raise SystemExit(f"rag: --policy is ttl or lfu, got {opts['policy']!r}")
+    if (opts["policy"] == "lfu") != (opts["pin-tokens"] is not None):
+        raise SystemExit("rag: --pin-tokens N goes with --policy lfu (and only with it)")
+    for key in ("k", "keep-after", "max-tokens") + (("pin-tokens",) if opts["pin-tokens"] is not None else ()):
+        if not (opts[key] or "").isdigit():
+            raise SystemExit(f"rag: --{key} takes a whole number >= 0, got {opts[key]!r}")
+    return opts, flags, rest[0], named
 
 
-def load_docs(d):
+def load_docs(d, named=()):
+    """(names, texts) of the documents: those ``named`` (in that order), else every file of ``d``."""
     if d is None:                                  # default: the one directory granted to us
         grants = info()["grants"].get("read", [])
         if len(grants) != 1:
             raise SystemExit("rag: pass --docs DIR (and --grant read:DIR)")
         d = grants[0]
-    names = [n for n in list_dir(d) if not n.endswith("/")]
+    names = list(named) or [n for n in list_dir(d) if not n.endswith("/")]
     return names, [read_file(f"{d}/{n}").strip() for n in names]
 
 
 class Modules:
     """Named (or, without the cache, anonymous) KV modules, and what they cost."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, name="rag"):
         self.cache, self.stats = cache, Counter()
         self.me = info()["user"]
-        self.root = f"/home/{self.me}/rag"
+        self.root = f"/home/{self.me}/{name}"
         self.hits = self.root + "/hits"
         if cache:
             for d in (self.root, self.hits):
@@ -145,6 +179,7 @@ class Modules:
 
 
 def hit_counts(hits):
+    """{"<doc-hash>.<tokens>": hits} from the counter files."""
     counts = {}
     for e in kv.list(hits):
         h, _, n = e["name"].rpartition(".")
@@ -178,20 +213,66 @@ def apply_policy(f, hits, keep_after, ttl):
     return "keep"
 
 
+def most_hit(counts, budget):
+    """The documents to pin: the most-hit first (ties by name), each while the
+    pinned modules' tokens stay within ``budget``."""
+    chosen, used = set(), 0
+    for key, _ in sorted(counts.items(), key=lambda kn: (-kn[1], kn[0])):
+        t = int(key.rpartition(".")[2])
+        if used + t <= budget:
+            chosen.add(key)
+            used += t
+    return chosen
+
+
+def reconcile_pins(mods, counts, budget):
+    """Pin the most-hit documents' modules, unpin the rest (see the docstring)."""
+    pins = mods.root + "/pinned"
+    try:
+        now = {e["name"] for e in kv.list(pins)}
+    except NotFound:
+        kv.mkdir(pins)
+        now = set()
+    want = most_hit(counts, budget)
+    for key in now ^ want:
+        pin = key in want
+        try:
+            with kv.open(f"{mods.root}/{key.rpartition('.')[0]}.kv") as f:
+                if f.stat()["owner"] != mods.me:
+                    continue
+                f.advise("keep" if pin else "cache")
+        except NotFound:                           # dropped before its pin: pinned when next computed
+            if pin:
+                continue
+        except PermissionDenied:
+            continue
+        try:
+            if pin:
+                kv.create(f"{pins}/{key}").close()
+            else:
+                kv.remove(f"{pins}/{key}")
+        except (AlreadyExists, NotFound):          # another question reconciled it meanwhile
+            pass
+    return want
+
+
 def main(*args):
-    opts, flags, question = parse(args)
+    opts, flags, question, named = parse(args)
     cache = "no-cache" not in flags
     tok = tokenizer()
-    names, texts = load_docs(opts["docs"])
-    scores = bm25(question, texts)
-    top = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: -scores[i])[:int(opts["k"])]
+    names, texts = load_docs(opts["docs"], named)
+    if named:                                      # retrieved by the caller
+        top = list(range(len(names)))
+    else:
+        scores = bm25(question, texts)
+        top = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: -scores[i])[:int(opts["k"])]
 
     # the prompt, cut into modules: head | Document: ... | Document: ... | Question: ... tail
     full = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\0"}])
     head, tail = full.split("\0")
     head_ids = tok.encode(head)
     ih = hashlib.sha256(head.encode()).hexdigest()[:16]
-    mods = Modules(cache)
+    mods = Modules(cache, opts["cache"])
 
     def compute_instruction():
         f = kv.create()
@@ -199,7 +280,7 @@ def main(*args):
         return f, len(head_ids)
     instr, _ = mods.get(f"{mods.root}/instr-{ih}.kv", compute_instruction)
 
-    docs = []                                      # (hash, path, KVFile)
+    docs = []                                      # (hash, path, KVFile, tokens)
     for i in top:
         ids = tok.encode(f"Document: {texts[i]}\n\n")
 
@@ -209,11 +290,11 @@ def main(*args):
                 return g.extract([[len(head_ids), len(head_ids) + len(ids)]]), len(ids)
         dh = hashlib.sha256((ih + texts[i]).encode()).hexdigest()[:20]
         path = f"{mods.root}/{dh}.kv"
-        docs.append((dh, path, mods.get(path, compute_doc)[0]))
+        docs.append((dh, path, mods.get(path, compute_doc)[0], len(ids)))
 
     q = tok.encode(f"Question: {question}" + tail)
-    with kv.merge([instr] + [f for _, _, f in docs]) as m:
-        start = max([f.stat()["next_position"] for _, _, f in docs] + [len(head_ids)])
+    with kv.merge([instr] + [f for _, _, f, _ in docs]) as m:
+        start = max([f.stat()["next_position"] for _, _, f, _ in docs] + [len(head_ids)])
         mods.stats["prefill_computed"] += len(q)
         t = pred(m, q, positions=list(range(start, start + len(q))), output="argmax")
         out = []
@@ -227,18 +308,25 @@ def main(*args):
     policy = {}
     if cache:
         counts = hit_counts(mods.hits)
-        for dh, path, f in docs:
+        lfu = opts["policy"] == "lfu"
+        for dh, path, f, n in docs:
             if f.stat()["path"] != path:           # recomputed beside a foreign file: no policy
                 continue
             try:
-                policy[dh] = apply_policy(f, count_hit(mods.hits, dh, counts),
-                                          int(opts["keep-after"]), float(opts["ttl"]))
+                hits = count_hit(mods.hits, f"{dh}.{n}", counts)
+                policy[dh] = "counted" if lfu else apply_policy(f, hits, int(opts["keep-after"]),
+                                                                float(opts["ttl"]))
             except (PermissionDenied, NotFound):   # someone else's cache: use it, leave its policy
                 pass
-    for _, _, f in docs:
+        if lfu:
+            pinned = reconcile_pins(mods, counts, int(opts["pin-tokens"]))
+            for dh, _, _, n in docs:
+                if dh in policy:
+                    policy[dh] = "pin" if f"{dh}.{n}" in pinned else "cache"
+    for _, _, f, _ in docs:
         f.close()
     instr.close()
-    send({"docs": [names[i] for i in top], "files": [p for _, p, _ in docs] if cache else [],
+    send({"docs": [names[i] for i in top], "files": [p for _, p, _, _ in docs] if cache else [],
           "policy": policy,
           "prefill_computed": mods.stats["prefill_computed"],
           "prefill_reused": mods.stats["prefill_reused"],

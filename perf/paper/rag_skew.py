@@ -1,45 +1,55 @@
-"""RAG under skewed document popularity: recomputation, LRU prefix caching, the rag LIP's
-application policy and llama.cpp's prompt cache, swept from uniform to extreme skew.
+"""RAG at steady state under skewed document popularity: recomputation, our block prefix cache,
+vLLM's automatic prefix caching, llama-server, and the rag LIP's own policy, on the same queries.
 
-    python perf/paper/rag_skew.py [--docs 200] [--sentences 24] [--queries 32] [--concurrency 8]
-                                  [--alphas inf,1.43,1.13,0.7,0.3] [--rounds 2] [--kv-memory-mb 384]
-                                  [--contenders recompute,lru,app,llamacpp] [--max-tokens 8] [--plot PNG]
+    python perf/paper/rag_skew.py [--docs 200] [--sentences 24] [--k 3] [--queries 500] [--warmup 100]
+        [--concurrency 8] [--skews 0,1.13] [--rounds 1] [--kv-tokens 23301] [--pin-tokens N]
+        [--contenders recompute,lru,vllm,llama-server,app,app-retrieve,app-ttl,app-nocache]
+        [--max-tokens 16] [--data JSON] [--plot PNG]
 
-Workload: --docs synthetic documents (perf/bench_rag's generator, ~--sentences sentences,
-about 300 tokens each), written to a directory.  A query asks about one document, drawn by
-popularity: the document of rank i (1-based) is asked about with probability proportional
-to i^(-1/alpha), the rank-frequency law of a Pareto popularity with index alpha.  alpha =
-inf is uniform; the seeds' indexes 1.13 and 1.43 are moderate skews (1.16 is the 80/20
-rule); small alpha concentrates nearly every query on a few documents (alpha -> 0: one).
-Each point is --queries queries, --concurrency at a time; the same draw for every contender.
-The KV pool (--kv-memory-mb) holds only a fraction of the documents' KV: SmolLM2-135M keeps
-30 layers x 3 KV heads x 64 x 2 (K and V) x 4 bytes = 45 KiB per token in float32, so 384 MiB
-hold ~8,700 tokens: the queries in flight (8 x ~400) and ~18 of 200 documents (~9 %).
+Workload.  --docs synthetic documents (perf/bench_rag's generator: --sentences sentences, 24 give
+~330 tokens), each stating facts "Name sells 412 glass bells in the old city every spring.".  A
+query asks about the second sentence's number ("How many glass bells does Name sell in the old
+city every spring?"; correct when the answer contains 412) with --k documents in the prompt: the
+one asked about first, then k-1 others, all drawn by popularity (ordered by popularity rank, as a
+retriever's ranking would be: a fixed order for a fixed set).  Popularity: the document of rank
+i (1-based) is drawn with probability ~ i^(-s), the Zipf exponent s of --skews (0 uniform; the
+larger, the more skewed; a Pareto index a is s = 1/a; ``one``: every query on one document).  Which
+document holds which rank is fixed for the run (the same hot documents at every skew).  A point
+(one skew) is --warmup queries to reach the steady state (not counted), then --queries measured,
+--concurrency at a time; the same draw for every contender; contenders run one after the other,
+their order rotating from round to round.
 
-Contenders (one kernel with its HTTP gateway, a second gateway in front of it with its prefix
-cache off, and llama.cpp's server; all up for the whole run, alternating within each round):
-  recompute  the gateway, prefix cache off: every query computes its whole prompt;
-  lru        the gateway's prefix-caching serving program (automatic, per user: every full
-             16-token block of earlier prompts, found by their hash chain, least recently used
-             dropped first: vLLM's policy), same prompts;
-  app        the stock rag LIP (``userland/rag.py --k 1``) through the kernel's socket: its own
-             policy (the instruction's and each document's KV kept as cache files, popular
-             ones kept, the rest expiring; a question merges instruction + document and
-             prefills only the question).  It retrieves the document itself (BM25 over the
-             granted directory, counted in its time); the prompt contenders are handed the
-             right document by the client (retrieval free for them);
-  llamacpp   llama.cpp's OpenAI server (llama-cpp-python[server], perf-only) on the same
-             GGUF with its prompt cache on (one sequence at a time: it queues).
-The prompt contenders send [system: rag.py's instruction, user: "Document: ...\\n\\nQuestion: ..."],
-the same text the rag LIP assembles, greedy, --max-tokens.  Reported per alpha and contender:
-queries/s (median over rounds, per-round spread), time to first token p50 (streamed for the
-HTTP contenders; the rag LIP sends its answer whole, so its figure is the time to the
-answer), and the ratio to recompute.  For `lru`, also its hit rate (cached_tokens of the
-streamed usage / prompt tokens) beside what vLLM's automatic prefix caching would reuse on the
-same queries in the same order with a pool of as many tokens (perf/apc_sim.py, simulated
-exactly at 16- and 128-token blocks).  The block cache's claim, never below 0.97x of recompute
-at uniform popularity, wants --alphas inf --queries 200 or more.  The plot shows queries/s vs
-alpha.
+The KV pool is the same number of tokens for every contender (--kv-tokens, float32 KV, 45 KiB a
+token: 23,301 tokens = vLLM's smallest, 1 GiB): our kernel gets as many MiB with no host tier
+(--host-pages 0) and the whole pool for one user (--user-quota 100%); vLLM gets
+VLLM_CPU_KVCACHE_SPACE in GiB (so --kv-tokens should be a multiple of 23,301).
+
+Contenders (only one server computes at a time: a paused peer is SIGSTOPped):
+  recompute     our gateway with its prefix cache off: every query computes its whole prompt;
+  lru           our gateway's block prefix cache (16-token blocks, least recently used dropped);
+  vllm          vLLM's OpenAI server, automatic prefix caching (128-token blocks on the CPU),
+                float32 weights dequantized from the same GGUF (perf/peers.py);
+  llama-server  llama.cpp's server, -np --concurrency slots, --cache-reuse 256 (perf/peers.py);
+  app           the stock rag LIP handed the same documents (--doc, no retrieval: the same work as
+                the prompt contenders) with the popularity policy: the most-hit documents' KV
+                modules pinned within --pin-tokens (default half the pool), the rest cache files
+                dropped least recently used first.  Each document is a module computed once
+                after the instruction and merged at its own positions (parallel encoding): with
+                k > 1 the documents do not attend to each other, an approximation that the
+                answers' correctness and agreement with recompute measure;
+  app-retrieve  the same, retrieving --k documents itself by BM25 over the --docs files (its own
+                documents: the answers, not the prompts, are comparable);
+  app-ttl       the rag LIP's default policy (hit counts, sliding expiry; LRU under pressure);
+  app-nocache   ``rag.py --no-cache``: the same modules computed every time (the LIP's recompute).
+The prompt contenders send [system: rag.py's instruction, user: "Document: ...\\n\\n" x k +
+"Question: ..."], the text the rag LIP assembles, greedy, --max-tokens.
+
+Reported per skew and contender: queries/s, latency p50/p99 (to the whole answer: the LIP sends
+its answer whole), prompt tokens computed per query (usage's cached_tokens for the servers, the
+LIP's own counts), the hit rate (reused / prompt tokens), answers correct, and answers equal to
+recompute's; medians over rounds with the per-round range.  --data writes every query (documents,
+times, tokens, answer) with the commit, the machine, the command and the load before and after
+each block (perf/paper/data/).
 """
 from __future__ import annotations
 
@@ -49,7 +59,9 @@ import json
 import math
 import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,12 +75,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "perf"))
 
-from bench_gateway import LlamaCpp, Symphony, pct  # noqa: E402
-from common import cpu_name, pyplot, save, spread  # noqa: E402
+import peers  # noqa: E402
+from bench_gateway import Symphony, pct  # noqa: E402
 from bench_rag import make_docs  # noqa: E402
+from common import cpu_name, pyplot, save, spread  # noqa: E402
 from symphony.client import Client  # noqa: E402
 
-CONTENDERS = ("recompute", "lru", "app", "llamacpp")
+CONTENDERS = ("recompute", "lru", "vllm", "llama-server", "app", "app-retrieve", "app-ttl", "app-nocache")
+KV_TOKEN_BYTES = 30 * 3 * 64 * 2 * 4          # SmolLM2-135M, float32 K and V
+FACT = re.compile(r"^(\w+) (\w+) (\d+) (.+?) in (.+?) every (\w+)\.$")
 
 
 def rag_instruction() -> str:
@@ -79,132 +94,194 @@ def rag_instruction() -> str:
     return mod.SYSTEM
 
 
-def draw(n_docs: int, n: int, alpha: float, seed: int) -> list[int]:
-    """Document indexes of ``n`` queries: rank i+1 with probability ~ (i+1)^(-1/alpha);
-    which document holds which rank is shuffled by ``seed`` too."""
-    rnd = random.Random(seed)
+def ranks(n_docs: int, seed: int = 0) -> list[int]:
+    """Which document holds rank 1, 2, ...: fixed for a run."""
     order = list(range(n_docs))
-    rnd.shuffle(order)
-    s = 0.0 if math.isinf(alpha) else 1.0 / alpha
-    weights = [(i + 1) ** -s for i in range(n_docs)]
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def draw_zipf(n_docs: int, n: int, s, seed: int, order: list[int] | None = None) -> list[int]:
+    """Document indexes of ``n`` draws: rank i+1 with probability ~ (i+1)^(-s) (``s`` = "one":
+    always rank 1); ``order`` maps ranks to documents (default: shuffled by ``seed``)."""
+    rnd = random.Random(seed)
+    if order is None:
+        order = list(range(n_docs))
+        rnd.shuffle(order)
+    if s == "one":
+        return [order[0]] * n
+    weights = [(i + 1) ** -float(s) for i in range(n_docs)]
     return [order[i] for i in rnd.choices(range(n_docs), weights, k=n)]
 
 
-def question(subject: str) -> str:
-    return f"Which lanterns does {subject} sell in the harbour town?"
+def draw(n_docs: int, n: int, alpha: float, seed: int) -> list[int]:
+    """The Pareto form (rank i ~ i^(-1/alpha), alpha = inf uniform) of `draw_zipf`, which
+    perf/sim_routing.py uses."""
+    return draw_zipf(n_docs, n, 0.0 if math.isinf(alpha) else 1.0 / alpha, seed)
 
 
-def messages(system: str, doc: str, subject: str) -> list[dict]:
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": f"Document: {doc}\n\nQuestion: {question(subject)}"}]
+def queries(n_docs: int, n: int, s, k: int, seed: int, order: list[int]) -> list[list[int]]:
+    """``n`` queries of ``k`` distinct documents each: the one asked about, then the others by rank."""
+    rnd, rank = random.Random(seed + 1), {d: r for r, d in enumerate(order)}
+    first = draw_zipf(n_docs, n, s, seed, order)
+    out = []
+    for d in first:
+        rest: set[int] = set()
+        while len(rest) < k - 1:
+            c = draw_zipf(n_docs, 1, s if s != "one" else 0.0, rnd.randrange(1 << 30), order)[0]
+            if c != d:
+                rest.add(c)
+        out.append([d] + sorted(rest, key=rank.get))
+    return out
 
 
-def http_query(url: str, model: str, system: str, doc: str, subject: str, max_tokens: int,
-               usage: bool = False) -> tuple:
-    """(time to first content chunk, total, cached prompt tokens, prompt tokens) of one streamed
-    chat request; the token counts from the usage chunk when ``usage`` (else 0, 0)."""
+def fact(text: str) -> tuple[str, str]:
+    """(question, answer) about a document's second sentence."""
+    sentence = re.findall(r"[^.]+\.", text)[1].strip()
+    name, verb, num, noun, place, when = FACT.match(sentence).groups()
+    base = verb[:-3] + "y" if verb.endswith("ies") else verb[:-1]
+    return f"How many {noun} does {name} {base} in {place} every {when}?", num
+
+
+def user_text(texts: list[str], question: str) -> str:
+    return "".join(f"Document: {t}\n\n" for t in texts) + f"Question: {question}"
+
+
+def http_query(url: str, model: str, system: str, texts: list[str], question: str, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "messages": messages(system, doc, subject)}
-    if usage:
-        body["stream_options"] = {"include_usage": True}
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user_text(texts, question)}]}
     t0 = time.perf_counter()
-    ttft, cached, prompt = None, 0, 0
+    ttft, answer, prompt, cached = None, [], 0, None
     with httpx.Client(timeout=900) as c, c.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                d = json.loads(line[6:])
-                if ttft is None and any((ch.get("delta") or {}).get("content") for ch in d.get("choices", [])):
-                    ttft = time.perf_counter() - t0
-                if d.get("usage"):
-                    prompt = d["usage"]["prompt_tokens"]
-                    cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            for ch in d.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    answer.append(piece)
+            if d.get("usage"):
+                prompt = d["usage"].get("prompt_tokens") or prompt
+                cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            if d.get("timings") and cached is None:                   # llama-server's own counters
+                cached = d["timings"].get("cache_n")
     total = time.perf_counter() - t0
-    return (ttft if ttft is not None else total), total, cached, prompt
+    cached = cached or 0
+    return {"ttft": ttft if ttft is not None else total, "latency": total, "prompt": prompt, "reused": cached,
+            "computed": prompt - cached, "answer": "".join(answer)}
 
 
-def rag_query(sock: str, source: str, ddir: Path, subject: str, max_tokens: int) -> tuple[float, float]:
+def lip_query(sock: str, source: str, ddir: Path, names: list[str], question: str, args: list[str]) -> dict:
+    argv = ["--docs", str(ddir)] + [x for n in names for x in ("--doc", n)] + args + [question]
+    t0 = time.perf_counter()
     with Client(sock, timeout=900) as c:
-        t0 = time.perf_counter()
-        c.spawn(source, ["--docs", str(ddir), "--k", "1", "--max-tokens", str(max_tokens), question(subject)],
-                filename="rag.py", grants={"http": [], "read": [str(ddir)]})
-        first = None
+        c.spawn(source, argv, filename="rag.py", grants={"http": [], "read": [str(ddir)]})
+        text, st, err = [], None, []
         for ev in c.events(timeout=900):
-            if ev.get("event") == "out" and first is None:
-                first = time.perf_counter() - t0
-            if ev.get("event") == "exit":
+            if ev.get("event") == "stderr":
+                err.append(str(ev.get("data")))
+            elif ev.get("event") == "out":
+                if isinstance(ev["data"], str):
+                    text.append(ev["data"])
+                else:
+                    st = ev["data"]
+            elif ev.get("event") == "exit":
                 if ev.get("status") != 0:
-                    raise RuntimeError(f"rag.py failed: {ev}")
+                    raise RuntimeError(f"rag.py {' '.join(argv)} failed: {ev}: {''.join(err)[-2000:]}")
                 break
-        total = time.perf_counter() - t0
-    return (first if first is not None else total), total, 0, 0
+    total = time.perf_counter() - t0
+    st = st or {}
+    computed, reused = st.get("prefill_computed", 0), st.get("prefill_reused", 0)
+    return {"ttft": total, "latency": total, "prompt": computed + reused, "reused": reused, "computed": computed,
+            "answer": "".join(text).strip(), "docs": st.get("docs")}
 
 
-def run_point(fn, picks: list[int], concurrency: int) -> dict:
-    ttfts, lock = [], threading.Lock()
-    tokens = [0, 0]                                   # cached, prompt
+def clear_cache(sock: str, name: str) -> None:
+    """Remove the rag LIP's cache ``name`` of this user (its modules, counters and pins)."""
+    from symphony.client import KernelError
+    with Client(sock, timeout=120) as c:
+        home = [e["name"] for e in c.kv_ls("/home")]
+        for user in home:
+            root = f"/home/{user.rstrip('/')}/{name}"
+            try:
+                entries = c.kv_ls(root)
+            except KernelError:
+                continue
+            for e in entries:
+                path = f"{root}/{e['name'].rstrip('/')}"
+                if e.get("type") == "dir":
+                    for f in c.kv_ls(path):
+                        c.kv_rm(f"{path}/{f['name']}")
+                else:
+                    c.kv_rm(path)
+
+
+def run_block(fn, qs: list[list[int]], concurrency: int) -> tuple[list[dict], float]:
+    out: list = [None] * len(qs)
 
     def job(i):
-        ttft, _, cached, prompt = fn(i)
-        with lock:
-            ttfts.append(ttft)
-            tokens[0] += cached
-            tokens[1] += prompt
+        out[i] = fn(qs[i])
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(job, picks))
-    wall = time.perf_counter() - t0
-    return {"qps": len(picks) / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
-            "hit": tokens[0] / tokens[1] if tokens[1] else None}
+        list(pool.map(job, range(len(qs))))
+    return out, time.perf_counter() - t0
 
 
-class BlockSims:
-    """vLLM's APC (perf/apc_sim.py) at 16- and 128-token blocks over a pool of as many tokens
-    as the kernel's, fed the block cache's queries as they are served (the state carries over
-    from point to point, as the gateway's cache does)."""
-
-    def __init__(self, sym, system: str, subjects: list, a):
-        from apc_sim import APC
-        from bench_overload import load_tokenizer
-        from symphony.engine.loader import default_model_path
-        from symphony.lip.tools import render
-        self.tok, self.render, self.system, self.subjects, self.a = (load_tokenizer(default_model_path()), render,
-                                                                    system, subjects, a)
-        self.pages = sym.stats()["kv_pages_total"]
-        self.apcs = {b: APC(self.pages * 16 // b, b, a.concurrency) for b in (16, 128)}
-
-    def run(self, picks: list[int]) -> dict:
-        prompts = [self.tok.encode_chat(self.render(messages(self.system, self.subjects[i][1], self.subjects[i][0])))
-                   for i in picks]
-        return {b: apc.run(prompts, [self.a.max_tokens] * len(prompts))["hit_rate"] for b, apc in self.apcs.items()}
+def summary(recs: list[dict], wall: float, truth: list[str], base: list[dict] | None) -> dict:
+    lat = [r["latency"] for r in recs]
+    prompt = sum(r["prompt"] for r in recs)
+    return {"qps": len(recs) / wall, "latency_p50": pct(lat, 50), "latency_p99": pct(lat, 99),
+            "ttft_p50": pct([r["ttft"] for r in recs], 50),
+            "computed_per_query": sum(r["computed"] for r in recs) / len(recs),
+            "hit": sum(r["reused"] for r in recs) / prompt if prompt else None,
+            "correct": sum(t in r["answer"] for r, t in zip(recs, truth)) / len(recs),
+            "same_as_recompute": (sum(r["answer"] == b["answer"] for r, b in zip(recs, base)) / len(recs)
+                                  if base else None)}
 
 
-def label(alpha: float) -> str:
-    return "inf (uniform)" if math.isinf(alpha) else f"{alpha:g}"
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=200)
     ap.add_argument("--sentences", type=int, default=24)
-    ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=500)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--alphas", default="inf,1.43,1.13,0.7,0.3")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--kv-memory-mb", type=int, default=384)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
-    ap.add_argument("--plot", default=str(Path(__file__).with_name("rag_skew.png")))
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--skews", default="0,1.13")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--kv-tokens", type=int, default=23301)
+    ap.add_argument("--pin-tokens", type=int, default=None)
+    ap.add_argument("--contenders", default="recompute,lru,vllm,app")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the peers' threads")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--data", default=None, help="raw data JSON (default: perf/paper/data/rag_skew-DATE.json)")
     a = ap.parse_args()
-    alphas = [float(x) for x in a.alphas.split(",")]
     contenders = [c for c in a.contenders.split(",") if c]
-    if set(contenders) - set(CONTENDERS) or not contenders or any(x <= 0 for x in alphas):
-        ap.error(f"--contenders from {CONTENDERS}; --alphas > 0 (inf for uniform)")
-    if a.docs < 2 or a.queries < 1 or a.concurrency < 1 or a.rounds < 1:
-        ap.error("--docs >= 2, --queries, --concurrency, --rounds >= 1")
+    try:
+        skews = [x if x == "one" else float(x) for x in a.skews.split(",")]
+    except ValueError:
+        ap.error("--skews: numbers >= 0 or 'one'")
+    if set(contenders) - set(CONTENDERS) or not contenders or any(x != "one" and x < 0 for x in skews):
+        ap.error(f"--contenders from {CONTENDERS}; --skews >= 0 or 'one'")
+    if a.docs < a.k + 1 or a.k < 1 or a.queries < 1 or a.warmup < 0 or a.concurrency < 1 or a.rounds < 1 \
+            or a.kv_tokens < 1000:
+        ap.error("--docs > --k >= 1, --queries, --concurrency, --rounds >= 1, --warmup >= 0, --kv-tokens >= 1000")
+    pin = a.pin_tokens if a.pin_tokens is not None else a.kv_tokens // 2
+    data_path = Path(a.data or REPO / "perf" / "paper" / "data" / f"rag_skew-{time.strftime('%Y-%m-%d')}.json")
 
     tmp = Path(tempfile.mkdtemp(prefix="paper-rag-"))
     ddir, home = tmp / "docs", tmp / "kernel"
@@ -214,89 +291,139 @@ def main() -> int:
     docs = make_docs(a.docs, a.sentences)
     for fname, (_, text) in docs.items():
         (ddir / fname).write_text(text)
-    subjects = list(docs.values())
-    system = rag_instruction()
-    sym = Symphony(home, kv_memory_mb=a.kv_memory_mb)
-    llama = None
-    if "llamacpp" in contenders:
-        from symphony.engine.loader import default_model_path
-        llama = LlamaCpp(tmp, str(default_model_path()), a.threads)
-    source = (REPO / "userland" / "rag.py").read_text()
-    print(f"# RAG under skew: SmolLM2-135M-Instruct Q4_1, {cpu_name()}, {os.cpu_count()} vCPUs, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {a.docs} documents, {a.queries} queries "
-          f"{a.concurrency} at a time, KV pool {a.kv_memory_mb} MiB, max_tokens {a.max_tokens}", flush=True)
+    names, texts = list(docs), [t for _, t in docs.values()]
+    qa = [fact(t) for t in texts]
+    system, source, order = rag_instruction(), (REPO / "userland" / "rag.py").read_text(), ranks(a.docs)
+    mib = math.ceil(a.kv_tokens * KV_TOKEN_BYTES / 2 ** 20)
+    meta = {"commit": git_commit(), "cpu": cpu_name(), "cores": os.cpu_count(), "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kv_tokens": a.kv_tokens,
+            "pin_tokens": pin, "args": vars(a), "servers": {}}
+    print(f"# RAG at steady state: SmolLM2-135M-Instruct Q4_1, {meta['cpu']}, {meta['cores']} vCPUs, {meta['date']}, "
+          f"commit {meta['commit'][:12]}; {a.docs} documents x ~{a.sentences} sentences, k={a.k}, "
+          f"{a.warmup} + {a.queries} queries {a.concurrency} at a time, KV pool {a.kv_tokens} tokens, "
+          f"max_tokens {a.max_tokens}", flush=True)
 
-    def fn_for(c):
-        if c == "app":
-            return lambda i: rag_query(sym.sock, source, ddir, subjects[i][0], a.max_tokens)
-        url, model = {"recompute": (f"http://127.0.0.1:{sym.port_nocache}", sym.model),
-                      "lru": (f"http://127.0.0.1:{sym.port}", sym.model),
-                      "llamacpp": (f"http://127.0.0.1:{llama.port}" if llama else "", "llamacpp")}[c]
-        return lambda i: http_query(url, model, system, subjects[i][1], subjects[i][0], a.max_tokens,
-                                    usage=c == "lru")
-
-    res: dict = {label(x): {c: [] for c in contenders} for x in alphas}
-    sims = BlockSims(sym, system, subjects, a) if "lru" in contenders else None
+    sym = Symphony(home, kv_memory_mb=mib, extra=("--host-pages", "0", "--user-quota", "100%"))
+    meta["servers"]["symphony"] = {"argv": sym.argv, "startup_s": round(sym.startup_s, 1)}
+    stack, peer_of = [], {}
     try:
-        for c in contenders:                              # warm-up: each path once
-            run_point(fn_for(c), [0, 1], 2)
-            if c == "lru":
-                sims.run([0, 1])
-        for r in range(a.rounds):
-            for alpha in alphas:
-                picks = draw(a.docs, a.queries, alpha, seed=1000 * r + int(0 if math.isinf(alpha) else alpha * 100))
-                order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
-                for c in order:
-                    res[label(alpha)][c].append(run_point(fn_for(c), picks, a.concurrency))
-                    if c == "lru":                        # vLLM's APC on the same queries, in the same order
-                        res[label(alpha)][c][-1]["apc"] = sims.run(picks)
-                print(f"  round {r + 1}/{a.rounds} alpha {label(alpha)} ({len(set(picks))} distinct documents): "
-                      + ", ".join(f"{c} {res[label(alpha)][c][-1]['qps']:.2f} q/s" for c in contenders), flush=True)
-    finally:
-        sym.stop()
-        if llama is not None:
-            llama.stop()
+        for name in ("vllm", "llama-server"):
+            if name in contenders:
+                cm = peers.peer(name, slots=a.concurrency, threads=a.threads, log_dir=tmp,
+                                kv_cache_gib=max(1, round(a.kv_tokens * KV_TOKEN_BYTES / 2 ** 30)),
+                                ctx_per_slot=max(4096, (a.k + 1) * a.sentences * 16))
+                p = cm.__enter__()
+                stack.append(cm)
+                p.pause()
+                peer_of[name] = p
+                meta["servers"][name] = p.info()
+                print(f"# {p.describe()}", flush=True)
 
-    fmt = spread
-    print("\nqueries/s, median (per-round spread); ratio to recompute per round; TTFT p50 s")
-    print("| alpha | " + " | ".join(contenders) + " | " + " | ".join(f"{c}/recompute" for c in contenders
-                                                                 if c != "recompute" and "recompute" in contenders)
-          + " | " + " | ".join(f"TTFT {c}" for c in contenders) + " |")
-    print("|---" * (1 + 2 * len(contenders) + (len(contenders) - 1 if "recompute" in contenders else 0)) + "|")
-    for lab, row in res.items():
-        cells = [fmt([x["qps"] for x in row[c]]) for c in contenders]
-        ratios = ([fmt([x["qps"] / y["qps"] for x, y in zip(row[c], row["recompute"])])
-                   for c in contenders if c != "recompute"] if "recompute" in contenders else [])
-        ttft = [f"{statistics.median(x['ttft_p50'] for x in row[c]):.2f}" for c in contenders]
-        print(f"| {lab} | " + " | ".join(cells + ratios + ttft) + " |")
-    if sims is not None:
-        print(f"\nthe block cache (lru) vs vLLM's automatic prefix caching simulated on the same queries in the "
-              f"same order with a pool of as many blocks (perf/apc_sim.py; {sims.pages} pages of 16 tokens): "
-              "prompt tokens reused / prompt tokens, median (per-round spread)")
-        print("| alpha | block cache | APC, 16-token blocks | APC, 128-token blocks |\n|---|---|---|---|")
-        for lab, row in res.items():
-            got = [x for x in row["lru"] if x.get("hit") is not None]
-            if got:
-                print(f"| {lab} | {fmt([x['hit'] for x in got], 3)} | {fmt([x['apc'][16] for x in got], 3)} | "
-                      f"{fmt([x['apc'][128] for x in got], 3)} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res))
+        def fn_for(c):
+            if c.startswith("app"):
+                args = ["--cache", c] + {"app": ["--policy", "lfu", "--pin-tokens", str(pin)],
+                        "app-retrieve": ["--policy", "lfu", "--pin-tokens", str(pin), "--k", str(a.k)],
+                        "app-ttl": [], "app-nocache": ["--no-cache"]}[c] + ["--max-tokens", str(a.max_tokens)]
+                return lambda q: lip_query(sym.sock, source, ddir, [] if c == "app-retrieve" else
+                                           [names[i] for i in q], qa[q[0]][0], args)
+            url, model = {"recompute": (f"http://127.0.0.1:{sym.port_nocache}", sym.model),
+                          "lru": (sym.url, sym.model)}.get(c) or (peer_of[c].url, peer_of[c].model)
+            return lambda q: http_query(url, model, system, [texts[i] for i in q], qa[q[0]][0], a.max_tokens)
+
+        rows: list[dict] = []
+        for r in range(a.rounds):
+            for s in skews:
+                seed = 1000 * r + (7 if s == "one" else int(s * 100))
+                warm = queries(a.docs, a.warmup, s, a.k, seed + 500_000, order)
+                qs = queries(a.docs, a.queries, s, a.k, seed, order)
+                truth = [qa[q[0]][1] for q in qs]
+                shift = r % len(contenders)
+                base = None
+                for c in contenders[shift:] + contenders[:shift]:
+                    p = peer_of.get(c)
+                    if p is not None:
+                        p.resume()
+                    load0 = os.getloadavg()
+                    box = peers.BoxLoad()
+                    try:
+                        if warm:
+                            run_block(fn_for(c), warm, a.concurrency)
+                        recs, wall = run_block(fn_for(c), qs, a.concurrency)
+                    finally:
+                        if p is not None:
+                            p.pause()
+                        if c.startswith("app"):                 # its pinned modules leave the pool to the next
+                            clear_cache(sym.sock, c)
+                    row = {"skew": s, "round": r, "contender": c, "wall_s": wall, "box": box.stop(),
+                           "load_before": load0, "load_after": os.getloadavg(), "queries": qs, "records": recs,
+                           "truth": truth}
+                    rows.append(row)
+                    if c == "recompute":
+                        base = recs
+                    row["summary"] = summary(recs, wall, truth, None)
+                    sm = row["summary"]
+                    print(f"  round {r + 1}/{a.rounds} skew {s} {c}: {sm['qps']:.2f} q/s, p50 {sm['latency_p50']:.2f} s, "
+                          f"{sm['computed_per_query']:.0f} tokens computed/query, hit {sm['hit'] or 0:.3f}, "
+                          f"correct {sm['correct']:.2f} ({len(set(i for q in qs for i in q))} documents)", flush=True)
+                for row in rows:                                   # agreement with recompute, same queries
+                    if row["skew"] == s and row["round"] == r and base is not None:
+                        row["summary"]["same_as_recompute"] = summary(row["records"], row["wall_s"], truth,
+                                                                      base)["same_as_recompute"]
+    finally:
+        for cm in stack:
+            cm.__exit__(None, None, None)
+        sym.stop()
+
+    data_path.parent.mkdir(parents=True, exist_ok=True)
+    data_path.write_text(json.dumps({"meta": meta, "rows": rows}, separators=(",", ":")))
+    print(f"# raw data: {data_path}")
+    report(rows, skews, contenders)
+    if a.plot:
+        plot(rows, skews, contenders, a, meta)
+    return 0
+
+
+def report(rows: list[dict], skews: list, contenders: list[str]) -> None:
+    print("\nmedian over rounds (per-round range); latency to the whole answer; tokens computed per query; "
+          "hit = prompt tokens reused / prompt tokens; x recompute = queries/s ratio")
+    print("| skew | contender | queries/s | x recompute | latency p50 s | p99 s | computed/query | hit | correct "
+          "| same as recompute |\n|---|---|---|---|---|---|---|---|---|---|")
+    for s in skews:
+        for c in contenders:
+            mine = [x for x in rows if x["skew"] == s and x["contender"] == c]
+            base = {x["round"]: x for x in rows if x["skew"] == s and x["contender"] == "recompute"}
+            if not mine:
+                continue
+
+            def f(key, d=2, xs=mine):
+                vals = [x["summary"][key] for x in xs if x["summary"].get(key) is not None]
+                return spread(vals, d) if vals else "-"
+            ratio = (spread([x["summary"]["qps"] / base[x["round"]]["summary"]["qps"] for x in mine
+                             if x["round"] in base]) if base else "-")
+            print(f"| {s} | {c} | {f('qps')} | {ratio} | {f('latency_p50')} | {f('latency_p99')} | "
+                  f"{f('computed_per_query', 0)} | {f('hit', 3)} | {f('correct')} | {f('same_as_recompute')} |")
+
+
+def plot(rows, skews, contenders, a, meta) -> None:
     plt = pyplot()
     if plt is None:
-        return 0
+        return
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    xs = list(range(len(alphas)))
+    xs = list(range(len(skews)))
     for c in contenders:
-        ax.plot(xs, [statistics.median(x["qps"] for x in res[label(al)][c]) for al in alphas], marker="o", label=c)
-    ax.set_xticks(xs, [label(al) for al in alphas])
-    ax.set_xlabel("Pareto index alpha (popularity of rank i ~ i^(-1/alpha)); right = more skewed")
-    ax.set_ylabel("queries/s (median)")
-    ax.set_title(f"RAG under skew: {a.docs} documents, {a.kv_memory_mb} MiB KV pool, {a.concurrency} concurrent\n"
-                 f"SmolLM2-135M Q4_1, {cpu_name()[:40]}", fontsize=9)
+        vals = [[x["summary"]["qps"] for x in rows if x["skew"] == s and x["contender"] == c] for s in skews]
+        med = [statistics.median(v) if v else float("nan") for v in vals]
+        lo = [m - min(v) if v else 0 for m, v in zip(med, vals)]
+        hi = [max(v) - m if v else 0 for m, v in zip(med, vals)]
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=c)
+    ax.set_xticks(xs, [str(s) for s in skews])
+    ax.set_xlabel("Zipf exponent s (rank i drawn ~ i^-s); right = more skewed")
+    ax.set_ylabel("queries/s (median, per-round range)")
+    ax.set_title(f"RAG, k={a.k}: {a.docs} documents, KV pool {a.kv_tokens} tokens, {a.concurrency} concurrent\n"
+                 f"SmolLM2-135M, {meta['cpu'][:40]}, commit {meta['commit'][:10]}", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     save(fig, a.plot)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import os
 import pwd
 
 from conftest import REPO, KernelProc
+from symphony.client import KernelError
 
 DOCS = {
     "lighthouse.txt": "The Zorblat Lighthouse stands on Kessel Island. It was built in 1847 by the engineer "
@@ -106,6 +107,57 @@ def test_rag_reuses_document_kv_files_and_applies_policy(kernel, tmp_path):
         assert path.split("/")[-1] in names
         s = c.kv_stat(path)
         assert s["advice"] == "cache" and s["expire_at"] is not None
+    c.close()
+
+
+def test_rag_lfu_pins_the_most_hit_documents_within_a_budget(kernel, tmp_path):
+    """--policy lfu with the documents handed over (--doc): the most-hit module
+    that fits --pin-tokens is pinned ("keep"), and unpinned when another
+    document overtakes it; the rest are cache files."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    c = kernel.client()
+    (q1, d1, f1), (q2, d2, f2) = QUESTIONS[:2]
+    cache = f"/home/{_me()}/rag"
+    for sub in ("hits", "pinned"):                # the counts of this kernel's earlier questions
+        try:
+            for e in c.kv_ls(f"{cache}/{sub}"):
+                c.kv_rm(f"{cache}/{sub}/{e['name']}")
+        except KernelError:                       # not made yet
+            pass
+
+    def ask(q, d, budget):
+        out = run_lip(kernel, "rag.py", "--docs", str(docs), "--doc", d, "--policy", "lfu",
+                      "--pin-tokens", str(budget), "--max-tokens", "24", q, grant=docs)
+        answer, st = "".join(o for o in out if isinstance(o, str)), out[-1]
+        assert st["docs"] == [d] and len(st["files"]) == 1
+        return answer, st
+
+    a1, s1 = ask(q1, d1, 0)                       # a budget of 0: nothing pinned
+    a2, s2 = ask(q2, d2, 0)
+    assert f1 in a1 and f2 in a2
+    assert list(s1["policy"].values()) == ["cache"] and list(s2["policy"].values()) == ["cache"]
+    p1, p2 = s1["files"][0], s2["files"][0]
+    n1, n2 = c.kv_stat(p1)["length"], c.kv_stat(p2)["length"]
+    budget = n1 + n2 - 1                          # room for either module, not both
+    _, s = ask(q1, d1, budget)                    # d1: 2 hits, d2: 1
+    assert list(s["policy"].values()) == ["pin"] and s["kv_created"] == 0
+    assert c.kv_stat(p1)["advice"] == "keep" and c.kv_stat(p2)["advice"] == "cache"
+    ask(q2, d2, budget)                           # 2 and 2: the tie goes by name
+    _, s = ask(q2, d2, budget)                    # d2 overtakes d1: pinned, d1 unpinned
+    assert list(s["policy"].values()) == ["pin"]
+    assert c.kv_stat(p2)["advice"] == "keep" and c.kv_stat(p1)["advice"] == "cache"
+    pins = {e["name"] for e in c.kv_ls(p1.rsplit("/", 1)[0] + "/pinned")}
+    assert pins == {f"{p2.split('/')[-1][:-3]}.{n2}"}
+    # misuse: a clear error, nothing run
+    for bad in (["--policy", "lfu"], ["--pin-tokens", "5"], ["--policy", "lru"], ["--doc", "../x"],
+                ["--policy", "lfu", "--pin-tokens", "-1"]):
+        s3, _, events = lip_session(kernel, "rag.py", ["--docs", str(docs), *bad, q1], docs)
+        with s3:
+            evs = list(events)
+        assert evs[-1]["event"] == "exit" and evs[-1]["status"] != 0, (bad, evs)
     c.close()
 
 
