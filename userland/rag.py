@@ -2,6 +2,7 @@
 
     symphony run --grant read:DOCS userland/rag.py [--docs DOCS] "question"
         [--k 2] [--doc NAME ...] [--max-tokens 32] [--no-cache] [--cache NAME]
+        [--compose parallel|prefix]
         [--policy ttl [--keep-after 3] [--ttl 600] | --policy lfu --pin-tokens N]
 
 Retrieval is BM25 over the text files of DOCS (read through the read_file /
@@ -25,7 +26,10 @@ A question merges [instruction, doc1, doc2, ...] (`kv.merge` keeps every
 module at its own positions: the documents all start at P and do not see each
 other) and appends the question at positions after the longest document.
 With one document this is exactly the prompt computed in one pass; with more,
-it is parallel context encoding (an approximation).  A document's hash covers
+it is parallel context encoding (an approximation: the documents do not attend
+to each other, and a small model's answers suffer; measured in
+perf/paper/rag_skew.py).  `--compose prefix` is exact instead: only the first
+document is a module; the others are computed after it, with the question.  A document's hash covers
 the instruction's, so a new instruction never reuses stale modules.
 
 Every module is a cache file (advise("cache")): when KV memory is short the
@@ -90,7 +94,7 @@ def bm25(query, docs, k1=1.5, b=0.75):
 
 def parse(args):
     opts = {"docs": None, "k": "2", "keep-after": "3", "ttl": "600", "max-tokens": "32",
-            "policy": "ttl", "pin-tokens": None, "cache": "rag"}
+            "policy": "ttl", "pin-tokens": None, "cache": "rag", "compose": "parallel"}
     flags, rest, it, named = set(), [], iter(args), []
     for a in it:
         if a == "--no-cache":
@@ -111,6 +115,8 @@ def parse(args):
         raise SystemExit(f"rag: --doc takes a file name in the documents' directory, got {named}")
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", opts["cache"]):
         raise SystemExit(f"rag: --cache takes a name of letters, digits, _ and -, got {opts['cache']!r}")
+    if opts["compose"] not in ("parallel", "prefix"):
+        raise SystemExit(f"rag: --compose is parallel or prefix, got {opts['compose']!r}")
     if opts["policy"] not in ("ttl", "lfu"):
         raise SystemExit(f"rag: --policy is ttl or lfu, got {opts['policy']!r}")
     if (opts["policy"] == "lfu") != (opts["pin-tokens"] is not None):
@@ -280,9 +286,13 @@ def main(*args):
         return f, len(head_ids)
     instr, _ = mods.get(f"{mods.root}/instr-{ih}.kv", compute_instruction)
 
-    docs = []                                      # (hash, path, KVFile, tokens)
-    for i in top:
+    docs, after = [], []                           # (hash, path, KVFile, tokens); tokens computed after them
+    prefix = opts["compose"] == "prefix"
+    for n, i in enumerate(top):
         ids = tok.encode(f"Document: {texts[i]}\n\n")
+        if prefix and n > 0:                       # exact: computed after the first, never a module
+            after += ids
+            continue
 
         def compute_doc(ids=ids):
             with instr.fork() as g:                # after the instruction, then keep only the doc
@@ -292,7 +302,7 @@ def main(*args):
         path = f"{mods.root}/{dh}.kv"
         docs.append((dh, path, mods.get(path, compute_doc)[0], len(ids)))
 
-    q = tok.encode(f"Question: {question}" + tail)
+    q = after + tok.encode(f"Question: {question}" + tail)
     with kv.merge([instr] + [f for _, _, f, _ in docs]) as m:
         start = max([f.stat()["next_position"] for _, _, f, _ in docs] + [len(head_ids)])
         mods.stats["prefill_computed"] += len(q)

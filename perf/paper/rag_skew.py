@@ -3,7 +3,7 @@ vLLM's automatic prefix caching, llama-server, and the rag LIP's own policy, on 
 
     python perf/paper/rag_skew.py [--docs 200] [--sentences 24] [--k 3] [--queries 500] [--warmup 100]
         [--concurrency 8] [--skews 0,1.13] [--rounds 1] [--kv-tokens 23301] [--pin-tokens N]
-        [--contenders recompute,lru,vllm,llama-server,app,app-retrieve,app-ttl,app-nocache]
+        [--contenders recompute,lru,vllm,llama-server,app,app-prefix,app-retrieve,app-ttl,app-nocache]
         [--max-tokens 16] [--data JSON] [--plot PNG]
 
 Workload.  --docs synthetic documents (perf/bench_rag's generator: --sentences sentences, 24 give
@@ -37,6 +37,8 @@ Contenders (only one server computes at a time: a paused peer is SIGSTOPped):
                 after the instruction and merged at its own positions (parallel encoding): with
                 k > 1 the documents do not attend to each other, an approximation that the
                 answers' correctness and agreement with recompute measure;
+  app-prefix    the same with ``--compose prefix``: exact, only the first document a module, the
+                others computed after it with the question;
   app-retrieve  the same, retrieving --k documents itself by BM25 over the --docs files (its own
                 documents: the answers, not the prompts, are comparable);
   app-ttl       the rag LIP's default policy (hit counts, sliding expiry; LRU under pressure);
@@ -81,7 +83,8 @@ from bench_rag import make_docs  # noqa: E402
 from common import cpu_name, pyplot, save, spread  # noqa: E402
 from symphony.client import Client  # noqa: E402
 
-CONTENDERS = ("recompute", "lru", "vllm", "llama-server", "app", "app-retrieve", "app-ttl", "app-nocache")
+CONTENDERS = ("recompute", "lru", "vllm", "llama-server", "app", "app-prefix", "app-retrieve", "app-ttl",
+              "app-nocache")
 KV_TOKEN_BYTES = 30 * 3 * 64 * 2 * 4          # SmolLM2-135M, float32 K and V
 FACT = re.compile(r"^(\w+) (\w+) (\d+) (.+?) in (.+?) every (\w+)\.$")
 
@@ -152,7 +155,7 @@ def http_query(url: str, model: str, system: str, texts: list[str], question: st
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user_text(texts, question)}]}
     t0 = time.perf_counter()
-    ttft, answer, prompt, cached = None, [], 0, None
+    ttft, answer, prompt, cached, error = None, [], 0, None, None
     with httpx.Client(timeout=900) as c, c.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -160,6 +163,8 @@ def http_query(url: str, model: str, system: str, texts: list[str], question: st
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             d = json.loads(line[6:])
+            if d.get("error"):
+                error = d["error"]
             for ch in d.get("choices", []):
                 piece = (ch.get("delta") or {}).get("content")
                 if piece:
@@ -173,7 +178,7 @@ def http_query(url: str, model: str, system: str, texts: list[str], question: st
     total = time.perf_counter() - t0
     cached = cached or 0
     return {"ttft": ttft if ttft is not None else total, "latency": total, "prompt": prompt, "reused": cached,
-            "computed": prompt - cached, "answer": "".join(answer)}
+            "computed": prompt - cached, "answer": "".join(answer), "error": error}
 
 
 def lip_query(sock: str, source: str, ddir: Path, names: list[str], question: str, args: list[str]) -> dict:
@@ -322,6 +327,7 @@ def main() -> int:
         def fn_for(c):
             if c.startswith("app"):
                 args = ["--cache", c] + {"app": ["--policy", "lfu", "--pin-tokens", str(pin)],
+                        "app-prefix": ["--policy", "lfu", "--pin-tokens", str(pin), "--compose", "prefix"],
                         "app-retrieve": ["--policy", "lfu", "--pin-tokens", str(pin), "--k", str(a.k)],
                         "app-ttl": [], "app-nocache": ["--no-cache"]}[c] + ["--max-tokens", str(a.max_tokens)]
                 return lambda q: lip_query(sym.sock, source, ddir, [] if c == "app-retrieve" else

@@ -107,6 +107,12 @@ def test_rag_reuses_document_kv_files_and_applies_policy(kernel, tmp_path):
         assert path.split("/")[-1] in names
         s = c.kv_stat(path)
         assert s["advice"] == "cache" and s["expire_at"] is not None
+    # composed exactly (--compose prefix): the first document a module, the second computed after it
+    exact, ex = rag(kernel, docs, TWO_DOCS, "--compose", "prefix")
+    exact_base, exb = rag(kernel, docs, TWO_DOCS, "--compose", "prefix", "--no-cache")
+    assert exact == exact_base and ex["docs"] == st["docs"] and len(ex["files"]) == 1
+    assert ex["files"][0] == st["files"][0] and ex["kv_created"] == 0         # the first module reused
+    assert ex["prefill_computed"] + ex["prefill_reused"] == exb["prefill_computed"]
     c.close()
 
 

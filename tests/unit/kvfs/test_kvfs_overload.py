@@ -133,6 +133,33 @@ def test_cache_files_that_share_pages_are_free_memory_too(weights):
     assert fs.stats()["cache_drops"] == 3 and fs.reclaimable() == 0
 
 
+def test_a_cache_file_sharing_pages_with_a_running_lip_is_deleted_for_its_own_pages(weights):
+    """A prefix-cache entry shares the system prompt's pages with every request in flight
+    (which forked it): deleting the entry frees its own pages while the shared ones stay
+    with the running LIP's file.  (Once no such entry was ever deleted: with every entry
+    sharing a page with some running request, a full pool refused every new request.)"""
+    fs = make_fs(weights, 9, running=[7], host_pages=0)        # 8 device pages, no host tier
+    served = Principal("alice", 7)
+    c = fs.create(ALICE, "/tmp/entry")
+    fs.pred(ALICE, c, toks(5 * S, 1))                          # prompt head (2 pages) + a document (3)
+    fs.advise(ALICE, c, "cache")
+    fs.close(ALICE, c)
+    r = fs.open(served, "/tmp/entry")                           # a running request forks the head
+    run = fs.extract(served, r, [[0, 2 * S]])
+    fs.close(served, r)
+    fs.pred(served, run, toks(S, 2))                           # and its own page
+    assert free(fs) == 2 and fs.reclaimable() == 3              # the entry's own 3 pages
+    assert fs.reclaim(5) == 5 and not exists(fs, "/tmp/entry")
+    assert fs.stat(served, run)["residency"]["device"] == 3     # the running file keeps its pages
+    # a protected page that only cache files hold keeps them
+    c2 = fs.create(ALICE, "/tmp/e2")
+    fs.pred(ALICE, c2, toks(2 * S, 3))
+    fs.advise(ALICE, c2, "cache")
+    fs.close(ALICE, c2)
+    ino = fs.memory.lru_cache[next(iter(fs.memory.lru_cache))]
+    assert fs.reclaim(7, protect={ino.blocks[0].id}) == 3 and exists(fs, "/tmp/e2")
+
+
 def test_a_users_own_cache_files_make_room_in_their_quota(weights):
     """Over her page quota, Alice's unopened cache files are deleted before her pred is refused
     (the memory manager may delete them at any time anyway); Bob's are not hers to spend."""
