@@ -5,6 +5,7 @@ vLLM's automatic prefix caching, llama-server, and the rag LIP's own policy, on 
         [--concurrency 8] [--skews 0,1.13] [--rounds 1] [--kv-tokens 23301] [--pin-tokens N]
         [--contenders recompute,lru,vllm,llama-server,app,app-prefix,app-retrieve,app-ttl,app-nocache]
         [--max-tokens 16] [--data JSON] [--plot PNG]
+    python perf/paper/rag_skew.py --report JSON [--plot PNG]     # the tables again, from the raw data
 
 Workload.  --docs synthetic documents (perf/bench_rag's generator: --sentences sentences, 24 give
 ~330 tokens), each stating facts "Name sells 412 glass bells in the old city every spring.".  A
@@ -245,6 +246,7 @@ def summary(recs: list[dict], wall: float, truth: list[str], base: list[dict] | 
             "computed_per_query": sum(r["computed"] for r in recs) / len(recs),
             "hit": sum(r["reused"] for r in recs) / prompt if prompt else None,
             "correct": sum(t in r["answer"] for r, t in zip(recs, truth)) / len(recs),
+            "errors": sum(1 for r in recs if r.get("error")),
             "same_as_recompute": (sum(r["answer"] == b["answer"] for r, b in zip(recs, base)) / len(recs)
                                   if base else None)}
 
@@ -274,7 +276,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the peers' threads")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--data", default=None, help="raw data JSON (default: perf/paper/data/rag_skew-DATE.json)")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="print the tables (and --plot) of a raw data file written earlier; runs nothing")
     a = ap.parse_args()
+    if a.report:
+        return report_file(Path(a.report), a.plot)
     contenders = [c for c in a.contenders.split(",") if c]
     try:
         skews = [x if x == "one" else float(x) for x in a.skews.split(",")]
@@ -389,11 +395,33 @@ def main() -> int:
     return 0
 
 
+def report_file(path: Path, plot_to: str | None) -> int:
+    """The tables of a raw data file, every figure recomputed from its queries."""
+    d = json.loads(path.read_text())
+    meta, rows = d["meta"], d["rows"]
+    base = {(r["skew"], r["round"]): r["records"] for r in rows if r["contender"] == "recompute"}
+    for r in rows:
+        r["summary"] = summary(r["records"], r["wall_s"], r["truth"], base.get((r["skew"], r["round"])))
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    print(f"# {path}: commit {meta['commit'][:12]}, {meta['cpu']}, {meta['cores']} vCPUs, {meta['date']}\n"
+          f"# command: {meta['command']}")
+    for r in rows:
+        print(f"# skew {r['skew']} {r['contender']}: load average before {r['load_before'][0]:.2f}, after "
+              f"{r['load_after'][0]:.2f}; box {r['box']}")
+    report(rows, skews, contenders)
+    if plot_to:
+        args = argparse.Namespace(**meta["args"])
+        args.plot = plot_to
+        plot(rows, skews, contenders, args, meta)
+    return 0
+
+
 def report(rows: list[dict], skews: list, contenders: list[str]) -> None:
     print("\nmedian over rounds (per-round range); latency to the whole answer; tokens computed per query; "
           "hit = prompt tokens reused / prompt tokens; x recompute = queries/s ratio")
     print("| skew | contender | queries/s | x recompute | latency p50 s | p99 s | computed/query | hit | correct "
-          "| same as recompute |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| same as recompute | errors |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for s in skews:
         for c in contenders:
             mine = [x for x in rows if x["skew"] == s and x["contender"] == c]
@@ -407,13 +435,15 @@ def report(rows: list[dict], skews: list, contenders: list[str]) -> None:
             ratio = (spread([x["summary"]["qps"] / base[x["round"]]["summary"]["qps"] for x in mine
                              if x["round"] in base]) if base else "-")
             print(f"| {s} | {c} | {f('qps')} | {ratio} | {f('latency_p50')} | {f('latency_p99')} | "
-                  f"{f('computed_per_query', 0)} | {f('hit', 3)} | {f('correct')} | {f('same_as_recompute')} |")
+                  f"{f('computed_per_query', 0)} | {f('hit', 3)} | {f('correct')} | {f('same_as_recompute')} | "
+                  f"{f('errors', 0)} |")
 
 
 def plot(rows, skews, contenders, a, meta) -> None:
     plt = pyplot()
     if plt is None:
         return
+    skews = sorted(skews, key=lambda x: math.inf if x == "one" else x)     # left to right: more skewed
     fig, ax = plt.subplots(figsize=(6.4, 4))
     xs = list(range(len(skews)))
     for c in contenders:
