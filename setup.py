@@ -83,7 +83,7 @@ setup(
         "prometheus-client",    # GET /metrics
     ],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "jsonschema", "openai", "anthropic",
-                             "httpx"],
+                             "httpx", "matplotlib"],
                     "docs": ["mkdocs>=1.6"]},     # mkdocs build --strict (docs/, mkdocs.yml)
     entry_points={"console_scripts": [
         "symphony=symphony.cli:main",
