@@ -136,8 +136,8 @@ def test_cache_files_that_share_pages_are_free_memory_too(weights):
 def test_a_cache_file_sharing_pages_with_a_running_lip_is_deleted_for_its_own_pages(weights):
     """A prefix-cache entry shares the system prompt's pages with every request in flight
     (which forked it): deleting the entry frees its own pages while the shared ones stay
-    with the running LIP's file.  (Once no such entry was ever deleted: with every entry
-    sharing a page with some running request, a full pool refused every new request.)"""
+    with the running LIP's file (were such entries kept, a full pool would refuse every new
+    request)."""
     fs = make_fs(weights, 9, running=[7], host_pages=0)        # 8 device pages, no host tier
     served = Principal("alice", 7)
     c = fs.create(ALICE, "/tmp/entry")
