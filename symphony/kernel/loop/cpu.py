@@ -10,15 +10,16 @@ kernel's own threads.  A LIP that computes instead is *demoted*: every
 used more than ``busy`` of a core since the last look, more than `PER_CALL_S`
 of it per call, is *demoted*, all its threads: nice 19 and the SCHED_IDLE
 policy, so it runs only on CPU time no other thread wants, and any other
-thread's wake-up (the kernel's, a waiting LIP's) preempts it at once.  (At nice 19
-alone a thread keeps its slice once running: 12 such threads on 2 cores slow a
-decoding neighbour 3.5-4.5x, under SCHED_IDLE 1.2-1.7x.)  (A LIP decoding as fast as the model answers uses
-a fraction of a millisecond a call; one spread over many processes still
-shows its CPU per call.)  A root kernel gives a demoted LIP its policy and nice back once
-it has been quiet (under a tenth of ``busy``) for `QUIET_S`; a kernel that is not
-root cannot (raising a priority needs the privilege), so its LIPs stay
-demoted once busy.  What no nice value does: share the CPU between users
-(cgroup v2 ``cpu.weight`` per user would, under a root kernel; not done), or
+thread's wake-up (the kernel's, a waiting LIP's) preempts it at once.  (At
+nice 19 alone a thread keeps its slice once running: 12 such threads on 2
+cores slow a decoding neighbour 3.5-4.5x, under SCHED_IDLE 1.2-1.7x.)  (A LIP
+decoding as fast as the model answers uses a fraction of a millisecond a call;
+one spread over many processes still shows its CPU per call.)  A root kernel
+gives a demoted LIP its policy and nice back once it has been quiet (under a
+tenth of ``busy``) for `QUIET_S`; a kernel that is not root cannot (raising a
+priority needs the privilege), so its LIPs stay demoted once busy.  What no
+policy does: share the CPU between users (cgroup v2 ``cpu.weight`` per user
+would, under a root kernel; not done), or
 keep the users' own processes, outside the kernel, from competing with it.
 """
 from __future__ import annotations
