@@ -111,7 +111,7 @@ class Memory:
         if not (idle or self.lru_drop or self.evict_first()):
             return 0                                   # nothing to reclaim: no walk of the pinned files
         protect = self._guarded(protect)
-        freed = _cache_only(_deletable(self._droppable(), protect))
+        freed = _deletable(self._droppable(), protect)[1]
         dropped = {b.id for b in freed if b.device >= 0}
         slots = sum(1 for b in freed if b.device < 0)
         swappable = {b.id for b in self._reclaim_victims(protect)} - dropped
@@ -187,7 +187,7 @@ class Memory:
             return 0
         short = len(blocks) - self.pager.free_slots()
         if short > 0:
-            more = sum(1 for i in _deletable(self._droppable(), keep)
+            more = sum(1 for i in _deletable(self._droppable(), keep)[0]
                        for b in i.blocks if b.device < 0 and b.ref == 1)
             if more < short and partial and self.pager.free_slots() + more > 0:
                 blocks = blocks[:self.pager.free_slots() + more]     # what the tiers can take
@@ -265,8 +265,8 @@ class Memory:
         """Delete unopened cache files holding device pages that only such files
         hold (a page several checkpoints share is freed with the last of them),
         LRU first, until ``n`` device pages are free."""
-        cache = _deletable(self._droppable(), protect)
-        freed = {b.id for b in _cache_only(cache) if b.device >= 0}
+        cache, only = _deletable(self._droppable(), protect)
+        freed = {b.id for b in only if b.device >= 0}
         for inode in cache:
             if self.pager.alloc.num_free >= n:
                 return
@@ -277,8 +277,8 @@ class Memory:
         """Delete unopened cache files holding host/disk slots, LRU first,
         until ``k`` more slots are free (or none is left to delete)."""
         goal = self.pager.free_slots() + k
-        cache = _deletable(self._droppable(), protect)
-        freed = {b.id for b in _cache_only(cache) if b.device < 0}
+        cache, only = _deletable(self._droppable(), protect)
+        freed = {b.id for b in only if b.device < 0}
         for inode in cache:
             if self.pager.free_slots() >= goal:
                 return
@@ -318,17 +318,19 @@ def _cache_only(cache: list[Inode]) -> list[Block]:
     return [b for b, n in seen.values() if n == b.ref]
 
 
-def _deletable(cache: list[Inode], protect: set[int]) -> list[Inode]:
+def _deletable(cache: list[Inode], protect: set[int]) -> tuple[list[Inode], list[Block]]:
     """The cache files of ``cache`` that may be deleted without freeing a block in
-    ``protect``.  A cache file that shares pages with a running LIP's open file
+    ``protect``, and the blocks only they hold (`_cache_only` of them).  A cache file that shares pages with a running LIP's open file
     (a prefix-cache entry and a request that forked it: every entry shares the
     system prompt's pages with every request) may go: those pages keep the open
     file's reference and stay.  Only a protected block that nothing but cache
     files references keeps every file holding it."""
-    unsafe = {b.id for b in _cache_only(cache) if b.id in protect}
+    only = _cache_only(cache)
+    unsafe = {b.id for b in only if b.id in protect}
     if not unsafe:
-        return list(cache)
-    return [i for i in cache if not any(b.id in unsafe for b in i.blocks)]
+        return list(cache), only
+    cache = [i for i in cache if not any(b.id in unsafe for b in i.blocks)]
+    return cache, _cache_only(cache)
 
 
 def _pid(pid) -> int:
