@@ -75,7 +75,7 @@ class CpuGovernor:
             rate, per_call = used / max(now - s.at, 1e-3), used / max(1, calls - s.calls)
             s.cpu_s, s.calls, s.at = cpu, calls, now
             if not s.demoted and rate > self.busy and per_call > PER_CALL_S:
-                if _renice(pid, DEMOTED_NICE):
+                if _renice(pid, DEMOTED_NICE, idle=True):
                     s.demoted, s.quiet_since = True, None
                     self.demotions += 1
                     log.info("LIP %d demoted to SCHED_IDLE: it used %.0f%% of a core", lip, 100 * rate)
@@ -104,15 +104,15 @@ def _cpu_s(pid: int, uid: int) -> Optional[float]:
         return None
 
 
-def _renice(pid: int, nice: int) -> bool:
+def _renice(pid: int, nice: int, idle: bool = False) -> bool:
     """Set the nice value of every thread of ``pid`` (Linux nice values are per
-    thread); to `DEMOTED_NICE`, also the SCHED_IDLE policy, to any other value
-    back to SCHED_OTHER (which only a root kernel may)."""
+    thread) and its policy: SCHED_IDLE when ``idle`` (a demotion), else
+    SCHED_OTHER (leaving SCHED_IDLE needs a root kernel)."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return False
-    policy = os.SCHED_IDLE if nice == DEMOTED_NICE else os.SCHED_OTHER
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
     done = False
     for tid in tids:
         try:

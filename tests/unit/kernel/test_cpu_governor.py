@@ -59,7 +59,7 @@ def test_a_root_kernel_gives_a_quiet_lip_its_policy_back():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         time.sleep(0.2)
-        assert cpu._renice(p.pid, cpu.DEMOTED_NICE)
+        assert cpu._renice(p.pid, cpu.DEMOTED_NICE, idle=True)
         assert os.sched_getscheduler(p.pid) == os.SCHED_IDLE
         gov = cpu.CpuGovernor(busy=0.1, nice=0, can_restore=True)
         t0 = time.monotonic()
@@ -80,4 +80,4 @@ def test_a_pid_of_another_uid_or_gone_is_left_alone():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert cpu._cpu_s(p.pid, os.getuid()) is None
-    assert not cpu._renice(p.pid, cpu.DEMOTED_NICE)
+    assert not cpu._renice(p.pid, cpu.DEMOTED_NICE, idle=True)
