@@ -330,9 +330,11 @@ def main(*args):
                 pass
         if lfu:
             pinned = reconcile_pins(mods, counts, int(opts["pin-tokens"]))
-            for dh, _, _, n in docs:
+            for dh, _, f, n in docs:
                 if dh in policy:
                     policy[dh] = "pin" if f"{dh}.{n}" in pinned else "cache"
+                    if policy[dh] == "pin":        # pinned though recomputed (its marker outlived it)
+                        f.advise("keep")
     for _, _, f, _ in docs:
         f.close()
     instr.close()

@@ -157,6 +157,10 @@ def test_rag_lfu_pins_the_most_hit_documents_within_a_budget(kernel, tmp_path):
     assert c.kv_stat(p2)["advice"] == "keep" and c.kv_stat(p1)["advice"] == "cache"
     pins = {e["name"] for e in c.kv_ls(p1.rsplit("/", 1)[0] + "/pinned")}
     assert pins == {f"{p2.split('/')[-1][:-3]}.{n2}"}
+    c.kv_rm(p2)                                   # a pinned module gone, its marker left behind:
+    _, s = ask(q2, d2, budget)                    # recomputed, and pinned again
+    assert s["kv_created"] == 1 and list(s["policy"].values()) == ["pin"]
+    assert c.kv_stat(p2)["advice"] == "keep"
     # misuse: a clear error, nothing run
     for bad in (["--policy", "lfu"], ["--pin-tokens", "5"], ["--policy", "lru"], ["--doc", "../x"],
                 ["--policy", "lfu", "--pin-tokens", "-1"]):
