@@ -550,6 +550,8 @@ async def _decode_requests(url: str, model: str, n: int, steps: int, tag: str) -
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 d = __import__("json").loads(line[6:])
+                if d.get("error"):              # not a fast empty answer: the run stops, saying why
+                    raise RuntimeError(f"{url}: error event: {str(d['error'])[:300]}")
                 if d.get("usage"):
                     tokens = d["usage"].get("completion_tokens")
                 if any((c.get("delta") or {}).get("content") for c in d.get("choices", [])):

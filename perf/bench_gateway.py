@@ -265,7 +265,7 @@ def _git_commit() -> str:
 async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages, max_tokens: int):
     """One streamed chat request: (time to first token, generated tokens, text, usage). Tokens
     are the final usage chunk's count; a server that sends none is counted one token per
-    content chunk."""
+    content chunk.  An error event in the stream raises RuntimeError, as an HTTP error does."""
     t0 = time.perf_counter()
     ttft, text, tokens, chunks, usage = None, [], None, 0, {}
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -277,6 +277,8 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             d = json.loads(line[6:])
+            if d.get("error"):                  # a server's error event ends the request: a failure
+                raise RuntimeError(f"{url}: error event: {str(d['error'])[:300]}")
             if d.get("usage"):
                 usage = d["usage"]
                 tokens = usage.get("completion_tokens")
