@@ -247,8 +247,12 @@ def summary(recs: list[dict], wall: float, truth: list[str], base: list[dict] | 
             "hit": sum(r["reused"] for r in recs) / prompt if prompt else None,
             "correct": sum(t in r["answer"] for r, t in zip(recs, truth)) / len(recs),
             "errors": sum(1 for r in recs if r.get("error")),
-            "same_as_recompute": (sum(r["answer"] == b["answer"] for r, b in zip(recs, base)) / len(recs)
-                                  if base else None)}
+            "same_as_recompute": agreement(recs, base)}
+
+
+def agreement(recs: list[dict], base: list[dict] | None):
+    """The share of answers equal to recompute's on the same queries (None without them)."""
+    return sum(r["answer"] == b["answer"] for r, b in zip(recs, base)) / len(recs) if base else None
 
 
 def git_commit() -> str:
@@ -379,8 +383,7 @@ def main() -> int:
                           f"correct {sm['correct']:.2f} ({len(set(i for q in qs for i in q))} documents)", flush=True)
                 for row in rows:                                   # agreement with recompute, same queries
                     if row["skew"] == s and row["round"] == r and base is not None:
-                        row["summary"]["same_as_recompute"] = summary(row["records"], row["wall_s"], truth,
-                                                                      base)["same_as_recompute"]
+                        row["summary"]["same_as_recompute"] = agreement(row["records"], base)
     finally:
         for cm in stack:
             cm.__exit__(None, None, None)
