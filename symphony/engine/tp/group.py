@@ -58,6 +58,7 @@ HEADER = 8
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 BACKEND_MARGIN_S = 2.0          # the backend's own timeout: ours plus this (ours fires first)
 HEARTBEAT_S = 1.0               # between two heartbeats
+CLOSE_WAIT_S = 5.0              # for the other ranks to join the heartbeat's last round
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}    # abort the communicator, keep the process
 
 
@@ -137,6 +138,8 @@ class TPGroup:
             from .agree import check
             check(record, size, self.headers)
         self.watch = CollectiveWatch(timeout_s, self._hung)
+        self._leaving = False                 # this rank votes to end the heartbeat
+        self._wake = threading.Event()
         self._heart = threading.Thread(target=self._heartbeat, name="symphony-tp-heartbeat", daemon=True)
         self._heart.start()
 
@@ -231,12 +234,18 @@ class TPGroup:
 
     def _heartbeat(self) -> None:
         """A tiny all-reduce a second on the heartbeat group: a rank that died or froze
-        while the kernel is idle breaks the group within ``timeout_s``."""
+        while the kernel is idle breaks the group within ``timeout_s``.
+
+        Every round carries each rank's vote to leave; the heartbeat ends on the round
+        where any rank voted, on every rank at once.  (A rank that simply stopped beating
+        would leave the others blocked in a round it never joins, and tearing the group
+        down under a blocked collective aborts the process.)"""
         t = torch.zeros(1)
-        while not (self.broken or self.stopping):
-            time.sleep(HEARTBEAT_S)
-            if self.broken or self.stopping:
+        while not self.broken:
+            self._wake.wait(HEARTBEAT_S)
+            if self.broken:
                 return
+            t.fill_(1.0 if self._leaving else 0.0)
             try:
                 dist.all_reduce(t, group=self.beats)
             except Exception as e:
@@ -245,13 +254,24 @@ class TPGroup:
                                 f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} "
                                 f"(a rank died, or froze for {self.timeout_s:.0f} s)")
                 return
+            if t.item() > 0:
+                return
 
     def close(self) -> None:
-        """Leave the group.  A broken group is left as it is: a thread of this process
-        may still be blocked in one of its collectives, which tearing it down could hang."""
+        """Leave the group: end the heartbeat on a round every rank takes part in, then
+        tear the group down.  A broken group, or one whose heartbeat did not end, is left
+        as it is: a thread of this process may still be blocked in one of its
+        collectives, which tearing it down could hang or abort."""
         self.stopping = True
+        self._leaving = True
+        self._wake.set()
         self.watch.stop()
         if self.broken:
+            return
+        self._heart.join(HEARTBEAT_S + CLOSE_WAIT_S)
+        if self._heart.is_alive():
+            log.warning("rank %d of %d: the heartbeat did not end within %.0f s; leaving the group as it is",
+                        self.rank, self.size, HEARTBEAT_S + CLOSE_WAIT_S)
             return
         try:
             dist.destroy_process_group()

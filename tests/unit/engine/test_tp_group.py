@@ -51,6 +51,16 @@ def test_a_node_started_with_another_pool_is_refused_on_every_rank_naming_node_a
     assert [p.returncode for p in ps] == [2, 2]
 
 
+def test_ranks_leaving_at_different_times_end_the_heartbeat_together_and_exit_cleanly(tmp_path):
+    # A rank that stopped beating on its own would leave the other blocked in a heartbeat
+    # round; tearing the group down under it aborts that process (SIGABRT from gloo).
+    r0, r1 = ranks(tmp_path, "close")
+    out = lines(r0)[-1]
+    assert out["broken"] is None and out["heart_alive"] is False, out
+    r1.communicate(timeout=30)
+    assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr.read() if r0.stderr else ""
+
+
 def test_a_rank_killed_while_idle_is_found_by_the_heartbeat(tmp_path):
     r0, r1 = ranks(tmp_path, "idle_kill")
     assert json.loads(r1.stdout.readline())["joined"]

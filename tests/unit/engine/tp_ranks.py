@@ -8,6 +8,9 @@ line with what it saw.  Scenarios:
                heartbeat finds it (no command is ever sent)
     hang       rank 0 starts an all-reduce that rank 1 never joins: the watch finds it
                before gloo's own timeout (timeout + BACKEND_MARGIN_S)
+    close      rank 1 leaves the group at once and stays alive 4 s; rank 0 leaves 2.5 s
+               later (a worker told to stop before the kernel closes its own side): both
+               exit 0, rank 0's heartbeat never left blocked in a round rank 1 skipped
 """
 import json
 import sys
@@ -52,6 +55,16 @@ def main(scenario: str, rank: int, init: str) -> int:
             err = f"{type(e).__name__}: {e}"
         print(json.dumps({"rank": 0, "broken": g.broken, "first": broke[0] if broke else None,
                           "raised": err, "after_s": time.monotonic() - t0}), flush=True)
+        return 0
+    if scenario == "close":
+        if rank == 1:
+            g.close()
+            time.sleep(4)
+            return 0
+        time.sleep(2.5)
+        g.close()
+        print(json.dumps({"rank": 0, "broken": g.broken, "heart_alive": g._heart.is_alive(),
+                          "after_s": time.monotonic() - t0}), flush=True)
         return 0
     return 1
 
