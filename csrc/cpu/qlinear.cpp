@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -110,16 +111,19 @@ using namespace qcpu;
 enum Path : int64_t {
   kAutoQ8 = -2, kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kDense = 3,
   kQ8Scalar = 4, kQ8Avx2 = 5, kQ8AvxVnni = 6, kQ8Avx512Vnni = 7, kQ8T16Avx512Vnni = 8,
-  kQ15T16Avx512Vnni = 9, kQ8T8Avx2 = 10, kQ15T8Avx2 = 11, kQ15RowsAvx2 = 12,
+  kQ15T16Avx512Vnni = 9, kQ8T8Avx2 = 10, kQ15T8Avx2 = 11, kQ15RowsAvx2 = 12, kDenseBf16 = 13,
 };
+constexpr int64_t kLastPath = kDenseBf16;
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
+constexpr int64_t kDenseBf16M = 96;  // int8 activations on AMX: the bfloat16 GEMM from this many rows
 constexpr int64_t kRowM = 2;     // the 15-bit path's 16-row tiles from this many rows on
 constexpr int64_t kRowsAvx2 = 4;  // AVX2 alone: the row kernels (5, 12) below this many rows
 
 // The SIMD paths this CPU runs (cpuid, once).
 struct CpuFeatures {
   bool avx2 = false, avx512 = false, avxvnni = false, avx512vnni = false, f16c = false;
+  bool amx_bf16 = false;  // AMX tiles with bfloat16 (oneDNN's bfloat16 GEMM runs on them)
 };
 
 const CpuFeatures& cpu_features() {
@@ -132,6 +136,8 @@ const CpuFeatures& cpu_features() {
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     c.avxvnni = c.avx2 && __builtin_cpu_supports("avxvnni");
     c.avx512vnni = c.avx512 && __builtin_cpu_supports("avx512vnni");
+    unsigned a = 0, b = 0, cx = 0, dx = 0;        // cpuid leaf 7: EDX bit 22 AMX-BF16, 24 AMX-TILE
+    if (__get_cpuid_count(7, 0, &a, &b, &cx, &dx)) c.amx_bf16 = ((dx >> 22) & 1) && ((dx >> 24) & 1);
 #endif
     return c;
   }();
@@ -142,6 +148,7 @@ bool cpu_has_avx2() { return cpu_features().avx2; }
 bool cpu_has_avx512() { return cpu_features().avx512; }
 bool cpu_has_avxvnni() { return cpu_features().avxvnni; }
 bool cpu_has_avx512vnni() { return cpu_features().avx512vnni; }
+bool cpu_has_amx_bf16() { return cpu_features().amx_bf16; }
 
 // fn, if this CPU has what path `path` needs; a clear error otherwise
 template <class Fn>
@@ -371,18 +378,18 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
 // 1.9-2.1x the 8-row tiles on SmolLM2-135M's layer matrices read from memory, 1.3-1.4x at two;
 // at four rows and more the tiles are faster.
 void check_path(const char* op, int64_t path) {
-  SYM_CHECK(path >= kAutoQ8 && path <= kQ15RowsAvx2, op, ": path must be -2 (auto, int8 "
+  SYM_CHECK(path >= kAutoQ8 && path <= kLastPath, op, ": path must be -2 (auto, int8 "
               "activations), -1 (auto, float), 0 (scalar), 1 (AVX2), 2 (AVX-512), 3 (dense), "
               "4 (int8 scalar), 5 (int8 AVX2), 6 (int8 AVX-VNNI), 7 (int8 AVX-512 VNNI), "
               "8 (int8 AVX-512 VNNI, 16-row tiles), 9 (15-bit AVX-512 VNNI, 16-row tiles), "
-              "10 (int8 AVX2, 8-row tiles), 11 (15-bit AVX2, 8-row tiles) or 12 (15-bit AVX2, row "
-              "kernel), got ", path);
+              "10 (int8 AVX2, 8-row tiles), 11 (15-bit AVX2, 8-row tiles), 12 (15-bit AVX2, row "
+              "kernel) or 13 (dense, bfloat16), got ", path);
 }
 
 // Whether this CPU runs path p (>= 0): what rows_fn / qlinear_q8 require of it.
 bool cpu_runs(int64_t p) {
   switch (p) {
-    case kScalar: case kDense: case kQ8Scalar: return true;
+    case kScalar: case kDense: case kQ8Scalar: case kDenseBf16: return true;
     case kAvx2: case kQ8Avx2: case kQ8T8Avx2: case kQ15T8Avx2: case kQ15RowsAvx2: return cpu_has_avx2();
     case kAvx512: return cpu_has_avx512();
     case kQ8AvxVnni: return cpu_has_avxvnni();
@@ -393,12 +400,13 @@ bool cpu_runs(int64_t p) {
 
 // Whether the automatic choice `mode` (-1, -2) may take path p: -1 the float-accurate paths
 // (float32 register kernels, the dense GEMM, the 15-bit kernels), -2 the int8-activation
-// kernels and the dense GEMM.
+// kernels and the dense GEMMs (float32, and bfloat16: x and W rounded to 8 significant bits,
+// products ~3e-3 of their scale, well inside the int8 kernels' error).
 bool auto_may_take(int64_t mode, int64_t p) {
   if (mode == kAuto)
     return p == kScalar || p == kAvx2 || p == kAvx512 || p == kDense || p == kQ15T16Avx512Vnni ||
            p == kQ15T8Avx2 || p == kQ15RowsAvx2;
-  return p == kDense || (p >= kQ8Scalar && p <= kQ8T16Avx512Vnni) || p == kQ8T8Avx2;
+  return p == kDense || p == kDenseBf16 || (p >= kQ8Scalar && p <= kQ8T16Avx512Vnni) || p == kQ8T8Avx2;
 }
 
 // The automatic choices measured on this CPU (symphony/engine/ops/calibrate.py sets them with
@@ -431,6 +439,11 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   const bool t16 = cpu_has_avx512vnni();
   const bool t8 = !t16 && cpu_has_avx2();
   if (path == kAutoQ8) {
+    // AMX: oneDNN's bfloat16 GEMM multiplies ~6x faster than float32 (2 cores of a Sapphire
+    // Rapids: 2.0 vs 0.33 TFLOP/s at [256, 576] x [576, 1536]); with the dequantization of the
+    // weight (~0.25 ms for [1536, 576]) it passes the int8 16-row tiles from ~80 rows on
+    // (1536 x 576 Q4_1, 2 threads: 0.38 vs 0.40 ms at 96 rows, 0.57 vs 1.05 ms at 256)
+    if (cpu_has_amx_bf16() && M >= kDenseBf16M) return kDenseBf16;
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
     if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)))
       return t8 ? (M < kRowsAvx2 ? kQ8Avx2 : kQ8T8Avx2) : kQ8Scalar;  // (no AVX2 without t8)
@@ -502,22 +515,29 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   if (M == 0 || d.N == 0) return out;
   const QView w = view_of(qs, scales, mins, d);
   const int64_t eff = resolve_path(path, M, d);
-  if (eff == kDense) {
+  if (eff == kDense || eff == kDenseBf16) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
     // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
     // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
     // The scratch is kept per thread (8 MiB at most), so no call pays page faults for it.
+    // bfloat16: the float32 tile rounded (to nearest even) into a second scratch, x once, and
+    // the product (float32 accumulation in oneDNN, rounded to bfloat16) widened into out.
+    const bool bf = eff == kDenseBf16;
     const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
-    static thread_local at::Tensor scratch;
+    static thread_local at::Tensor scratch, scratch_bf;
     if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options().dtype(at::kFloat));
+    if (bf && (!scratch_bf.defined() || scratch_bf.numel() < tn * d.K))
+      scratch_bf = at::empty({tn * d.K}, scales.options().dtype(at::kBFloat16));
+    const at::Tensor xm = bf ? x.to(at::kBFloat16) : x;
     const DequantFn deq = dequant_fn();
     for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
       const int64_t n1 = std::min(d.N, n0 + tn);
       at::Tensor t = scratch.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K});
       float* tp = t.data_ptr<float>();
       at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_into(deq, w, tp + (a - n0) * d.K, a, b); });
-      if (n1 - n0 == d.N) return at::mm(x, t.t());
-      out.narrow(1, n0, n1 - n0).copy_(at::mm(x, t.t()));
+      if (bf) t = scratch_bf.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K}).copy_(t);
+      if (n1 - n0 == d.N && !bf) return at::mm(xm, t.t());
+      out.narrow(1, n0, n1 - n0).copy_(at::mm(xm, t.t()));
     }
     return out;
   }
@@ -537,7 +557,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 
 int64_t qcpu_features() {
   return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0) | (cpu_has_avxvnni() ? 4 : 0) |
-         (cpu_has_avx512vnni() ? 8 : 0);
+         (cpu_has_avx512vnni() ? 8 : 0) | (cpu_has_amx_bf16() ? 16 : 0);
 }
 
 // The path qlinear's choice ``path`` (-2, -1: automatic; others are returned as they are)
@@ -562,7 +582,7 @@ std::vector<int64_t> qlinear_auto_paths(int64_t mode) {
   SYM_CHECK(mode == kAuto || mode == kAutoQ8, "symphony::qlinear_auto_paths: mode must be -1 or -2, got ",
               mode);
   std::vector<int64_t> out;
-  for (int64_t p = kScalar; p <= kQ15RowsAvx2; ++p)
+  for (int64_t p = kScalar; p <= kLastPath; ++p)
     if (cpu_runs(p) && auto_may_take(mode, p)) out.push_back(p);
   return out;
 }
@@ -601,7 +621,8 @@ TORCH_LIBRARY_IMPL(symphony, CPU, m) {
   m.impl("qdequant", &qdequant_cpu);
 }
 
-// Bit 0: the AVX2 paths run here, bit 1: the AVX-512 path, bit 2: AVX-VNNI, bit 3: AVX-512 VNNI. No tensor arguments, so a catch-all
+// Bit 0: the AVX2 paths run here, bit 1: the AVX-512 path, bit 2: AVX-VNNI, bit 3: AVX-512 VNNI,
+// bit 4: AMX with bfloat16 (the rule's choice of path 13). No tensor arguments, so a catch-all
 // kernel defined here rather than a schema in ops.cpp with per-backend implementations.
 TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qcpu_features() -> int", &qcpu_features);

@@ -86,6 +86,7 @@ PATH_NAMES = {
     4: "int8 scalar kernel", 5: "int8 AVX2 kernel", 6: "int8 AVX-VNNI kernel", 7: "int8 AVX-512 VNNI row kernel",
     8: "int8 AVX-512 VNNI 16-row tiles", 9: "15-bit AVX-512 VNNI kernels (16-row tiles; the row kernel at one row)",
     10: "int8 AVX2 8-row tiles", 11: "15-bit AVX2 8-row tiles", 12: "15-bit AVX2 row kernel",
+    13: "dense bfloat16 GEMM on the dequantized weight (AMX)",
 }
 
 
@@ -117,8 +118,8 @@ class force_qlinear_path:
     ``ops.qlinear``: -2 / -1 the automatic choices). Not thread-local: for tests/benchmarks."""
 
     def __init__(self, path: int):
-        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 12:
-            raise ValueError(f"qlinear path must be an int in -2..12, got {path!r}")
+        if not isinstance(path, int) or isinstance(path, bool) or not -2 <= path <= 13:
+            raise ValueError(f"qlinear path must be an int in -2..13, got {path!r}")
         self.path, self.saved = path, -1
 
     def __enter__(self) -> "force_qlinear_path":

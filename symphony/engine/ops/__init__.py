@@ -43,7 +43,7 @@ import threading
 import torch
 
 from .build import _build_and_load, _want_cuda, compile_cuda_object, csrc_dir  # noqa: F401
-from .reference import (FIFTEEN_BIT_PATHS, paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
+from .reference import (BF16_PATH, FIFTEEN_BIT_PATHS, paged_attention_reference, qdequant_reference, qlinear_reference,  # noqa: F401
                         quantize_act_reference, rope_reference, silu_mul_reference,
                         write_kv_reference)
 
@@ -64,6 +64,7 @@ __all__ = [
     "dense_gemv_tc",
     "paged_attention_tiled",
     "qlinear_reference",
+    "BF16_PATH",
     "FIFTEEN_BIT_PATHS",
     "quantize_act_reference",
     "qdequant_reference",
@@ -284,12 +285,13 @@ def llama_layers(x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Ten
 
 def qcpu_features() -> dict[str, bool]:
     """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
-    ``avx_vnni`` (6) and ``avx512_vnni`` (7, 8, 9)."""
+    ``avx_vnni`` (6), ``avx512_vnni`` (7, 8, 9), and ``amx_bf16``: AMX with bfloat16 tiles,
+    where the rule takes path 13 (the dense bfloat16 GEMM) for int8-activation batches."""
     if not _loaded:
         load()
     bits = int(torch.ops.symphony.qcpu_features())
     return {"avx2": bool(bits & 1), "avx512": bool(bits & 2), "avx_vnni": bool(bits & 4),
-            "avx512_vnni": bool(bits & 8)}
+            "avx512_vnni": bool(bits & 8), "amx_bf16": bool(bits & 16)}
 
 
 def qlinear_path_for(path: int, m: int, n: int, k: int, kind: int) -> int:

@@ -7,7 +7,8 @@ wrong for this CPU, what the CPU runs fastest:
 
 * **What is timed.** Every path an automatic choice may take on this CPU
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
-  kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMM), forced,
+  kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMMs, float32
+  and bfloat16), forced,
   on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
   but seeded; `COPIES` of it called in turn, so that, as in a decode step, a call does not
   find its weight in the core's own caches), at the row count that stands for each bucket of
@@ -23,7 +24,7 @@ wrong for this CPU, what the CPU runs fastest:
   the median). A path's time is the median of what is left. Rounds go on until
   every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest sample
   is more than `PRUNE` times slower than the fastest is dropped from the bucket and larger ones
-  (the dense GEMM excepted: more rows amortize its dequantization); the rule's choices
+  (the dense GEMMs excepted: more rows amortize their dequantization); the rule's choices
   never are (they are the baselines below). The whole is bounded by `BUDGET_S` of the calling
   thread's CPU time and `WALL_S` of wall time, each bucket by its share of what is left; a
   bucket not finished keeps the rule's choice. Where the cores are so taken that a bucket gets
@@ -86,7 +87,7 @@ SETTINGS = ("auto", "force", "off")
 MODES = (-1, -2)                        # float-accurate, int8 activations
 KINDS = (0, 1)                          # u4, i8 (csrc/quant.h)
 KIND_NAMES = {0: "u4", 1: "i8"}
-DENSE = 3
+DENSE_PATHS = (3, 13)           # the dense GEMMs, float32 and bfloat16: more rows amortize their dequantization
 # (first row of the bucket, rows timed for it, calls a sample)
 BUCKETS = ((1, 1, 4), (2, 2, 4), (4, 8, 2), (32, 48, 1), (64, 96, 1), (128, 128, 1))
 SHAPE = (1536, 576)                     # [N, K] of the weights timed
@@ -272,7 +273,7 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
             med = {p: statistics.median(s) for p, s in got.items() if len(s) >= MIN_CLEAN}
             if med:
                 best = min(med.values())
-                alive = [p for p in alive if p == DENSE or med.get(p, 0.0) <= PRUNE * best]
+                alive = [p for p in alive if p in DENSE_PATHS or med.get(p, 0.0) <= PRUNE * best]
     choices = {(mode, kind): [_choose(mode, kind, m, allowed[mode], samples,
                                       PROXY_MARGIN if m in proxied else MARGIN) for _, m, _ in BUCKETS]
                for mode in MODES for kind in KINDS}

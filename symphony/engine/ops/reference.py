@@ -48,6 +48,7 @@ def quantize_act_reference(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tens
 
 # the qlinear paths that round x to 15 bits (the other integer-activation paths, 4-10: int8)
 FIFTEEN_BIT_PATHS = frozenset({9, 11, 12})
+BF16_PATH = 13          # the dense GEMM in bfloat16: x, W and the product rounded to bfloat16
 
 
 def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -56,8 +57,13 @@ def qlinear_reference(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, m
     Paths 4-12 (integer activations) multiply x as those paths round it
     (``quantize_act_reference``: ``d * q`` per block of 16, 15 bits for `FIFTEEN_BIT_PATHS`, 8
     for the others) instead of x itself; their kernels compute the same with integer dot products per
-    block (mins included: they take the rounded x's sums)."""
+    block (mins included: they take the rounded x's sums). Path 13 (`BF16_PATH`) multiplies x
+    and W rounded to bfloat16 and rounds the product to bfloat16 (its kernel accumulates in
+    float32 before that rounding: it agrees within a few bfloat16 ulps of the row's scale)."""
     w = qdequant_reference(qs, scales, mins, kind, group)
+    if path == BF16_PATH:
+        xb, wb = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+        return (xb @ wb.t()).to(torch.bfloat16).float()
     if path >= 4:
         q, d = quantize_act_reference(x, 16383 if path in FIFTEEN_BIT_PATHS else 127)
         x = q.double() * d.double().repeat_interleave(16, dim=1)            # [M, K] as rounded

@@ -240,7 +240,7 @@ def _valid_cache(path, choices=None, **key_over):
 
 # every path the float choice (-1) may take on some CPU (csrc/cpu/qlinear.cpp, auto_may_take)
 FLOAT_CHOICE_PATHS = (0, 1, 2, 3, 9, 11, 12)
-UNKNOWN_PATH = 13                       # a path number no CPU has: qlinear knows -2..12
+UNKNOWN_PATH = 14                       # a path number no CPU has: qlinear knows -2..13
 
 
 def _lacking_float_path() -> int:

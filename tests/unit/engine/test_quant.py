@@ -60,6 +60,7 @@ HAS_AVX2 = {"avx2", "fma"} <= FLAGS
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
 HAS_AVX_VNNI = "avx_vnni" in FLAGS and HAS_AVX2
 HAS_AVX512_VNNI = "avx512_vnni" in FLAGS and HAS_AVX512
+HAS_AMX_BF16 = {"amx_bf16", "amx_tile"} <= FLAGS
 # qlinear's automatic float-accurate choice (-1) rounds x to 15 bits below some rows: on AVX-512
 # VNNI (path 9), and on AVX2 without AVX-512 (path 11)
 AUTO_15BIT = HAS_AVX512_VNNI or (HAS_AVX2 and not HAS_AVX512)
@@ -322,7 +323,7 @@ def test_force_qlinear_path_validates_and_restores():
     with quant.force_qlinear_path(4):
         assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, 4))
     assert torch.equal(qw.linear(x), ops.qlinear(x, qw.qs, qw.scales, qw.mins, U4, 32, -1))
-    for bad in (13, -3, "7", 1.0, True):
+    for bad in (14, -3, "7", 1.0, True):
         with pytest.raises(ValueError, match="qlinear path"):
             quant.force_qlinear_path(bad)
 
@@ -352,6 +353,8 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
     test cannot see on one that has it: there the forced paths 10 / 11 are what is tested."""
     t8 = not HAS_AVX512_VNNI and HAS_AVX2
     if path == -2:
+        if HAS_AMX_BF16 and m >= 96:
+            return 13
         if HAS_AVX512_VNNI:
             return 7 if m < 2 else 8
         return ((10 if m >= 4 else 5) if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
@@ -375,7 +378,7 @@ def test_qlinear_path_for_is_the_choice_qlinear_makes():
             for path in (-1, -2):
                 assert ops.qlinear_path_for(path, m, n, k, qw.kind) == expected_auto(path, m, qw), (qtype, m, path)
         assert ops.qlinear_path_for(3, 1, n, k, qw.kind) == 3
-    for bad in ((13, 1, 8, 8, U4), (-3, 1, 8, 8, U4), (-1, 0, 8, 8, U4), (-1, 1, 0, 8, U4), (-1, 1, 8, 8, 2)):
+    for bad in ((14, 1, 8, 8, U4), (-3, 1, 8, 8, U4), (-1, 0, 8, 8, U4), (-1, 1, 0, 8, U4), (-1, 1, 8, 8, 2)):
         with pytest.raises(RuntimeError, match="qlinear_path_for"):
             ops.qlinear_path_for(*bad)
     dense_from = next(m for m in range(1, 257) if ops.qlinear_path_for(-1, m, 576, 576, U4) == 3)
@@ -414,7 +417,7 @@ def test_qlinear_auto_path_and_empty_batch():
 def test_cpu_features_match_cpuinfo():
     feats = ops.qcpu_features()
     assert feats == {"avx2": HAS_AVX2, "avx512": HAS_AVX512, "avx_vnni": HAS_AVX_VNNI,
-                     "avx512_vnni": HAS_AVX512_VNNI}
+                     "avx512_vnni": HAS_AVX512_VNNI, "amx_bf16": HAS_AMX_BF16}
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -456,7 +459,7 @@ def _args(**over):
     (dict(scales=torch.ones(4, 3)), r"scales must be \[N, K/group\]"),
     (dict(mins=torch.ones(4, 3)), "mins shape"),
     (dict(scales=torch.ones(4, 2, dtype=torch.float64)), "scales must be float32"),
-    (dict(path=13), "path must be"),
+    (dict(path=14), "path must be"),
     (dict(path=-3), "path must be"),
     (dict(qs=torch.zeros(4, 15, dtype=torch.uint8), scales=torch.ones(4, 0), mins=torch.ones(4, 0)),
      "multiple of 32"),
@@ -544,6 +547,34 @@ def test_cuda_qlinear_matches_dequantized_reference(qtype):
         # cuBLAS may use TF32 for float32 GEMMs where allowed: 1e-3 relative to |x| @ |W|^T
         bound = 1e-3 * (x.double().abs() @ torch.from_numpy(want).double().abs().t()) + 1e-5
         assert bool(((y.cpu().double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_bfloat16_dense_path(qtype):
+    """Path 13 (the dense GEMM in bfloat16, the int8-activation choice for batches on AMX CPUs;
+    it runs, slower, on any CPU): within 2 bfloat16 ulps (2^-7) of the row's scale of the
+    reference that rounds x, W and the product to bfloat16, and within 1 % of that scale of
+    the float product; in pieces over the 8 MiB scratch too."""
+    k = 512 if qtype.endswith("_K") else 96
+    for n in (7, 37):
+        qw, want = gguf_weight(qtype, n, k, seed=n)
+        w = torch.from_numpy(want).double()
+        for m in (1, 33, 64):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            ref = ops.qlinear_reference(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13).double()
+            scale = x.double().abs() @ w.abs().t()
+            assert bool(((y.double() - ref).abs() <= 2.0 ** -7 * scale + 1e-6).all())
+            assert bool(((y.double() - x.double() @ w.t()).abs() <= 1e-2 * scale + 1e-6).all())
+    n, k = (1 << 16) + 5, 32
+    g = torch.Generator().manual_seed(0)
+    qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, mins = torch.rand(n, 1, generator=g), torch.randn(n, 1, generator=g)
+    x = torch.randn(2, k, generator=g)
+    y = ops.qlinear(x, qs, scales, mins, U4, 32, 13).double()
+    w = ops.qdequant_reference(qs, scales, mins, U4, 32).double()
+    assert bool(((y - x.double() @ w.t()).abs() <= 1e-2 * (x.double().abs() @ w.abs().t()) + 1e-6).all())
 
 
 def test_dense_path_in_pieces():
