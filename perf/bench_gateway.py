@@ -2,7 +2,7 @@
 
     python perf/bench_gateway.py [--rounds 3] [--clients 1,4,16,64] [--turns 3] [--max-tokens 32]
                                  [--peers llama-server,vllm] [--extras llama-cpp-python]
-                                 [--ours quantized,float] [--workloads warm,cold,plain,short]
+                                 [--ours quantized,float,int8] [--workloads warm,cold,plain,short]
                                  [--only a,b,c] [--json OUT] [--kv-memory-mb 2048]
 
 Starts a kernel with --http (and a second gateway with --prefix-cache off in front of the same
@@ -37,7 +37,10 @@ kernel, for (c)). Reports medians and the per-round spread (min..max) of:
       peer's tokens/s with lower TTFT p50 and p99; at 1 client >= 1.0x and TTFT no higher; plain
       at 16 clients >= 1.0x.
       --ours float adds a second kernel on the same weights dequantized to float32 (--weights
-      float): the comparison at equal weights with vLLM. --extras llama-cpp-python adds
+      float): the comparison at equal weights with vLLM; --ours int8 a kernel with --activations
+      int8 (x rounded to int8 as llama.cpp's kernels round it; products of 96 rows and more,
+      prefills, in bfloat16 on AMX CPUs): the comparison at the peers' precision (llama-server's
+      int8 activations, vLLM's --vllm-dtype bfloat16). --extras llama-cpp-python adds
       llama-cpp-python's OpenAI server, which serves one request at a time (a labelled extra,
       not a peer for concurrency).
   (c) the warm workload through the gateway with prefix caching on (per user) vs off: tokens/s,
@@ -243,6 +246,8 @@ class Contender:
 def symphony_contender(name: str, sym: Symphony) -> Contender:
     weights = ("the GGUF's quantized bits (Q4_1), computed on as they are" if sym.weights != "float" else
                "the GGUF dequantized to float32 at load (--weights float): equal weights with vLLM")
+    if "--activations" in sym.argv:
+        weights += ", activations rounded to int8 (--activations int8; bfloat16 from 96 rows on AMX CPUs)"
     info = {"name": name, "version": f"symphony {_git_commit()}", "weights": weights, "argv": sym.argv,
             "kv": f"--kv-memory-mb {sym.kv_memory_mb} (float32 pages, shared prefixes forked)",
             "startup_s": round(sym.startup_s, 1)}
@@ -666,7 +671,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers", default="llama-server,vllm", help="from llama-server, vllm; none: Symphony alone")
     p.add_argument("--extras", default="", help="llama-cpp-python: its one-request server, labelled as such")
     p.add_argument("--no-llamacpp", action="store_true", help="the same as --peers none")
-    p.add_argument("--ours", default="quantized", help="quantized (the default kernel), float (--weights float)")
+    p.add_argument("--ours", default="quantized",
+                   help="quantized (the default kernel), float (--weights float), int8 (--activations int8)")
     p.add_argument("--workloads", default="warm,cold,plain")
     p.add_argument("--plain-tokens", type=int, default=400, help="prompt tokens of the plain workload")
     p.add_argument("--kv-memory-mb", type=int, default=2048, help="the kernels' KV pool in (b)")
@@ -686,7 +692,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.ours = [x for x in a.ours.split(",") if x]
     extras = [x for x in a.extras.split(",") if x]
     for flag, given, known in (("--peers", names, peers.NAMES), ("--extras", extras, peers.EXTRAS),
-                               ("--ours", a.ours, ("quantized", "float")), ("--workloads", a.workloads, WORKLOADS),
+                               ("--ours", a.ours, ("quantized", "float", "int8")), ("--workloads", a.workloads, WORKLOADS),
                                ("--only", a.only, ("a", "b", "c"))):
         for bad in (x for x in given if x not in known):
             p.error(f"{flag}: unknown {bad!r} (known: {', '.join(known)})")
@@ -725,6 +731,10 @@ def main(argv=None) -> int:
                     syms.append(Symphony(tmp / "float", kv_memory_mb=a.kv_memory_mb, weights="float",
                                          nocache=False))
                     mine.append(symphony_contender("symphony-float", syms[-1]))
+                if "int8" in ours:
+                    syms.append(Symphony(tmp / "int8", kv_memory_mb=a.kv_memory_mb, nocache=False,
+                                         extra=("--activations", "int8")))
+                    mine.append(symphony_contender("symphony-int8", syms[-1]))
                 for c in mine:
                     print(f"# {c.name}: {c.info['version']}; weights: {c.info['weights']}; KV {c.info['kv']}; "
                           f"command: {' '.join(c.info['argv'])}", flush=True)
