@@ -21,6 +21,9 @@
 //   * dense (prefill): W is dequantized into a float32 scratch of up to 8 MiB (in pieces of rows
 //     beyond that) and multiplied by torch's GEMM (oneDNN/MKL), so prefill runs at the float32
 //     path's speed while the model stays quantized in memory.
+//   * dense in bfloat16 (path 13; AMX): x and W rounded to bfloat16, oneDNN's GEMM. W's bfloat16
+//     copy is kept (Bf16Cache) within SYMPHONY_BF16_CACHE_MB (default 1024; 0: none, each
+//     call dequantizes into a scratch as path 3 does), so a prefill step does not dequantize.
 // resolve_path below says which the automatic choices (-1, -2) take: the rule written there from
 // micro-benchmarks on one CPU, or, once a start-up calibration has timed the paths on this CPU
 // (symphony/engine/ops/calibrate.py), the fastest it measured (qlinear_set_auto).
@@ -45,6 +48,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "../quant.h"
@@ -116,7 +122,7 @@ enum Path : int64_t {
 constexpr int64_t kLastPath = kDenseBf16;
 
 constexpr int64_t kDenseM = 32;  // from this many rows on, dequantize tiles and use torch's GEMM
-constexpr int64_t kDenseBf16M = 96;  // int8 activations on AMX: the bfloat16 GEMM from this many rows
+constexpr int64_t kDenseBf16M = 64;  // int8 activations on AMX: the bfloat16 GEMM from this many rows
 constexpr int64_t kRowM = 2;     // the 15-bit path's 16-row tiles from this many rows on
 constexpr int64_t kRowsAvx2 = 4;  // AVX2 alone: the row kernels (5, 12) below this many rows
 
@@ -440,9 +446,9 @@ int64_t resolve_path(int64_t path, int64_t M, const QDims& d) {
   const bool t8 = !t16 && cpu_has_avx2();
   if (path == kAutoQ8) {
     // AMX: oneDNN's bfloat16 GEMM multiplies ~6x faster than float32 (2 cores of a Sapphire
-    // Rapids: 2.0 vs 0.33 TFLOP/s at [256, 576] x [576, 1536]); with the dequantization of the
-    // weight (~0.25 ms for [1536, 576]) it passes the int8 16-row tiles from ~80 rows on
-    // (1536 x 576 Q4_1, 2 threads: 0.38 vs 0.40 ms at 96 rows, 0.57 vs 1.05 ms at 256)
+    // Rapids: 2.0 vs 0.33 TFLOP/s at [256, 576] x [576, 1536]); on the cached bfloat16 weight it
+    // passes the int8 16-row tiles from ~48 rows on (1536 x 576 Q4_1, 2 threads: 0.23 vs 0.30 ms
+    // at 64 rows, 0.49 vs 1.17 ms at 256; dequantizing each call instead, from ~80 rows)
     if (cpu_has_amx_bf16() && M >= kDenseBf16M) return kDenseBf16;
     if (t16) return M < kRowM ? kQ8Avx512Vnni : kQ8T16Avx512Vnni;
     if (M < kDenseM || (M < 2 * kDenseM && d.N * d.K >= (int64_t(3) << 18)))
@@ -486,6 +492,76 @@ void dequant_into(DequantFn deq, const QView& w, float* dst, int64_t n0, int64_t
   });
 }
 
+// Path 13's bfloat16 copies of quantized weights, dequantized on first use and kept while the
+// weight lives (its quantized bytes' and scales' storages, held weakly: a weight freed and
+// another allocated at the same address is never mistaken for it) and the budget allows.
+// Weights are immutable once loaded, so a copy stays right for as long as its weight lives.
+struct Bf16Cache {
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> qs, scales;
+    int64_t N = 0, K = 0, bytes = 0;
+    at::Tensor w;
+  };
+  std::mutex mu;
+  std::unordered_map<const void*, Entry> map;  // keyed by qs.data_ptr()
+  int64_t bytes = 0;
+  int64_t budget = [] {
+    const char* e = std::getenv("SYMPHONY_BF16_CACHE_MB");
+    const long long mb = e && *e ? std::atoll(e) : 1024;
+    return int64_t(std::max<long long>(mb, 0)) << 20;
+  }();
+
+  void drop_dead() {  // (mu held)
+    for (auto it = map.begin(); it != map.end();) {
+      if (it->second.qs.expired() || it->second.scales.expired()) {
+        bytes -= it->second.bytes;
+        it = map.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+};
+Bf16Cache g_bf16;
+
+// W as bfloat16 [N, K] from the cache, made (and kept, within the budget) if missing; an
+// undefined tensor when it does not fit (the caller dequantizes into its scratch).
+at::Tensor bf16_weight(const at::Tensor& qs, const at::Tensor& scales, const QView& w,
+                       const QDims& d, DequantFn deq) {
+  const void* key = qs.data_ptr();
+  const int64_t need = d.N * d.K * 2;
+  {
+    std::lock_guard<std::mutex> lock(g_bf16.mu);
+    auto it = g_bf16.map.find(key);
+    if (it != g_bf16.map.end()) {
+      const auto& e = it->second;
+      if (!e.qs.expired() && !e.scales.expired() && e.N == d.N && e.K == d.K &&
+          e.scales.lock().get() == scales.storage().unsafeGetStorageImpl())
+        return e.w;
+      g_bf16.bytes -= e.bytes;
+      g_bf16.map.erase(it);
+    }
+    g_bf16.drop_dead();  // (a miss: rare once a model's weights are in)
+    if (g_bf16.bytes + need > g_bf16.budget) return at::Tensor();
+  }
+  at::Tensor out = at::empty({d.N, d.K}, scales.options().dtype(at::kBFloat16));
+  const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
+  at::Tensor tile = at::empty({tn, d.K}, scales.options().dtype(at::kFloat));
+  float* tp = tile.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
+    const int64_t n1 = std::min(d.N, n0 + tn);
+    at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_into(deq, w, tp + (a - n0) * d.K, a, b); });
+    out.narrow(0, n0, n1 - n0).copy_(tile.narrow(0, 0, n1 - n0));
+  }
+  std::lock_guard<std::mutex> lock(g_bf16.mu);
+  if (g_bf16.map.count(key) == 0 && g_bf16.bytes + need <= g_bf16.budget) {
+    g_bf16.map.emplace(key, Bf16Cache::Entry{qs.storage().getWeakStorageImpl(),
+                                             scales.storage().getWeakStorageImpl(), d.N, d.K, need, out});
+    g_bf16.bytes += need;
+  }
+  return out;
+}
+
 at::Tensor qdequant_cpu(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
                         int64_t kind, int64_t group) {
   const QDims d = check_qweight("symphony::qdequant", qs, scales, mins, kind, group);
@@ -523,6 +599,10 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     // bfloat16: the float32 tile rounded (to nearest even) into a second scratch, x once, and
     // the product (float32 accumulation in oneDNN, rounded to bfloat16) widened into out.
     const bool bf = eff == kDenseBf16;
+    if (bf) {
+      const at::Tensor wb = bf16_weight(qs, scales, w, d, dequant_fn());
+      if (wb.defined()) return at::mm(x.to(at::kBFloat16), wb.t()).to(at::kFloat);
+    }
     const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
     static thread_local at::Tensor scratch, scratch_bf;
     if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options().dtype(at::kFloat));
@@ -614,6 +694,25 @@ void qlinear_set_auto(at::IntArrayRef rows, at::IntArrayRef paths) {
   g_auto.n_buckets.store(nb, std::memory_order_release);
 }
 
+// Path 13's cache of bfloat16 weights: [bytes held, weights held, budget in bytes].
+std::vector<int64_t> qlinear_bf16_cache() {
+  std::lock_guard<std::mutex> lock(g_bf16.mu);
+  g_bf16.drop_dead();
+  return {g_bf16.bytes, int64_t(g_bf16.map.size()), g_bf16.budget};
+}
+
+// Sets the cache's budget (bytes >= 0); copies over it are dropped, 0 empties it.
+void qlinear_set_bf16_cache(int64_t budget) {
+  SYM_CHECK(budget >= 0, "symphony::qlinear_set_bf16_cache: the budget must be >= 0 bytes, got ", budget);
+  std::lock_guard<std::mutex> lock(g_bf16.mu);
+  g_bf16.budget = budget;
+  g_bf16.drop_dead();
+  for (auto it = g_bf16.map.begin(); it != g_bf16.map.end() && g_bf16.bytes > budget;) {
+    g_bf16.bytes -= it->second.bytes;
+    it = g_bf16.map.erase(it);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(symphony, CPU, m) {
@@ -629,6 +728,8 @@ TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qlinear_path_for(int path, int M, int N, int K, int kind) -> int", &qlinear_path_for);
   m.def("qlinear_auto_paths(int mode) -> int[]", &qlinear_auto_paths);
   m.def("qlinear_set_auto(int[] rows, int[] paths) -> ()", &qlinear_set_auto);
+  m.def("qlinear_bf16_cache() -> int[]", &qlinear_bf16_cache);
+  m.def("qlinear_set_bf16_cache(int budget) -> ()", &qlinear_set_bf16_cache);
 }
 
 }  // namespace symphony

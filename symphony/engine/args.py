@@ -78,7 +78,7 @@ class EngineArgs:
                        help="what quantized weights multiply on a CPU: auto (x rounded to 15 bits per block "
                             "of 16 on CPUs with AVX-512 VNNI or AVX2 without AVX-512, float32 otherwise: "
                             "logits within ~1/2000 of their scale) or int8 (faster for batches, but logits "
-                            "move by ~4%% of their scale, as llama.cpp's do; on AMX CPUs products of 96 rows and "
+                            "move by ~4%% of their scale, as llama.cpp's do; on AMX CPUs products of 64 rows and "
                             "more, prefills, multiply in bfloat16)")
         p.add_argument("--no-cuda-graphs", action="store_true",
                        help="run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)")

@@ -241,7 +241,7 @@ def test_embedded_model_quantized_paris_and_perplexity(smollm):
     lf = dense.pred(kv, text, all_logits=True)
     dense.release(kv)
     assert 0 < (l8 - lf).abs().max() <= 0.05 * lf.abs().max()
-    # the bfloat16 GEMM (path 13: what the int8-activation choice takes for 96 rows and more on
+    # the bfloat16 GEMM (path 13: what the int8-activation choice takes for 64 rows and more on
     # AMX CPUs), forced for every product: Paris, perplexity
     # within 0.5 %, logits within 2 % of their scale (measured on a Sapphire Rapids: +0.005 %, 1.3 %)
     with force_qlinear_path(13):

@@ -353,7 +353,7 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
     test cannot see on one that has it: there the forced paths 10 / 11 are what is tested."""
     t8 = not HAS_AVX512_VNNI and HAS_AVX2
     if path == -2:
-        if HAS_AMX_BF16 and m >= 96:
+        if HAS_AMX_BF16 and m >= 64:
             return 13
         if HAS_AVX512_VNNI:
             return 7 if m < 2 else 8
@@ -575,6 +575,45 @@ def test_bfloat16_dense_path(qtype):
     y = ops.qlinear(x, qs, scales, mins, U4, 32, 13).double()
     w = ops.qdequant_reference(qs, scales, mins, U4, 32).double()
     assert bool(((y - x.double() @ w.t()).abs() <= 1e-2 * (x.double().abs() @ w.abs().t()) + 1e-6).all())
+
+
+def test_bfloat16_copies_are_kept_within_the_budget_and_dropped_with_their_weight():
+    """Path 13 keeps each weight's bfloat16 copy (made on its first product) while the weight
+    lives and the budget allows: results are the same bit for bit with and without the copy; a
+    weight freed gives its copy back, and another one at the same address is never mistaken for
+    it; the budget bounds what is kept (0: nothing)."""
+    import gc
+    cache, set_budget = torch.ops.symphony.qlinear_bf16_cache, torch.ops.symphony.qlinear_set_bf16_cache
+    budget = cache()[2]
+    try:
+        set_budget(0)
+        assert list(cache())[:2] == [0, 0]
+        qw, _ = gguf_weight("Q4_1", 64, 256, seed=1)
+        x = torch.randn(70, 256)
+        y0 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13)
+        assert list(cache())[:2] == [0, 0]                     # over the budget: none kept
+        set_budget(1 << 20)
+        y1 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13)
+        assert list(cache())[:2] == [64 * 256 * 2, 1]
+        y2 = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13)
+        assert torch.equal(y0, y1) and torch.equal(y1, y2)
+        assert list(cache())[:2] == [64 * 256 * 2, 1]          # the copy reused
+        for seed in range(2, 6):                              # freed weights, new ones (same sizes,
+            del qw                                            # often the same addresses): each
+            gc.collect()                                      # result is its own weight's
+            qw, want = gguf_weight("Q4_1", 64, 256, seed=seed)
+            y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13)
+            ref = ops.qlinear_reference(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, 13)
+            scale = x.abs() @ torch.from_numpy(want).abs().t()
+            assert bool(((y - ref).abs() <= 2.0 ** -7 * scale + 1e-6).all()), seed
+            assert cache()[1] == 1
+        big, _ = gguf_weight("Q4_1", 4096, 256, seed=9)        # 2 MiB: over the 1 MiB budget
+        ops.qlinear(x, big.qs, big.scales, big.mins, big.kind, big.group, 13)
+        assert cache()[0] <= 1 << 20
+        with pytest.raises(RuntimeError, match="budget must be >= 0"):
+            set_budget(-1)
+    finally:
+        set_budget(budget)
 
 
 def test_dense_path_in_pieces():
