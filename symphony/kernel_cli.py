@@ -219,7 +219,7 @@ def build(cfg: KernelConfig, log: logging.Logger):
     `Kernel` (not yet serving).  ModelLoadError; StartupError if the ops or the warm-up fail."""
     import torch
     compute_threads = cfg.threads or torch.get_num_threads()
-    # One OpenMP team in the process: the syscall thread's, which runs every step. A team made by
+    # One OpenMP team in the process: the device thread's, which runs every step. A team made by
     # this thread as well (loading, the warm-up) would outlive its use, and libgomp, seeing more
     # threads than cores, then lets its workers sleep between parallel regions instead of
     # spinning: every region pays a futex wake-up, and a decode step took 2.6x as long on 2
