@@ -136,7 +136,14 @@ class TPGroup:
                                     backend="gloo")
         if record is not None:
             from .agree import check
-            check(record, size, self.headers)
+            try:
+                check(record, size, self.headers)
+            except BaseException:           # every rank refuses: leave the group in order (a group
+                try:                        # left for the interpreter's exit to tear down aborted
+                    dist.destroy_process_group()       # the process now and then)
+                except Exception:
+                    pass
+                raise
         self.watch = CollectiveWatch(timeout_s, self._hung)
         self._leaving = False                 # this rank votes to end the heartbeat
         self._wake = threading.Event()
