@@ -8,8 +8,7 @@ wrong for this CPU, what the CPU runs fastest:
 * **What is timed.** Every path an automatic choice may take on this CPU
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
   kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMMs, float32
-  and bfloat16), forced,
-  on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
+  and bfloat16), forced, on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
   but seeded; `COPIES` of it called in turn, so that, as in a decode step, a call does not
   find its weight in the core's own caches), at the row count that stands for each bucket of
   rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-31, 32-63, 64-127, 128 and more,
