@@ -492,6 +492,17 @@ void dequant_into(DequantFn deq, const QView& w, float* dst, int64_t n0, int64_t
   });
 }
 
+// The dense paths dequantize W in tiles of at most 8 MiB of float32 rows (any of SmolLM2's layer
+// matrices whole; an output head in pieces of thousands of rows): rows a tile.
+int64_t dense_tile_rows(const QDims& d) {
+  return std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
+}
+
+// Rows [n0, n1) of W as float32 into dst ([n1 - n0, K]), split across threads.
+void dequant_tile(DequantFn deq, const QView& w, float* dst, int64_t n0, int64_t n1) {
+  at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_into(deq, w, dst + (a - n0) * w.K, a, b); });
+}
+
 // Path 13's bfloat16 copies of quantized weights, dequantized on first use and kept while the
 // weight lives (its quantized bytes' and scales' storages, held weakly: a weight freed and
 // another allocated at the same address is never mistaken for it) and the budget allows.
@@ -545,12 +556,11 @@ at::Tensor bf16_weight(const at::Tensor& qs, const at::Tensor& scales, const QVi
     if (g_bf16.bytes + need > g_bf16.budget) return at::Tensor();
   }
   at::Tensor out = at::empty({d.N, d.K}, scales.options().dtype(at::kBFloat16));
-  const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
+  const int64_t tn = dense_tile_rows(d);
   at::Tensor tile = at::empty({tn, d.K}, scales.options().dtype(at::kFloat));
-  float* tp = tile.data_ptr<float>();
   for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
     const int64_t n1 = std::min(d.N, n0 + tn);
-    at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_into(deq, w, tp + (a - n0) * d.K, a, b); });
+    dequant_tile(deq, w, tile.data_ptr<float>(), n0, n1);
     out.narrow(0, n0, n1 - n0).copy_(tile.narrow(0, 0, n1 - n0));
   }
   std::lock_guard<std::mutex> lock(g_bf16.mu);
@@ -593,9 +603,9 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const int64_t eff = resolve_path(path, M, d);
   if (eff == kDense || eff == kDenseBf16) {
     // Dequantizing is ~0.3% of the GEMM's time at prefill sizes, but splitting the GEMM into
-    // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (any of SmolLM2's layer
-    // matrices whole; an output head in pieces of thousands of rows) and multiply each piece.
-    // The scratch is kept per thread (8 MiB at most), so no call pays page faults for it.
+    // narrow tiles cost 20-40%: dequantize up to 8 MiB of rows at once (dense_tile_rows) and
+    // multiply each piece. The scratch is kept per thread (8 MiB at most), so no call pays page
+    // faults for it.
     // bfloat16: the float32 tile rounded (to nearest even) into a second scratch, x once, and
     // the product (float32 accumulation in oneDNN, rounded to bfloat16) widened into out.
     const bool bf = eff == kDenseBf16;
@@ -603,7 +613,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
       const at::Tensor wb = bf16_weight(qs, scales, w, d, dequant_fn());
       if (wb.defined()) return at::mm(x.to(at::kBFloat16), wb.t()).to(at::kFloat);
     }
-    const int64_t tn = std::clamp<int64_t>((int64_t(8) << 20) / (4 * d.K), 16, d.N);
+    const int64_t tn = dense_tile_rows(d);
     static thread_local at::Tensor scratch, scratch_bf;
     if (!scratch.defined() || scratch.numel() < tn * d.K) scratch = at::empty({tn * d.K}, scales.options().dtype(at::kFloat));
     if (bf && (!scratch_bf.defined() || scratch_bf.numel() < tn * d.K))
@@ -613,8 +623,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     for (int64_t n0 = 0; n0 < d.N; n0 += tn) {
       const int64_t n1 = std::min(d.N, n0 + tn);
       at::Tensor t = scratch.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K});
-      float* tp = t.data_ptr<float>();
-      at::parallel_for(n0, n1, 8, [&](int64_t a, int64_t b) { dequant_into(deq, w, tp + (a - n0) * d.K, a, b); });
+      dequant_tile(deq, w, t.data_ptr<float>(), n0, n1);
       if (bf) t = scratch_bf.narrow(0, 0, (n1 - n0) * d.K).view({n1 - n0, d.K}).copy_(t);
       if (n1 - n0 == d.N && !bf) return at::mm(xm, t.t());
       out.narrow(1, n0, n1 - n0).copy_(at::mm(xm, t.t()));
