@@ -145,8 +145,7 @@ class TPGroup:
                     pass
                 raise
         self.watch = CollectiveWatch(timeout_s, self._hung)
-        self._leaving = False                 # this rank votes to end the heartbeat
-        self._wake = threading.Event()
+        self._wake = threading.Event()          # close(): beat now, do not wait out the second
         self._heart = threading.Thread(target=self._heartbeat, name="symphony-tp-heartbeat", daemon=True)
         self._heart.start()
 
@@ -243,8 +242,9 @@ class TPGroup:
         """A tiny all-reduce a second on the heartbeat group: a rank that died or froze
         while the kernel is idle breaks the group within ``timeout_s``.
 
-        Every round carries each rank's vote to leave; the heartbeat ends on the round
-        where any rank voted, on every rank at once.  (A rank that simply stopped beating
+        Every round carries each rank's vote to leave (``stopping``: the STOP command
+        sent or received, or `close`); the heartbeat ends on the round where any rank
+        voted, on every rank at once.  (A rank that simply stopped beating
         would leave the others blocked in a round it never joins, and tearing the group
         down under a blocked collective aborts the process.)"""
         t = torch.zeros(1)
@@ -252,7 +252,7 @@ class TPGroup:
             self._wake.wait(HEARTBEAT_S)
             if self.broken:
                 return
-            t.fill_(1.0 if self._leaving else 0.0)
+            t.fill_(1.0 if self.stopping else 0.0)
             try:
                 dist.all_reduce(t, group=self.beats)
             except Exception as e:
@@ -270,7 +270,6 @@ class TPGroup:
         as it is: a thread of this process may still be blocked in one of its
         collectives, which tearing it down could hang or abort."""
         self.stopping = True
-        self._leaving = True
         self._wake.set()
         self.watch.stop()
         if self.broken:
