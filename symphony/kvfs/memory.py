@@ -320,11 +320,12 @@ def _cache_only(cache: list[Inode]) -> list[Block]:
 
 def _deletable(cache: list[Inode], protect: set[int]) -> tuple[list[Inode], list[Block]]:
     """The cache files of ``cache`` that may be deleted without freeing a block in
-    ``protect``, and the blocks only they hold (`_cache_only` of them).  A cache file that shares pages with a running LIP's open file
-    (a prefix-cache entry and a request that forked it: every entry shares the
-    system prompt's pages with every request) may go: those pages keep the open
-    file's reference and stay.  Only a protected block that nothing but cache
-    files references keeps every file holding it."""
+    ``protect``, and the blocks only they hold (`_cache_only` of them).  A cache
+    file that shares pages with a running LIP's open file (a prefix-cache entry
+    and a request that forked it: every entry shares the system prompt's pages
+    with every request) may go: those pages keep the open file's reference and
+    stay.  Only a protected block that nothing but cache files references keeps
+    every file holding it."""
     only = _cache_only(cache)
     unsafe = {b.id for b in only if b.id in protect}
     if not unsafe:
