@@ -135,6 +135,8 @@ class Symphony:
         t0 = time.time()
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self._wait("symphony-gateway: serving", 300)
+        if "lazy" not in self.argv:                  # the KV pool committed before anything is timed
+            self._wait(" committed in ", 300, also=": not committed ahead")
         self.startup_s = time.time() - t0
         if nocache:
             uid = int(self.text().split("serving as uid ")[1].split(")")[0])
@@ -151,9 +153,9 @@ class Symphony:
         self.log.flush()
         return Path(self.log.name).read_text()
 
-    def _wait(self, what: str, timeout: float) -> None:
+    def _wait(self, what: str, timeout: float, also: str | None = None) -> None:
         deadline = time.time() + timeout
-        while what not in self.text():
+        while what not in self.text() and (also is None or also not in self.text()):
             if self.proc.poll() is not None or time.time() > deadline:
                 for p in (self.proc, self.nocache):       # none left running behind us
                     if p is not None and p.poll() is None:

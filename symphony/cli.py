@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     try:
         engine = eargs.load(cfg)
         engine.calibrate_kernels()
+        engine.kv.start_commit()
     except ModelLoadError as e:
         print(f"symphony: {e}", file=sys.stderr)
         return 2

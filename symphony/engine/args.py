@@ -38,6 +38,7 @@ class EngineArgs:
     weights: str = "auto"
     quantize: Optional[str] = None
     activations: str = "auto"            # "int8": the int8-activation CPU kernels
+    kv_commit: str = "background"        # the host KV pool's memory: "background" or "lazy"
     no_cuda_graphs: bool = False
     tp: Optional[int] = None             # tensor-parallel ranks on the CPU (gloo); --gpus 0,1: one per GPU
     tp_timeout: float = 60.0             # seconds a collective may wait for a rank
@@ -80,6 +81,11 @@ class EngineArgs:
                             "logits within ~1/2000 of their scale) or int8 (faster for batches, but logits "
                             "move by ~4%% of their scale, as llama.cpp's do; on AMX CPUs products of 64 rows and "
                             "more, prefills, multiply in bfloat16)")
+        p.add_argument("--kv-commit", default="background", choices=["background", "lazy"],
+                       help="the KV pool's memory in host RAM: background (default) commits all of it on a "
+                            "thread of its own once the engine serves, so that no step pays for a page's first "
+                            "write (slow on virtual machines); lazy commits each page as a step first writes it "
+                            "(a large pool costs RAM only as it fills)")
         p.add_argument("--no-cuda-graphs", action="store_true",
                        help="run decode steps eagerly instead of replaying captured CUDA graphs (GPU only)")
         g = p.add_argument_group("tensor parallelism (one model across processes, GPUs or machines)")
@@ -170,7 +176,7 @@ class EngineArgs:
         return EngineConfig(device=self.device(), dtype=DTYPES[dtype] if dtype else None,
                             page_size=self.page_size, kv_memory_bytes=self.kv_memory_mb * 2**20,
                             cuda_graphs=False if self.no_cuda_graphs or sim else None,
-                            weights=self.weights, quantize=self.quantize)
+                            weights=self.weights, quantize=self.quantize, kv_commit=self.kv_commit)
 
     def load(self, cfg: "Optional[EngineConfig]" = None):
         """Select the CPU kernels ``--activations`` asks for and load the model into an `Engine`

@@ -84,6 +84,7 @@ class ModelConfig:
 
 
 WEIGHT_MODES = ("auto", "quantized", "float")
+KV_COMMIT = ("lazy", "background")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -133,6 +134,10 @@ class EngineConfig:
     # "int8" / "int4": quantize float matrices (a safetensors checkpoint, F16/F32 GGUF tensors)
     # at load, groups of 32; None: keep them float.
     quantize: Optional[str] = None
+    # The host KV pool's memory: "lazy" commits a page when a step first writes it;
+    # "background" commits it all on a thread of its own once the engine serves
+    # (`KVPool.start_commit`), so that no step pays for that (the kernel's default).
+    kv_commit: str = "lazy"
 
     def __post_init__(self) -> None:
         try:
@@ -163,6 +168,8 @@ class EngineConfig:
             raise ConfigError(f"engine config: quantize must be None, 'int8' or 'int4', got {self.quantize!r}")
         if self.quantize is not None and self.weights == "float":
             raise ConfigError("engine config: quantize=... needs weights 'quantized' or 'auto', not 'float'")
+        if self.kv_commit not in KV_COMMIT:
+            raise ConfigError(f"engine config: kv_commit must be one of {', '.join(KV_COMMIT)}, got {self.kv_commit!r}")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
 

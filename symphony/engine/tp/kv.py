@@ -91,6 +91,7 @@ class ShardedKVPool(KVPool):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        super().close()
         if not self.group.broken:
             try:
                 self.group.send(STOP)

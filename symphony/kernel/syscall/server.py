@@ -234,6 +234,7 @@ class SyscallServer:
             self.engine.calibrate_kernels()
         except Exception:                   # noqa: BLE001 - the rule of the ops still serves
             log.exception("calibrating the quantized kernels failed; their built-in rule decides")
+        self.engine.kv.start_commit()       # after the calibration's timings, which it would disturb
 
     def _drain(self) -> None:
         """Stopping: the step on the device comes back and its calls are answered (nothing is

@@ -42,6 +42,13 @@ def test_flags_become_a_checked_config():
         _parse("--quantize", "int8", "--weights", "float").to_config()
 
 
+def test_the_kv_pool_is_committed_in_the_background_unless_asked_lazy():
+    assert _parse().to_config().kv_commit == "background"
+    assert _parse("--kv-commit", "lazy").to_config().kv_commit == "lazy"
+    with pytest.raises(SystemExit):
+        _parse("--kv-commit", "eager")
+
+
 def test_gpus_name_a_device_or_one_tensor_parallel_rank_each():
     assert _parse().device() == "cpu" and _parse("--gpus", " 1 ").device() == "cuda:1"
     two = _parse("--gpus", "0,1")
