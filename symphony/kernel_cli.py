@@ -218,6 +218,10 @@ def build(cfg: KernelConfig, log: logging.Logger):
     """Load the model, build/load the ops and warm up, then make the KV file system and the
     `Kernel` (not yet serving).  ModelLoadError; StartupError if the ops or the warm-up fail."""
     import torch
+    from .engine.hostmem import retain_freed_memory
+    kept = retain_freed_memory()                    # before the model's memory is allocated
+    if kept:
+        log.info("%s", kept)
     compute_threads = cfg.threads or torch.get_num_threads()
     # One OpenMP team in the process: the device thread's, which runs every step. A team made by
     # this thread as well (loading, the warm-up) would outlive its use, and libgomp, seeing more

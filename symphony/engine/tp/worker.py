@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"symphony tp rank {args.rank}: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    from ..hostmem import retain_freed_memory
+    retain_freed_memory()                           # as rank 0's kernel does
     return serve_rank(args.model, cfg, rank=args.rank, size=args.size, init=args.init, threads=args.threads,
                       timeout_s=args.timeout, activations=args.activations, digest=args.model_digest,
                       node=args.node)

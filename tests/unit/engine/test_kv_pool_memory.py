@@ -1,8 +1,9 @@
 """The CPU KV pool's memory (engine/kv_cache.py): `zeros_lazy` makes it zero, committed only as
 it is first written, and in the system's default pages - not advised as transparent huge pages,
 whose first write (a fresh KV page in a step) zeroes 2 MiB at a time and, on a virtual machine,
-took ~25x as long as in 4 KiB pages; `Committer` then commits all of it in the background
-(the kernel's default), so that no step pays a page's first write."""
+took ~25x as long as in 4 KiB pages; `hostmem.Committer` then commits all of it in the
+background (the kernel's default), so that no step pays a page's first write; and
+`hostmem.retain_freed_memory` keeps what a step frees for the next."""
 from __future__ import annotations
 
 import sys
@@ -88,7 +89,8 @@ import sys, threading, logging
 sys.path.insert(0, sys.argv[1])
 import torch
 from test_kv_pool_memory import rss_kib
-from symphony.engine.kv_cache import commit_memory, zeros_lazy
+from symphony.engine.hostmem import commit_memory
+from symphony.engine.kv_cache import zeros_lazy
 pool = zeros_lazy((2, 64, 1024, 256), torch.float32, torch.device("cpu"))     # 128 MiB, lazy
 pool[1, 3, 5].fill_(7.0)                                              # in use while it is committed
 stopped = threading.Event()
@@ -130,7 +132,7 @@ def test_memory_that_cannot_be_committed_is_reported_not_raised(tmp_path):
 
     import numpy as np
 
-    from symphony.engine.kv_cache import Committer, commit_memory
+    from symphony.engine.hostmem import Committer, commit_memory
     f = tmp_path / "ro"
     f.write_bytes(bytes(1 << 20))
     with open(f, "rb") as fh:
@@ -175,3 +177,38 @@ def test_the_pool_commits_in_the_background_only_when_asked():
     pool.close()
     with pytest.raises(ConfigError, match="kv_commit must be one of lazy, background"):
         EngineConfig(kv_commit="eager")
+
+
+RETAIN = """
+import ctypes, sys
+from symphony.engine.hostmem import retain_freed_memory
+said = retain_freed_memory()
+import platform
+if platform.libc_ver()[0] != "glibc":
+    assert said is None
+    print("ok")
+    raise SystemExit
+assert said and "keeps freed memory" in said, said
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def mapped(addr):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return hi - lo
+size = 16 << 20                      # above glibc's default mmap threshold (128 KiB)
+p = libc.malloc(size)
+libc.free(p)
+q = libc.malloc(size)                # the same block again: from the heap, not a new mapping
+assert q == p, (hex(p), hex(q))
+libc.free(q)
+print("ok")
+"""
+
+
+def test_freed_memory_is_kept_for_the_next_allocation():
+    """A 16 MiB block freed and asked for again comes back from the heap (no new mapping,
+    no page faulted in again); without the setting glibc maps and unmaps such a block."""
+    assert _fresh(RETAIN).strip().endswith("ok")
