@@ -51,7 +51,8 @@ connection per request: llama-server drops reused keep-alive connections under l
 each round a fresh system prompt (a salt at its start) so all start from the same cache state.
 Within a round the contenders run one after the other, in an order rotated every round; every
 peer not being measured is paused (SIGSTOP: vLLM keeps a core busy even idle). llama-server is
-restarted at each level with -np N (N = clients; it starts in seconds); vLLM starts once (minutes)
+restarted at each level with -np N (N = clients; it starts in seconds); a Symphony kernel is timed
+once its KV pool is committed (as vLLM reserves its KV memory before it serves); vLLM starts once (minutes)
 with --max-num-seqs = the largest level (a cap, not an allocation). Each contender's KV budget
 is printed. The CPU model, core count and load are printed with the figures, and --json writes
 every round's figures (rewritten after each level, so an interrupted run keeps what it measured).
