@@ -4,6 +4,7 @@
                                  [--peers llama-server,vllm] [--extras llama-cpp-python]
                                  [--ours quantized,float,int8] [--workloads warm,cold,plain,short]
                                  [--only a,b,c] [--json OUT] [--kv-memory-mb 2048]
+                                 [--kernel-flags "--token-budget 512"]
 
 Starts a kernel with --http (and a second gateway with --prefix-cache off in front of the same
 kernel, for (c)). Reports medians and the per-round spread (min..max) of:
@@ -65,6 +66,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -683,8 +685,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="the peers' threads (default: the CPU count)")
     p.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--only", default="a,b,c", help="which of (a), (b), (c) to run")
+    p.add_argument("--kernel-flags", default="", metavar="FLAGS",
+                   help="more symphony-kernel flags for each of our kernels, e.g. \"--token-budget 512\"")
     p.add_argument("--json", default=None, help="write every round's figures to this file")
     a = p.parse_args(argv)
+    a.kernel_flags = shlex.split(a.kernel_flags)
     a.only = set(x for x in a.only.split(",") if x)
     try:
         a.levels = [int(x) for x in a.clients.split(",")]
@@ -721,7 +726,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-", dir="/tmp") as tmp:
         os.chmod(tmp, 0o755)                    # a root kernel's gateway runs as another uid
         tmp = Path(tmp)
-        sym = Symphony(tmp / "quantized", kv_memory_mb=a.kv_memory_mb if "b" in only else 512)
+        sym = Symphony(tmp / "quantized", kv_memory_mb=a.kv_memory_mb if "b" in only else 512, extra=a.kernel_flags)
         syms, field = [sym], None
         try:
             print(f"model {sym.model}; system prompt {len(SYSTEM)} characters; symphony on ports {sym.port} "
@@ -732,11 +737,11 @@ def main(argv=None) -> int:
                 mine = [symphony_contender("symphony", sym)] if "quantized" in ours else []
                 if "float" in ours:
                     syms.append(Symphony(tmp / "float", kv_memory_mb=a.kv_memory_mb, weights="float",
-                                         nocache=False))
+                                         nocache=False, extra=a.kernel_flags))
                     mine.append(symphony_contender("symphony-float", syms[-1]))
                 if "int8" in ours:
                     syms.append(Symphony(tmp / "int8", kv_memory_mb=a.kv_memory_mb, nocache=False,
-                                         extra=("--activations", "int8")))
+                                         extra=("--activations", "int8", *a.kernel_flags)))
                     mine.append(symphony_contender("symphony-int8", syms[-1]))
                 for c in mine:
                     print(f"# {c.name}: {c.info['version']}; weights: {c.info['weights']}; KV {c.info['kv']}; "
