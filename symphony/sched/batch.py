@@ -47,7 +47,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
-from .cost import StepCost
+from .cost import StepCost, attention_pairs
 from .share import Demand, capacity, split, weight
 
 SLOWDOWN = 1.5              # a shared step: at most 1.5x the even step at its lightest user's level (share.py)
@@ -65,6 +65,7 @@ class Call:
     payload: Any = None          # the kernel's own record
     arrival: float = 0.0
     done: int = 0                # tokens already fed (chunked prefill)
+    context: int = 0             # KV slots in its file before its first token (the attention it reads)
     seq: int = field(default_factory=itertools.count().__next__)
 
     @property
@@ -99,7 +100,7 @@ class BatchScheduler:
         self.token_budget, self.chunk_tokens, self.gather_s = token_budget, chunk_tokens, gather_s
         self.slowdown = slowdown
         self.cost = cost if cost is not None else StepCost()
-        self._last_size: Optional[tuple[int, int]] = None  # (tokens, calls) of the last step
+        self._last_size: Optional[tuple[int, int, float]] = None  # (tokens, calls, pairs) of the last step
         self.queue: list[Call] = []
         self.served_user: dict[str, int] = defaultdict(int)
         self.served_lip: dict[int, int] = defaultdict(int)
@@ -144,7 +145,8 @@ class BatchScheduler:
         of that (and at most 50 ms), `should_wait`."""
         self.gather_s = min(0.050, 0.25 * seconds)
         if self._last_size is not None:
-            self.cost.observe(*self._last_size, seconds)
+            tokens, calls, pairs = self._last_size
+            self.cost.observe(tokens, calls, seconds, pairs)
             self._last_size = None
 
     def queued_lips(self) -> set[int]:
@@ -226,7 +228,8 @@ class BatchScheduler:
         # the callers worth waiting for: those of users whose share took all their ready calls
         # (a user cut short has calls left for the next step; its stragglers hold nothing up)
         self.last_step_keys = {c.key: c.lip for c, _, _ in items if (c.priority, c.user) not in cut}
-        self._last_size = (sum(n for _, _, n in items), len(items))
+        self._last_size = (sum(n for _, _, n in items), len(items),
+                           sum(attention_pairs(c.context + start, n) for c, start, n in items))
         self._gather_deadline = None
         return Step(items)
 
@@ -256,6 +259,7 @@ class BatchScheduler:
             calls[(prio, user)] = ordered
             items = [1 if c.remaining == 1 else min(c.remaining, self.chunk_tokens, self.token_budget)
                      for c in ordered]
-            demands.append(Demand(user, prio, items, self.served_user.get(user, 0)))
+            demands.append(Demand(user, prio, items, self.served_user.get(user, 0),
+                                  [c.context + c.done for c in ordered]))
         demands.sort(key=lambda d: (-d.priority, d.served / weight(d.priority), d.user))
         return demands, calls

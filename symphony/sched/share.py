@@ -6,7 +6,9 @@ A step is *shared* when calls of two or more users are ready.  Then:
    user of the highest priority class present as many tokens as the
    lightest of them asks for (all of it for the lightest: its own work, and
    no more than that for the others); a shared step is kept within
-   ``slowdown`` x the even step's predicted time (cost.py).  It takes the
+   ``slowdown`` x the even step's predicted time (cost.py: tokens, calls and
+   the attention over each call's context, so a chunk deep in a long prompt
+   counts for the context it reads).  It takes the
    most tokens for which the predicted time of the shares that many tokens
    give stays within that, never fewer than one token per user with work,
    never more than the token budget.  One user alone (or before any step was
@@ -32,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cost import StepCost
+from .cost import StepCost, attention_pairs
 
 
 def weight(priority: int) -> float:
@@ -49,6 +51,7 @@ class Demand:
     priority: int
     items: list = field(default_factory=list)   # tokens per call (1 for a decode)
     served: int = 0                             # tokens served so far (ties)
+    contexts: list = field(default_factory=list)  # KV slots before each call's next chunk (0 if not given)
 
     @property
     def key(self) -> tuple:
@@ -61,13 +64,18 @@ class Demand:
 
     def calls(self, tokens: int) -> int:
         """Calls that the user's first ``tokens`` tokens reach into."""
-        n = 0
-        for size in self.items:
+        return self.work(tokens)[0]
+
+    def work(self, tokens: int) -> tuple[int, float]:
+        """(calls, thousand query-key pairs of attention) of the user's first ``tokens`` tokens."""
+        n, pairs = 0, 0.0
+        for i, size in enumerate(self.items):
             if tokens <= 0:
                 break
             n += 1
+            pairs += attention_pairs(self.contexts[i] if i < len(self.contexts) else 0, min(size, tokens))
             tokens -= size
-        return n
+        return n, pairs
 
 
 def split(demands: list[Demand], capacity: int) -> dict[tuple, int]:
@@ -112,13 +120,14 @@ def capacity(demands: list[Demand], budget: int, cost: Optional[StepCost], slowd
     top = [d for d in demands if d.priority == max(x.priority for x in demands)]
     light = min(d.tokens for d in top)
     even = [min(d.tokens, light) for d in top]         # every top user as much as the lightest asks
-    target = slowdown * cost.seconds(min(budget, sum(even)), sum(d.calls(n) for d, n in zip(top, even)))
+    works = [d.work(n) for d, n in zip(top, even)]
+    target = slowdown * cost.seconds(min(budget, sum(even)), sum(c for c, _ in works), sum(a for _, a in works))
     by_key = {d.key: d for d in demands}
 
     def fits(c: int) -> bool:
         shares = split(demands, c)
-        calls = sum(by_key[k].calls(n) for k, n in shares.items())
-        return cost.seconds(sum(shares.values()), calls) <= target
+        works = [by_key[k].work(n) for k, n in shares.items()]
+        return cost.seconds(sum(shares.values()), sum(c for c, _ in works), sum(a for _, a in works)) <= target
 
     lo = min(total, len(demands))
     if fits(total):

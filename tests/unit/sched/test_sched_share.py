@@ -6,7 +6,7 @@ costs 4 ms, each token 0.75 ms and each call 0.75 ms more (a decode of 16 sequen
 import pytest
 
 from symphony.sched import BatchScheduler, Call
-from symphony.sched.cost import StepCost
+from symphony.sched.cost import StepCost, attention_pairs
 from symphony.sched.share import Demand, capacity, split
 
 CPU = dict(base=0.004, per_token=0.00075, per_call=0.00075)
@@ -190,16 +190,16 @@ def test_cost_model_recovers_a_linear_device():
     m = StepCost()
     for tokens, calls in [(1, 1), (16, 16), (128, 1), (129, 2), (4, 4), (64, 3), (200, 20)]:
         m.observe(tokens, calls, 0.004 + 0.00075 * tokens + 0.00075 * calls)
-    base, per_token, per_call = m.coefficients()
+    base, per_token, per_call, per_kpair = m.coefficients()
     assert base == pytest.approx(0.004) and per_token == pytest.approx(0.00075)
-    assert per_call == pytest.approx(0.00075)
+    assert per_call == pytest.approx(0.00075) and per_kpair == 0.0      # no attention seen: left out
 
 
 def test_cost_model_with_decodes_only_folds_the_call_into_the_token():
     m = StepCost()
     for w in (1, 2, 4, 8, 16, 4, 1):
         m.observe(w, w, 0.004 + 0.0015 * w)
-    assert m.coefficients() == pytest.approx((0.004, 0.0015, 0.0))
+    assert m.coefficients() == pytest.approx((0.004, 0.0015, 0.0, 0.0))
 
 
 def test_cost_model_of_one_step_size_is_the_line_through_the_origin():
@@ -208,7 +208,7 @@ def test_cost_model_of_one_step_size_is_the_line_through_the_origin():
     m = StepCost()
     for _ in range(5):
         m.observe(16, 16, 0.028)
-    assert m.coefficients() == pytest.approx((0.0, 0.028 / 16, 0.0))
+    assert m.coefficients() == pytest.approx((0.0, 0.028 / 16, 0.0, 0.0))
     assert StepCost().seconds(1, 1) is None
     with pytest.raises(ValueError):
         StepCost(decay=0.0)
@@ -220,8 +220,41 @@ def test_cost_model_never_goes_negative():
     m = StepCost()
     for w, t in [(1, 0.010), (2, 0.009), (4, 0.008), (8, 0.007)]:        # noise: wider looked faster
         m.observe(w, w, t)
-    base, per_token, per_call = m.coefficients()
-    assert base >= 0 and per_token > 0 and per_call >= 0
+    base, per_token, per_call, per_kpair = m.coefficients()
+    assert base >= 0 and per_token > 0 and per_call >= 0 and per_kpair >= 0
+
+
+def test_cost_model_learns_the_attention_over_the_context():
+    """Steps whose cost depends on how deep in its file each call's tokens sit (the attention
+    reads the whole context): the model recovers that term beside tokens and calls, and a few
+    tokens deep in a long prompt are predicted to cost what they do."""
+    m = StepCost()
+    rows = [(1, 1, 50), (5, 2, 3000), (128, 1, 0), (128, 1, 2800), (17, 9, 400), (40, 3, 1200),
+            (2, 2, 3000), (64, 4, 100), (9, 5, 1500)]
+    for tokens, calls, ctx in rows:
+        pairs = attention_pairs(ctx, tokens)
+        m.observe(tokens, calls, pairs=pairs, seconds=0.004 + 0.0003 * tokens + 0.0002 * calls + 0.0004 * pairs)
+    assert m.coefficients() == pytest.approx((0.004, 0.0003, 0.0002, 0.0004))
+    deep, shallow = m.seconds(5, 1, attention_pairs(3000, 5)), m.seconds(5, 1, attention_pairs(0, 5))
+    assert deep > 2 * shallow
+    assert attention_pairs(0, 1) == 0.001 and attention_pairs(10, 2) == pytest.approx(0.023)
+
+
+def test_a_chunk_deep_in_a_long_prompt_is_kept_small_beside_a_decoder():
+    """Bob decodes one sequence; alice's prompt is 3,000 tokens in. With the attention term the
+    shared step gives her only as many tokens as keep the step within 1.5x the even step, the
+    step of his token and one of hers, both priced with the context they read."""
+    cost = StepCost.fixed(base=0.004, per_token=0.0003, per_call=0.0002, per_kpair=0.0004)
+    bob = Demand("bob", 0, [1], 0, [40])
+    alice = Demand("alice", 0, [128], 0, [3000])
+    c = capacity([bob, alice], 256, cost, 1.5)
+    shares = split([bob, alice], c)
+    assert shares[bob.key] == 1 and 1 <= shares[alice.key] < 8
+    step = cost.seconds(c, 2, bob.work(1)[1] + alice.work(shares[alice.key])[1])
+    even = cost.seconds(2, 2, bob.work(1)[1] + alice.work(1)[1])
+    assert step <= 1.5 * even
+    flat = capacity([Demand("bob", 0, [1]), Demand("alice", 0, [128])], 256, cost, 1.5)   # no contexts given
+    assert flat > c                                    # priced flat, her chunk would be wider
 
 
 def test_the_scheduler_learns_the_shared_width_from_the_steps_it_timed():

@@ -120,14 +120,14 @@ class PredCalls:
         # the rest of the check is KVFS's: handle, tokens, positions, length limit, quota
         tokens, positions = self.fs.check_pred(lip.principal, req.kv, toks[:n], req.positions, req.all_logits)
         now = time.monotonic()
-        ino = self.fs.handles[req.kv].inode.ino          # (the handle was just checked) its calls run in order
+        inode = self.fs.handles[req.kv].inode            # (the handle was just checked) its calls run in order
         if want is None:
             want = Want(out, k, mask, sampling, bias)
             if cacheable:
                 if len(self._wants) >= MAX_WANTS:
                     self._wants.clear()
                 self._wants[req] = want
-        self.sched.add(PredCall(key=ino, lip=lip.id, user=lip.user, n_tokens=n,
+        self.sched.add(PredCall(key=inode.ino, lip=lip.id, user=lip.user, n_tokens=n, context=inode.length,
                                 priority=lip.priority, arrival=now, proc=lip, slot=slot, call_id=cid,
                                 kv=req.kv, tokens=tokens, positions=positions, all_logits=req.all_logits,
                                 want=want))
