@@ -535,7 +535,7 @@ async def _decode_requests(url: str, model: str, n: int, steps: int, tag: str) -
     """``n`` concurrent streamed greedy requests: per request, its content chunks' arrival times
     and its completion tokens (usage)."""
     import httpx
-    from bench_gateway import _lines
+    import sse
 
     async def one(client, i):
         body = {"model": model, "temperature": 0, "max_tokens": steps, "stream": True,
@@ -543,19 +543,11 @@ async def _decode_requests(url: str, model: str, n: int, steps: int, tag: str) -
                 "messages": [{"role": "user", "content": f"({tag}.{i}) Write a long story about "
                               f"{SERVER_TOPICS[i % len(SERVER_TOPICS)]} number {i}."}]}
         times, tokens = [], None
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in _lines(r, url):
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                d = __import__("json").loads(line[6:])
-                if d.get("error"):              # not a fast empty answer: the run stops, saying why
-                    raise RuntimeError(f"{url}: error event: {str(d['error'])[:300]}")
-                if d.get("usage"):
-                    tokens = d["usage"].get("completion_tokens")
-                if any((c.get("delta") or {}).get("content") for c in d.get("choices", [])):
-                    times.append(time.perf_counter())
+        async for ev in sse.chat_events(client, url, body):   # an error event stops the run, saying why
+            if ev.get("usage"):
+                tokens = ev["usage"].get("completion_tokens")
+            if sse.content(ev):
+                times.append(time.perf_counter())
         return times, tokens if tokens is not None else len(times)
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:

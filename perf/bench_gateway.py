@@ -82,6 +82,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "perf"))
 
 import peers  # noqa: E402
+import sse  # noqa: E402
 
 SYSTEM = ("You are a meticulous assistant for a regional library network. " * 2 +
           "Rules: " + " ".join(f"({i}) Answer politely, cite the branch catalogue when relevant, keep "
@@ -280,36 +281,18 @@ async def chat_stream(client: httpx.AsyncClient, url: str, model: str, messages,
     ttft, text, tokens, chunks, usage = None, [], None, 0, {}
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in _lines(r, url):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if d.get("error"):                  # a server's error event ends the request: a failure
-                raise RuntimeError(f"{url}: error event: {str(d['error'])[:300]}")
-            if d.get("usage"):
-                usage = d["usage"]
-                tokens = usage.get("completion_tokens")
-            for ch in d.get("choices", []):
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text.append(piece)
-                    chunks += 1
+    async for ev in sse.chat_events(client, url, body):
+        if ev.get("usage"):
+            usage = ev["usage"]
+            tokens = usage.get("completion_tokens")
+        piece = sse.content(ev)
+        if piece:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+            chunks += 1
     return (ttft if ttft is not None else time.perf_counter() - t0), \
         (tokens if tokens is not None else chunks), "".join(text), usage
-
-
-async def _lines(r, url: str):
-    """The response's lines; a stream the server cuts names the server."""
-    try:
-        async for line in r.aiter_lines():
-            yield line
-    except httpx.HTTPError as e:
-        raise RuntimeError(f"{url}: the stream broke: {e}") from e
 
 
 def _client(clients: int) -> httpx.AsyncClient:

@@ -67,7 +67,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,6 +78,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "perf"))
 
 import peers  # noqa: E402
+import sse  # noqa: E402
 from bench_gateway import Symphony, pct  # noqa: E402
 from bench_rag import make_docs  # noqa: E402
 from common import cpu_name, pyplot, save, spread  # noqa: E402
@@ -161,16 +161,15 @@ def http_query(url: str, model: str, system: str, texts: list[str], question: st
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            d = sse.event(line)
+            if d is None:
                 continue
-            d = json.loads(line[6:])
-            if d.get("error"):
+            if d.get("error"):                                           # kept: the run reports it
                 error = d["error"]
-            for ch in d.get("choices", []):
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    answer.append(piece)
+            piece = sse.content(d)
+            if piece:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                answer.append(piece)
             if d.get("usage"):
                 prompt = d["usage"].get("prompt_tokens") or prompt
                 cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
