@@ -58,6 +58,7 @@ class Committer(threading.Thread):
 
     def run(self) -> None:
         t0 = time.perf_counter()
+        log.info("%s: committing its memory in the background", self.what)
         try:
             self.committed, self.error = commit_memory(self.t, self.CHUNK, self._stop_asked)
         finally:
