@@ -129,7 +129,8 @@ def cpu_description():
 
 
 def kernel_rss(model, mode, kv_mb, timeout=600):
-    """VmRSS (bytes) of a real symphony-kernel once it listens, started with --weights mode."""
+    """VmRSS (bytes) of a real symphony-kernel once it listens and its KV pool is committed (the
+    default, `--kv-commit background`), started with --weights mode."""
     import signal
     import subprocess
     import tempfile
@@ -141,10 +142,13 @@ def kernel_rss(model, mode, kv_mb, timeout=600):
         if model:
             cmd += ["--model", str(model)]
         env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."))
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_path = os.path.join(tmp, "kernel.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             t0 = time.time()
-            while not os.path.exists(sock):
+            while not os.path.exists(sock) or not any(m in open(log_path).read()
+                                                     for m in (" committed in ", "not committed")):
                 if proc.poll() is not None or time.time() - t0 > timeout:
                     return None
                 time.sleep(0.2)
