@@ -15,8 +15,10 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
          steps slower, not everyone's
       2. within a user's share: calls with a single token left (decodes, last
          chunks) first, one token each, then multi-token calls (prefills), a
-         long prompt in chunks of at most ``chunk_tokens`` (and of the share),
-         so a 10k-token prompt never stalls decoders for a whole prefill;
+         long prompt in chunks of at most ``chunk_tokens`` (and of the share;
+         fewer deep in a long prompt, `chunk_cap`, so a deep chunk's pass is
+         no longer than a shallow one's), so a 10k-token prompt never stalls
+         decoders for a whole prefill;
          decodes in turns between the user's LIPs (the LIP served the fewest
          tokens first), then arrival; prefills first come, first served, a
          prompt already begun before any other (its chunks follow each other),
@@ -51,6 +53,8 @@ from .cost import StepCost, attention_pairs
 from .share import Demand, capacity, split, weight
 
 SLOWDOWN = 1.5              # a shared step: at most 1.5x the even step at its lightest user's level (share.py)
+MIN_CHUNK = 32              # the smallest prompt chunk `chunk_cap` cuts to
+CHUNK_SLACK = 1.25          # a deep chunk may cost this much more than a full one at a prompt's start
 
 
 @dataclass
@@ -149,6 +153,31 @@ class BatchScheduler:
             self.cost.observe(tokens, calls, seconds, pairs)
             self._last_size = None
 
+    def chunk_cap(self, context: int) -> int:
+        """The most tokens of a prompt one pass feeds after ``context`` cached ones:
+        ``chunk_tokens``, fewer deep in a long prompt, where each token's attention reads the
+        whole context before it: as many as the cost model predicts to cost no more than
+        CHUNK_SLACK x ``chunk_tokens`` at the prompt's start (tokens and attention pairs; the
+        slack leaves prompts of ordinary length whole; never fewer than MIN_CHUNK). So a pass of one user's deep chunk - which anyone arriving meanwhile
+        waits for - is no longer than a shallow one; the prompt's own total work is the same."""
+        c = self.chunk_tokens
+        if not self.cost.steps or context <= 0:
+            return c
+        _, per_token, _, per_kpair = self.cost.coefficients()
+        if per_kpair <= 0.0:
+            return c
+        limit = CHUNK_SLACK * (per_token * c + per_kpair * attention_pairs(0, c))
+        lo, hi = min(c, MIN_CHUNK), c                   # the largest n in [lo, hi] within the limit
+        if per_token * hi + per_kpair * attention_pairs(context, hi) <= limit:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if per_token * mid + per_kpair * attention_pairs(context, mid) <= limit:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def queued_lips(self) -> set[int]:
         """LIPs with a queued call."""
         return {c.lip for c in self.queue}
@@ -216,7 +245,7 @@ class BatchScheduler:
             for c in calls[d.key]:
                 if left <= 0:
                     break
-                n = 1 if c.remaining == 1 else min(c.remaining, self.chunk_tokens, left)
+                n = 1 if c.remaining == 1 else min(c.remaining, self.chunk_cap(c.context + c.done), left)
                 (decodes if c.remaining == 1 else prefills).append((c, c.done, n))
                 left -= n
         items = decodes + prefills
@@ -257,7 +286,7 @@ class BatchScheduler:
                     keyed.append((True, 0 if c.done else 1, c.arrival, c.seq, c))
             ordered = [k[-1] for k in sorted(keyed, key=lambda k: k[:4])]
             calls[(prio, user)] = ordered
-            items = [1 if c.remaining == 1 else min(c.remaining, self.chunk_tokens, self.token_budget)
+            items = [1 if c.remaining == 1 else min(c.remaining, self.chunk_cap(c.context + c.done), self.token_budget)
                      for c in ordered]
             demands.append(Demand(user, prio, items, self.served_user.get(user, 0),
                                   [c.context + c.done for c in ordered]))

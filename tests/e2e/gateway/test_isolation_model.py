@@ -105,11 +105,11 @@ def test_many_streams_of_one_key(km):
     assert rss_mib(km.gateway) - rss0[1] < 64 and rss_mib(km.proc.pid) - rss0[0] < 512
 
 
-@pytest.mark.xfail(strict=False, reason="not met yet: during a flood of 16 distinct ~3,000-token prompts from one "
-                   "key, another key's short request takes 4.0-5.9x its time alone here (the bound is 3x + 1 s, "
-                   "~2.2 s: 1.6-2.35 s measured): he rides every step beside a chunk of hers priced with the "
-                   "context it reads, but such a step still takes 3-4x his alone, and he first waits for her "
-                   "128-token step in flight (230-290 ms)")
+@pytest.mark.xfail(strict=False, reason="not met reliably: during a flood of 16 distinct ~3,000-token prompts from "
+                   "one key, another key's short request takes 4.2-5.5x its time alone here, within the bound "
+                   "(3x + 1 s, ~2.1-2.2 s) by only 0.1-0.2 s (1.56-2.04 s measured): he rides every pass beside "
+                   "a chunk of hers priced with the context it reads, but such a pass still takes 3-6x his alone "
+                   "(her context's reading is hers in any pass she is in)")
 def test_long_prompts_of_one_key(km):
     """Alice's 16 clients send distinct ~3,000-token prompts back to back (a prompt flood: each
     one new, none cached): her prefills take their share of each step, not bob's."""
@@ -128,6 +128,9 @@ def test_long_prompts_of_one_key(km):
         check_bob(km, alone, "16 long prompts")
         time.sleep(1.0)
         check_bob(km, alone, "16 long prompts, later")
+        # she is served too: a 3,000-token prompt takes ~8 s of one thread alone, so her first
+        # answer may come after bob's checks; the flood goes on until it does
+        assert wait_for(lambda: a.codes.get(200, 0) > 0, timeout=90), a.codes
     print(f"16 long prompts: alice's answers {a.codes}; kernel RSS +{rss_mib(km.proc.pid) - rss0[0]:.0f} MiB, "
           f"gateway +{rss_mib(km.gateway) - rss0[1]:.0f} MiB")
     assert a.codes.get(200, 0) > 0 and set(a.codes) <= {200, 429}

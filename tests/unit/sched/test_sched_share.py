@@ -257,6 +257,26 @@ def test_a_chunk_deep_in_a_long_prompt_is_kept_small_beside_a_decoder():
     assert flat > c                                    # priced flat, her chunk would be wider
 
 
+def test_a_chunk_deep_in_a_long_prompt_costs_no_more_than_one_at_its_start():
+    """Alice alone, her prompt 3,000 tokens in: her chunk is cut so that the pass is predicted
+    to cost what a full chunk at the prompt's start does (anyone arriving waits for it); shallow
+    chunks and a model that has not seen attention cost are left at chunk_tokens."""
+    cost = StepCost.fixed(base=0.004, per_token=0.0016, per_call=0.0, per_kpair=0.0007)
+    s = BatchScheduler(token_budget=256, chunk_tokens=128, cost=cost)
+    assert s.chunk_cap(0) == 128 and s.chunk_cap(10) == 128 and s.chunk_cap(500) == 128   # ordinary prompts
+    deep = s.chunk_cap(3000)
+    assert 32 <= deep < 80
+    limit = 1.25 * (0.0016 * 128 + 0.0007 * attention_pairs(0, 128))
+    assert 0.0016 * deep + 0.0007 * attention_pairs(3000, deep) <= limit
+    assert 0.0016 * (deep + 1) + 0.0007 * attention_pairs(3000, deep + 1) > limit
+    assert s.chunk_cap(10 ** 6) == 32                      # never under MIN_CHUNK
+    s.add(Call(key="a", lip=1, user="alice", n_tokens=2000, context=3000))
+    step = s.schedule()
+    assert step.items[0][2] == deep
+    flat = BatchScheduler(token_budget=256, chunk_tokens=128, cost=StepCost.fixed(**CPU))
+    assert flat.chunk_cap(3000) == 128
+
+
 def test_the_scheduler_learns_the_shared_width_from_the_steps_it_timed():
     """Alice's 16 streams alone, 28 ms a step (this CPU).  Bob arrives: the model knows one size,
     so the first shared step is 3 calls (1.75 ms a call, through the origin: 5.25 <= 1.5 x 3.5);
