@@ -134,6 +134,7 @@ def kernel_rss(model, mode, kv_mb, timeout=600):
     import signal
     import subprocess
     import tempfile
+    from symphony.engine.hostmem import commit_ended
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "k.sock")
         cmd = [sys.executable, "-c", "import sys; from symphony.cli import kernel_main; "
@@ -147,8 +148,7 @@ def kernel_rss(model, mode, kv_mb, timeout=600):
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             t0 = time.time()
-            while not os.path.exists(sock) or not any(m in open(log_path).read()
-                                                     for m in (" committed in ", "not committed")):
+            while not os.path.exists(sock) or not commit_ended(open(log_path).read()):
                 if proc.poll() is not None or time.time() - t0 > timeout:
                     return None
                 time.sleep(0.2)

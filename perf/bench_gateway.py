@@ -83,6 +83,7 @@ sys.path.insert(0, str(REPO / "perf"))
 
 import peers  # noqa: E402
 import sse  # noqa: E402
+from symphony.engine.hostmem import COMMIT_ENDED  # noqa: E402
 
 SYSTEM = ("You are a meticulous assistant for a regional library network. " * 2 +
           "Rules: " + " ".join(f"({i}) Answer politely, cite the branch catalogue when relevant, keep "
@@ -140,7 +141,7 @@ class Symphony:
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self._wait("symphony-gateway: serving", 300)
         if "lazy" not in self.argv:                  # the KV pool committed before anything is timed
-            self._wait(" committed in ", 300, also=": not committed ahead")
+            self._wait(COMMIT_ENDED, 300)
         self.startup_s = time.time() - t0
         if nocache:
             uid = int(self.text().split("serving as uid ")[1].split(")")[0])
@@ -157,9 +158,11 @@ class Symphony:
         self.log.flush()
         return Path(self.log.name).read_text()
 
-    def _wait(self, what: str, timeout: float, also: str | None = None) -> None:
+    def _wait(self, what: str | tuple, timeout: float) -> None:
+        """Until the log says ``what`` (or any of a tuple of alternatives)."""
+        marks = (what,) if isinstance(what, str) else what
         deadline = time.time() + timeout
-        while what not in self.text() and (also is None or also not in self.text()):
+        while not any(m in self.text() for m in marks):
             if self.proc.poll() is not None or time.time() > deadline:
                 for p in (self.proc, self.nocache):       # none left running behind us
                     if p is not None and p.poll() is None:

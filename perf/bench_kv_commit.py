@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gateway as bg  # noqa: E402
+from symphony.engine.hostmem import commit_ended  # noqa: E402
 
 HOG = """
 import mmap, signal, sys, time
@@ -83,7 +84,7 @@ def run_kernel(tmp: Path, commit: str, a) -> dict:
     extra = ("--kv-commit", commit) + (("--activations", a.activations) if a.activations else ())
     sym = bg.Symphony(tmp / commit, kv_memory_mb=2048, nocache=False, extra=extra)
     try:
-        line = [x for x in sym.text().splitlines() if "committed in" in x or "not committed" in x]
+        line = [x for x in sym.text().splitlines() if commit_ended(x)]
         out = {"commit_log": line[-1].split(": ", 1)[-1] if line else None, "tok_s": [], "faults": []}
         for r in range(a.rounds):
             f0, tally, t0 = faults(sym.proc.pid), bg.Tally(), time.perf_counter()

@@ -196,12 +196,13 @@ class KernelProc:
             time.sleep(0.2)
         else:
             raise RuntimeError("kernel did not start:\n" + self.read_log())
+        from symphony.engine.hostmem import commit_ended
         args = [*_EXTRA_KERNEL_ARGS, *extra]
         if "lazy" not in args and not any(a.startswith("--gpus") for a in args):
             # a host KV pool is committed in the background once the kernel serves: wait for it,
             # so that what a test measures of the kernel's memory or time does not include it
             settle = time.time() + 60
-            while time.time() < settle and not any(m in self.read_log() for m in (" committed in ", "not committed")):
+            while time.time() < settle and not commit_ended(self.read_log()):
                 if self.proc.poll() is not None:
                     raise RuntimeError("kernel died at start:\n" + self.read_log())
                 time.sleep(0.05)

@@ -21,13 +21,21 @@ import platform
 import sys
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("symphony.engine")
 
 _MADV_POPULATE_WRITE = 23          # Linux 5.14+: fault pages in writable, contents unchanged
+# what the log says when a commit ended, either way (a kernel's start-up is over for those who wait)
+COMMIT_ENDED = (" committed in ", ": not committed ahead")
+
+
+def commit_ended(log_text: str) -> bool:
+    """Whether ``log_text`` (a kernel's log) says its pool's commit ended, done or refused."""
+    return any(m in log_text for m in COMMIT_ENDED)
 
 
 class Committer(threading.Thread):

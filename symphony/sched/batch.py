@@ -153,6 +153,14 @@ class BatchScheduler:
             self.cost.observe(tokens, calls, seconds, pairs)
             self._last_size = None
 
+    def next_chunk(self, c: Call) -> int:
+        """Tokens of call ``c``'s next chunk, before any user's share: its last token alone, or
+        what is left of its prompt within `chunk_cap` and the token budget. The memory planner
+        (`next_chunks`), the demands and the step all cut it so."""
+        if c.remaining == 1:
+            return 1
+        return min(c.remaining, self.chunk_cap(c.context + c.done), self.token_budget)
+
     def chunk_cap(self, context: int) -> int:
         """The most tokens of a prompt one pass feeds after ``context`` cached ones:
         ``chunk_tokens``, fewer deep in a long prompt, where each token's attention reads the
@@ -199,7 +207,7 @@ class BatchScheduler:
             if c.key in seen:
                 continue
             seen.add(c.key)
-            n = c.remaining if c.remaining == 1 else min(c.remaining, self.chunk_tokens, self.token_budget)
+            n = self.next_chunk(c)
             out.setdefault(c.lip, []).append((c, n))
         return out
 
@@ -245,7 +253,7 @@ class BatchScheduler:
             for c in calls[d.key]:
                 if left <= 0:
                     break
-                n = 1 if c.remaining == 1 else min(c.remaining, self.chunk_cap(c.context + c.done), left)
+                n = min(self.next_chunk(c), left)
                 (decodes if c.remaining == 1 else prefills).append((c, c.done, n))
                 left -= n
         items = decodes + prefills
@@ -286,8 +294,7 @@ class BatchScheduler:
                     keyed.append((True, 0 if c.done else 1, c.arrival, c.seq, c))
             ordered = [k[-1] for k in sorted(keyed, key=lambda k: k[:4])]
             calls[(prio, user)] = ordered
-            items = [1 if c.remaining == 1 else min(c.remaining, self.chunk_cap(c.context + c.done), self.token_budget)
-                     for c in ordered]
+            items = [self.next_chunk(c) for c in ordered]
             demands.append(Demand(user, prio, items, self.served_user.get(user, 0),
                                   [c.context + c.done for c in ordered]))
         demands.sort(key=lambda d: (-d.priority, d.served / weight(d.priority), d.user))

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from conftest import start_kernels, stop_kernels
+from symphony.engine.hostmem import commit_ended
 
 REPO = Path(__file__).resolve().parents[3]
 POOL_MB = 1024           # more than the rest of a kernel on the embedded model holds (~0.6 GiB)
@@ -24,7 +25,7 @@ def test_the_default_kernel_commits_its_pool_and_a_lazy_one_does_not(tmp_path):
                         "lazy": ((tmp_path / "b", "--kv-memory-mb", str(POOL_MB), "--kv-commit", "lazy"), {})})
     try:
         deadline = time.time() + 120
-        while "committed in" not in ks["default"].read_log() and time.time() < deadline:
+        while not commit_ended(ks["default"].read_log()) and time.time() < deadline:
             time.sleep(0.2)
         assert f"KV pool ({POOL_MB} MiB) committed in" in ks["default"].read_log()
         r = ks["default"].run(REPO / "userland/generate.py", "What is the capital of France?", "12")
