@@ -140,6 +140,17 @@ class Engine:
             log.info("quantized weights: %s", describe_cpu_kernels())
         return calib
 
+    def attention_read_pairs(self) -> float:
+        """What reading one key costs this device's attention, in query-key pairs (`attn_cost`:
+        measured on caches of the model's shapes, ~0.1-0.3 s); 0 on a simulated device, whose
+        passes read nothing. Call it on the thread that runs the model."""
+        if self.simulated:
+            return 0.0
+        from .attn_cost import read_pairs
+        c, k_cache = self.model.config, self.kv.layer(0)[0]
+        heads = k_cache.shape[2] * (c.n_heads // c.n_kv_heads)     # a tensor-parallel rank's own
+        return read_pairs(self.model.kernels.paged_attention, heads, k_cache, c.n_layers)
+
     def close(self) -> None:
         """Release what outlives the process's memory: the other tensor-parallel
         ranks are told to stop and waited for.  Idempotent."""

@@ -12,7 +12,9 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
          steps timed so far (cost.py), and its tokens are split by weighted
          max-min between the users (weight 4^priority): one user's many
          sequences take turns in that user's share and make that user's
-         steps slower, not everyone's
+         steps slower, not everyone's; a user one token of whose would
+         already break that (deep in a long prompt) sits out but for turns
+         its credit pays for (`_shares`)
       2. within a user's share: calls with a single token left (decodes, last
          chunks) first, one token each, then multi-token calls (prefills), a
          long prompt in chunks of at most ``chunk_tokens`` (and of the share;
@@ -49,8 +51,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
-from .cost import StepCost, attention_pairs
-from .share import Demand, capacity, split, weight
+from .cost import StepCost, attention_pairs, attention_reads
+from .share import Demand, allowance, capacity, deferred, split, step_seconds, weight
 
 SLOWDOWN = 1.5              # a shared step: at most 1.5x the even step at its lightest user's level (share.py)
 MIN_CHUNK = 32              # the smallest prompt chunk `chunk_cap` cuts to
@@ -111,6 +113,7 @@ class BatchScheduler:
         self.last_step_keys: dict = {}                    # callers of the last step: key -> lip
         self._gather_deadline: Optional[float] = None
         self.held: set[int] = set()                       # LIPs whose calls wait (memory)
+        self.credit: dict[tuple, float] = {}              # seconds a sitting-out user has earned
 
     # ------------------------------------------------------------------ queue
     def add(self, call: Call) -> None:
@@ -149,8 +152,8 @@ class BatchScheduler:
         of that (and at most 50 ms), `should_wait`."""
         self.gather_s = min(0.050, 0.25 * seconds)
         if self._last_size is not None:
-            tokens, calls, pairs = self._last_size
-            self.cost.observe(tokens, calls, seconds, pairs)
+            tokens, calls, pairs, reads = self._last_size
+            self.cost.observe(tokens, calls, seconds, pairs, reads)
             self._last_size = None
 
     def next_chunk(self, c: Call) -> int:
@@ -171,16 +174,19 @@ class BatchScheduler:
         c = self.chunk_tokens
         if not self.cost.steps or context <= 0:
             return c
-        _, per_token, _, per_kpair = self.cost.coefficients()
-        if per_kpair <= 0.0:
+        _, per_token, _, per_kpair, per_kread = self.cost.coefficients()
+        if per_kpair <= 0.0 and per_kread <= 0.0:
             return c
-        limit = CHUNK_SLACK * (per_token * c + per_kpair * attention_pairs(0, c))
+
+        def price(ctx: int, n: int) -> float:
+            return per_token * n + per_kpair * attention_pairs(ctx, n) + per_kread * attention_reads(ctx, n)
+        limit = CHUNK_SLACK * price(0, c)
         lo, hi = min(c, MIN_CHUNK), c                   # the largest n in [lo, hi] within the limit
-        if per_token * hi + per_kpair * attention_pairs(context, hi) <= limit:
+        if price(context, hi) <= limit:
             return hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if per_token * mid + per_kpair * attention_pairs(context, mid) <= limit:
+            if price(context, mid) <= limit:
                 lo = mid
             else:
                 hi = mid
@@ -244,10 +250,10 @@ class BatchScheduler:
         demands, calls = self._demands()
         if not demands:
             return None
-        shares = split(demands, capacity(demands, self.token_budget, self.cost, self.slowdown))
+        shares = self._shares(demands)
         decodes, prefills, cut = [], [], set()
         for d in demands:                                 # share.py ordered them: served least first
-            left = shares[d.key]
+            left = shares.get(d.key, 0)
             if left < d.tokens:
                 cut.add(d.key)
             for c in calls[d.key]:
@@ -266,9 +272,40 @@ class BatchScheduler:
         # (a user cut short has calls left for the next step; its stragglers hold nothing up)
         self.last_step_keys = {c.key: c.lip for c, _, _ in items if (c.priority, c.user) not in cut}
         self._last_size = (sum(n for _, _, n in items), len(items),
-                           sum(attention_pairs(c.context + start, n) for c, start, n in items))
+                           sum(attention_pairs(c.context + start, n) for c, start, n in items),
+                           sum(attention_reads(c.context + start, n) for c, start, n in items))
         self._gather_deadline = None
         return Step(items)
+
+    def _shares(self, demands: list[Demand]) -> dict[tuple, int]:
+        """Tokens per user (demand key) in this step (share.py): the users who would slow the
+        lightest one's step past ``slowdown`` by their least part (`deferred`: a token deep in a
+        long prompt) sit out, each earning (slowdown - 1) x the predicted time of each step it
+        misses (split between those sitting out by weight); the others share the step
+        (`capacity`, `split`); a sitting-out user comes in, once its credit covers at least
+        MIN_CHUNK tokens of its next chunk (or the whole of a shorter one), with as many tokens
+        as its credit pays for, and spends that."""
+        out = deferred(demands, self.cost, self.slowdown)
+        self.credit = {k: v for k, v in self.credit.items() if k in out}
+        inner = [d for d in demands if d.key not in out]
+        shares = split(inner, capacity(inner, self.token_budget, self.cost, self.slowdown))
+        if not out:
+            return shares
+        step = [(d, shares[d.key]) for d in inner]
+        late = [d for d in demands if d.key in out]
+        t = step_seconds(self.cost, step)
+        wsum = sum(weight(d.priority) for d in late)
+        for d in late:                                    # highest class first, served least first
+            credit = self.credit.get(d.key, 0.0) + (self.slowdown - 1.0) * t * weight(d.priority) / wsum
+            room = self.token_budget - sum(n for _, n in step)
+            n = allowance(d, credit, MIN_CHUNK, room, self.cost, step)
+            if n:
+                credit -= step_seconds(self.cost, step + [(d, n)]) - step_seconds(self.cost, step)
+                step.append((d, n))
+                shares[d.key] = n
+            full = step_seconds(self.cost, [(d, min(d.tokens, self.token_budget))])
+            self.credit[d.key] = min(max(credit, 0.0), full)  # never more than its largest turn
+        return shares
 
     def _demands(self) -> tuple[list[Demand], dict[tuple, list[Call]]]:
         """Each user's ready calls, one per KV file (the earliest: calls on a

@@ -2,18 +2,29 @@
 
 A step is *shared* when calls of two or more users are ready.  Then:
 
-1. **How big the step may be** (`capacity`): the *even step* gives every
-   user of the highest priority class present as many tokens as the
-   lightest of them asks for (all of it for the lightest: its own work, and
-   no more than that for the others); a shared step is kept within
-   ``slowdown`` x the even step's predicted time (cost.py: tokens, calls and
-   the attention over each call's context, so a chunk deep in a long prompt
-   counts for the context it reads).  It takes the
-   most tokens for which the predicted time of the shares that many tokens
-   give stays within that, never fewer than one token per user with work,
-   never more than the token budget.  One user alone (or before any step was
-   timed) gets the whole budget, as before; users who ask alike get
-   full-size steps.
+0. **Who sits out** (`deferred`): a user whose least part - one token of its
+   first call - would add to the step of the lightest top-priority user more
+   than ``slowdown - 1`` times that step and more than ``slowdown`` times
+   what that user's own part adds (a token deep in a long prompt reads the
+   whole context before it: one token 2,800 deep costs more than a decoder's
+   whole step on a CPU) cannot share a step within the promise at all.  It
+   sits out, but for turns: it earns credit for each step it misses and
+   comes in with as many tokens as its credit pays for (`allowance`; the
+   batch scheduler keeps the credit, batch.py `_shares`), so that on
+   average the others' steps stay within ``slowdown`` x theirs plus its
+   turns, and it is never starved.
+1. **How big the step may be** (`capacity`), among the others: the *even
+   step* gives every user of the highest priority class present as many
+   tokens as the lightest of them asks for (all of it for the lightest: its
+   own work, and no more than that for the others); a shared step is kept
+   within ``slowdown`` x the even step's predicted time (cost.py: tokens,
+   calls and the attention over each call's context, so a chunk deep in a
+   long prompt counts for the context it reads).  It takes the most tokens
+   for which the predicted time of the shares that many tokens give stays
+   within that, never fewer than one token per user with work, never more
+   than the token budget.  One user alone (or before any step was timed)
+   gets the whole budget, as before; users who ask alike get full-size
+   steps.
 2. **Who gets what** (`split`): weighted max-min (water-filling) of those
    tokens over the users' demands, with weight 4^priority (batch 1/4, normal
    1, interactive 4): a user who asks for less than an equal share gets all
@@ -24,8 +35,8 @@ A step is *shared* when calls of two or more users are ready.  Then:
 So a user with one decoding sequence beside a user with sixteen rides in
 every step, and the step is as narrow as keeps it within ``slowdown`` x the
 step of one token each; the sixteen take turns in what is left.  A user with a long prompt
-beside a decoder gets prefill chunks sized to the same promise.  Two heavy
-users share full-size steps half and half.
+beside a decoder gets prefill chunks sized to the same promise, and deep in
+that prompt, turns.  Two heavy users share full-size steps half and half.
 
 Pure functions of plain values: `Demand` per user in, tokens per user out.
 """
@@ -34,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cost import StepCost, attention_pairs
+from .cost import StepCost, attention_pairs, attention_reads
 
 
 def weight(priority: int) -> float:
@@ -66,16 +77,29 @@ class Demand:
         """Calls that the user's first ``tokens`` tokens reach into."""
         return self.work(tokens)[0]
 
-    def work(self, tokens: int) -> tuple[int, float]:
-        """(calls, thousand query-key pairs of attention) of the user's first ``tokens`` tokens."""
-        n, pairs = 0, 0.0
+    def work(self, tokens: int) -> tuple[int, float, float]:
+        """(calls, thousand query-key pairs, thousand keys read) of the attention of the user's
+        first ``tokens`` tokens."""
+        n, pairs, reads = 0, 0.0, 0.0
         for i, size in enumerate(self.items):
             if tokens <= 0:
                 break
             n += 1
-            pairs += attention_pairs(self.contexts[i] if i < len(self.contexts) else 0, min(size, tokens))
+            ctx = self.contexts[i] if i < len(self.contexts) else 0
+            pairs += attention_pairs(ctx, min(size, tokens))
+            reads += attention_reads(ctx, min(size, tokens))
             tokens -= size
-        return n, pairs
+        return n, pairs, reads
+
+
+def step_seconds(cost: StepCost, parts: list[tuple["Demand", int]]) -> float:
+    """Predicted seconds of a step of these (demand, tokens) parts."""
+    tokens, calls, pairs, reads = 0, 0, 0.0, 0.0
+    for d, n in parts:
+        if n > 0:
+            c, a, r = d.work(n)
+            tokens, calls, pairs, reads = tokens + n, calls + c, pairs + a, reads + r
+    return cost.seconds(tokens, calls, pairs, reads)
 
 
 def split(demands: list[Demand], capacity: int) -> dict[tuple, int]:
@@ -119,15 +143,11 @@ def capacity(demands: list[Demand], budget: int, cost: Optional[StepCost], slowd
         return total
     top = [d for d in demands if d.priority == max(x.priority for x in demands)]
     light = min(d.tokens for d in top)
-    even = [min(d.tokens, light) for d in top]         # every top user as much as the lightest asks
-    works = [d.work(n) for d, n in zip(top, even)]
-    target = slowdown * cost.seconds(min(budget, sum(even)), sum(c for c, _ in works), sum(a for _, a in works))
+    target = slowdown * step_seconds(cost, [(d, min(d.tokens, light)) for d in top])  # the even step
     by_key = {d.key: d for d in demands}
 
     def fits(c: int) -> bool:
-        shares = split(demands, c)
-        works = [by_key[k].work(n) for k, n in shares.items()]
-        return cost.seconds(sum(shares.values()), sum(c for c, _ in works), sum(a for _, a in works)) <= target
+        return step_seconds(cost, [(by_key[k], n) for k, n in split(demands, c).items()]) <= target
 
     lo = min(total, len(demands))
     if fits(total):
@@ -138,6 +158,47 @@ def capacity(demands: list[Demand], budget: int, cost: Optional[StepCost], slowd
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def deferred(demands: list[Demand], cost: Optional[StepCost], slowdown: float) -> set:
+    """The users who sit out a shared step but for their turns (see the module docstring):
+    those whose least part - one token of their first call - would add to the step of the
+    lightest top-priority user both more than ``slowdown - 1`` times that step and more than
+    ``slowdown`` times what that user's own part adds (a token deep in a long prompt reads the
+    whole context before it; an ordinary token costs what his do).  That user never sits out;
+    nor does anyone when one user has work or nothing was timed yet."""
+    if len(demands) < 2 or cost is None or not cost.steps:
+        return set()
+    top = max(d.priority for d in demands)
+    alone = {d.key: step_seconds(cost, [(d, d.items[0])]) for d in demands if d.priority == top}
+    light = next(d for d in demands if d.key == min(alone, key=lambda k: (alone[k], k)))
+    t = alone[light.key]
+    own = t - cost.seconds(0, 0)
+    bound = max((slowdown - 1.0) * t, slowdown * own)
+    return {d.key for d in demands if d is not light
+            and step_seconds(cost, [(light, light.items[0]), (d, 1)]) - t > bound}
+
+
+def allowance(d: Demand, credit: float, least: int, room: int, cost: StepCost, step: list) -> int:
+    """The tokens a sitting-out user ``d`` puts in this step: the most, within its demand and
+    ``room``, whose added cost to the ``step`` of the others [(demand, tokens)] its ``credit``
+    (seconds) covers; 0 while it does not cover ``least`` tokens (its turn has not come)."""
+    most = min(d.tokens, room)
+    least = min(least, most)
+    if least < 1:
+        return 0
+    t = step_seconds(cost, step)
+    extra = lambda n: step_seconds(cost, step + [(d, n)]) - t      # noqa: E731
+    if extra(least) > credit:
+        return 0
+    lo, hi = least, most + 1                            # extra(lo) <= credit < extra(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if extra(mid) <= credit:
             lo = mid
         else:
             hi = mid

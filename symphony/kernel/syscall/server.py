@@ -221,8 +221,7 @@ class SyscallServer:
             self.rings.shutdown()           # the exited LIPs' rings unmapped before the thread ends
 
     def _device_setup(self) -> None:
-        """On the thread that runs the model (the device thread, or this one): its torch threads
-        and the quantized kernels' calibration for them."""
+        """On the thread that runs the model (device thread or this one): its torch threads, the kernels' timings."""
         if self.engine.device.type == "cuda":   # the current device is per thread: this one launches the steps
             torch.cuda.set_device(self.engine.device)
         if self.compute_threads is not None:
@@ -234,6 +233,7 @@ class SyscallServer:
             self.engine.calibrate_kernels()
         except Exception:                   # noqa: BLE001 - the rule of the ops still serves
             log.exception("calibrating the quantized kernels failed; their built-in rule decides")
+        self.stepper.price_attention()      # the scheduler's price of a few tokens deep in a prompt
         self.engine.kv.start_commit()       # after the calibration's timings, which it would disturb
 
     def _drain(self) -> None:

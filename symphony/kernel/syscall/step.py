@@ -45,9 +45,19 @@ class Stepper:
     def __init__(self, engine, fs: KVFS, sched: BatchScheduler, residency: Residency, answers: Answers, device):
         self.fs, self.sched, self.residency, self.answers, self.device = fs, sched, residency, answers, device
         self.vocab = engine.model_config.vocab_size
+        self.read_pairs = engine.attention_read_pairs
         self.batches = 0
         self.batch_calls = 0
         self.max_batch = 0
+
+    def price_attention(self) -> None:
+        """Give the scheduler's cost model what reading a key costs the attention, in pairs
+        (`Engine.attention_read_pairs`, timed on this thread, the one that runs the model)."""
+        try:
+            self.sched.cost.set_read_pairs(self.read_pairs())
+            log.info("attention: reading a key costs %.1f query-key pairs", self.sched.cost.read_pairs)
+        except Exception:                   # noqa: BLE001 - priced by pairs alone
+            log.exception("timing the attention failed; the step-cost model prices its pairs alone")
 
     @property
     def in_flight(self) -> bool:
@@ -86,6 +96,10 @@ class Stepper:
         """The step ``job`` is back from the device: commit it and answer its calls."""
         items, plan = job.plan
         self.sched.took(job.seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %.1f ms, %s; cost model (ms: base, token, call, kpair, kread) %s", self.batches,
+                      1e3 * job.seconds, _composition(items),
+                      " ".join(f"{1e3 * x:.3g}" for x in self.sched.cost.coefficients()))
         if job.error is not None:
             self.fs.undo(plan)
             for c, _, _ in items:
@@ -154,3 +168,14 @@ class Stepper:
 
 
 __all__ = ["Stepper"]
+
+
+def _composition(items: list) -> str:
+    """A step's calls by user: "alice 3 calls 96 tokens (deepest 2900), bob 1 call 1 token"."""
+    users: dict = {}
+    for c, start, n in items:
+        u = users.setdefault(c.proc.user, [0, 0, 0])
+        u[0] += 1
+        u[1] += n
+        u[2] = max(u[2], c.context + start)
+    return ", ".join(f"{u} {k} calls {t} tokens (deepest {d})" for u, (k, t, d) in sorted(users.items()))

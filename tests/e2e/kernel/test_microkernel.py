@@ -192,8 +192,10 @@ def test_only_the_syscall_thread_computes_with_several_threads(own_kernels):
     loads the model and runs the warm-up pass) computes with one, so the process has exactly one
     OpenMP team.  A second team (the main thread's, at torch's default) made libgomp let its
     workers sleep between parallel regions on a 2-core machine: a decode step took 2.6x as long
-    through the kernel as in-process (perf/RESULTS.md).  Counted in /proc: with torch's default
-    at 4 threads, no worker exists before the first pred, and --threads 2 adds exactly one."""
+    through the kernel as in-process (perf/RESULTS.md).  Counted in /proc: torch's default at 1
+    or at 4 threads makes no difference to the threads the kernel has, before the first pred or
+    after it, and --threads 2 adds exactly one worker (at start-up, when the device thread times
+    its attention kernel, or at the first pred)."""
     import os
     from conftest import REPO as repo
 
@@ -207,8 +209,8 @@ def test_only_the_syscall_thread_computes_with_several_threads(own_kernels):
         r = k.run(repo / "userland/generate.py", "Hi", "4")
         assert r.returncode == 0, r.stderr
         counts[omp] = (before, tasks(k), k.client().stats()["compute_threads"])
-    assert counts["1"][0] == counts["4"][0], counts     # no team in the main thread at any default
-    assert all(after - before == 1 and n == 2 for before, after, n in counts.values()), counts
+    assert counts["1"] == counts["4"], counts           # no team in the main thread at any default
+    assert all(after - before in (0, 1) and n == 2 for before, after, n in counts.values()), counts
 
 
 def test_a_bad_cuda_kernels_setting_stops_the_kernel_before_the_model_loads(monkeypatch, caplog, tmp_path):

@@ -190,16 +190,16 @@ def test_cost_model_recovers_a_linear_device():
     m = StepCost()
     for tokens, calls in [(1, 1), (16, 16), (128, 1), (129, 2), (4, 4), (64, 3), (200, 20)]:
         m.observe(tokens, calls, 0.004 + 0.00075 * tokens + 0.00075 * calls)
-    base, per_token, per_call, per_kpair = m.coefficients()
+    base, per_token, per_call, per_kpair, per_kread = m.coefficients()
     assert base == pytest.approx(0.004) and per_token == pytest.approx(0.00075)
-    assert per_call == pytest.approx(0.00075) and per_kpair == 0.0      # no attention seen: left out
+    assert per_call == pytest.approx(0.00075) and per_kpair == per_kread == 0.0   # no attention seen
 
 
 def test_cost_model_with_decodes_only_folds_the_call_into_the_token():
     m = StepCost()
     for w in (1, 2, 4, 8, 16, 4, 1):
         m.observe(w, w, 0.004 + 0.0015 * w)
-    assert m.coefficients() == pytest.approx((0.004, 0.0015, 0.0, 0.0))
+    assert m.coefficients() == pytest.approx((0.004, 0.0015, 0.0, 0.0, 0.0))
 
 
 def test_cost_model_of_one_step_size_is_the_line_through_the_origin():
@@ -208,7 +208,7 @@ def test_cost_model_of_one_step_size_is_the_line_through_the_origin():
     m = StepCost()
     for _ in range(5):
         m.observe(16, 16, 0.028)
-    assert m.coefficients() == pytest.approx((0.0, 0.028 / 16, 0.0, 0.0))
+    assert m.coefficients() == pytest.approx((0.0, 0.028 / 16, 0.0, 0.0, 0.0))
     assert StepCost().seconds(1, 1) is None
     with pytest.raises(ValueError):
         StepCost(decay=0.0)
@@ -220,8 +220,8 @@ def test_cost_model_never_goes_negative():
     m = StepCost()
     for w, t in [(1, 0.010), (2, 0.009), (4, 0.008), (8, 0.007)]:        # noise: wider looked faster
         m.observe(w, w, t)
-    base, per_token, per_call, per_kpair = m.coefficients()
-    assert base >= 0 and per_token > 0 and per_call >= 0 and per_kpair >= 0
+    base, per_token, per_call, per_kpair, per_kread = m.coefficients()
+    assert base >= 0 and per_token > 0 and per_call >= 0 and per_kpair >= 0 and per_kread >= 0
 
 
 def test_cost_model_learns_the_attention_over_the_context():
@@ -234,7 +234,7 @@ def test_cost_model_learns_the_attention_over_the_context():
     for tokens, calls, ctx in rows:
         pairs = attention_pairs(ctx, tokens)
         m.observe(tokens, calls, pairs=pairs, seconds=0.004 + 0.0003 * tokens + 0.0002 * calls + 0.0004 * pairs)
-    assert m.coefficients() == pytest.approx((0.004, 0.0003, 0.0002, 0.0004))
+    assert m.coefficients() == pytest.approx((0.004, 0.0003, 0.0002, 0.0004, 0.0))
     deep, shallow = m.seconds(5, 1, attention_pairs(3000, 5)), m.seconds(5, 1, attention_pairs(0, 5))
     assert deep > 2 * shallow
     assert attention_pairs(0, 1) == 0.001 and attention_pairs(10, 2) == pytest.approx(0.023)
@@ -314,3 +314,73 @@ def test_the_step_waits_for_the_light_users_caller_not_for_the_heavy_users_strag
     s.add(Call("b", lip=100, user="bob", n_tokens=1))
     assert s.should_wait(now=1.001) is False                    # alice's 3 callers: not waited for
     assert len(step.items) == 4
+
+
+# ---------------------------------------------------------------- turns for a deep context
+# One thread of this CPU: a step costs 10 ms, a token 1.5 ms, a call 0.5 ms; attention 0.8 ms a
+# thousand query-key pairs and 4 ms a thousand keys read (one token 2,800 deep: 11 ms of reading)
+DEEP = dict(base=0.010, per_token=0.0015, per_call=0.0005, per_kpair=0.0008, per_kread=0.004)
+
+
+def test_cost_model_prices_the_keys_a_call_reads_at_the_measured_ratio():
+    """A call reads its context's K/V once, whatever its tokens: with what a key's reading costs
+    in pairs given (the kernel measures it on the device at start-up), the model fits the rest and
+    prices one token 2,800 deep at a whole read of the context, as it does decodes alone; a new
+    ratio forgets the steps fitted with the old one."""
+    from symphony.sched.cost import attention_reads
+    m = StepCost(read_pairs=5.0)
+    rows = [(1, 1, 50), (5, 2, 3000), (128, 1, 0), (48, 1, 2800), (17, 9, 400), (40, 3, 1200),
+            (2, 2, 3000), (64, 4, 100), (9, 5, 1500), (1, 1, 2800)]
+    for tokens, calls, ctx in rows:
+        a, r = attention_pairs(ctx, tokens), attention_reads(ctx, tokens)
+        m.observe(tokens, calls, pairs=a, reads=r,
+                  seconds=0.010 + 0.0015 * tokens + 0.0005 * calls + 0.0008 * a + 0.004 * r)
+    assert m.coefficients() == pytest.approx(tuple(DEEP.values()))
+    assert m.seconds(1, 1, attention_pairs(2800, 1), attention_reads(2800, 1)) == pytest.approx(0.02545, abs=1e-5)
+    d = StepCost(read_pairs=5.0)
+    for w, ctx in [(1, 40), (4, 300), (16, 900), (2, 100), (8, 2000)]:          # decodes: pairs = reads
+        d.observe(w, w, 0.004 + 0.0015 * w + 0.006 * w * ctx / 1000, pairs=w * ctx / 1000, reads=w * ctx / 1000)
+    assert d.coefficients() == pytest.approx((0.004, 0.0015, 0.0, 0.001, 0.005))
+    d.set_read_pairs(5.0)
+    assert d.steps == 5
+    d.set_read_pairs(2.0)
+    assert d.steps == 0 and d.seconds(1, 1) is None
+    for bad in (-1.0, float("nan"), float("inf"), "5"):
+        with pytest.raises(ValueError):
+            StepCost(read_pairs=bad)
+
+
+def test_a_prompt_deep_in_its_context_sits_out_but_for_turns_beside_a_decoder():
+    """Bob decodes (40 deep); alice's prompt is 2,800 tokens in, so one token of hers would cost
+    more than his whole step.  She sits out, earning half the time of each step she misses, and
+    comes in with chunks of at least 32 tokens as her credit pays for them: bob is in every step,
+    his steps average within 1.5x his own and one turn of hers, and she is never starved."""
+    s = sched(cost=StepCost.fixed(**DEEP))
+    s.add(Call("p", lip=1, user="alice", n_tokens=3000, context=2800))
+    bob_alone = s.cost.seconds(1, 1, attention_pairs(40, 1), 0.041)
+    times, hers = [], []
+    for i in range(200):
+        s.add(Call("b", lip=100, user="bob", n_tokens=1, context=40 + i))
+        step = s.schedule()
+        assert [c.user for c, _, _ in step.items][0] == "bob"
+        times.append(s.cost.seconds(*[sum(x) for x in zip(*[(n, 1, attention_pairs(c.context + st, n),
+                                                               (c.context + st + n) / 1000)
+                                                              for c, st, n in step.items])]))
+        hers += [n for c, _, n in step.items if c.user == "alice"]
+    assert len(hers) >= 5 and min(hers) >= 32                          # turns, of real chunks
+    turn = max(times)
+    assert sum(times) / len(times) <= 1.5 * bob_alone + turn / 40
+    assert turn < 0.2                                  # a turn: 32-36 tokens 2,800 deep, ~150 ms
+
+
+def test_ordinary_users_never_sit_out():
+    """Deferral is for a context's reading only: sixteen decodes, a fresh prompt, or a model that
+    prices nothing by context leave every user in every shared step."""
+    from symphony.sched.share import deferred
+    cost = StepCost.fixed(**DEEP)
+    bob = Demand("bob", 0, [1], 0, [40])
+    assert deferred([bob, Demand("alice", 0, [1] * 16, 0, [300] * 16)], cost, 1.5) == set()
+    assert deferred([bob, Demand("alice", 0, [128], 0, [0])], cost, 1.5) == set()
+    assert deferred([bob, Demand("alice", 0, [48], 0, [2800])], StepCost.fixed(**CPU), 1.5) == set()
+    assert deferred([bob, Demand("alice", 0, [48], 0, [2800])], cost, 1.5) == {(0, "alice")}
+    assert deferred([bob], cost, 1.5) == set() and deferred([bob, bob], StepCost(), 1.5) == set()
