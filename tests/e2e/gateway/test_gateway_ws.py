@@ -24,7 +24,7 @@ from websockets.sync.client import connect
 
 from .test_gateway import fake_gateway
 
-MAX_AGE = 20                            # --socket-max-age of this module's gateway
+MAX_AGE = 8                             # --socket-max-age of this module's gateway
 
 
 @pytest.fixture(scope="module")

@@ -46,11 +46,11 @@ def test_distinct_prompts_in_a_full_pool_all_finish_and_the_cache_drops_entries(
             return errors, "".join(text), usage
 
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(one, range(40)))
+            got = list(pool.map(one, range(28)))
         assert [e for e, _, _ in got if e] == []
         assert all(text and usage for _, text, usage in got)
         cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for _, _, u in got]
-        assert sum(1 for c in cached[8:] if c >= 16) >= 24           # the system prompt still found
+        assert sum(1 for c in cached[8:] if c >= 16) >= 15           # the system prompt still found
         stats = k.client().stats()
         assert stats["cache_drops"] > 0, stats
     finally:
