@@ -46,6 +46,17 @@ CASES = {
                        {"role": "user", "content": "Say hello."}], None),
     "previous-response-id": ([{"role": "user", "content": "Remember this code word: papaya. Reply with only OK."}],
                              None),
+    # the other version's tests that wait for the model to stop: its fixture PDF as the gateway reads
+    # it, and the second turn of its function-call round trip (no tools given again)
+    "file-input": ([{"role": "user", "content": "Read the attached file and answer with its title only."
+                     "[file openresponses-fixture.pdf]\nTitle: OpenResponses File Input Fixture\n"}], None),
+    "function-call-roundtrip": ([{"role": "user", "content": "Use the weather tool to get the temperature in "
+                                  "San Francisco."},
+                                 {"role": "assistant", "content": "", "tool_calls": [
+                                     {"id": "call_1", "name": "get_weather",
+                                      "arguments": "{\"location\": \"San Francisco, CA\"}"}]},
+                                 {"role": "tool", "tool_call_id": "call_1", "content": "64 degrees and clear"}],
+                                None),
 }
 
 LIP = r'''

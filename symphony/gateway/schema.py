@@ -390,8 +390,15 @@ def _pdf_text(raw: bytes) -> Optional[str]:
     import logging
     try:
         from pypdf import PdfReader
+        from pypdf.errors import PdfReadError
         logging.getLogger("pypdf").setLevel(logging.ERROR)      # a malformed file is the client's, not a log line
-        reader = PdfReader(io.BytesIO(raw))
+        try:
+            reader = PdfReader(io.BytesIO(raw))
+        except PdfReadError:                                    # no usable cross-reference table: rebuild it
+            fixed = _rebuilt_xref(raw)
+            if fixed is None:
+                return None
+            reader = PdfReader(io.BytesIO(fixed))
         if reader.is_encrypted:
             return None
         out, size = [], 0
@@ -404,3 +411,30 @@ def _pdf_text(raw: bytes) -> Optional[str]:
         return "\n".join(out).strip()[:MAX_INLINE_TEXT] or None
     except Exception:                                           # noqa: BLE001 - any unreadable PDF is a placeholder
         return None
+
+
+def _rebuilt_xref(raw: bytes) -> Optional[bytes]:
+    """``raw`` with a cross-reference table built from where its objects are, as readers repair
+    a PDF whose table is missing or wrong (hand-written and truncated files): every ``N G obj``
+    at its offset, the trailer's ``/Root`` (or the object of ``/Type /Catalog``); None when no
+    catalog is found."""
+    import re
+    objs: dict[int, tuple[int, int]] = {}
+    for m in re.finditer(rb"(?<![0-9])(\d{1,7})\s+(\d{1,5})\s+obj\b", raw):
+        objs[int(m.group(1))] = (m.start(), int(m.group(2)))        # a later definition wins
+    if not objs:
+        return None
+    root = re.search(rb"/Root\s+(\d+\s+\d+\s+R)", raw)
+    if root is None:
+        cat = re.search(rb"(\d{1,7})\s+(\d{1,5})\s+obj\s*<<[^>]*?/Type\s*/Catalog", raw)
+        if cat is None:
+            return None
+        ref = cat.group(1) + b" " + cat.group(2) + b" R"
+    else:
+        ref = root.group(1)
+    body = raw if raw.endswith(b"\n") else raw + b"\n"
+    size = max(objs) + 1
+    rows = [b"0000000000 65535 f \n"] + [
+        (b"%010d %05d n \n" % objs[i]) if i in objs else b"0000000000 65535 f \n" for i in range(1, size)]
+    return (body + b"xref\n0 %d\n" % size + b"".join(rows) + b"trailer\n<< /Size %d /Root " % size + ref
+            + b" >>\nstartxref\n%d\n%%%%EOF\n" % len(body))

@@ -84,6 +84,18 @@ def test_a_pdf_is_read_as_text_and_an_unreadable_one_is_a_placeholder():
     with pytest.raises(ApiError) as e:
         text_of([broken], "input[0].content", attachments="refuse")
     assert e.value.status == 400 and e.value.param == "input[0].content[0].type"
+    # no cross-reference table, no startxref (hand-written and truncated files): rebuilt from where
+    # the objects are, as readers repair it; with the table's offsets wrong, the same
+    whole = _pdf("Title: No Table")
+    bare = whole[:whole.index(b"xref")] + b"trailer\n<< /Root 1 0 R >>\n%%EOF"
+    no_trailer = whole[:whole.index(b"xref")]                      # the catalog found by its /Type
+    shifted = b"%PDF-1.4\n% a comment that moves every object\n" + whole[len(b"%PDF-1.4\n"):]
+    for raw in (bare, no_trailer, shifted):
+        part = Part(type="input_file", filename="n.pdf", file_data=url(raw))
+        assert text_of([part], "x", attachments="refuse") == "[file n.pdf]\nTitle: No Table\n"
+    no_catalog = bare.replace(b"/Type /Catalog", b"/Type /Other").replace(b"/Root 1 0 R", b"")
+    assert text_of([Part(type="input_file", filename="c.pdf", file_data=url(no_catalog))], "x",
+                   attachments="placeholder").startswith("[file c.pdf: application/pdf,")
 
 
 def test_a_compaction_carries_its_summary_and_nothing_else_is_taken():
