@@ -136,7 +136,8 @@ def serve_request(r: ResponsesRequest, conversation: list[dict]) -> tuple[dict, 
     given = []
     for i, t in enumerate(r.tools or []):
         if t.type != "function" or not t.name:
-            raise ApiError(400, f"tools[{i}]: only function tools are supported (type 'function' with a name)",
+            raise ApiError(400, f"tools[{i}]: a tool of type {t.type!r} is not supported: only function tools "
+                                f"(type 'function' with a name; no hosted tools such as file_search or web_search)",
                            param=f"tools[{i}].type")
         given.append({"name": t.name, "description": t.description or "", "parameters": t.parameters})
     tools = tool_list(given)
