@@ -384,3 +384,14 @@ def test_ordinary_users_never_sit_out():
     assert deferred([bob, Demand("alice", 0, [48], 0, [2800])], StepCost.fixed(**CPU), 1.5) == set()
     assert deferred([bob, Demand("alice", 0, [48], 0, [2800])], cost, 1.5) == {(0, "alice")}
     assert deferred([bob], cost, 1.5) == set() and deferred([bob, bob], StepCost(), 1.5) == set()
+
+
+def test_sitting_out_follows_the_priority_classes():
+    """Only the highest class present sets whom a deep prompt would slow: a batch-class deep
+    prompt sits out beside a normal decoder; an interactive one beside him does not (he is not of
+    the highest class present, she is the lightest of it)."""
+    from symphony.sched.share import deferred
+    cost = StepCost.fixed(**DEEP)
+    bob = Demand("bob", 0, [1], 0, [40])
+    assert deferred([bob, Demand("alice", -1, [48], 0, [2800])], cost, 1.5) == {(-1, "alice")}
+    assert deferred([bob, Demand("alice", 1, [48], 0, [2800])], cost, 1.5) == set()
