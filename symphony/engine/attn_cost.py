@@ -10,10 +10,10 @@ prompt beside a decoder (`sched.share.deferred`), and cannot learn it from the s
 in a stream of steps the keys read move with the fixed cost.
 
 `read_pairs` times the model's own attention kernel (``attend``, the one the forward pass
-calls) on caches of the model's shapes and dtype - as many layers as fit in ``budget`` bytes,
-more than the caches of a CPU hold, so the reading comes from memory as it does in a real pass -
-for 1 and for 32 query tokens over the same keys, and solves the two timings for the ratio.
-Samples are interleaved; medians; about 0.1-0.3 s at start-up on the thread that runs the model.
+calls) on caches of the model's shapes and dtype - as many layers as fit in ``budget`` bytes
+(8 MiB: more than a core's own caches hold, though not a large shared L3, so the figure is a
+little optimistic about reading, by 4.5-5.9 against 4.9-7.3 at 96 MiB on the Xeon) - for 1 and for 16 query tokens over the same keys, and solves the two timings for the ratio.
+Samples are interleaved; medians of 3; 20-130 ms at start-up on the thread that runs the model.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import torch
 from symphony.sched.cost import attention_pairs, attention_reads
 
 MAX_READ_PAIRS = 1000.0     # a device on which a query costs nothing beside its reading
-QUERIES = 32                # the wide sample: enough tokens for the kernel's tiled path
+QUERIES = 16                # the wide sample: enough tokens for the kernel's tiled path
 
 
 def read_pairs(attend: Callable, n_heads: int, layer_cache: torch.Tensor, n_layers: int,
-               budget: int = 16 << 20, rounds: int = 5) -> float:
+               budget: int = 8 << 20, rounds: int = 3) -> float:
     """Query-key pairs that reading one key costs ``attend`` (`ops.paged_attention`'s
     signature) on caches shaped like ``layer_cache`` (one layer's K cache, [pages, page_size,
     n_kv_heads, head_dim], whose dtype and device the samples take), within [0, MAX_READ_PAIRS]."""
