@@ -12,7 +12,8 @@ in a stream of steps the keys read move with the fixed cost.
 `read_pairs` times the model's own attention kernel (``attend``, the one the forward pass
 calls) on caches of the model's shapes and dtype - as many layers as fit in ``budget`` bytes
 (8 MiB: more than a core's own caches hold, though not a large shared L3, so the figure is a
-little optimistic about reading: 3.9-5.9 against 6.3-7.3 at 96 MiB, the Xeon, one thread) - for 1 and for 16 query tokens over the same keys, and solves the two timings for the ratio.
+little optimistic about reading: 3.9-5.9 against 6.3-7.3 at 96 MiB, the Xeon, one thread) -
+for 1 and for 16 query tokens over the same keys, and solves the two timings for the ratio.
 Samples are interleaved; medians of 3; 20-130 ms at start-up on the thread that runs the model.
 """
 from __future__ import annotations
