@@ -142,7 +142,7 @@ class Engine:
 
     def attention_read_pairs(self) -> float:
         """What reading one key costs this device's attention, in query-key pairs (`attn_cost`:
-        measured on caches of the model's shapes, 30-200 ms); 0 on a simulated device, whose
+        measured on caches of the model's shapes, 30-300 ms); 0 on a simulated device, whose
         passes read nothing. Call it on the thread that runs the model."""
         if self.simulated:
             return 0.0
