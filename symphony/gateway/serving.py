@@ -318,15 +318,23 @@ class ServeRun:
         self.gw.metrics.e2e.labels(self.route).observe(time.monotonic() - self.started)
 
 
+EXPECTED_ANSWER = 256        # tokens of an answer that admission counts on (see _kv_estimate)
+
+
 def _kv_estimate(req: dict, context: int) -> int:
-    """KV tokens to tell admission this request needs: its text at ~3
-    characters a token plus what it may generate, per choice (forks share the
-    prompt's pages), at most the context and what the device pool holds."""
+    """KV tokens to tell admission this request is expected to need: its text at ~3
+    characters a token plus the answer it will likely write - its limit, at most
+    EXPECTED_ANSWER tokens - per choice (forks share the prompt's pages), at most the
+    context.  What is expected, not the worst case: reserving each request's whole limit
+    (2,048 tokens by default) let 2-3 requests run at once on the default pool while the rest
+    queued; an answer that grows past the estimate takes pages as it goes, and when the device
+    is short the kernel's memory manager suspends LIPs to the host tier (sched/memory.py), as
+    vLLM preempts."""
     if req.get("mode") == "chat":
         prompt = sum(len(m.get("content") or "") for m in req.get("messages", [])) // 3
     elif isinstance(req.get("prompt"), list):
         prompt = len(req["prompt"])
     else:
         prompt = len(req.get("prompt") or "") // 3
-    gen = req.get("max_tokens") or 256
+    gen = min(req.get("max_tokens") or EXPECTED_ANSWER, EXPECTED_ANSWER)
     return max(1, min(context, prompt + 64 + gen * max(1, req.get("n", 1))))

@@ -167,3 +167,14 @@ def test_anthropic_blocks_become_the_contracts_messages():
         with pytest.raises(ApiError) as e:
             conv(messages)
         assert e.value.status == 400 and e.value.body("anthropic")["error"]["type"] == "invalid_request_error"
+
+
+def test_admission_is_told_what_an_answer_is_expected_to_need_not_its_whole_limit():
+    """The gateway's KV hint: the prompt (~3 characters a token) plus an answer of at most
+    EXPECTED_ANSWER tokens per choice, within the context; a smaller limit counts as it is."""
+    from symphony.gateway.serving import EXPECTED_ANSWER, _kv_estimate
+    chat = {"mode": "chat", "messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 2048}
+    assert _kv_estimate(chat, 8192) == 100 + 64 + EXPECTED_ANSWER
+    assert _kv_estimate(dict(chat, max_tokens=10), 8192) == 100 + 64 + 10
+    assert _kv_estimate(dict(chat, max_tokens=None, n=3), 8192) == 100 + 64 + 3 * EXPECTED_ANSWER
+    assert _kv_estimate({"mode": "completion", "prompt": list(range(5000)), "max_tokens": 4000}, 4096) == 4096
