@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 from .cost import StepCost, attention_pairs, attention_reads
-from .share import Demand, allowance, capacity, deferred, split, step_seconds, weight
+from .share import Demand, allowance, capacity, deferred, largest_within, split, step_seconds, weight
 
 SLOWDOWN = 1.5              # a shared step: at most 1.5x the even step at its lightest user's level (share.py)
 MIN_CHUNK = 32              # the smallest prompt chunk `chunk_cap` cuts to
@@ -174,23 +174,15 @@ class BatchScheduler:
         c = self.chunk_tokens
         if not self.cost.steps or context <= 0:
             return c
-        _, per_token, _, per_kpair, per_kread = self.cost.coefficients()
+        _, _, _, per_kpair, per_kread = self.cost.coefficients()
         if per_kpair <= 0.0 and per_kread <= 0.0:
             return c
+        base = self.cost.seconds(0, 0)
 
-        def price(ctx: int, n: int) -> float:
-            return per_token * n + per_kpair * attention_pairs(ctx, n) + per_kread * attention_reads(ctx, n)
+        def price(ctx: int, n: int) -> float:               # a chunk's own part of a pass
+            return self.cost.seconds(n, 0, attention_pairs(ctx, n), attention_reads(ctx, n)) - base
         limit = CHUNK_SLACK * price(0, c)
-        lo, hi = min(c, MIN_CHUNK), c                   # the largest n in [lo, hi] within the limit
-        if price(context, hi) <= limit:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if price(context, mid) <= limit:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return largest_within(min(c, MIN_CHUNK), c, lambda n: price(context, n) <= limit)
 
     def queued_lips(self) -> set[int]:
         """LIPs with a queued call."""
@@ -298,9 +290,9 @@ class BatchScheduler:
         for d in late:                                    # highest class first, served least first
             credit = self.credit.get(d.key, 0.0) + (self.slowdown - 1.0) * t * weight(d.priority) / wsum
             room = self.token_budget - sum(n for _, n in step)
-            n = allowance(d, credit, MIN_CHUNK, room, self.cost, step)
+            n, spent = allowance(d, credit, MIN_CHUNK, room, self.cost, step)
             if n:
-                credit -= step_seconds(self.cost, step + [(d, n)]) - step_seconds(self.cost, step)
+                credit -= spent
                 step.append((d, n))
                 shares[d.key] = n
             full = step_seconds(self.cost, [(d, min(d.tokens, self.token_budget))])

@@ -149,15 +149,19 @@ def capacity(demands: list[Demand], budget: int, cost: Optional[StepCost], slowd
     def fits(c: int) -> bool:
         return step_seconds(cost, [(by_key[k], n) for k, n in split(demands, c).items()]) <= target
 
-    lo = min(total, len(demands))
-    if fits(total):
-        return total
-    if not fits(lo):
+    return largest_within(min(total, len(demands)), total, fits)
+
+
+def largest_within(lo: int, hi: int, ok) -> int:
+    """The largest n in [lo, hi] with ``ok(n)``, by halves (``ok`` holds up to some n and not
+    after); ``lo`` when it holds nowhere."""
+    if ok(hi):
+        return hi
+    if not ok(lo):
         return lo
-    hi = total                                          # fits(lo), not fits(hi)
-    while hi - lo > 1:
+    while hi - lo > 1:                                  # ok(lo), not ok(hi)
         mid = (lo + hi) // 2
-        if fits(mid):
+        if ok(mid):
             lo = mid
         else:
             hi = mid
@@ -183,23 +187,18 @@ def deferred(demands: list[Demand], cost: Optional[StepCost], slowdown: float) -
             and step_seconds(cost, [(light, light.items[0]), (d, 1)]) - t > bound}
 
 
-def allowance(d: Demand, credit: float, least: int, room: int, cost: StepCost, step: list) -> int:
-    """The tokens a sitting-out user ``d`` puts in this step: the most, within its demand and
-    ``room``, whose added cost to the ``step`` of the others [(demand, tokens)] its ``credit``
-    (seconds) covers; 0 while it does not cover ``least`` tokens (its turn has not come)."""
+def allowance(d: Demand, credit: float, least: int, room: int, cost: StepCost, step: list) -> tuple[int, float]:
+    """(tokens, seconds) a sitting-out user ``d`` puts in this step: the most tokens, within its
+    demand and ``room``, whose added cost to the ``step`` of the others [(demand, tokens)] its
+    ``credit`` (seconds) covers, and that cost; (0, 0) while it does not cover ``least`` tokens
+    (its turn has not come)."""
     most = min(d.tokens, room)
     least = min(least, most)
     if least < 1:
-        return 0
+        return 0, 0.0
     t = step_seconds(cost, step)
     extra = lambda n: step_seconds(cost, step + [(d, n)]) - t      # noqa: E731
     if extra(least) > credit:
-        return 0
-    lo, hi = least, most + 1                            # extra(lo) <= credit < extra(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if extra(mid) <= credit:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+        return 0, 0.0
+    n = largest_within(least, most, lambda n: extra(n) <= credit)
+    return n, extra(n)
