@@ -413,25 +413,32 @@ def _pdf_text(raw: bytes) -> Optional[str]:
         return None
 
 
+MAX_PDF_OBJECT = 1 << 18           # a rebuilt table's highest object number (a 2 MiB file holds fewer)
+
+
 def _rebuilt_xref(raw: bytes) -> Optional[bytes]:
     """``raw`` with a cross-reference table built from where its objects are, as readers repair
     a PDF whose table is missing or wrong (hand-written and truncated files): every ``N G obj``
-    at its offset, the trailer's ``/Root`` (or the object of ``/Type /Catalog``); None when no
-    catalog is found."""
+    at its offset, the trailer's ``/Root`` (or the object holding ``/Type /Catalog``); None when no
+    catalog is found or an object number is past MAX_PDF_OBJECT.  Each search is one linear scan
+    (the input is the client's: no pattern may backtrack across it)."""
     import re
+    w = rb"[\x00\t\n\x0c\r ]"                                   # PDF white space
     objs: dict[int, tuple[int, int]] = {}
-    for m in re.finditer(rb"(?<![0-9])(\d{1,7})\s+(\d{1,5})\s+obj\b", raw):
+    for m in re.finditer(rb"(?<![0-9])(\d{1,7})" + w + rb"{1,8}(\d{1,5})" + w + rb"{1,8}obj\b", raw):
         objs[int(m.group(1))] = (m.start(), int(m.group(2)))        # a later definition wins
-    if not objs:
+    if not objs or max(objs) > MAX_PDF_OBJECT:
         return None
-    root = re.search(rb"/Root\s+(\d+\s+\d+\s+R)", raw)
-    if root is None:
-        cat = re.search(rb"(\d{1,7})\s+(\d{1,5})\s+obj\s*<<[^>]*?/Type\s*/Catalog", raw)
-        if cat is None:
-            return None
-        ref = cat.group(1) + b" " + cat.group(2) + b" R"
-    else:
+    root = re.search(rb"/Root" + w + rb"{1,8}(\d{1,7}" + w + rb"{1,8}\d{1,5}" + w + rb"{1,8}R)", raw)
+    if root is not None:
         ref = root.group(1)
+    else:
+        cat = re.search(rb"/Type" + w + rb"{0,8}/Catalog\b", raw)
+        held = [(off, num, gen) for num, (off, gen) in objs.items() if cat is not None and off < cat.start()]
+        if not held:
+            return None
+        _, num, gen = max(held)                                      # the object it sits in
+        ref = b"%d %d R" % (num, gen)
     body = raw if raw.endswith(b"\n") else raw + b"\n"
     size = max(objs) + 1
     rows = [b"0000000000 65535 f \n"] + [

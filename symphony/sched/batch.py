@@ -168,9 +168,10 @@ class BatchScheduler:
         """The most tokens of a prompt one pass feeds after ``context`` cached ones:
         ``chunk_tokens``, fewer deep in a long prompt, where each token's attention reads the
         whole context before it: as many as the cost model predicts to cost no more than
-        CHUNK_SLACK x ``chunk_tokens`` at the prompt's start (tokens and attention pairs; the
-        slack leaves prompts of ordinary length whole; never fewer than MIN_CHUNK). So a pass of one user's deep chunk - which anyone arriving meanwhile
-        waits for - is no longer than a shallow one; the prompt's own total work is the same."""
+        CHUNK_SLACK x ``chunk_tokens`` at the prompt's start (tokens and attention: pairs and keys
+        read; the slack leaves prompts of ordinary length whole; never fewer than MIN_CHUNK). So a
+        pass of one user's deep chunk - which anyone arriving meanwhile waits for - is no longer
+        than a shallow one; the prompt's own total work is the same."""
         c = self.chunk_tokens
         if not self.cost.steps or context <= 0:
             return c

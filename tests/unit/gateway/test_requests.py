@@ -96,6 +96,12 @@ def test_a_pdf_is_read_as_text_and_an_unreadable_one_is_a_placeholder():
     no_catalog = bare.replace(b"/Type /Catalog", b"/Type /Other").replace(b"/Root 1 0 R", b"")
     assert text_of([Part(type="input_file", filename="c.pdf", file_data=url(no_catalog))], "x",
                    attachments="placeholder").startswith("[file c.pdf: application/pdf,")
+    # a hostile "PDF" (within the 2 MiB read): objects that never close, a huge object number, a
+    # catalog after 200,000 objects: each a placeholder or text, in one linear pass each
+    for raw in (b"%PDF-1.4\n" + b"1 0 obj<<" * 200_000, b"%PDF-1.4\n9999999 0 obj<< /Type /Catalog >>\n",
+                b"%PDF-1.4\n" + b"/Root " * 300_000, b"%PDF-1.4\n" + b"1 0 obj<<" * 200_000 + b"/Type /Catalog"):
+        out = text_of([Part(type="input_file", filename="h.pdf", file_data=url(raw))], "x", attachments="placeholder")
+        assert out.startswith("[file h.pdf")
 
 
 def test_a_compaction_carries_its_summary_and_nothing_else_is_taken():
