@@ -40,6 +40,7 @@ from symphony.programs import available, resolve
 
 from .config import ROUTES, GatewayConfig
 from .errors import ApiError
+from .files import pdfs_read
 from .kernels import Kernels
 from .keys import KeyPolicy, KeyStore
 from .limits import Limiter
@@ -223,7 +224,8 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
                 raise
             gw.metrics.active.inc()
             body = await gw.body(request) if needs_body else b""
-            out = await handler(gw, body, key, request)
+            async with pdfs_read(body):                 # inline PDFs read off the event loop
+                out = await handler(gw, body, key, request)
             if isinstance(out, Response):
                 return out
             return Response(orjson.dumps(out), media_type="application/json")

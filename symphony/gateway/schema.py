@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 
 from .errors import ApiError
+from .files import inline_text
 
 MAX_N = 16
 MAX_STOP = 4
@@ -311,10 +312,6 @@ def _invalid(e: msgspec.ValidationError) -> ApiError:
     return ApiError(400, f"invalid request: {msg}", param=param or None)
 
 
-MAX_INLINE_TEXT = 1 << 20
-TEXT_TYPES = ("text/", "application/json", "application/xml", "application/x-yaml", "application/yaml")
-
-
 def text_of(content: Content, where: str, *, attachments: str = "refuse") -> str:
     """One string from a message's content (a string or parts).  A text file
     given inline (``file_data``: a ``data:text/...;base64,`` URL), or a PDF
@@ -339,7 +336,7 @@ def text_of(content: Content, where: str, *, attachments: str = "refuse") -> str
             f = p.file if isinstance(p.file, dict) else {}
             name = p.filename or f.get("filename") or "file"
             data = p.file_data or f.get("file_data")
-            text, what = _inline_text(data, at)
+            text, what = inline_text(data, at)
             if text is not None:
                 out.append(f"[file {name}]\n{text}\n")
                 continue
@@ -353,95 +350,3 @@ def text_of(content: Content, where: str, *, attachments: str = "refuse") -> str
                                 f"model reads text only", param=f"{at}.type")
         out.append("[image]" if what == "image" else f"[file {name}: {what}, not readable as text]")
     return "".join(out)
-
-
-def _inline_text(data: Optional[str], at: str) -> tuple[Optional[str], str]:
-    """(the text of an inline text file, or None; what the data is)."""
-    import base64
-    import binascii
-    if not isinstance(data, str) or not data.startswith("data:") or "," not in data:
-        return None, "a file that is not inline (file_data as a data: URL)"
-    head, payload = data[5:].split(",", 1)
-    mime = head.split(";")[0] or "text/plain"
-    try:
-        raw = base64.b64decode(payload, validate=True) if head.endswith(";base64") else payload.encode()
-    except (binascii.Error, ValueError):
-        raise ApiError(400, f"{at}: file_data is not valid base64", param=f"{at}.file_data") from None
-    if mime.startswith(TEXT_TYPES) and len(raw) <= MAX_INLINE_TEXT:
-        try:
-            return raw.decode("utf-8"), mime
-        except UnicodeDecodeError:
-            pass
-    if mime == "application/pdf" and len(raw) <= MAX_PDF_BYTES:
-        text = _pdf_text(raw)
-        if text:
-            return text, mime
-    return None, f"{mime}, {len(raw)} bytes"
-
-
-MAX_PDF_BYTES = 2 << 20             # a PDF read as text: at most this big ...
-MAX_PDF_PAGES = 50                  # ... and its first pages only
-
-
-def _pdf_text(raw: bytes) -> Optional[str]:
-    """The text of a PDF (pypdf), at most MAX_PDF_PAGES pages and MAX_INLINE_TEXT
-    characters; None for one pypdf cannot read (encrypted, malformed) or without text."""
-    import io
-    import logging
-    try:
-        from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
-        logging.getLogger("pypdf").setLevel(logging.ERROR)      # a malformed file is the client's, not a log line
-        try:
-            reader = PdfReader(io.BytesIO(raw))
-        except PdfReadError:                                    # no usable cross-reference table: rebuild it
-            fixed = _rebuilt_xref(raw)
-            if fixed is None:
-                return None
-            reader = PdfReader(io.BytesIO(fixed))
-        if reader.is_encrypted:
-            return None
-        out, size = [], 0
-        for page in reader.pages[:MAX_PDF_PAGES]:
-            text = page.extract_text() or ""
-            out.append(text)
-            size += len(text)
-            if size > MAX_INLINE_TEXT:
-                break
-        return "\n".join(out).strip()[:MAX_INLINE_TEXT] or None
-    except Exception:                                           # noqa: BLE001 - any unreadable PDF is a placeholder
-        return None
-
-
-MAX_PDF_OBJECT = 1 << 18           # a rebuilt table's highest object number (a 2 MiB file holds fewer)
-
-
-def _rebuilt_xref(raw: bytes) -> Optional[bytes]:
-    """``raw`` with a cross-reference table built from where its objects are, as readers repair
-    a PDF whose table is missing or wrong (hand-written and truncated files): every ``N G obj``
-    at its offset, the trailer's ``/Root`` (or the object holding ``/Type /Catalog``); None when no
-    catalog is found or an object number is past MAX_PDF_OBJECT.  Each search is one linear scan
-    (the input is the client's: no pattern may backtrack across it)."""
-    import re
-    w = rb"[\x00\t\n\x0c\r ]"                                   # PDF white space
-    objs: dict[int, tuple[int, int]] = {}
-    for m in re.finditer(rb"(?<![0-9])(\d{1,7})" + w + rb"{1,8}(\d{1,5})" + w + rb"{1,8}obj\b", raw):
-        objs[int(m.group(1))] = (m.start(), int(m.group(2)))        # a later definition wins
-    if not objs or max(objs) > MAX_PDF_OBJECT:
-        return None
-    root = re.search(rb"/Root" + w + rb"{1,8}(\d{1,7}" + w + rb"{1,8}\d{1,5}" + w + rb"{1,8}R)", raw)
-    if root is not None:
-        ref = root.group(1)
-    else:
-        cat = re.search(rb"/Type" + w + rb"{0,8}/Catalog\b", raw)
-        held = [(off, num, gen) for num, (off, gen) in objs.items() if cat is not None and off < cat.start()]
-        if not held:
-            return None
-        _, num, gen = max(held)                                      # the object it sits in
-        ref = b"%d %d R" % (num, gen)
-    body = raw if raw.endswith(b"\n") else raw + b"\n"
-    size = max(objs) + 1
-    rows = [b"0000000000 65535 f \n"] + [
-        (b"%010d %05d n \n" % objs[i]) if i in objs else b"0000000000 65535 f \n" for i in range(1, size)]
-    return (body + b"xref\n0 %d\n" % size + b"".join(rows) + b"trailer\n<< /Size %d /Root " % size + ref
-            + b" >>\nstartxref\n%d\n%%%%EOF\n" % len(body))

@@ -51,6 +51,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .errors import ApiError
+from .files import pdfs_read
 from .responses import Turn, follow, not_found
 from .schema import ResponsesRequest, convert
 from .store import Stored
@@ -200,7 +201,9 @@ class Connection:
             slot = gw.limiter.acquire(self.key.name, self.key.rpm, self.key.max_concurrent)
             gw.metrics.active.inc()
             prev = self._previous(prev_id)
-            turn = Turn(gw, r, self.key, gw.priority(self.ws, self.key), prev, await follow(gw, self.key, prev))
+            where = await follow(gw, self.key, prev)
+            async with pdfs_read(data):                 # inline PDFs read off the event loop
+                turn = Turn(gw, r, self.key, gw.priority(self.ws, self.key), prev, where)
             await turn.run.start()
             await turn.run.first()
             failed = False

@@ -104,6 +104,46 @@ def test_a_pdf_is_read_as_text_and_an_unreadable_one_is_a_placeholder():
         assert out.startswith("[file h.pdf")
 
 
+def test_a_pdf_is_read_off_the_event_loop_and_its_text_used_by_the_route(monkeypatch):
+    """The route's conversion takes the text read in the PDF pool; meanwhile the loop runs."""
+    import asyncio
+    import base64
+    import threading
+    import time
+    from symphony.gateway import files
+    from symphony.gateway.schema import Part, text_of
+    url = "data:application/pdf;base64," + base64.b64encode(_pdf("Title: Pooled")).decode()
+    real, threads = files.pdf_text, []
+
+    def slow(raw):                                  # a large file: 0.4 s of reading
+        threads.append(threading.get_ident())
+        time.sleep(0.4)
+        return real(raw)
+    monkeypatch.setattr(files, "pdf_text", slow)
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+        t = asyncio.create_task(ticker())
+        body = orjson.dumps({"model": "m", "input": [{"role": "user", "content": [
+            {"type": "input_file", "filename": "p.pdf", "file_data": url}]}]})
+        async with files.pdfs_read(body):
+            assert len(ticks) >= 20                 # the loop ran while the file was read
+            out = text_of([Part(type="input_file", filename="p.pdf", file_data=url)], "x")
+        t.cancel()
+        return out
+    assert asyncio.run(main()) == "[file p.pdf]\nTitle: Pooled\n"
+    assert threads and threading.get_ident() not in threads and len(threads) == 1   # read once, in the pool
+    assert files._read.get() is None                # nothing kept past the request
+    # a body without a PDF, or not JSON at all, reads nothing (its route reports the JSON error)
+    assert asyncio.run(files.read_pdfs(b'{"input": "hi"}')) is None
+    assert asyncio.run(files.read_pdfs(b'{"x": "data:application/pdf;base64,' + b"{")) is None
+
+
 def test_a_compaction_carries_its_summary_and_nothing_else_is_taken():
     import base64
     import zlib
