@@ -16,7 +16,7 @@ this program honours it:
   system message; ``name`` is ignored).  text: ``prompt`` is a string or token
   ids; ``echo`` sends the prompt as the answer's first ``text`` event.
 * Sampling: ``temperature`` 0 is greedy (deterministic), else the kernel
-  samples with ``top_p``/``top_k`` and a seed per step derived from ``seed``;
+  samples with ``top_p``/``top_k``/``min_p`` and a seed per step derived from ``seed``;
   ``presence_penalty``/``frequency_penalty`` (logit -= presence * (count > 0) +
   frequency * count over the choice's own tokens) and ``logit_bias`` (added to
   the logits, in the kernel when it chooses) apply to every step.
@@ -253,7 +253,8 @@ class Choice:
     def __init__(self, job: "Job", index: int, f, feed: list):
         self.job, self.i, self.f, self.feed, req = job, index, f, feed, job.req
         seed = None if req.seed is None else (req.seed + index) & SEED_MASK
-        self.dec = Decoder(f, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
+        self.dec = Decoder(f, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                           seed=seed,
                            logit_bias=req.logit_bias, presence=req.presence_penalty, frequency=req.frequency_penalty,
                            top_logprobs=req.top_logprobs if req.logprobs else None,
                            matcher=job.grammar.deep_copy() if job.grammar else None,

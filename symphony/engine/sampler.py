@@ -2,7 +2,7 @@
 top-k, greedy and sampled tokens.  Written once, used by the runner (every kernel pred)
 and the CLI.
 
-    params = check_sampling(temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    params = check_sampling(temperature=0.8, top_p=0.9, top_k=40, seed=7, min_p=0.05)
     x = apply_bias(logits, (ids, values))      # [rows, vocab] float32, values added at the ids
     x = apply_mask(x, allowed)                 # [rows, vocab], -inf where not allowed
     toks = sample(x, params)                   # [rows] int64, on x's device
@@ -37,9 +37,10 @@ class SamplingParams:
     top_p: float = 1.0             # nucleus: the smallest set of tokens holding top_p
     top_k: int = 0                 # 0: no top-k
     seed: Optional[int] = None     # None: a fresh random seed per call
+    min_p: float = 0.0             # drop tokens less likely than min_p x the most likely one
 
 
-def check_sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None) -> SamplingParams:
+def check_sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None, min_p=0.0) -> SamplingParams:
     """Validate sampling parameters; `SamplingError` names the bad one."""
     t = temperature
     if not _number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
@@ -53,7 +54,11 @@ def check_sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None) -> SamplingPa
         raise SamplingError(f"top_k must be an int >= 0 (0: no top-k), got {top_k!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise SamplingError(f"seed must be an int or null, got {seed!r}")
-    return SamplingParams(t, top_p, top_k, seed)
+    if min_p is None:
+        min_p = 0.0
+    if not _number(min_p) or not 0 <= min_p <= 1:
+        raise SamplingError(f"min_p must be a number in [0, 1] (0: off), got {min_p!r}")
+    return SamplingParams(t, top_p, top_k, seed, float(min_p))
 
 
 def _number(v) -> bool:
@@ -90,7 +95,9 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def sample(x: torch.Tensor, p: SamplingParams,
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row of ``x`` [rows, vocab] (masked logits, -inf where
-    disallowed): [rows] int64.  ``generator``: draw from it (a stream the
+    disallowed): [rows] int64.  In order (symphony.lip.sampling.Sampler's): temperature,
+    top-k, top-p, min-p (tokens less likely than ``min_p`` times the row's most likely
+    one dropped), a draw from what is left.  ``generator``: draw from it (a stream the
     caller keeps, as the CLI does) instead of one seeded from ``p.seed``."""
     if p.temperature == 0:
         return x.argmax(-1)
@@ -111,16 +118,26 @@ def sample(x: torch.Tensor, p: SamplingParams,
                                 "after temperature and masking): use another temperature, or argmax")
         if p.top_p < 1:                                 # draw among the nucleus only
             sp, si = nucleus(probs, p.top_p)
+            sp = _min_p(sp, p.min_p)
             return si.gather(-1, torch.multinomial(sp, 1, generator=generator)).squeeze(-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return torch.multinomial(_min_p(probs, p.min_p), 1, generator=generator).squeeze(-1)
     if p.top_p < 1:                                     # a device sorts the whole row fast
         sp, si = probs.sort(dim=-1, descending=True)
         sp = sp.masked_fill(sp.cumsum(-1) - sp >= p.top_p, 0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    probs = _min_p(probs, p.min_p)
     bad = ~torch.isfinite(probs).all(-1) | ~(probs.sum(-1) > 0)     # [rows]
     greedy = torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(probs.dtype)
     probs = torch.where(bad.unsqueeze(-1), greedy, torch.nan_to_num(probs, nan=0.0))  # no sync: greedy
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``probs`` [rows, n] with every token less likely than ``min_p`` times its row's
+    most likely one set to 0 (min-p sampling; 0: unchanged).  The draw renormalizes."""
+    if min_p <= 0:
+        return probs
+    return probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0)
 
 
 NUCLEUS_CANDIDATES = 1024   # the top tokens a CPU row's nucleus is looked for in first

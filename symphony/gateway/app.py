@@ -124,10 +124,13 @@ class Gateway:
 
     def prepare(self, req: dict, key: KeyPolicy) -> dict:
         """The serve request completed by the gateway's policy: the key's prefix
-        cache (the contract's ``cache``) and, when the client set no limit,
-        ``--default-max-tokens``."""
+        cache (the contract's ``cache``) and, where the client set none, the limit
+        ``--default-max-tokens`` and the sampling of ``--sampling-defaults``."""
         if req.get("max_tokens") is None:
             req["max_tokens"] = self.cfg.default_max_tokens
+        for name, value in self.cfg.sampling_defaults.items():
+            if req.get(name) is None:
+                req[name] = value
         policy = self.cfg.cache
         if policy == "off":
             req["cache"] = None

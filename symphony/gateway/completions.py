@@ -23,8 +23,8 @@ def _sampling(r, max_tokens) -> dict:
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     if any(not s for s in stop):
         raise ApiError(400, "stop strings must not be empty", param="stop")
-    return {"max_tokens": max_tokens, "temperature": 1.0 if r.temperature is None else r.temperature,
-            "top_p": 1.0 if r.top_p is None else r.top_p, "top_k": max(0, r.top_k or 0), "seed": r.seed,
+    return {"max_tokens": max_tokens, "temperature": r.temperature, "top_p": r.top_p,    # None: the gateway's
+            "top_k": None if r.top_k is None else max(0, r.top_k), "min_p": r.min_p, "seed": r.seed,
             "stop": stop, "n": r.n or 1, "presence_penalty": r.presence_penalty or 0.0,
             "frequency_penalty": r.frequency_penalty or 0.0, "logit_bias": logit_bias(r.logit_bias),
             "response_format": answer_format(r)}

@@ -17,6 +17,39 @@ class ConfigError(ValueError):
     pass
 
 
+# what a request samples with when its client sets nothing (OpenAI's defaults), and the
+# bounds of each in --sampling-defaults
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+_SAMPLING_BOUNDS = {"temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
+                    "top_k": "an integer >= 0 (0: off)", "min_p": "a number in [0, 1] (0: off)"}
+
+
+def parse_sampling_defaults(text: Optional[str]) -> dict:
+    """``--sampling-defaults``: a JSON object of temperature, top_p, top_k, min_p (each
+    checked against its bounds) -> every sampling default, OpenAI's where it names none."""
+    import json
+    out = dict(SAMPLING)
+    if not text:
+        return out
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--sampling-defaults must be a JSON object, e.g. '{{\"top_p\": 0.95, "
+                          f"\"min_p\": 0.05}}': {e}") from None
+    if not isinstance(given, dict):
+        raise ConfigError("--sampling-defaults must be a JSON object of temperature, top_p, top_k, min_p")
+    for k, v in given.items():
+        if k not in SAMPLING:
+            raise ConfigError(f"--sampling-defaults: unknown parameter {k!r} (known: {', '.join(SAMPLING)})")
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = number and {"temperature": lambda: 0 <= v <= 2, "top_p": lambda: 0 < v <= 1,
+                         "top_k": lambda: isinstance(v, int) and v >= 0, "min_p": lambda: 0 <= v <= 1}[k]()
+        if not ok:
+            raise ConfigError(f"--sampling-defaults: {k} must be {_SAMPLING_BOUNDS[k]}, got {v!r}")
+        out[k] = v
+    return out
+
+
 def parse_hostport(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:8000`` for IPv6; ``:8000`` is loopback) -> (host, port)."""
     host, sep, port = text.rpartition(":")
@@ -43,6 +76,7 @@ class GatewayConfig:
     max_stored_responses: int = 1000
     max_stored_bytes: int = 64 << 20
     default_max_tokens: Optional[int] = 2048
+    sampling_defaults: dict = field(default_factory=lambda: dict(SAMPLING))
     programs: dict = field(default_factory=dict)
     model_aliases: list = field(default_factory=list)
     attachments: str = "placeholder"
@@ -159,6 +193,10 @@ def add_args(p: argparse.ArgumentParser, *, prefix: str = "") -> None:
                    help="tokens a request may generate when the client sets no limit (max_tokens, "
                         "max_completion_tokens, max_output_tokens); 0: up to the end of the context "
                         "(default 2048)")
+    g.add_argument("--sampling-defaults", default=None, metavar="JSON",
+                   help="what a request samples with when its client sets nothing, as a JSON object of "
+                        "temperature, top_p, top_k, min_p, e.g. '{\"top_p\": 0.95, \"min_p\": 0.05}' "
+                        "(default: OpenAI's, temperature 1 and no truncation); a value the client sends wins")
     g.add_argument("--max-stored-mb", type=int, default=64,
                    help="MiB of stored /v1/responses kept per user, oldest dropped first (default 64)")
     g.add_argument("--program", action="append", default=[], metavar="ROUTE=PROGRAM",
@@ -251,6 +289,7 @@ def from_args(args, socket_path: str, host: str, port: int, kernels: Optional[li
                          max_stored_responses=args.max_stored_responses,
                          max_stored_bytes=args.max_stored_mb << 20, programs=programs,
                          default_max_tokens=args.default_max_tokens or None,
+                         sampling_defaults=parse_sampling_defaults(getattr(args, "sampling_defaults", None)),
                          model_aliases=list(args.served_model_name), attachments=args.attachments, cache=args.prefix_cache,
                          tls_cert=args.tls_cert, tls_key=args.tls_key, header_timeout=args.header_timeout,
                          body_timeout=args.body_timeout, write_timeout=args.write_timeout,
@@ -273,6 +312,7 @@ def to_argv(args) -> list[str]:
                     ("--max-active", args.max_active), ("--request-timeout", args.request_timeout),
                     ("--max-stored-responses", args.max_stored_responses),
                     ("--max-stored-mb", args.max_stored_mb), ("--default-max-tokens", args.default_max_tokens),
+                    ("--sampling-defaults", args.sampling_defaults),
                     ("--attachments", args.attachments),
                     ("--prefix-cache", args.prefix_cache), ("--header-timeout", args.header_timeout),
                     ("--body-timeout", args.body_timeout), ("--write-timeout", args.write_timeout),

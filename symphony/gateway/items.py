@@ -147,8 +147,7 @@ def serve_request(r: ResponsesRequest, conversation: list[dict]) -> tuple[dict, 
     fmt = r.text.format if r.text and r.text.format else None
     messages = ([{"role": "system", "content": r.instructions}] if r.instructions else []) + conversation
     req = {"mode": "chat", "messages": messages, "max_tokens": r.max_output_tokens,
-           "temperature": 1.0 if r.temperature is None else r.temperature,
-           "top_p": 1.0 if r.top_p is None else r.top_p, "seed": r.seed, "stop": [], "n": 1,
+           "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "stop": [], "n": 1,   # None: the gateway's
            "presence_penalty": r.presence_penalty or 0.0, "frequency_penalty": r.frequency_penalty or 0.0,
            "logprobs": want_lp, "top_logprobs": r.top_logprobs or 0,
            "response_format": output_format(fmt.type, fmt.schema, "text.format") if fmt else None,

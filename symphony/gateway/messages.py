@@ -207,8 +207,8 @@ def _serve_request(gw, r, *, count_only: bool) -> dict:
     if count_only:
         return dict(req, count_only=True, stream=False)
     fmt = r.output_config.format if r.output_config else None
-    return dict(req, max_tokens=r.max_tokens, temperature=1.0 if r.temperature is None else r.temperature,
-                top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0, stop=list(r.stop_sequences or []),
+    return dict(req, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,  # None: the gateway's
+                stop=list(r.stop_sequences or []),
                 stream=r.stream, response_format=None if fmt is None else {"type": "json_schema", "schema": fmt.schema})
 
 

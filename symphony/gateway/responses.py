@@ -67,6 +67,7 @@ class Turn:
         check_tool_outputs(self.conversation, len(before))
         req, tools, choice = serve_request(r, self.conversation)
         gw.prepare(req, key)
+        r.temperature, r.top_p = req["temperature"], req["top_p"]     # the response echoes what applies
         if r.store and gw.cfg.durable_responses and req.get("cache"):
             req["cache"]["durable"] = True              # its conversation's KV survives the kernel
         self.gw, self.r, self.key = gw, r, key

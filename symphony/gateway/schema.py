@@ -101,9 +101,11 @@ class StructuredOutputs(Base, forbid_unknown_fields=True):
 
 class Extras(Base, kw_only=True):
     """What vLLM's OpenAI server takes beyond OpenAI's fields (the ``extra_body`` of the
-    ``openai`` package), for chat and completions: ``top_k`` (-1 or 0: off), and the
-    answer constrained by ``structured_outputs`` or its older names ``guided_*``."""
+    ``openai`` package), for chat and completions: ``top_k`` (-1 or 0: off), ``min_p``
+    (0: off), and the answer constrained by ``structured_outputs`` or its older names
+    ``guided_*``."""
     top_k: Optional[Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)]] = None
+    min_p: Optional[Annotated[float, msgspec.Meta(ge=0, le=1)]] = None
     structured_outputs: Optional[StructuredOutputs] = None
     guided_choice: Optional[Annotated[list[str], msgspec.Meta(min_length=1)]] = None
     guided_regex: Optional[str] = None

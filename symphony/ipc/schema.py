@@ -66,6 +66,7 @@ Number = _must(float, "a number")
 _TEMPERATURE = f"0 (greedy) or a number in [{abi.MIN_TEMPERATURE}, {abi.MAX_TEMPERATURE}]"
 Temperature = _must(float, _TEMPERATURE, ge=0, le=abi.MAX_TEMPERATURE)
 TopP = _must(float, "a number in (0, 1]", gt=0, le=1)
+MinP = _must(float, "a number in [0, 1] (0: off)", ge=0, le=1)
 Str = _must(str, "a string")
 Flag = _must(bool, "true or false")
 NTokens = _must(int, f"an int in [1, {abi.MAX_TOKENS_PER_CALL}]", ge=1, le=abi.MAX_TOKENS_PER_CALL)
@@ -131,6 +132,7 @@ class Pred(_Body):
     top_p: TopP = 1.0
     top_k: SampleTopK = 0
     seed: Seed = None
+    min_p: MinP = 0.0
     n_mask_words: MaskWords = 0
     logit_bias: LogitBias = None
 
@@ -142,8 +144,8 @@ class Pred(_Body):
 
     @property
     def sampling(self) -> tuple:
-        """(temperature, top_p, top_k, seed), top_k 0 for none."""
-        return self.temperature, self.top_p, self.top_k or 0, self.seed
+        """(temperature, top_p, top_k, seed, min_p), top_k 0 for none."""
+        return self.temperature, self.top_p, self.top_k or 0, self.seed, self.min_p
 
 
 class KvCreate(_Body, kw_only=True):

@@ -141,7 +141,8 @@ class ServeRequest(_S):
     ``mode`` ``chat`` takes ``messages`` (and tools); ``text`` takes ``prompt`` (a
     string or token ids) and ``echo`` (the answer's text starts with the prompt).
     ``max_tokens`` null: up to the end of the context.  ``temperature`` 0 is greedy;
-    ``top_k`` 0 is off; choice i samples with ``seed`` + i.  ``logprobs``: each
+    ``top_k`` 0 is off; ``min_p`` drops tokens less likely than min_p times the most
+    likely one (0 is off); choice i samples with ``seed`` + i.  ``logprobs``: each
     token's log-probability under the model (raw log-softmax), with the
     ``top_logprobs`` most likely alternatives.  ``presence_penalty`` and
     ``frequency_penalty`` as OpenAI defines them; ``logit_bias``: (token id, bias)
@@ -159,6 +160,7 @@ class ServeRequest(_S):
     temperature: Optional[Annotated[float, Meta(ge=0, le=2)]] = 1.0
     top_p: Optional[Annotated[float, Meta(gt=0, le=1)]] = 1.0
     top_k: Optional[Annotated[int, Meta(ge=0, le=1 << 31)]] = 0
+    min_p: Optional[Annotated[float, Meta(ge=0, le=1)]] = 0.0
     seed: Optional[Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]] = None
     stop: Optional[Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=MAX_STOP)]] = []
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -183,7 +185,7 @@ class ServeRequest(_S):
                 setattr(self, name, default() if callable(default) else default)
 
 
-_NULL_DEFAULTS = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("stop", list), ("logprobs", False),
+_NULL_DEFAULTS = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("stop", list), ("logprobs", False),
                   ("top_logprobs", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", list),
                   ("stream", True), ("count_only", False))
 

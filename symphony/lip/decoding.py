@@ -8,7 +8,7 @@
 
 Where the token is chosen:
   * greedy, nothing else asked: ``pred(output="argmax")``, only a token id crosses;
-  * sampling (temperature > 0, top-p, top-k): ``pred(output="sample")`` in the kernel,
+  * sampling (temperature > 0, top-k, top-p, min-p): ``pred(output="sample")`` in the kernel,
     with one seed per step derived from ``seed`` (the same seed gives the same tokens);
   * log-probabilities or presence/frequency penalties asked: the logits come
     back and the LIP chooses (argmax, or `Sampler` seeded with ``seed``).  Log-
@@ -64,19 +64,20 @@ class Decoder:
     wrapper may retry it)."""
 
     def __init__(self, f: KVFile, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: Optional[int] = None, presence: float = 0.0, frequency: float = 0.0,
+                 min_p: float = 0.0, seed: Optional[int] = None, presence: float = 0.0, frequency: float = 0.0,
                  top_logprobs: Optional[int] = None, matcher=None, eos_ids: Sequence[int] = (),
                  vocab: int = 0, pred=pred, logit_bias: Optional[dict] = None):
         self.pred = pred                  # the pred system call (a caller may wrap it)
         self.f, self.temperature, self.top_p, self.seed = f, float(temperature), float(top_p), seed
-        self.top_k = int(top_k)
+        self.top_k, self.min_p = int(top_k), float(min_p)
         self.bias = sorted((logit_bias or {}).items()) or None       # [(token id, bias)]
         self.presence, self.frequency, self.top = float(presence), float(frequency), top_logprobs
         self.matcher, self.eos_ids, self.vocab = matcher, tuple(eos_ids), vocab
         self.penalize = bool(self.presence or self.frequency)
         self.in_lip = self.penalize or top_logprobs is not None
         self.counts = np.zeros(vocab, dtype=np.int32) if self.penalize else None
-        self.sampler = Sampler(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed) \
+        self.sampler = Sampler(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                               min_p=self.min_p, seed=seed) \
             if self.in_lip and self.temperature > 0 else None
         self.steps = 0
         self.words = (vocab + 31) // 32
@@ -104,7 +105,7 @@ class Decoder:
         if not self.in_lip:
             if self.temperature > 0:
                 x = self.pred(self.f, feed + ff, output="sample", temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=step_seed(self.seed, self.steps), mask=mask,
+                              top_k=self.top_k, min_p=self.min_p, seed=step_seed(self.seed, self.steps), mask=mask,
                               logit_bias=self.bias)
             else:
                 x = self.pred(self.f, feed + ff, output="argmax", mask=mask, logit_bias=self.bias)

@@ -121,15 +121,17 @@ def detokenize(tokens) -> str:
 # ---------------------------------------------------------------- pred
 def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, output: str = "logits",
          k: int = 20, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-         seed: Optional[int] = None, mask: Optional[Sequence[int]] = None, logit_bias=None):
+         seed: Optional[int] = None, mask: Optional[Sequence[int]] = None, logit_bias=None,
+         min_p: float = 0.0):
     """Append ``tokens`` to KV file ``f`` and run the model.
 
     ``output``:
       * ``"logits"`` (default): float32 logits, a zero-copy NumPy view ``[vocab]``
         (``[n, vocab]`` with ``all_logits``), valid until this thread's next call;
       * ``"topk"``: ``(ids int32 [k], logprobs float32 [k])`` (rows with all_logits);
-      * ``"sample"``: a token id sampled in the kernel (``temperature``, ``top_p``,
-        ``top_k``, ``seed``); ``"argmax"``: the greedy token id.
+      * ``"sample"``: a token id sampled in the kernel (``temperature``, then
+        ``top_k``, ``min_p`` (drop tokens less likely than min_p times the most likely
+        one; 0: off), ``top_p``; ``seed``); ``"argmax"``: the greedy token id.
     ``mask``: the tokens allowed next, as a list of ids or a bitmask of
     ceil(vocab/32) uint32 words (see `mask_words`); all others get -inf in the
     kernel before any output.
@@ -147,8 +149,8 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         n_mask = int(words.size)
         toks = np.concatenate([toks, words.view(np.int32)])
     if positions is None and logit_bias is None:   # a decode step repeats the last one's body: built once
-        key = (f.handle, n, n_mask, bool(all_logits), output, k, temperature, top_p, top_k, seed,
-               type(k), type(temperature), type(top_p), type(top_k), type(seed))     # (True is not 1 here)
+        key = (f.handle, n, n_mask, bool(all_logits), output, k, temperature, top_p, top_k, seed, min_p,
+               type(k), type(temperature), type(top_p), type(top_k), type(seed), type(min_p))  # (True is not 1)
         try:
             body = _bodies.get(key)
         except TypeError:                          # an unhashable argument: the schema refuses it below
@@ -157,7 +159,7 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
             try:
                 body = schema.build(abi.PRED, kv=f.handle, n_tokens=n, n_mask_words=n_mask, positions=None,
                                     all_logits=bool(all_logits), output=output, k=k, temperature=temperature,
-                                    top_p=top_p, top_k=top_k, seed=seed)
+                                    top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
             except schema.SchemaError as e:
                 raise InvalidArgument(str(e), "EINVAL") from None
             body = schema.encode(body)
@@ -170,7 +172,7 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         data, arena = _sys(abi.PRED, toks, kv=f.handle, n_tokens=n, n_mask_words=n_mask,
                            positions=None if positions is None else _tokens(positions).tolist(),
                            all_logits=bool(all_logits), output=output, k=k, temperature=temperature,
-                           top_p=top_p, top_k=top_k, seed=seed, logit_bias=_bias_pairs(logit_bias))
+                           top_p=top_p, top_k=top_k, seed=seed, min_p=min_p, logit_bias=_bias_pairs(logit_bias))
     f._length = data.get("length", f._length)
     if output in ("sample", "argmax"):
         return data["token"] if not all_logits else data["tokens"]

@@ -44,6 +44,7 @@ class Request:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: Optional[int] = None
     stop: list = field(default_factory=list)
     n: int = 1
@@ -68,7 +69,7 @@ class Request:
         except contract.ContractError as e:
             raise BadRequest(str(e), e.param or None) from None
         r = cls(mode=c.mode, max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                seed=c.seed, stop=list(c.stop), n=c.n, logprobs=c.logprobs, top_logprobs=c.top_logprobs,
+                min_p=c.min_p, seed=c.seed, stop=list(c.stop), n=c.n, logprobs=c.logprobs, top_logprobs=c.top_logprobs,
                 presence_penalty=c.presence_penalty, frequency_penalty=c.frequency_penalty,
                 logit_bias=dict(c.logit_bias), stream=c.stream, count_only=c.count_only)
         if c.mode == "chat":

@@ -79,7 +79,7 @@ def test_sampling_parameters_are_checked(kernel):
     assert events[-1]["reason"] == "finished", (events[-1], out[-800:])
     lines = out.splitlines()
     for name in ("temperature=1e-300", "temperature=nan", "temperature=-1.0", "temperature=inf",
-                 "top_p=0.0", "top_k=-3", "seed=abc"):
+                 "top_p=0.0", "top_k=-3", "seed=abc", "min_p=-0.5", "min_p=nan"):
         line = next(l for l in lines if l.startswith(name + ":"))
         assert "InvalidArgument" in line and "internal error" not in line, line
         assert name.split("=")[0] + " must be" in line, line

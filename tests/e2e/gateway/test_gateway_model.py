@@ -80,6 +80,21 @@ def test_chat_greedy_streamed_equals_plain_and_is_sensible(gm):
     assert resp.status in ("completed", "incomplete") and "Paris" in resp.output_text
 
 
+def test_min_p_one_samples_the_greedy_answer_and_out_of_range_is_400(gm):
+    """min_p 1 keeps only each step's most likely token: at any temperature and seed, the greedy text."""
+    c = oai(gm)
+    q = ask("Name three colours.")
+    greedy = c.chat.completions.create(model=gm.model, messages=q, temperature=0, max_tokens=16)
+    for seed in (1, 2):
+        r = c.chat.completions.create(model=gm.model, messages=q, temperature=1.5, seed=seed, max_tokens=16,
+                                      extra_body={"min_p": 1.0})
+        assert r.choices[0].message.content == greedy.choices[0].message.content
+    for bad in (1.5, -0.1, "x"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=gm.model, messages=q, max_tokens=4, extra_body={"min_p": bad})
+        assert "min_p" in str(e.value)
+
+
 def test_stop_strings_never_leak_and_unicode_is_whole(gm):
     c = oai(gm)
     base = c.chat.completions.create(model=gm.model, messages=ask("Count from 1 to 10, separated by commas."),

@@ -49,3 +49,31 @@ def test_a_seed_gives_the_same_tokens():
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
     p = check_sampling(0.8, top_p=0.95, seed=11)
     assert torch.equal(sample(logits, p), sample(logits, p))
+
+
+def test_min_p_drops_what_the_lips_sampler_drops_and_keeps_the_odds_of_the_rest():
+    # probabilities .5 .2 .15 .1 .05: min_p .25 keeps tokens of at least .125 (the first three)
+    from symphony.lip.sampling import Sampler
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    logits = probs.log()
+    for top_p, kept in ((1.0, 3), (0.6, 2)):            # with top_p: the nucleus first, then min_p
+        p = check_sampling(1.0, top_p=top_p, seed=3, min_p=0.25)
+        g = torch.Generator().manual_seed(3)
+        draws = torch.stack([sample(logits, p, generator=g) for _ in range(6000)]).flatten()
+        counts = torch.bincount(draws, minlength=5).float() / len(draws)
+        want = torch.from_numpy(Sampler(temperature=1.0, top_p=top_p, min_p=0.25).probs(logits[0].numpy())).float()
+        assert int((want > 0).sum()) == kept and torch.equal(counts > 0, want > 0)
+        torch.testing.assert_close(counts, want, atol=0.02, rtol=0)
+    # min_p 1 keeps the most likely token only: the greedy token, whatever the seed
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2))
+    for seed in range(5):
+        assert torch.equal(sample(logits, check_sampling(1.5, seed=seed, min_p=1.0)), logits.argmax(-1))
+
+
+def test_min_p_out_of_range_is_refused_by_name():
+    import pytest
+    from symphony.engine.sampler import SamplingError
+    for bad in (-0.1, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(SamplingError, match="min_p must be a number in"):
+            check_sampling(1.0, min_p=bad)
+    assert check_sampling(1.0, min_p=None).min_p == 0.0

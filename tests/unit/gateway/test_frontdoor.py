@@ -178,3 +178,38 @@ def test_a_websocket_stays_counted_against_its_address_until_it_closes():
     finally:
         server.should_exit = True
         t.join(10)
+
+
+def test_sampling_defaults_fill_what_a_client_leaves_unset_and_bad_ones_stop_the_start():
+    import argparse
+    from symphony.gateway import config as cfgmod
+    from symphony.gateway.app import Gateway
+    from symphony.gateway.completions import chat_request
+    from symphony.gateway.keys import KeyStore
+    from symphony.gateway.schema import ChatRequest, decode
+    from symphony.lip.serving import Request
+    p = argparse.ArgumentParser()
+    cfgmod.add_args(p)
+    args = p.parse_args(["--sampling-defaults", '{"top_p": 0.95, "min_p": 0.05, "top_k": 40}'])
+    cfg = cfgmod.from_args(args, "/tmp/k.sock", "127.0.0.1", 8000)
+    assert cfg.sampling_defaults == {"temperature": 1.0, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+    argv = cfgmod.to_argv(args)                  # symphony-kernel --http passes it on to its gateway
+    assert cfgmod.parse_sampling_defaults(argv[argv.index("--sampling-defaults") + 1]) == cfg.sampling_defaults
+    gw = Gateway(cfg, KeyStore(None))
+    key = gw.authenticate(type("R", (), {"headers": {}})())
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    req = gw.prepare(chat_request(decode(body, ChatRequest), "refuse"), key)
+    assert (req["temperature"], req["top_p"], req["top_k"], req["min_p"]) == (1.0, 0.95, 40, 0.05)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5, "min_p": 0, "top_k": -1}'
+    req = gw.prepare(chat_request(decode(body, ChatRequest), "refuse"), key)
+    assert (req["top_p"], req["top_k"], req["min_p"]) == (0.5, 0, 0)           # what the client sent wins
+    assert Request.parse(__import__("json").dumps(req)).min_p == 0            # the program's contract takes it
+    # without the flag: OpenAI's defaults
+    plain = cfgmod.from_args(p.parse_args([]), "/tmp/k.sock", "127.0.0.1", 8000)
+    assert plain.sampling_defaults == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    for text, msg in (('{"min_p": 2}', "min_p must be a number in"), ('{"top_k": 1.5}', "top_k must be"),
+                      ('{"top_p": 0}', "top_p must be"), ('{"temperature": true}', "temperature must be"),
+                      ('{"typical_p": 0.9}', "unknown parameter 'typical_p'"), ("[0.9]", "a JSON object"),
+                      ("top_p=0.9", "must be a JSON object")):
+        with pytest.raises(cfgmod.ConfigError, match=msg):
+            cfgmod.from_args(p.parse_args(["--sampling-defaults", text]), "/tmp/k.sock", "127.0.0.1", 8000)

@@ -76,6 +76,7 @@ BAD = [
     (abi.PRED, {"kv": 0, "n_tokens": 1, "top_k": -3}, "top_k",
      "top_k must be an int >= 0 (0: no top-k) or null, got -3"),
     (abi.PRED, {"kv": 0, "n_tokens": 1, "seed": "abc"}, "seed", "seed must be an int or null, got 'abc'"),
+    (abi.PRED, {"kv": 0, "n_tokens": 1, "min_p": 1.5}, "min_p", "min_p must be a number in [0, 1] (0: off), got 1.5"),
     (abi.PRED, {"kv": 0, "n_tokens": 1, "temperature": None}, "temperature",
      "temperature must be 0 (greedy) or a number in [0.0001, 100.0], got None"),
     (abi.PRED, {"kv": 0, "n_tokens": 1, "output": "logits", "top_p": 1.5}, "top_p", "top_p must be a number in (0, 1]"),
@@ -131,7 +132,7 @@ def test_defaults_and_the_empty_body():
     assert schema.decode(abi.NOP, b"") == schema.Empty()
     p = _decode(abi.PRED, {"kv": 0, "n_tokens": 1})
     assert (p.output, p.k, p.all_logits, p.positions, p.n_mask_words, p.sampling) == \
-        ("logits", 20, False, None, 0, (1.0, 1.0, 0, None))
+        ("logits", 20, False, None, 0, (1.0, 1.0, 0, None, 0.0))
     assert schema.encode(schema.build(abi.PRED, kv=0, n_tokens=1)) == b'{"kv":0,"n_tokens":1}'   # defaults omitted
     assert _decode(abi.PRED, {"kv": 0, "n_tokens": 1, "output": "sample", "temperature": 0}).temperature == 0
     with pytest.raises(schema.SchemaError, match="temperature must be"):   # the bounds bind every pred

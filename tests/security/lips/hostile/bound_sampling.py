@@ -6,7 +6,8 @@ from symphony.lip.errors import InvalidArgument, SyscallError
 
 def main():
     cases = [("temperature", 1e-300), ("temperature", float("nan")), ("temperature", -1.0),
-             ("temperature", float("inf")), ("top_p", 0.0), ("top_k", -3), ("seed", "abc")]
+             ("temperature", float("inf")), ("top_p", 0.0), ("top_k", -3), ("seed", "abc"),
+             ("min_p", -0.5), ("min_p", float("nan"))]
     with kv.create() as f:
         for name, value in cases:
             try:
