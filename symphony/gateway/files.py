@@ -74,8 +74,9 @@ async def pdfs_read(payload: Any):
 async def read_pdfs(payload: Any) -> Optional[dict[str, Optional[str]]]:
     """{data URL: its text or None} for every inline PDF in ``payload``, read in the
     PDF pool; None when there is none (or the body is not JSON: its route says so)."""
-    if isinstance(payload, (bytes, bytearray, memoryview, str)):
-        if (PDF_URL.encode() if not isinstance(payload, str) else PDF_URL) not in payload:
+    if isinstance(payload, (bytes, bytearray, str)):
+        marks = ("application/pdf", "application\\/pdf")          # JSON may escape the slash
+        if not any((m if isinstance(payload, str) else m.encode()) in payload for m in marks):
             return None
         try:
             payload = orjson.loads(payload)

@@ -142,6 +142,9 @@ def test_a_pdf_is_read_off_the_event_loop_and_its_text_used_by_the_route(monkeyp
     # a body without a PDF, or not JSON at all, reads nothing (its route reports the JSON error)
     assert asyncio.run(files.read_pdfs(b'{"input": "hi"}')) is None
     assert asyncio.run(files.read_pdfs(b'{"x": "data:application/pdf;base64,' + b"{")) is None
+    # a body whose JSON escapes the slash is still found (and read off the loop)
+    escaped = orjson.dumps({"x": url}).replace(b"application/pdf", b"application\\/pdf")
+    assert asyncio.run(files.read_pdfs(escaped)) == {url: "Title: Pooled"}
 
 
 def test_a_compaction_carries_its_summary_and_nothing_else_is_taken():
