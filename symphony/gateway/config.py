@@ -7,6 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
+
+from symphony.ipc.serving import ServeRequest
 from symphony.ipc.transport import is_loopback  # noqa: F401  (the gateway's test of a loopback address)
 
 _USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
@@ -17,11 +20,11 @@ class ConfigError(ValueError):
     pass
 
 
-# what a request samples with when its client sets nothing (OpenAI's defaults), and the
-# bounds of each in --sampling-defaults
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+# what a request samples with when its client sets nothing: the serving contract's defaults
+# (OpenAI's), checked against the contract's bounds (the words below only say them)
 _SAMPLING_BOUNDS = {"temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
-                    "top_k": "an integer >= 0 (0: off)", "min_p": "a number in [0, 1] (0: off)"}
+                    "top_k": "an integer in [0, 2^31] (0: off)", "min_p": "a number in [0, 1] (0: off)"}
+SAMPLING = {f.name: f.default for f in msgspec.structs.fields(ServeRequest) if f.name in _SAMPLING_BOUNDS}
 
 
 def parse_sampling_defaults(text: Optional[str]) -> dict:
@@ -41,12 +44,12 @@ def parse_sampling_defaults(text: Optional[str]) -> dict:
     for k, v in given.items():
         if k not in SAMPLING:
             raise ConfigError(f"--sampling-defaults: unknown parameter {k!r} (known: {', '.join(SAMPLING)})")
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        ok = number and {"temperature": lambda: 0 <= v <= 2, "top_p": lambda: 0 < v <= 1,
-                         "top_k": lambda: isinstance(v, int) and v >= 0, "min_p": lambda: 0 <= v <= 1}[k]()
-        if not ok:
-            raise ConfigError(f"--sampling-defaults: {k} must be {_SAMPLING_BOUNDS[k]}, got {v!r}")
-        out[k] = v
+        try:                                            # what every request's contract will accept
+            if v is None:
+                raise msgspec.ValidationError("null")
+            out[k] = getattr(msgspec.convert({"mode": "text", k: v}, ServeRequest, strict=True), k)
+        except msgspec.ValidationError:
+            raise ConfigError(f"--sampling-defaults: {k} must be {_SAMPLING_BOUNDS[k]}, got {v!r}") from None
     return out
 
 

@@ -40,10 +40,8 @@ def inline_text(data: Optional[str], at: str) -> tuple[Optional[str], str]:
     """(the text of an inline text file or PDF, or None; what the data is)."""
     if not isinstance(data, str) or not data.startswith("data:") or "," not in data:
         return None, "a file that is not inline (file_data as a data: URL)"
-    head, payload = data[5:].split(",", 1)
-    mime = head.split(";")[0] or "text/plain"
     try:
-        raw = base64.b64decode(payload, validate=True) if head.endswith(";base64") else payload.encode()
+        mime, raw = _decoded(data)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{at}: file_data is not valid base64", param=f"{at}.file_data") from None
     if mime.startswith(TEXT_TYPES) and len(raw) <= MAX_INLINE_TEXT:
@@ -105,12 +103,19 @@ def _pdf_urls(obj: Any) -> Iterator[str]:
             stack.extend(o)
 
 
+def _decoded(url: str) -> tuple[str, bytes]:
+    """(media type, bytes) of a ``data:`` URL holding a comma (binascii.Error or ValueError:
+    its base64 is not valid)."""
+    head, payload = url[5:].split(",", 1)
+    raw = base64.b64decode(payload, validate=True) if head.endswith(";base64") else payload.encode()
+    return head.split(";")[0] or "text/plain", raw
+
+
 def _read_all(urls: list[str]) -> dict[str, Optional[str]]:
     out: dict[str, Optional[str]] = {}
     for url in urls:
-        head, _, payload = url[5:].partition(",")
         try:
-            raw = base64.b64decode(payload, validate=True) if head.endswith(";base64") else payload.encode()
+            _, raw = _decoded(url)
         except (binascii.Error, ValueError):
             continue                        # inline_text refuses it, naming where it is
         out[url] = pdf_text(raw) if len(raw) <= MAX_PDF_BYTES else None

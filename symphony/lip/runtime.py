@@ -130,8 +130,8 @@ def pred(f: "KVFile", tokens, positions=None, *, all_logits: bool = False, outpu
         (``[n, vocab]`` with ``all_logits``), valid until this thread's next call;
       * ``"topk"``: ``(ids int32 [k], logprobs float32 [k])`` (rows with all_logits);
       * ``"sample"``: a token id sampled in the kernel (``temperature``, then
-        ``top_k``, ``min_p`` (drop tokens less likely than min_p times the most likely
-        one; 0: off), ``top_p``; ``seed``); ``"argmax"``: the greedy token id.
+        ``top_k``, ``top_p``, ``min_p`` (drop tokens less likely than min_p times the
+        most likely one; 0: off); ``seed``); ``"argmax"``: the greedy token id.
     ``mask``: the tokens allowed next, as a list of ids or a bitmask of
     ceil(vocab/32) uint32 words (see `mask_words`); all others get -inf in the
     kernel before any output.

@@ -210,6 +210,8 @@ def test_sampling_defaults_fill_what_a_client_leaves_unset_and_bad_ones_stop_the
     for text, msg in (('{"min_p": 2}', "min_p must be a number in"), ('{"top_k": 1.5}', "top_k must be"),
                       ('{"top_p": 0}', "top_p must be"), ('{"temperature": true}', "temperature must be"),
                       ('{"typical_p": 0.9}', "unknown parameter 'typical_p'"), ("[0.9]", "a JSON object"),
-                      ("top_p=0.9", "must be a JSON object")):
+                      ("top_p=0.9", "must be a JSON object"),
+                      ('{"top_k": 1099511627776}', "top_k must be"),     # past what a request's contract takes
+                      ('{"min_p": null}', "min_p must be")):
         with pytest.raises(cfgmod.ConfigError, match=msg):
             cfgmod.from_args(p.parse_args(["--sampling-defaults", text]), "/tmp/k.sock", "127.0.0.1", 8000)
