@@ -227,7 +227,7 @@ def build_app(gw: Gateway, *, connect: bool = True) -> Starlette:
                 raise
             gw.metrics.active.inc()
             body = await gw.body(request) if needs_body else b""
-            async with pdfs_read(body):                 # inline PDFs read off the event loop
+            async with pdfs_read(body, key.name):       # inline PDFs read off the event loop
                 out = await handler(gw, body, key, request)
             if isinstance(out, Response):
                 return out

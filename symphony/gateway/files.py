@@ -7,7 +7,9 @@ JSON and reads them all, one job per request in a pool of `PDF_WORKERS` threads,
 `inline_text` then takes each PDF's text from what was read (it reads one itself only
 for a request that did not pass through `read_pdfs`, such as a unit test's).  A large
 or hostile file therefore delays its own request, not the others of this gateway
-process.  Bounds: at most `MAX_PDF_BYTES` a file, its first `MAX_PDF_PAGES` pages and
+process; and one key has at most one job in the pool at a time (its other PDF
+requests wait their turn outside it), so a key sending many PDFs holds one of the
+pool's threads, never all of them.  Bounds: at most `MAX_PDF_BYTES` a file, its first `MAX_PDF_PAGES` pages and
 `MAX_INLINE_TEXT` characters; the table rebuild of a file without one scans linearly.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextvars
 import io
 import logging
 import re
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
@@ -33,6 +36,8 @@ PDF_URL = "data:application/pdf"
 PDF_WORKERS = 2                     # threads reading PDFs, for the whole gateway process
 
 _pool: Optional[ThreadPoolExecutor] = None
+# per event loop, per key: the key's one job in the pool (the keys are the operator's, so few)
+_turns: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]]" = weakref.WeakKeyDictionary()
 _read: contextvars.ContextVar[Optional[dict[str, Optional[str]]]] = contextvars.ContextVar("pdfs", default=None)
 
 
@@ -58,20 +63,21 @@ def inline_text(data: Optional[str], at: str) -> tuple[Optional[str], str]:
 
 
 @contextlib.asynccontextmanager
-async def pdfs_read(payload: Any):
+async def pdfs_read(payload: Any, who: str = ""):
     """Within this block, the inline PDFs of ``payload`` (a request body as bytes or
-    str, or its decoded JSON) have been read, off the event loop; a payload without
-    one costs a substring search."""
-    token = _read.set(await read_pdfs(payload))
+    str, or its decoded JSON) have been read, off the event loop, in key ``who``'s
+    turn; a payload without one costs a substring search."""
+    token = _read.set(await read_pdfs(payload, who))
     try:
         yield
     finally:
         _read.reset(token)
 
 
-async def read_pdfs(payload: Any) -> Optional[dict[str, Optional[str]]]:
+async def read_pdfs(payload: Any, who: str = "") -> Optional[dict[str, Optional[str]]]:
     """{data URL: its text or None} for every inline PDF in ``payload``, read in the
-    PDF pool; None when there is none (or the body is not JSON: its route says so)."""
+    PDF pool when key ``who`` has no other job there; None when there is none (or the
+    body is not JSON: its route says so)."""
     if isinstance(payload, (bytes, bytearray, str)):
         marks = ("application/pdf", "application\\/pdf")          # JSON may escape the slash
         if not any((m if isinstance(payload, str) else m.encode()) in payload for m in marks):
@@ -86,7 +92,10 @@ async def read_pdfs(payload: Any) -> Optional[dict[str, Optional[str]]]:
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(PDF_WORKERS, thread_name_prefix="symphony-pdf")
-    return await asyncio.get_running_loop().run_in_executor(_pool, _read_all, urls)
+    loop = asyncio.get_running_loop()
+    turn = _turns.setdefault(loop, {}).setdefault(who, asyncio.Lock())
+    async with turn:
+        return await loop.run_in_executor(_pool, _read_all, urls)
 
 
 def _pdf_urls(obj: Any) -> Iterator[str]:

@@ -202,7 +202,7 @@ class Connection:
             gw.metrics.active.inc()
             prev = self._previous(prev_id)
             where = await follow(gw, self.key, prev)
-            async with pdfs_read(data):                 # inline PDFs read off the event loop
+            async with pdfs_read(data, self.key.name):  # inline PDFs read off the event loop
                 turn = Turn(gw, r, self.key, gw.priority(self.ws, self.key), prev, where)
             await turn.run.start()
             await turn.run.first()

@@ -227,3 +227,33 @@ def test_admission_is_told_what_an_answer_is_expected_to_need_not_its_whole_limi
     assert _kv_estimate(dict(chat, max_tokens=10), 8192) == 100 + 64 + 10
     assert _kv_estimate(dict(chat, max_tokens=None, n=3), 8192) == 100 + 64 + 3 * EXPECTED_ANSWER
     assert _kv_estimate({"mode": "completion", "prompt": list(range(5000)), "max_tokens": 4000}, 4096) == 4096
+
+
+def test_one_key_sending_many_pdfs_holds_one_reader_and_another_key_is_read_meanwhile(monkeypatch):
+    """A flood of PDF requests from one key waits its turn outside the pool (one job a key), so
+    another key's PDF is read by the pool's other thread, not after the whole flood."""
+    import asyncio
+    import base64
+    import time
+    from symphony.gateway import files
+    monkeypatch.setattr(files, "pdf_text", lambda raw: time.sleep(0.3) or "text")
+    body = lambda i: orjson.dumps({"input": [{"type": "input_file", "file_data": (   # noqa: E731
+        "data:application/pdf;base64," + base64.b64encode(b"%PDF-1.4 " + str(i).encode()).decode())}]})
+
+    async def main():
+        t0 = time.monotonic()
+        done = {}
+
+        async def one(who, i):
+            got = await files.read_pdfs(body(i), who)
+            assert list(got.values()) == ["text"]
+            done[(who, i)] = time.monotonic() - t0
+        flood = [asyncio.create_task(one("alice", i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        await one("bob", 99)
+        await asyncio.gather(*flood)
+        return done
+    done = asyncio.run(main())
+    alice = sorted(t for (who, _), t in done.items() if who == "alice")
+    assert alice[-1] >= 6 * 0.3 * 0.9                       # her six, one at a time
+    assert done[("bob", 99)] < 0.8, done                    # bob's, beside hers (alone: 0.3 s)
