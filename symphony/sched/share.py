@@ -14,9 +14,10 @@ A step is *shared* when calls of two or more users are ready.  Then:
    average the others' steps stay within ``slowdown`` x theirs plus its
    turns, and it is never starved.
 1. **How big the step may be** (`capacity`), among the others: the *even
-   step* gives every user of the highest priority class present as many
-   tokens as the lightest of them asks for (all of it for the lightest: its
-   own work, and no more than that for the others); a shared step is kept
+   step* is the lightest top-priority user's work once for every user of
+   that class present (as many tokens as it asks for, each priced as its
+   own: a user whose tokens cost more - deep in a long prompt - does not
+   widen the step the others are measured against); a shared step is kept
    within ``slowdown`` x the even step's predicted time (cost.py: tokens,
    calls and the attention over each call's context, so a chunk deep in a
    long prompt counts for the context it reads).  It takes the most tokens
@@ -142,8 +143,8 @@ def capacity(demands: list[Demand], budget: int, cost: Optional[StepCost], slowd
     if len(demands) < 2 or cost is None or not cost.steps:
         return total
     top = [d for d in demands if d.priority == max(x.priority for x in demands)]
-    light = min(d.tokens for d in top)
-    target = slowdown * step_seconds(cost, [(d, min(d.tokens, light)) for d in top])  # the even step
+    light = min(top, key=lambda d: (d.tokens, step_seconds(cost, [(d, d.tokens)])))
+    target = slowdown * step_seconds(cost, [(light, light.tokens)] * len(top))  # the even step
     by_key = {d.key: d for d in demands}
 
     def fits(c: int) -> bool:

@@ -242,8 +242,9 @@ def test_cost_model_learns_the_attention_over_the_context():
 
 def test_a_chunk_deep_in_a_long_prompt_is_kept_small_beside_a_decoder():
     """Bob decodes one sequence; alice's prompt is 3,000 tokens in. With the attention term the
-    shared step gives her only as many tokens as keep the step within 1.5x the even step, the
-    step of his token and one of hers, both priced with the context they read."""
+    shared step gives her only as many tokens as keep the step within 1.5x the even step: his
+    work once for each of them, priced as his (her deep tokens do not widen the step he is
+    measured against)."""
     cost = StepCost.fixed(base=0.004, per_token=0.0003, per_call=0.0002, per_kpair=0.0004)
     bob = Demand("bob", 0, [1], 0, [40])
     alice = Demand("alice", 0, [128], 0, [3000])
@@ -251,8 +252,10 @@ def test_a_chunk_deep_in_a_long_prompt_is_kept_small_beside_a_decoder():
     shares = split([bob, alice], c)
     assert shares[bob.key] == 1 and 1 <= shares[alice.key] < 8
     step = cost.seconds(c, 2, bob.work(1)[1] + alice.work(shares[alice.key])[1])
-    even = cost.seconds(2, 2, bob.work(1)[1] + alice.work(1)[1])
+    even = cost.seconds(2, 2, 2 * bob.work(1)[1])
     assert step <= 1.5 * even
+    theirs = cost.seconds(2, 2, bob.work(1)[1] + alice.work(1)[1])    # one token each, as priced
+    assert step < 1.5 * theirs
     flat = capacity([Demand("bob", 0, [1]), Demand("alice", 0, [128])], 256, cost, 1.5)   # no contexts given
     assert flat > c                                    # priced flat, her chunk would be wider
 
