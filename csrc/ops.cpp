@@ -25,6 +25,15 @@ TORCH_LIBRARY(symphony, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
       "Tensor cu_q_lens, Tensor kv_lens, float scale) -> Tensor");
+  // paged_attention_bf16: paged_attention's arguments and result shape, with bfloat16 products
+  // (CPU): sequences of 32 or more query rows (tokens x GQA group) round q, K, V and the softmax
+  // weights to bfloat16 and multiply on the AMX tiles (float32 sums, softmax and output;
+  // csrc/cpu/attention_amx.cpp); the rest, and everything on a CPU without AMX-BF16, with
+  // 16-bit caches or a head_dim not a multiple of 32, is paged_attention's. For the layer stack
+  // of --activations int8, whose matrices are bfloat16 products on such a CPU already.
+  m.def(
+      "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+      "Tensor cu_q_lens, Tensor kv_lens, float scale) -> Tensor");
 
   // Quantized weights (layout in csrc/quant.h): W [N, K] is qs (uint8 [N, K/2] for kind 0 "u4",
   // int8 [N, K] for kind 1 "i8"), scales float32 [N, K/group] and mins (same shape, or empty);

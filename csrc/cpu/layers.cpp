@@ -14,7 +14,8 @@
 //          (qs, scales, mins) of a QWeight with kinds[j] = its kind and groups[j] its group, or
 //          (w, w, w) of a dense float32 one, w [N, K], with kinds[j] = -1 (at::linear).
 // biases   L optional tensors: bqkv of each layer (Qwen2) or None.
-// qpath    the qlinear path of every quantized product (QWeight.linear's: -1 or -2 normally).
+// qpath    the qlinear path of every quantized product (QWeight.linear's: -1 or -2 normally); -2
+//          (--activations int8) also takes paged_attention_bf16 for the attention.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
@@ -53,11 +54,12 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& page_table, const at::Tensor& cu_q_lens,
-                           const at::Tensor& kv_lens, double scale) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&, double)>("symphony::paged_attention");
-  return op.call(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale);
+                           const at::Tensor& kv_lens, double scale, bool bf16) {
+  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, double);
+  static const auto exact = find_op<Fn>("symphony::paged_attention");
+  static const auto products16 = find_op<Fn>("symphony::paged_attention_bf16");
+  return (bf16 ? products16 : exact).call(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
@@ -130,7 +132,7 @@ at::Tensor llama_layers_cpu(const at::Tensor& x0, const at::Tensor& positions, c
     write_kv(heads.narrow(1, n_heads, n_kv_heads), heads.narrow(1, n_heads + n_kv_heads, n_kv_heads),
              k_cache, v_cache, slots);
     const at::Tensor o = paged_attention(heads.narrow(1, 0, n_heads), k_cache, v_cache, page_table,
-                                         cu_q_lens, kv_lens, scale);   // [T, n_heads, head_dim]
+                                         cu_q_lens, kv_lens, scale, qpath == -2);  // [T, n_heads, head_dim]
     std::tie(x, h) = add_rms_norm(x, W.linear(o.view({T, q_size}), 4 * i + 1), norms[2 * i + 1], eps);
     const at::Tensor act = silu_mul_cpu(W.linear(h, 4 * i + 2));        // [T, intermediate]
     const at::Tensor down = W.linear(act, 4 * i + 3);                   // [T, H]

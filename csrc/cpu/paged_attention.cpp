@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "attention_amx.h"
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -143,6 +144,8 @@ struct Problem {
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
   const int32_t* page_table16 = nullptr;
+  // sequences b with skip[b] != 0 are left out (another kernel writes their rows)
+  const uint8_t* skip = nullptr;
 };
 
 struct Item {
@@ -660,7 +663,7 @@ static void attention_core(const AttnDims& dims, const Problem& P, CacheKind lan
   int64_t max_rows = 1;
   for (int64_t b = 0; b < dims.B; ++b) {
     const int64_t q_len = int64_t(cu[b + 1]) - cu[b];
-    if (q_len == 0) continue;
+    if (q_len == 0 || (P.skip != nullptr && P.skip[b])) continue;
     const int64_t base = int64_t(kvl[b]) - q_len;
     const bool whole_lanes = all_lanes(lanes_fn, q_len, G);
     const int64_t step = whole_lanes ? q_len : tile_tokens;
@@ -933,6 +936,57 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// paged_attention_bf16: the sequences with at least kAmxMinRows query rows (tokens x GQA group)
+// on the AMX tiles with bfloat16 products (attention_amx.cpp), the others by the float32 kernels
+// above; all of it by paged_attention where the CPU has no AMX-BF16, the caches are not float32 or
+// the head_dim is not a multiple of 32. Below that many rows the float32 kernels cost about what
+// rounding the sequence's whole context to bfloat16 costs, which every AMX call pays first.
+constexpr int64_t kAmxMinRows = 32;
+
+at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& page_table,
+                                    const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
+                                    double scale) {
+  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
+  if (q.scalar_type() != at::kFloat || !amx_bf16_usable() || !amx_attention_takes(dims.head_dim))
+    return paged_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale);
+  const int32_t* pt = page_table.data_ptr<int32_t>();
+  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
+  const int32_t* kvl = kv_lens.data_ptr<int32_t>();
+  check_attention_tables_cpu(dims, pt, cu, kvl);
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  if (dims.T == 0) return out;
+  std::vector<uint8_t> tiled(size_t(dims.B), 0);
+  std::vector<int64_t> seqs;
+  for (int64_t b = 0; b < dims.B; ++b) {
+    if ((int64_t(cu[b + 1]) - cu[b]) * dims.group >= kAmxMinRows) {
+      tiled[size_t(b)] = 1;
+      seqs.push_back(b);
+    }
+  }
+  Problem P = make_problem(dims, q.data_ptr<float>(), q.stride(0), cu, kvl, out.data_ptr<float>(), scale);
+  P.k_cache = k_cache.data_ptr<float>();
+  P.v_cache = v_cache.data_ptr<float>();
+  P.page_table = pt;
+  if (int64_t(seqs.size()) < dims.B) {
+    P.skip = tiled.data();
+    attention_core(dims, P, CacheKind::kF32);
+  }
+  if (!seqs.empty()) {
+    const AmxAttention a{P.q, P.q_stride, P.k_cache, P.v_cache, dims.n_heads, dims.n_kv_heads,
+                         dims.head_dim, dims.page_size, pt, dims.max_pages, cu, kvl, P.out, float(scale)};
+    amx_attention(a, seqs.data(), int64_t(seqs.size()),
+                  [](int64_t n, const std::function<void(int64_t, int64_t)>& f) {
+                    const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+                    if (threads <= 1) f(0, n);
+                    else at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+                      f(b0 * n / threads, b1 * n / threads);
+                    });
+                  });
+  }
+  return out;
+}
+
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                   at::Tensor& v_cache, const at::Tensor& slots) {
   const WriteKvDims d = check_write_kv_args(k, v, k_cache, v_cache, slots);
@@ -962,6 +1016,7 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
 TORCH_LIBRARY_IMPL(symphony, CPU, m) {
   m.impl("write_kv", &write_kv_cpu);
   m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("paged_attention_bf16", &paged_attention_bf16_cpu);
 }
 
 }  // namespace symphony

@@ -80,7 +80,7 @@ class EngineArgs:
                             "of 16 on CPUs with AVX-512 VNNI or AVX2 without AVX-512, float32 otherwise: "
                             "logits within ~1/2000 of their scale) or int8 (faster for batches, but logits "
                             "move by ~4%% of their scale, as llama.cpp's do; on AMX CPUs products of 64 rows and "
-                            "more, prefills, multiply in bfloat16)")
+                            "more, prefills, multiply in bfloat16, and so does a prompt chunk's attention)")
         p.add_argument("--kv-commit", default="background", choices=["background", "lazy"],
                        help="the KV pool's memory in host RAM: background (default) commits all of it on a "
                             "thread of its own once the engine serves, so that no step pays for a page's first "

@@ -200,6 +200,9 @@ class PagedLlama:
             ops.write_kv(k, v, k_cache, v_cache, meta.slots)         # token-strided views are fine
             if meta.fresh_prefill and self.fused_prefill:   # nothing cached before: fused causal attention
                 o = self._causal_attention(q, k, v)
+            elif q.device.type == "cpu" and quant.int8_activations():   # bfloat16 products (AMX)
+                o = ops.paged_attention_bf16(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
+                                             meta.kv_lens, self.scale)
             else:
                 o = self.kernels.paged_attention(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
                                                  meta.kv_lens, self.scale)  # [T, n_heads, head_dim]

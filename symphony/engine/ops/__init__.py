@@ -63,6 +63,7 @@ __all__ = [
     "dense_gemv",
     "dense_gemv_tc",
     "paged_attention_tiled",
+    "paged_attention_bf16",
     "qlinear_reference",
     "BF16_PATH",
     "FIFTEEN_BIT_PATHS",
@@ -142,6 +143,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         load()
     return torch.ops.symphony.paged_attention(q, k_cache, v_cache, page_table, cu_q_lens,
                                               kv_lens, float(scale))
+
+
+def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`paged_attention` (same arguments and checks) with bfloat16 products where they pay (CPU
+    only): on a CPU with AMX-BF16, the sequences of 32 or more query rows (tokens x GQA group:
+    prompt chunks) round q, K, V and the softmax weights to bfloat16 and multiply on the AMX
+    tiles, with float32 sums, softmax and output (csrc/cpu/attention_amx.cpp); the other
+    sequences, and every call with 16-bit caches, a head_dim not a multiple of 32 or on a CPU
+    without AMX, run `paged_attention`. The attention of ``--activations int8``."""
+    if not _loaded:
+        load()
+    return torch.ops.symphony.paged_attention_bf16(q, k_cache, v_cache, page_table, cu_q_lens,
+                                                   kv_lens, float(scale))
 
 
 def qlinear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -411,6 +427,7 @@ def _register_fakes() -> None:
         return
     torch.library.register_fake("symphony::write_kv", _write_kv_fake)
     torch.library.register_fake("symphony::paged_attention", _paged_attention_fake)
+    torch.library.register_fake("symphony::paged_attention_bf16", _paged_attention_fake)
     torch.library.register_fake("symphony::qlinear", _qlinear_fake)
     torch.library.register_fake("symphony::qdequant", _qdequant_fake)
     torch.library.register_fake("symphony::rms_norm", _rms_norm_fake)

@@ -39,7 +39,8 @@ _CHECKOUT_CSRC = Path(__file__).resolve().parents[3] / "csrc"    # <repo>/csrc (
 _SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh", ".hpp", ".inc")
 _CPU_SOURCES = ("ops.cpp", "cpu/paged_attention.cpp", "cpu/qlinear.cpp", "cpu/qkernels_x86.cpp", "cpu/qlinear_q8.cpp",
                 "cpu/qkernels_q8_x86.cpp", "cpu/qkernels_t16_x86.cpp", "cpu/norm.cpp", "cpu/fused.cpp",
-                "cpu/layers.cpp", "cpu/qkernels_t16_avx2.cpp", "cpu/qkernels_rows_avx2.cpp")
+                "cpu/layers.cpp", "cpu/qkernels_t16_avx2.cpp", "cpu/qkernels_rows_avx2.cpp",
+                "cpu/attention_amx.cpp")
 _CUDA_SOURCES = ("cuda/paged_attention.cu", "cuda/qlinear.cu", "cuda/dense.cu", "cuda/attention_tiled.cu",
                  "cuda/gemv_tc.cu")
 _LOCK_TIMEOUT_S = 30 * 60        # default wait for another live builder ($SYMPHONY_BUILD_LOCK_TIMEOUT)
