@@ -55,6 +55,7 @@
 
 #include "../quant.h"
 #include "qkernels.h"
+#include "attention_amx.h"
 #include "../check.h"
 
 namespace symphony {
@@ -646,7 +647,7 @@ at::Tensor qlinear_cpu(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 
 int64_t qcpu_features() {
   return (cpu_has_avx2() ? 1 : 0) | (cpu_has_avx512() ? 2 : 0) | (cpu_has_avxvnni() ? 4 : 0) |
-         (cpu_has_avx512vnni() ? 8 : 0) | (cpu_has_amx_bf16() ? 16 : 0);
+         (cpu_has_avx512vnni() ? 8 : 0) | (cpu_has_amx_bf16() ? 16 : 0) | (amx_bf16_usable() ? 32 : 0);
 }
 
 // The path qlinear's choice ``path`` (-2, -1: automatic; others are returned as they are)
@@ -730,7 +731,8 @@ TORCH_LIBRARY_IMPL(symphony, CPU, m) {
 }
 
 // Bit 0: the AVX2 paths run here, bit 1: the AVX-512 path, bit 2: AVX-VNNI, bit 3: AVX-512 VNNI,
-// bit 4: AMX with bfloat16 (the rule's choice of path 13). No tensor arguments, so a catch-all
+// bit 4: AMX with bfloat16 (the rule's choice of path 13), bit 5: this process may use the AMX
+// tiles itself and the ops were built with them (paged_attention_bf16's tiled path; attention_amx.h). No tensor arguments, so a catch-all
 // kernel defined here rather than a schema in ops.cpp with per-backend implementations.
 TORCH_LIBRARY_FRAGMENT(symphony, m) {
   m.def("qcpu_features() -> int", &qcpu_features);

@@ -110,7 +110,11 @@ def describe_cpu_kernels(n: int = 576, k: int = 576, kind: int = U4, max_rows: i
         if b == max_rows:
             return f"from {a} rows" if a > 1 else "any number of rows"
         return f"{a} row{'s' if b > 1 else ''}" if a == b else f"{a}-{b} rows"
-    return what + ": " + "; ".join(f"{rows(a, b)}: {PATH_NAMES.get(p, f'path {p}')}" for a, b, p in runs)
+    line = what + ": " + "; ".join(f"{rows(a, b)}: {PATH_NAMES.get(p, f'path {p}')}" for a, b, p in runs)
+    if mode == -2:
+        line += ("; attention of prompt chunks (32 query rows and more): bfloat16 on the AMX tiles"
+                 if ops.qcpu_features()["amx_tiles"] else "; attention: float32")
+    return line
 
 
 class force_qlinear_path:

@@ -302,12 +302,14 @@ def llama_layers(x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Ten
 def qcpu_features() -> dict[str, bool]:
     """Which SIMD paths of qlinear this CPU runs: ``avx2`` (paths 1, 5), ``avx512`` (2),
     ``avx_vnni`` (6), ``avx512_vnni`` (7, 8, 9), and ``amx_bf16``: AMX with bfloat16 tiles,
-    where the rule takes path 13 (the dense bfloat16 GEMM) for int8-activation batches."""
+    where the rule takes path 13 (the dense bfloat16 GEMM) for int8-activation batches;
+    ``amx_tiles``: the OS lets this process use them and the ops were built for them, so that
+    `paged_attention_bf16` runs prompt chunks on them."""
     if not _loaded:
         load()
     bits = int(torch.ops.symphony.qcpu_features())
     return {"avx2": bool(bits & 1), "avx512": bool(bits & 2), "avx_vnni": bool(bits & 4),
-            "avx512_vnni": bool(bits & 8), "amx_bf16": bool(bits & 16)}
+            "avx512_vnni": bool(bits & 8), "amx_bf16": bool(bits & 16), "amx_tiles": bool(bits & 32)}
 
 
 def qlinear_path_for(path: int, m: int, n: int, k: int, kind: int) -> int:

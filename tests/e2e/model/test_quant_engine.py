@@ -272,6 +272,7 @@ def test_activations_flag_selects_the_kernels(tmp_path):
     try:
         eng = load("--activations", "int8")
         assert quant.int8_activations() and "int8" in quant.describe_cpu_kernels()
+        assert ("bfloat16 on the AMX tiles" in quant.describe_cpu_kernels()) == ops.qcpu_features()["amx_tiles"]
         x = torch.randn(3, cfg["hidden_size"])
         w = eng.model.w.layers[0].wqkv
         assert torch.equal(w.linear(x), ops.qlinear(x, w.qs, w.scales, w.mins, w.kind, w.group, -2))

@@ -22,8 +22,8 @@ def _built():
 
 
 def amx() -> bool:
-    """Whether this CPU has AMX-BF16, and so takes the tiled path."""
-    return ops.qcpu_features()["amx_bf16"]
+    """Whether this process may use the AMX tiles, and so takes the tiled path."""
+    return ops.qcpu_features()["amx_tiles"]
 
 
 def reference(q, kc, vc, pt, cu, kvl, scale):
