@@ -26,7 +26,7 @@ TORCH_LIBRARY(symphony, m) {
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
       "Tensor cu_q_lens, Tensor kv_lens, float scale) -> Tensor");
   // paged_attention_bf16: paged_attention's arguments and result shape, with bfloat16 products
-  // (CPU): sequences of 32 or more query rows (tokens x GQA group) round q, K, V and the softmax
+  // (CPU): sequences of 32 or more query rows (tokens x GQA group; rows x kv_len >= 8192) round q, K, V and the softmax
   // weights to bfloat16 and multiply on the AMX tiles (float32 sums, softmax and output;
   // csrc/cpu/attention_amx.cpp); the rest, and everything on a CPU without AMX-BF16, with
   // 16-bit caches or a head_dim not a multiple of 32, is paged_attention's. For the layer stack

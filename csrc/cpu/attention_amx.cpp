@@ -105,7 +105,8 @@ struct Packed {
   uint16_t* vt;
 };
 
-void pack(const AmxAttention& a, Packed& p) {
+// Keys [j0, j1) of p (multiples of 64, or j1 = p.n_keys).
+void pack(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
   const int64_t D = a.head_dim, kv_len = a.kv_lens[p.b];
   const int32_t* pt = a.page_table + p.b * a.max_pages;
   const int64_t slot_stride = a.n_kv_heads * D, off = p.g * D;
@@ -115,7 +116,7 @@ void pack(const AmxAttention& a, Packed& p) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512i lanes16 = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
-  for (int64_t j = 0; j < p.n_keys; ++j) {
+  for (int64_t j = j0; j < j1; ++j) {
     uint16_t* dst = p.k + j * D;
     if (j < kv_len) {
       const float* src = row(a.k_cache, j);
@@ -125,7 +126,7 @@ void pack(const AmxAttention& a, Packed& p) {
       std::memset(dst, 0, size_t(D) * 2);
     }
   }
-  for (int64_t j = 0; j < p.n_keys; j += 2) {  // a pair of keys: one 32-bit column of V^T
+  for (int64_t j = j0; j < j1; j += 2) {  // a pair of keys: one 32-bit column of V^T
     const int64_t blk = j / kKeys, half = (j % kKeys) / 32, kp = (j % 32) / 2;
     const float* v0 = j < kv_len ? row(a.v_cache, j) : nullptr;
     const float* v1 = j + 1 < kv_len ? row(a.v_cache, j + 1) : nullptr;
@@ -333,8 +334,18 @@ void amx_attention(const AmxAttention& a, const int64_t* seqs, int64_t n_seqs, c
     p.k = base + reinterpret_cast<int64_t>(p.vt);
     p.vt = p.k + p.n_keys * D;
   }
-  pfor(int64_t(packs.size()), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) pack(a, packs[size_t(i)]);
+  // packing reads each kv head's context once (memory-bound): in pieces of kPackKeys keys, so
+  // that one long sequence's few heads still keep every thread busy
+  constexpr int64_t kPackKeys = 512;
+  std::vector<std::pair<int32_t, int64_t>> pieces;  // (pack, first key)
+  for (size_t i = 0; i < packs.size(); ++i)
+    for (int64_t j = 0; j < packs[i].n_keys; j += kPackKeys) pieces.emplace_back(int32_t(i), j);
+  pfor(int64_t(pieces.size()), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Packed& p = packs[size_t(pieces[size_t(i)].first)];
+      const int64_t j = pieces[size_t(i)].second;
+      pack(a, p, j, std::min(p.n_keys, j + kPackKeys));
+    }
   });
   // the longest items first (their rows see the most keys), pulled from a shared counter
   std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {

@@ -937,11 +937,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // paged_attention_bf16: the sequences with at least kAmxMinRows query rows (tokens x GQA group)
-// on the AMX tiles with bfloat16 products (attention_amx.cpp), the others by the float32 kernels
+// and kAmxMinWork row-key pairs (a 16-token prompt alone costs the tiles more to set up than
+// the float32 kernels take) on the AMX tiles with bfloat16 products (attention_amx.cpp), the others by the float32 kernels
 // above; all of it by paged_attention where the CPU has no AMX-BF16, the caches are not float32 or
 // the head_dim is not a multiple of 32. Below that many rows the float32 kernels cost about what
 // rounding the sequence's whole context to bfloat16 costs, which every AMX call pays first.
-constexpr int64_t kAmxMinRows = 32;
+constexpr int64_t kAmxMinRows = 32, kAmxMinWork = 8192;
 
 at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                     const at::Tensor& v_cache, const at::Tensor& page_table,
@@ -959,7 +960,8 @@ at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cac
   std::vector<uint8_t> tiled(size_t(dims.B), 0);
   std::vector<int64_t> seqs;
   for (int64_t b = 0; b < dims.B; ++b) {
-    if ((int64_t(cu[b + 1]) - cu[b]) * dims.group >= kAmxMinRows) {
+    const int64_t rows = (int64_t(cu[b + 1]) - cu[b]) * dims.group;
+    if (rows >= kAmxMinRows && rows * kvl[b] >= kAmxMinWork) {
       tiled[size_t(b)] = 1;
       seqs.push_back(b);
     }

@@ -149,9 +149,9 @@ def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          page_table: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """`paged_attention` (same arguments and checks) with bfloat16 products where they pay (CPU
-    only): on a CPU with AMX-BF16, the sequences of 32 or more query rows (tokens x GQA group:
-    prompt chunks) round q, K, V and the softmax weights to bfloat16 and multiply on the AMX
-    tiles, with float32 sums, softmax and output (csrc/cpu/attention_amx.cpp); the other
+    only): on a CPU with AMX-BF16, the sequences of 32 or more query rows (tokens x GQA group)
+    and rows x kv_len of at least 8,192 (prompt chunks) round q, K, V and the softmax weights to
+    bfloat16 and multiply on the AMX tiles, with float32 sums, softmax and output (csrc/cpu/attention_amx.cpp); the other
     sequences, and every call with 16-bit caches, a head_dim not a multiple of 32 or on a CPU
     without AMX, run `paged_attention`. The attention of ``--activations int8``."""
     if not _loaded:

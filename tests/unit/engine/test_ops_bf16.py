@@ -59,8 +59,9 @@ def test_long_prompts_and_chunks_deep_in_a_context(q_len, kv_len):
 
 
 def test_few_rows_are_the_float32_kernels_exactly():
-    """Decodes and short chunks (fewer than 32 rows) run paged_attention's kernels: the same bits."""
-    q, kc, vc, pt, cu, kvl = make_batch([1, 1, 3, 10, 1], [500, 17, 40, 200, 3000], n_heads=9, n_kv_heads=3,
+    """Decodes and short chunks (fewer than 32 rows), and a short prompt alone (48 rows x 16
+    keys), run paged_attention's kernels: the same bits."""
+    q, kc, vc, pt, cu, kvl = make_batch([1, 1, 3, 10, 1, 16], [500, 17, 40, 200, 3000, 16], n_heads=9, n_kv_heads=3,
                                         head_dim=64, seed=3)
     assert torch.equal(ops.paged_attention_bf16(q, kc, vc, pt, cu, kvl, 0.1),
                        ops.paged_attention(q, kc, vc, pt, cu, kvl, 0.1))
@@ -113,6 +114,6 @@ def test_bad_input_is_refused_as_paged_attention_refuses_it():
 
 
 def test_opcheck():
-    q, kc, vc, pt, cu, kvl = make_batch([1, 40, 0, 3], [9, 46, 4, 40], n_heads=4, n_kv_heads=2,
+    q, kc, vc, pt, cu, kvl = make_batch([1, 40, 0, 3], [9, 300, 4, 40], n_heads=4, n_kv_heads=2,
                                         head_dim=32, page_size=8, seed=12)
     torch.library.opcheck(torch.ops.symphony.paged_attention_bf16.default, (q, kc, vc, pt, cu, kvl, 0.25))
