@@ -1,7 +1,7 @@
 """Time symphony's paged attention against SDPA (and flash-attn / FlashInfer where installed) on
 the same K/V gathered into contiguous tensors.
 
-    python perf/bench_ops.py [--threads N] [--runs 15] [--device cpu|cuda]
+    python perf/bench_ops.py [--threads N] [--runs 15] [--device cpu|cuda] [--layers 1]
                              [--dtypes float32,bfloat16,float16] [--shape smollm|1b] [--json PATH]
 
 Head shapes: SmolLM2-135M's (n_heads=9, n_kv_heads=3, head_dim=64) or Llama-3.2-1B's (32, 8,
@@ -10,11 +10,15 @@ prompt into a file of 1000 (the non-empty-file prefill), decode steps of 32 sequ
 context of 1000 and of 100..2000, of one sequence at 2000 and at 64. SDPA gets the same data
 already gathered into contiguous [B, heads, L, head_dim] tensors (the gather is not timed),
 enable_gqa=True; causal with the keys' offset (a boolean mask where the queries do not start at
-key 0). On CUDA `paged_attention_tiled` (the query-tiled prefill and split decode kernels) is
+key 0). On the CPU in float32 `paged_attention_bf16` (the attention of `--activations int8`:
+prompts on the AMX tiles in bfloat16 where the CPU has them) is timed beside `paged_attention`.
+On CUDA `paged_attention_tiled` (the query-tiled prefill and split decode kernels) is
 timed beside `paged_attention`, and flash-attn's `flash_attn_func` and FlashInfer's
 `single_prefill_with_kv_cache` / `single_decode_with_kv_cache` where those packages import
 (both take bottom-right aligned causal masks, our semantics). Times are CUDA events around each
-call on a GPU, wall time on the CPU; medians of --runs interleaved calls.
+call on a GPU, wall time on the CPU; medians of --runs interleaved calls. With --layers N
+each call is N calls, one on each of N layers' caches in turn (as a forward pass reads them:
+cold), and the time is per layer.
 """
 from __future__ import annotations
 
@@ -134,6 +138,7 @@ CASES = [
     # name, q_lens, kv_lens, same length for SDPA (None: ragged, ours only)
     ("prefill 1 x 1500, empty file", [1500], [1500], True),
     ("prefill 1 x 1000 into a file of 1000", [1000], [2000], True),
+    ("prefill chunk 1 x 128 at 2800", [128], [2928], True),
     ("decode 32 x 1 @ ctx 1000", [1] * 32, [1000] * 32, True),
     ("decode 32 x 1 @ ctx 100..2000", [1] * 32, list(range(100, 2001, 61))[:32], None),
     ("decode 1 x 1 @ ctx 2000", [1], [2000], True),
@@ -151,6 +156,9 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the medians as JSON")
     ap.add_argument("--no-tiled", action="store_true", help="CUDA: leave paged_attention_tiled out")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="call each contender on the caches of this many layers in turn (cold caches); "
+                         "times are per layer")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -159,29 +167,41 @@ def main():
     dev, shape = args.device, SHAPES[args.shape]
     tiled = dev == "cuda" and ops.cuda_available() and not args.no_tiled
     print(f"device={dev} threads={torch.get_num_threads()} torch={torch.__version__} shape={args.shape} "
-          f"{shape} timer={'CUDA events' if dev == 'cuda' else 'wall'}")
+          f"{shape} timer={'CUDA events' if dev == 'cuda' else 'wall'} layers={args.layers}")
     scale = shape[2] ** -0.5
     rows = []
     print(f"{'case':38s} {'dtype':9s} {'contender':22s} {'ms':>9s} {'/ sdpa':>8s}")
     for name, ql, kl, same in CASES:
         for dt in dtypes:
-            q, kc, vc, pt, cu, kvl = make(ql, kl, shape, dev, dtype=dt)
-            fns = [("paged_attention", lambda: ops.paged_attention(q, kc, vc, pt, cu, kvl, scale))]
+            layers = [make(ql, kl, shape, dev, dtype=dt, seed=i) for i in range(max(1, args.layers))]
+            q, kc, vc, pt, cu, kvl = layers[0]
+
+            def each(op):               # op on every layer's caches in turn
+                return lambda: [op(*x, scale) for x in layers]
+            fns = [("paged_attention", each(ops.paged_attention))]
             if tiled:
-                fns.append(("paged_attention_tiled", lambda: ops.paged_attention_tiled(q, kc, vc, pt, cu, kvl, scale)))
+                fns.append(("paged_attention_tiled", each(ops.paged_attention_tiled)))
+            if dev == "cpu" and dt == torch.float32:     # --activations int8's (AMX tiles for prompts)
+                fns.append(("paged_attention_bf16", each(ops.paged_attention_bf16)))
             notes = []
             if same:
-                qb, k, v = gathered(q, kc, vc, pt, cu, kvl)
-                fns.append(("sdpa", sdpa_fn(qb, k, v, scale)))
+                calls = [sdpa_fn(*gathered(*x), scale) for x in layers]
+                fns.append(("sdpa", lambda: [f() for f in calls]))
                 if dev == "cuda" and dt != torch.float32:
-                    for oname, ofn in others(qb, k, v, scale):
-                        (fns.append((oname, ofn)) if callable(ofn) else notes.append(f"{oname} {ofn}"))
+                    per_layer = [others(*gathered(*x), scale) for x in layers]
+                    for i, (oname, ofn) in enumerate(per_layer[0]):
+                        if callable(ofn):
+                            fs = [pl[i][1] for pl in per_layer]
+                            fns.append((oname, lambda fs=fs: [f() for f in fs]))
+                        else:
+                            notes.append(f"{oname} {ofn}")
             try:
                 ts = median_ms([f for _, f in fns], args.runs, dev)
             except Exception as e:  # noqa: BLE001 - a contender that fails: time the ours alone
                 notes.append(f"{type(e).__name__}: {str(e)[:120]}")
-                fns = fns[:2 if tiled else 1]
+                fns = [f for f in fns if f[0].startswith("paged_attention")]
                 ts = median_ms([f for _, f in fns], args.runs, dev)
+            ts = [t / len(layers) for t in ts]
             sdpa = dict(zip([n for n, _ in fns], ts)).get("sdpa")
             dname = str(dt).replace("torch.", "")
             for (cname, _), t in zip(fns, ts):
@@ -192,7 +212,7 @@ def main():
                 print(f"{'':38s} {dname:9s} ({n})")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=dev, shape=args.shape, torch=torch.__version__,
-                                                   runs=args.runs, rows=rows), indent=2))
+                                                   runs=args.runs, layers=args.layers, rows=rows), indent=2))
 
 
 if __name__ == "__main__":
