@@ -97,6 +97,30 @@ inline __m512 exp2v(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// r[i][j] <- r[j][i] for 16 vectors of 16 32-bit values.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // One (sequence, kv head)'s keys, packed: K as bfloat16 rows [n_keys][D] (n_keys a multiple of
 // 64, zero past kv_len) and V^T as [n_keys / 64][D / 16][2 halves][16 d][32 keys].
 struct Packed {
@@ -105,7 +129,7 @@ struct Packed {
   uint16_t* vt;
 };
 
-// Keys [j0, j1) of p (multiples of 64, or j1 = p.n_keys).
+// Keys [j0, j1) of p (multiples of 64).
 void pack(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
   const int64_t D = a.head_dim, kv_len = a.kv_lens[p.b];
   const int32_t* pt = a.page_table + p.b * a.max_pages;
@@ -114,8 +138,6 @@ void pack(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
     return cache + (int64_t(pt[j / a.page_size]) * a.page_size + j % a.page_size) * slot_stride + off;
   };
   const __m512 zero = _mm512_setzero_ps();
-  const __m512i lanes16 = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
   for (int64_t j = j0; j < j1; ++j) {
     uint16_t* dst = p.k + j * D;
     if (j < kv_len) {
@@ -126,14 +148,18 @@ void pack(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
       std::memset(dst, 0, size_t(D) * 2);
     }
   }
-  for (int64_t j = j0; j < j1; j += 2) {  // a pair of keys: one 32-bit column of V^T
-    const int64_t blk = j / kKeys, half = (j % kKeys) / 32, kp = (j % 32) / 2;
-    const float* v0 = j < kv_len ? row(a.v_cache, j) : nullptr;
-    const float* v1 = j + 1 < kv_len ? row(a.v_cache, j + 1) : nullptr;
+  for (int64_t j = j0; j < j1; j += 32) {  // 32 keys: for each 16 d, a V^T tile of 16 rows
+    const int64_t blk = j / kKeys, half = (j % kKeys) / 32;
+    const float* v[32];
+    for (int i = 0; i < 32; ++i) v[i] = j + i < kv_len ? row(a.v_cache, j + i) : nullptr;
     for (int64_t c = 0; c < D / 16; ++c) {
-      const __m512i u = pairs(v0 ? _mm512_loadu_ps(v0 + c * 16) : zero, v1 ? _mm512_loadu_ps(v1 + c * 16) : zero);
-      int32_t* base = reinterpret_cast<int32_t*>(p.vt + ((blk * (D / 16) + c) * 2 + half) * 16 * 32) + kp;
-      _mm512_i32scatter_epi32(base, lanes16, u, 4);  // row d = lane, 16 pairs (64 bytes) a row
+      __m512i u[16];  // u[kp]: (key 2kp, key 2kp + 1) for each of the 16 d, then transposed
+      for (int kp = 0; kp < 16; ++kp)
+        u[kp] = pairs(v[2 * kp] ? _mm512_loadu_ps(v[2 * kp] + c * 16) : zero,
+                      v[2 * kp + 1] ? _mm512_loadu_ps(v[2 * kp + 1] + c * 16) : zero);
+      transpose16(u);
+      uint16_t* tile = p.vt + ((blk * (D / 16) + c) * 2 + half) * 16 * 32;
+      for (int d = 0; d < 16; ++d) _mm512_store_si512(tile + d * 32, u[d]);  // row d: 32 keys
     }
   }
 }
@@ -310,6 +336,7 @@ bool amx_bf16_usable() {
 bool amx_attention_takes(int64_t head_dim) { return head_dim > 0 && head_dim % 32 == 0 && head_dim <= 256; }
 
 void amx_attention(const AmxAttention& a, const int64_t* seqs, int64_t n_seqs, const ParallelFor& pfor) {
+  if (!amx_bf16_usable()) return;  // (the caller checked; this also asks for the tiles once)
   const int64_t D = a.head_dim, G = a.n_heads / a.n_kv_heads;
   std::vector<Packed> packs;
   std::vector<Item> items;
