@@ -352,9 +352,13 @@ void amx_attention(const AmxAttention& a, const int64_t* seqs, int64_t n_seqs, c
     }
   }
   if (items.empty()) return;
-  // every element is written by pack; the buffer is kept between calls (a step's first touch of
-  // fresh pages costs more than its attention on a virtual machine)
-  static thread_local std::vector<uint16_t> store;
+  // every element is written by pack; the buffer is kept between calls up to kKeepBytes (a step's
+  // first touch of fresh pages costs more than its attention on a virtual machine), a larger one
+  // is the call's own
+  constexpr size_t kKeepBytes = size_t(64) << 20;
+  static thread_local std::vector<uint16_t> kept;
+  std::vector<uint16_t> own;
+  std::vector<uint16_t>& store = (size_t(elems) + 32) * 2 <= kKeepBytes ? kept : own;
   if (store.size() < size_t(elems) + 32) store.resize(size_t(elems) + 32);
   uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
   for (Packed& p : packs) {
