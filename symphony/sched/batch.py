@@ -6,9 +6,9 @@ Counting tokens, not phases (as vLLM v1 does): every pending call has
     schedule(now) -> Step | None
       1. each user's share of the step (share.py): one user alone gets the
          whole budget; when several users have ready calls, the step is kept
-         within ``slowdown`` x the time of the even step (every user of the
-         highest priority class present putting in as many tokens as the
-         lightest of them asks for), as predicted by the cost model of the
+         within ``slowdown`` x the time of the even step (the lightest user's
+         own work once for every user of the highest priority class present,
+         priced as its own tokens), as predicted by the cost model of the
          steps timed so far (cost.py), and its tokens are split by weighted
          max-min between the users (weight 4^priority): one user's many
          sequences take turns in that user's share and make that user's
