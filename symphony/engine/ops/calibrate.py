@@ -1,16 +1,15 @@
 """qlinear's automatic choices (paths -1, -2) by measured speed: a short calibration at start-up.
 
 `resolve_path` (csrc/cpu/qlinear.cpp) has a rule for which kernel an automatic choice takes,
-written from micro-benchmarks on one CPU. `ensure` replaces it, on the CPU it runs on, by what
-it measures there, so that the choice is never worse than the rule's and, where the rule is
-wrong for this CPU, what the CPU runs fastest:
+written from micro-benchmarks on one CPU. `ensure` replaces it by what it measures on the CPU
+it runs on: never worse than the rule's choice, and the fastest where the rule is wrong:
 
 * **What is timed.** Every path an automatic choice may take on this CPU
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
   kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMMs, float32
-  and bfloat16), forced, on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 / Q8_0 keep them; random
-  but seeded; `COPIES` of it called in turn, so that, as in a decode step, a call does not
-  find its weight in the core's own caches), at the row count that stands for each bucket of
+  and bfloat16), forced, on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 /
+  Q8_0 keep them; random but seeded; `COPIES` of it called in turn, so that, as in a decode
+  step, a call does not find its weight in the core's caches), at the row count of each bucket of
   rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-31, 32-63, 64-127, 128 and more,
   timed at 1, 2, 8, 48, 96 and 128 rows), with the calling thread's torch thread count.
 * **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in
@@ -19,8 +18,8 @@ wrong for this CPU, what the CPU runs fastest:
   CPU time of the calling thread: the time another process held the core is not in it, what
   that cost the kernel (cooled caches) is. With a thread team, a sample in which the team's
   other threads waited for a core more than `CLEAN` of it is set aside (the calling thread
-  waited for them at a barrier), and so are outliers (beyond 3 median absolute deviations of
-  the median). A path's time is the median of what is left. Rounds go on until
+  waited for them at a barrier), and so are outliers (beyond 3 median absolute deviations);
+  a path's time is the median of the rest. Rounds go on until
   every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest sample
   is more than `PRUNE` times slower than the fastest is dropped from the bucket and larger ones
   (the dense GEMMs excepted: more rows amortize their dequantization); the rule's choices
@@ -34,29 +33,26 @@ wrong for this CPU, what the CPU runs fastest:
   rule's choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all
   pairs of their samples), the one with the lowest median; the rule's choice if none does, or
   if it was not measured: noise does not move a choice, and a path measured slower than the
-  rule's is never taken.
+  rule's is never taken. In the open-ended last bucket a dense rule choice (a GEMM) is left
+  only for another dense path: 128 rows stand for 1,500 there, where a GEMM leads more. Each
+  path is first called on every copy (no sample pays first touches, or path 13's copy).
 * **The box's load.** The CPU time other processes used meanwhile (/proc/stat less this
   process) is recorded. A calibration on a busy box (others above `QUIET_CORES` cores on
   average) or with unfinished buckets is used, and cached marked provisional: the next start
   uses it only while the box is still busy, and measures again (caching the result) once it
   is quiet (`timing.box_load` over 0.2 s).
-* **Where it goes.** `torch.ops.symphony.qlinear_set_auto`: a table in the ops library that
-  qlinear's automatic choices read, so that ``QWeight.linear`` and the layer-stack op
-  ``llama_layers`` (which passes -1 / -2 through) take the same kernels;
-  ``ops.qlinear_path_for`` reports them.
+* **Where it goes.** `torch.ops.symphony.qlinear_set_auto`: a table the automatic choices read
+  (``QWeight.linear`` and ``llama_layers`` alike); ``ops.qlinear_path_for`` reports them.
 * **Cache.** ``qlinear-calibration-<threads>t.json`` in the ops build directory, keyed by the
   CPU (model name, vendor, family, model, stepping, a hash of its flags), the thread count, the
   ops build (`build.build_hash`) and this module's plan (shape, buckets, thresholds). A cache
   that is unreadable or corrupt, whose key is another's, or whose choices name a path this CPU
-  cannot take, is ignored with one log line and the CPU calibrated again. Written atomically
-  (a temporary file renamed over it).
+  cannot take, is ignored with one log line and the CPU calibrated again. Written atomically.
 * **Control.** ``SYMPHONY_QLINEAR_CALIBRATION``: ``auto`` (default: the cache, else calibrate),
-  ``force`` (calibrate and rewrite the cache), ``off`` (the rule of resolve_path, as before).
-
-`ensure` logs one line (logger ``symphony.ops``): each choice, every cell where it left the
-rule's and by how much, the share of samples set aside, the other processes' load, and whether
-it came from the cache, a fresh calibration (with its time) or is provisional, or that
-calibration is off.
+  ``force`` (calibrate, rewrite the cache), ``off`` (the rule). `ensure` logs one line (logger
+  ``symphony.ops``): each choice, every cell where it left the rule's and by how much, the
+  share of samples set aside, the other processes' load, and whether it came from the cache,
+  a fresh calibration (with its time) or is provisional, or that calibration is off.
 """
 from __future__ import annotations
 
@@ -101,7 +97,7 @@ WIN = 0.75
 QUIET_CORES = 0.3                       # other processes' load (cores) below which the box is quiet
 BUDGET_S = 4.0                          # CPU seconds of the calling thread
 WALL_S = 15.0
-VERSION = 2
+VERSION = 3
 
 
 @dataclasses.dataclass
@@ -251,6 +247,8 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
                 rules = {_rule(mode, m, kind)}                # always timed: the baseline
                 fns = {p: qlinear_cycling(x, ws, kind, p) for p in allowed[mode]   # (a path the mode before
                        if p in rules or (p in alive and p not in bucket)}             # timed is not timed again)
+                for fn in [f for f in fns.values() for _ in range(COPIES)]:
+                    fn()                                      # a whole cycle first (docstring)
                 got, total = {}, 0
                 if not proxied:                               # (once the cores were taken: one thread; half
                     parts = 2 * left if threads > 1 else left     # the share is kept for that, with a team)
@@ -464,6 +462,8 @@ def _choose(mode: int, kind: int, m: int, allowed: list[int],
     the pairs), the one with the lowest median; the rule's if none does or it was not
     measured."""
     rule = _rule(mode, m, kind)
+    if m == BUCKETS[-1][0] and rule in DENSE_PATHS:   # the open-ended bucket (module docstring)
+        allowed = [p for p in allowed if p in DENSE_PATHS]
     timed = {p: samples[(kind, m, p)] for p in allowed
              if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}
     if rule not in timed:

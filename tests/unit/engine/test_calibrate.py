@@ -165,6 +165,31 @@ def test_choose_needs_a_clear_win_over_the_rule():
     assert calibrate._choose(-1, U4, 1, allowed, {(U4, 1, other): [1.0] * 5}) == rule    # no baseline
 
 
+def test_the_open_ended_bucket_keeps_a_dense_choice_against_tiles():
+    """The last bucket's 128 rows stand for every larger step (a 1,500-token prefill), where a
+    GEMM's lead over the tile kernels is larger than at 128: a dense rule choice there is left
+    only for another dense path, however the tiles timed; the bucket before it stays free."""
+    last = calibrate.BUCKETS[-1][0]
+    for mode in (-1, -2):
+        allowed = calibrate.auto_paths(mode)
+        rule = ops.qlinear_path_for(mode, last, *calibrate.SHAPE, U4)
+        if rule not in calibrate.DENSE_PATHS:
+            continue                                      # (no dense rule here on this CPU)
+        tiles = [p for p in allowed if p not in calibrate.DENSE_PATHS][0]
+        s = {(U4, last, rule): [10.0] * 5, (U4, last, tiles): [5.0] * 5}
+        assert calibrate._choose(mode, U4, last, allowed, s) == rule
+        other = [p for p in allowed if p in calibrate.DENSE_PATHS and p != rule]
+        if other:                                         # another GEMM may still win it
+            s[(U4, last, other[0])] = [4.0] * 5
+            assert calibrate._choose(mode, U4, last, allowed, s) == other[0]
+        below = calibrate.BUCKETS[-2][1]                  # the bucket before: measured freely
+        rule_below = ops.qlinear_path_for(mode, below, *calibrate.SHAPE, U4)
+        s = {(U4, below, rule_below): [10.0] * 5, (U4, below, tiles): [5.0] * 5}
+        assert calibrate._choose(mode, U4, below, allowed, s) in (tiles, rule_below)
+        if rule_below != tiles:
+            assert calibrate._choose(mode, U4, below, allowed, s) == tiles
+
+
 def test_kept_sets_aside_samples_that_waited_and_outliers():
     """`timing.kept`: a sample whose other threads waited for a core more than the allowance is
     set aside, and so are outliers beyond 3 MADs of the median."""
