@@ -914,6 +914,30 @@ static at::Tensor attention_half(const AttnDims& dims, const at::Tensor& q,
   return out.to(q.scalar_type());
 }
 
+// The float32 kernels into out, on a checked float32 batch with T > 0, leaving out the
+// sequences b with skip[b] != 0 (nullptr: none).
+static void attention_f32(const AttnDims& dims, const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const int32_t* pt, const int32_t* cu,
+                          const int32_t* kvl, double scale, at::Tensor& out, const uint8_t* skip) {
+  Problem P = make_problem(dims, q.data_ptr<float>(), q.stride(0), cu, kvl, out.data_ptr<float>(), scale);
+  P.k_cache = k_cache.data_ptr<float>();
+  P.v_cache = v_cache.data_ptr<float>();
+  P.page_table = pt;
+  P.skip = skip;
+  attention_core(dims, P, CacheKind::kF32);
+}
+
+// paged_attention on a checked batch (arguments and tables).
+static at::Tensor attention_checked(const AttnDims& dims, const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const int32_t* pt, const int32_t* cu,
+                                    const int32_t* kvl, double scale) {
+  if (dims.T == 0) return at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  if (q.scalar_type() != at::kFloat) return attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  attention_f32(dims, q, k_cache, v_cache, pt, cu, kvl, scale, out, nullptr);
+  return out;
+}
+
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& page_table,
                                const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
@@ -924,24 +948,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
   const int32_t* kvl = kv_lens.data_ptr<int32_t>();
   check_attention_tables_cpu(dims, pt, cu, kvl);
-
-  if (dims.T == 0) return at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  if (q.scalar_type() != at::kFloat) return attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
-  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  Problem P = make_problem(dims, q.data_ptr<float>(), q.stride(0), cu, kvl, out.data_ptr<float>(), scale);
-  P.k_cache = k_cache.data_ptr<float>();
-  P.v_cache = v_cache.data_ptr<float>();
-  P.page_table = pt;
-  attention_core(dims, P, CacheKind::kF32);
-  return out;
+  return attention_checked(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
 }
 
 // paged_attention_bf16: the sequences with at least kAmxMinRows query rows (tokens x GQA group)
 // and kAmxMinWork row-key pairs (a 16-token prompt alone costs the tiles more to set up than
-// the float32 kernels take) on the AMX tiles with bfloat16 products (attention_amx.cpp), the others by the float32 kernels
-// above; all of it by paged_attention where the CPU has no AMX-BF16, the caches are not float32 or
-// the head_dim is not a multiple of 32. Below that many rows the float32 kernels cost about what
-// rounding the sequence's whole context to bfloat16 costs, which every AMX call pays first.
+// the float32 kernels take) on the AMX tiles with bfloat16 products (attention_amx.cpp), the
+// others by the float32 kernels above; all of it by paged_attention where the CPU has no
+// AMX-BF16, the caches are not float32 or the head_dim is not a multiple of 32. Below that many
+// rows the float32 kernels cost about what rounding the sequence's whole context to bfloat16
+// costs, which every AMX call pays first.
 constexpr int64_t kAmxMinRows = 32, kAmxMinWork = 8192;
 
 at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cache,
@@ -949,14 +965,12 @@ at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cac
                                     const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
                                     double scale) {
   const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
-  if (q.scalar_type() != at::kFloat || !amx_bf16_usable() || !amx_attention_takes(dims.head_dim))
-    return paged_attention_cpu(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale);
   const int32_t* pt = page_table.data_ptr<int32_t>();
   const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
   const int32_t* kvl = kv_lens.data_ptr<int32_t>();
   check_attention_tables_cpu(dims, pt, cu, kvl);
-  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  if (dims.T == 0) return out;
+  if (dims.T == 0 || q.scalar_type() != at::kFloat || !amx_bf16_usable() || !amx_attention_takes(dims.head_dim))
+    return attention_checked(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
   std::vector<uint8_t> tiled(size_t(dims.B), 0);
   std::vector<int64_t> seqs;
   for (int64_t b = 0; b < dims.B; ++b) {
@@ -966,17 +980,12 @@ at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cac
       seqs.push_back(b);
     }
   }
-  Problem P = make_problem(dims, q.data_ptr<float>(), q.stride(0), cu, kvl, out.data_ptr<float>(), scale);
-  P.k_cache = k_cache.data_ptr<float>();
-  P.v_cache = v_cache.data_ptr<float>();
-  P.page_table = pt;
-  if (int64_t(seqs.size()) < dims.B) {
-    P.skip = tiled.data();
-    attention_core(dims, P, CacheKind::kF32);
-  }
+  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
+  if (int64_t(seqs.size()) < dims.B) attention_f32(dims, q, k_cache, v_cache, pt, cu, kvl, scale, out, tiled.data());
   if (!seqs.empty()) {
-    const AmxAttention a{P.q, P.q_stride, P.k_cache, P.v_cache, dims.n_heads, dims.n_kv_heads,
-                         dims.head_dim, dims.page_size, pt, dims.max_pages, cu, kvl, P.out, float(scale)};
+    const AmxAttention a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                         dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.page_size, pt, dims.max_pages,
+                         cu, kvl, out.data_ptr<float>(), float(scale)};
     amx_attention(a, seqs.data(), int64_t(seqs.size()),
                   [](int64_t n, const std::function<void(int64_t, int64_t)>& f) {
                     const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
