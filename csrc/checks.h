@@ -60,9 +60,16 @@ struct WriteKvDims {
   int64_t T, n_kv_heads, head_dim, num_pages, page_size;
 };
 
+// A float32 q (paged_attention) or k / v (write_kv) beside a float16 / bfloat16 cache: the
+// CPU kernels take it when the caller allows (`mixed`), a KV pool narrower than the activations.
+inline bool narrower_cache(const at::Tensor& t, const at::Tensor& cache) {
+  return t.scalar_type() == at::kFloat &&
+         (cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kHalf);
+}
+
 inline WriteKvDims check_write_kv_args(const at::Tensor& k, const at::Tensor& v,
                                        const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                       const at::Tensor& slots) {
+                                       const at::Tensor& slots, bool mixed = false) {
   constexpr const char* op = "symphony::write_kv";
   check_kv_cache(op, k_cache, v_cache);
   SYM_CHECK(k.dim() == 3, op, ": k must be 3-D [T, n_kv_heads, head_dim], got shape ", k.sizes());
@@ -71,9 +78,11 @@ inline WriteKvDims check_write_kv_args(const at::Tensor& k, const at::Tensor& v,
   SYM_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), op, ": k is ",
               k.sizes(), " but the cache holds [n_kv_heads, head_dim] = [", k_cache.size(2), ", ",
               k_cache.size(3), "]");
-  SYM_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+  SYM_CHECK(k.scalar_type() == v.scalar_type() &&
+                (k.scalar_type() == k_cache.scalar_type() || (mixed && narrower_cache(k, k_cache))),
               op, ": k/v dtypes (", k.scalar_type(), ", ", v.scalar_type(),
-              ") must equal the cache dtype ", k_cache.scalar_type());
+              ") must equal the cache dtype ", k_cache.scalar_type(),
+              mixed ? " (or be float32 beside a float16 / bfloat16 cache)" : "");
   SYM_CHECK(rows_dense(k) && rows_dense(v), op,
               ": k and v must have contiguous [n_kv_heads, head_dim] rows (stride(2) == 1 and "
               "stride(1) == head_dim); got strides ",
@@ -95,12 +104,14 @@ struct AttnDims {
 
 inline AttnDims check_paged_attention_args(const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& page_table,
-                                           const at::Tensor& cu_q_lens, const at::Tensor& kv_lens) {
+                                           const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
+                                           bool mixed = false) {
   constexpr const char* op = "symphony::paged_attention";
   check_kv_cache(op, k_cache, v_cache);
   SYM_CHECK(q.dim() == 3, op, ": q must be 3-D [T, n_heads, head_dim], got shape ", q.sizes());
-  SYM_CHECK(q.scalar_type() == k_cache.scalar_type(), op, ": q dtype ", q.scalar_type(),
-              " must equal the cache dtype ", k_cache.scalar_type());
+  SYM_CHECK(q.scalar_type() == k_cache.scalar_type() || (mixed && narrower_cache(q, k_cache)), op,
+              ": q dtype ", q.scalar_type(), " must equal the cache dtype ", k_cache.scalar_type(),
+              mixed ? " (or be float32 beside a float16 / bfloat16 cache)" : "");
   SYM_CHECK(q.size(2) == k_cache.size(3), op, ": q head_dim ", q.size(2),
               " differs from the cache head_dim ", k_cache.size(3));
   const int64_t n_heads = q.size(1), n_kv_heads = k_cache.size(2);

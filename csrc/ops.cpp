@@ -10,7 +10,8 @@ TORCH_LIBRARY(symphony, m) {
   // Scatter k[t], v[t] ([n_kv_heads, head_dim] each) into k_cache / v_cache
   // ([num_pages, page_size, n_kv_heads, head_dim]) at slot slots[t] = page * page_size + offset.
   // Negative slots are skipped. Any dtype of float32 / float16 / bfloat16, k, v and the caches
-  // alike (a row copy: bit-exact).
+  // alike (a row copy: bit-exact); on the CPU also float32 k, v into float16 / bfloat16 caches
+  // (rounded to nearest even, as .to() rounds: a KV pool narrower than the activations).
   m.def(
       "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 
@@ -18,7 +19,8 @@ TORCH_LIBRARY(symphony, m) {
   // Sequence b owns queries q[cu_q_lens[b]:cu_q_lens[b+1]] and kv_lens[b] cache slots (its new
   // tokens included), stored in pages page_table[b, :]. Query i of a sequence with q_len
   // queries sees slots 0 .. kv_len - q_len + i. Returns [T, n_heads, head_dim] in q's dtype.
-  // q and the caches share one dtype: float32, float16 or bfloat16, on the CPU and on CUDA.
+  // q and the caches share one dtype: float32, float16 or bfloat16, on the CPU and on CUDA; on
+  // the CPU q may also be float32 beside float16 / bfloat16 caches (the output then float32).
   // Softmax and accumulation are float32, the output is rounded to q's dtype once. On the CPU,
   // float16 / bfloat16 caches are read directly by the decode kernel and widened page by page
   // (only the pages prefill-like sequences read, each once) for the prefill kernel.
@@ -28,8 +30,9 @@ TORCH_LIBRARY(symphony, m) {
   // paged_attention_bf16: paged_attention's arguments and result shape, with bfloat16 products
   // (CPU): sequences of 32 or more query rows (tokens x GQA group; rows x kv_len >= 8192) round q, K, V and the softmax
   // weights to bfloat16 and multiply on the AMX tiles (float32 sums, softmax and output;
-  // csrc/cpu/attention_amx.cpp); the rest, and everything on a CPU without AMX-BF16, with
-  // 16-bit caches or a head_dim not a multiple of 32, is paged_attention's. For the layer stack
+  // csrc/cpu/attention_amx.cpp; the caches float32, bfloat16 or float16); the rest, and
+  // everything on a CPU without AMX-BF16, with a q that is not float32 or a head_dim not a
+  // multiple of 32, is paged_attention's. For the layer stack
   // of --activations int8, whose matrices are bfloat16 products on such a CPU already.
   m.def(
       "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "

@@ -251,8 +251,9 @@ def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int)
     from .kernel.syscall.proc import ServedLips
     from .kvfs import KVFS, KVFSConfig
     host_pages = auto_host_pages(engine) if cfg.host_pages == "auto" else cfg.host_pages
-    log.info("KV tiers: %d device pages (%.0f MiB), host tier up to %d pages, %s", engine.kv.allocator.capacity,
-             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, host_pages,
+    log.info("KV tiers: %d device pages (%.0f MiB, %s), host tier up to %d pages, %s", engine.kv.allocator.capacity,
+             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, str(engine.kv.dtype).replace("torch.", ""),
+             host_pages,
              f"disk tier in {cfg.swap_dir}" if cfg.swap_dir else "no disk tier")
     user_pages = cfg.user_quota
     if isinstance(user_pages, float):               # a share of the device + host tiers

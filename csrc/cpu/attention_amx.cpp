@@ -129,38 +129,61 @@ struct Packed {
   uint16_t* vt;
 };
 
-// Keys [j0, j1) of p (multiples of 64).
-void pack(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
+// 16 cache values from element e of a cache of element type C, as float32 (exact).
+template <AmxCache C>
+inline __m512 load16(const void* cache, int64_t e) {
+  if constexpr (C == AmxCache::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(cache) + e);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(cache) + e));
+    if constexpr (C == AmxCache::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else return _mm512_cvtph_ps(h);
+  }
+}
+
+// Keys [j0, j1) of p (multiples of 64), from a cache of element type C.
+template <AmxCache C>
+void pack_as(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
   const int64_t D = a.head_dim, kv_len = a.kv_lens[p.b];
   const int32_t* pt = a.page_table + p.b * a.max_pages;
   const int64_t slot_stride = a.n_kv_heads * D, off = p.g * D;
-  auto row = [&](const float* cache, int64_t j) {
-    return cache + (int64_t(pt[j / a.page_size]) * a.page_size + j % a.page_size) * slot_stride + off;
+  auto row = [&](int64_t j) {  // element index of key j's row
+    return (int64_t(pt[j / a.page_size]) * a.page_size + j % a.page_size) * slot_stride + off;
   };
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t j = j0; j < j1; ++j) {
     uint16_t* dst = p.k + j * D;
-    if (j < kv_len) {
-      const float* src = row(a.k_cache, j);
-      for (int64_t d = 0; d < D; d += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_loadu_ps(src + d)));
-    } else {
+    if (j >= kv_len) {
       std::memset(dst, 0, size_t(D) * 2);
+    } else if constexpr (C == AmxCache::kBF16) {
+      std::memcpy(dst, static_cast<const uint16_t*>(a.k_cache) + row(j), size_t(D) * 2);
+    } else {
+      const int64_t src = row(j);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(load16<C>(a.k_cache, src + d)));
     }
   }
   for (int64_t j = j0; j < j1; j += 32) {  // 32 keys: for each 16 d, a V^T tile of 16 rows
     const int64_t blk = j / kKeys, half = (j % kKeys) / 32;
-    const float* v[32];
-    for (int i = 0; i < 32; ++i) v[i] = j + i < kv_len ? row(a.v_cache, j + i) : nullptr;
+    int64_t v[32];  // element index of each key's row; -1 past kv_len
+    for (int i = 0; i < 32; ++i) v[i] = j + i < kv_len ? row(j + i) : -1;
     for (int64_t c = 0; c < D / 16; ++c) {
       __m512i u[16];  // u[kp]: (key 2kp, key 2kp + 1) for each of the 16 d, then transposed
       for (int kp = 0; kp < 16; ++kp)
-        u[kp] = pairs(v[2 * kp] ? _mm512_loadu_ps(v[2 * kp] + c * 16) : zero,
-                      v[2 * kp + 1] ? _mm512_loadu_ps(v[2 * kp + 1] + c * 16) : zero);
+        u[kp] = pairs(v[2 * kp] >= 0 ? load16<C>(a.v_cache, v[2 * kp] + c * 16) : zero,
+                      v[2 * kp + 1] >= 0 ? load16<C>(a.v_cache, v[2 * kp + 1] + c * 16) : zero);
       transpose16(u);
       uint16_t* tile = p.vt + ((blk * (D / 16) + c) * 2 + half) * 16 * 32;
       for (int d = 0; d < 16; ++d) _mm512_store_si512(tile + d * 32, u[d]);  // row d: 32 keys
     }
+  }
+}
+
+void pack(const AmxAttention& a, const Packed& p, int64_t j0, int64_t j1) {
+  switch (a.cache) {
+    case AmxCache::kBF16: return pack_as<AmxCache::kBF16>(a, p, j0, j1);
+    case AmxCache::kF16: return pack_as<AmxCache::kF16>(a, p, j0, j1);
+    default: return pack_as<AmxCache::kF32>(a, p, j0, j1);
   }
 }
 

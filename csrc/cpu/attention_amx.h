@@ -3,8 +3,9 @@
 // For the sequences of a batch with many query rows (prompt chunks): Q K^T and P V run on the
 // AMX tiles (TDPBF16PS: bfloat16 inputs, float32 sums), with Q, K, the softmax weights P and V
 // rounded to bfloat16 (round to nearest even); the online softmax, its running max and sum and
-// the output accumulator are float32. The caches stay float32: each sequence's K/V of each
-// kv head is rounded once per call into a packed bfloat16 copy that every query tile reads.
+// the output accumulator are float32. The caches (float32, bfloat16 or float16) are never
+// converted in place: each sequence's K/V of each kv head is rounded once per call into a packed
+// bfloat16 copy that every query tile reads (a bfloat16 cache's values copied as they are).
 // Torch-free (raw pointers), so that it can be built and checked on its own.
 #pragma once
 
@@ -13,11 +14,13 @@
 
 namespace symphony {
 
+enum class AmxCache : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
 struct AmxAttention {
   const float* q;        // [T, n_heads, head_dim]; q_stride floats between tokens
   int64_t q_stride;
-  const float* k_cache;  // [num_pages, page_size, n_kv_heads, head_dim], float32
-  const float* v_cache;
+  const void* k_cache;   // [num_pages, page_size, n_kv_heads, head_dim], of element type cache
+  const void* v_cache;
   int64_t n_heads, n_kv_heads, head_dim, page_size;
   const int32_t* page_table;  // [B, max_pages]
   int64_t max_pages;
@@ -25,6 +28,7 @@ struct AmxAttention {
   const int32_t* kv_lens;     // [B]
   float* out;                 // [T, n_heads, head_dim], contiguous
   float scale;
+  AmxCache cache = AmxCache::kF32;
 };
 
 // Runs f(begin, end) over [0, n) in chunks on the caller's thread team (at::parallel_for in the

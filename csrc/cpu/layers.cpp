@@ -8,7 +8,8 @@
 //                page_table, cu_q_lens, kv_lens, norms, mats, kinds, groups, biases,
 //                n_heads, n_kv_heads, scale, eps, qpath) -> x after the last layer [T, H]
 //
-// kv_pool  [L, 2, num_pages, page_size, n_kv_heads, head_dim] (KVPool.pool), written in place.
+// kv_pool  [L, 2, num_pages, page_size, n_kv_heads, head_dim] (KVPool.pool), written in place:
+//          float32, or bfloat16 / float16 (K and V rounded as write_kv writes them).
 // norms    2L tensors [H]: attn_norm, mlp_norm of each layer.
 // mats     12L tensors, 4 matrices a layer (wqkv, wo, w_gate_up, w_down), 3 tensors each:
 //          (qs, scales, mins) of a QWeight with kinds[j] = its kind and groups[j] its group, or
@@ -111,8 +112,9 @@ at::Tensor llama_layers_cpu(const at::Tensor& x0, const at::Tensor& positions, c
               biases.size());
   SYM_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat && x0.device().is_cpu(), op,
               ": x must be a float32 CPU tensor [T, H], got ", x0.scalar_type(), " ", x0.sizes());
-  SYM_CHECK(kv_pool.scalar_type() == at::kFloat, op, ": kv_pool must be float32, got ",
-              kv_pool.scalar_type());
+  SYM_CHECK(kv_pool.scalar_type() == at::kFloat || kv_pool.scalar_type() == at::kBFloat16 ||
+                kv_pool.scalar_type() == at::kHalf,
+            op, ": kv_pool must be float32, bfloat16 or float16, got ", kv_pool.scalar_type());
   const int64_t T = x0.size(0), head_dim = kv_pool.size(5);
   SYM_CHECK(kv_pool.size(4) == n_kv_heads && n_heads > 0, op, ": kv_pool holds ", kv_pool.size(4),
               " kv heads, n_kv_heads is ", n_kv_heads, " (n_heads ", n_heads, ")");

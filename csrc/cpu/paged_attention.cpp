@@ -1,9 +1,11 @@
 // CPU kernels of the symphony ops: write_kv and paged_attention, float32, float16 and bfloat16.
 //
-// write_kv copies rows and is dtype-agnostic. paged_attention computes in float32; with float16
-// and bfloat16 caches (attention_half, at the end) the lanes kernel reads the cache directly
-// and the pages that rows items read are first widened, each distinct page once, into float32
-// scratch pages; the output is rounded back to q's dtype once. The pool is never converted.
+// write_kv copies rows of the cache's dtype, and rounds float32 rows into a float16 / bfloat16
+// cache (a KV pool narrower than the activations). paged_attention computes in float32; with
+// float16 and bfloat16 caches (attention_half, at the end) the lanes kernel reads the cache
+// directly and the pages that rows items read are first widened, each distinct page once, into
+// float32 scratch pages; the output is rounded back to q's dtype once (a float32 q beside such a
+// cache gets a float32 output). The pool is never converted.
 //
 // paged_attention splits the batch into work items (sequence, kv head, query tile[, kv chunk]).
 // An item handles every query head of its GQA group at once, so each K/V row is read once per
@@ -841,13 +843,14 @@ static void widen(const uint16_t* src, float* dst, int64_t n) {
 static at::Tensor attention_half(const AttnDims& dims, const at::Tensor& q,
                                  const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const int32_t* pt, const int32_t* cu, const int32_t* kvl,
-                                 double scale) {
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
+                                 double scale, const uint8_t* skip = nullptr,
+                                 at::Tensor* into = nullptr) {
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
   const CacheKind kind = bf16 ? CacheKind::kBF16 : CacheKind::kF16;
   const KernelFn lanes_fn = lanes_kernel_for(dims.head_dim, kind);
   auto widened = [&](int64_t b) {  // sequence b has rows items: it reads widened pages
     const int64_t q_len = int64_t(cu[b + 1]) - cu[b];
-    return q_len > 0 && !all_lanes(lanes_fn, q_len, dims.group);
+    return q_len > 0 && !(skip && skip[b]) && !all_lanes(lanes_fn, q_len, dims.group);
   };
   auto n_pages_of = [&](int64_t b) {
     return (int64_t(kvl[b]) + dims.page_size - 1) / dims.page_size;
@@ -897,11 +900,12 @@ static at::Tensor attention_half(const AttnDims& dims, const at::Tensor& q,
     });
   }
 
-  // q rows are dense (checked); .to() keeps a dense layout or makes a contiguous one.
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, f32);
+  // q rows are dense (checked): a float32 q is read in place, another is widened once.
+  const at::Tensor qf = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat).contiguous();
+  at::Tensor out = into ? *into : at::empty({dims.T, dims.n_heads, dims.head_dim}, f32);
   Problem P = make_problem(dims, qf.data_ptr<float>(), qf.stride(0), cu, kvl,
                            out.data_ptr<float>(), scale);
+  P.skip = skip;
   if (n_distinct > 0) {
     P.k_cache = kf.data_ptr<float>();
     P.v_cache = vf.data_ptr<float>();
@@ -911,7 +915,7 @@ static at::Tensor attention_half(const AttnDims& dims, const at::Tensor& q,
   P.v16 = static_cast<const uint16_t*>(v_cache.data_ptr());
   P.page_table16 = pt;
   attention_core(dims, P, kind);
-  return out.to(q.scalar_type());
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
 // The float32 kernels into out, on a checked float32 batch with T > 0, leaving out the
@@ -932,7 +936,7 @@ static at::Tensor attention_checked(const AttnDims& dims, const at::Tensor& q, c
                                     const at::Tensor& v_cache, const int32_t* pt, const int32_t* cu,
                                     const int32_t* kvl, double scale) {
   if (dims.T == 0) return at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  if (q.scalar_type() != at::kFloat) return attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
+  if (k_cache.scalar_type() != at::kFloat) return attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale);
   at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
   attention_f32(dims, q, k_cache, v_cache, pt, cu, kvl, scale, out, nullptr);
   return out;
@@ -942,8 +946,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& page_table,
                                const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
                                double scale) {
-  // Dtypes: float32, float16 or bfloat16, the same for q and the caches (checked).
-  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
+  // Dtypes: float32, float16 or bfloat16, the same for q and the caches, or a float32 q beside
+  // float16 / bfloat16 caches (checked); the output has q's dtype.
+  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens,
+                                                   /*mixed=*/true);
   const int32_t* pt = page_table.data_ptr<int32_t>();
   const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
   const int32_t* kvl = kv_lens.data_ptr<int32_t>();
@@ -954,8 +960,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
 // paged_attention_bf16: the sequences with at least kAmxMinRows query rows (tokens x GQA group)
 // and kAmxMinWork row-key pairs (a 16-token prompt alone costs the tiles more to set up than
 // the float32 kernels take) on the AMX tiles with bfloat16 products (attention_amx.cpp), the
-// others by the float32 kernels above; all of it by paged_attention where the CPU has no
-// AMX-BF16, the caches are not float32 or the head_dim is not a multiple of 32. Below that many
+// others by the kernels above (float32, or attention_half for float16 / bfloat16 caches); all of
+// it by paged_attention where the CPU has no AMX-BF16, q is not float32 or the head_dim is not a
+// multiple of 32. Below that many
 // rows the float32 kernels cost about what rounding the sequence's whole context to bfloat16
 // costs, which every AMX call pays first.
 constexpr int64_t kAmxMinRows = 32, kAmxMinWork = 8192;
@@ -964,7 +971,8 @@ at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cac
                                     const at::Tensor& v_cache, const at::Tensor& page_table,
                                     const at::Tensor& cu_q_lens, const at::Tensor& kv_lens,
                                     double scale) {
-  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens);
+  const AttnDims dims = check_paged_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens,
+                                                   /*mixed=*/true);
   const int32_t* pt = page_table.data_ptr<int32_t>();
   const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
   const int32_t* kvl = kv_lens.data_ptr<int32_t>();
@@ -980,12 +988,19 @@ at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cac
       seqs.push_back(b);
     }
   }
+  const at::ScalarType cache_type = k_cache.scalar_type();
   at::Tensor out = at::empty({dims.T, dims.n_heads, dims.head_dim}, q.options());
-  if (int64_t(seqs.size()) < dims.B) attention_f32(dims, q, k_cache, v_cache, pt, cu, kvl, scale, out, tiled.data());
+  if (int64_t(seqs.size()) < dims.B) {
+    if (cache_type == at::kFloat) attention_f32(dims, q, k_cache, v_cache, pt, cu, kvl, scale, out, tiled.data());
+    else attention_half(dims, q, k_cache, v_cache, pt, cu, kvl, scale, tiled.data(), &out);
+  }
   if (!seqs.empty()) {
-    const AmxAttention a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+    const AmxCache cache = cache_type == at::kFloat      ? AmxCache::kF32
+                           : cache_type == at::kBFloat16 ? AmxCache::kBF16
+                                                         : AmxCache::kF16;
+    const AmxAttention a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                          dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.page_size, pt, dims.max_pages,
-                         cu, kvl, out.data_ptr<float>(), float(scale)};
+                         cu, kvl, out.data_ptr<float>(), float(scale), cache};
     amx_attention(a, seqs.data(), int64_t(seqs.size()),
                   [](int64_t n, const std::function<void(int64_t, int64_t)>& f) {
                     const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
@@ -998,26 +1013,73 @@ at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cac
   return out;
 }
 
+// n float32 values rounded (to nearest even, as torch's .to()) into float16 / bfloat16 bits.
+template <bool BF16>
+static void narrow(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 f = _mm512_loadu_ps(src + i);
+    __m256i h;
+    if constexpr (BF16) {
+      // bits + 0x7fff + (bit 16), then the top half; NaN keeps a quiet NaN (0x7fc0 | sign)
+      const __m512i x = _mm512_castps_si512(f);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+      const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+      r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40)));
+      h = _mm512_cvtepi32_epi16(r);
+    } else {
+      h = _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) {
+    if constexpr (BF16) dst[i] = c10::BFloat16(src[i]).x;
+    else dst[i] = c10::Half(src[i]).x;
+  }
+}
+
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                   at::Tensor& v_cache, const at::Tensor& slots) {
-  const WriteKvDims d = check_write_kv_args(k, v, k_cache, v_cache, slots);
+  // k / v of the cache's dtype are copied; float32 rows into a float16 / bfloat16 cache (a KV
+  // pool narrower than the activations) are rounded to it on the way.
+  const WriteKvDims d = check_write_kv_args(k, v, k_cache, v_cache, slots, /*mixed=*/true);
   const int64_t* sl = slots.data_ptr<int64_t>();
   check_slots_cpu(d, sl);
   if (d.T == 0) return;
-  const int64_t es = k.element_size();
-  const int64_t row_bytes = d.n_kv_heads * d.head_dim * es;
+  const int64_t n = d.n_kv_heads * d.head_dim;
+  const bool rounds = k.scalar_type() != k_cache.scalar_type();
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  const int64_t es = k.element_size(), ces = k_cache.element_size();
+  const int64_t row_bytes = n * ces;
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(row_bytes, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(n * es, 1));
   at::parallel_for(0, d.T, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t slot = sl[t];
       if (slot < 0) continue;
-      std::memcpy(kc + slot * row_bytes, kp + t * ks, size_t(row_bytes));
-      std::memcpy(vc + slot * row_bytes, vp + t * vs, size_t(row_bytes));
+      if (!rounds) {
+        std::memcpy(kc + slot * row_bytes, kp + t * ks, size_t(row_bytes));
+        std::memcpy(vc + slot * row_bytes, vp + t * vs, size_t(row_bytes));
+        continue;
+      }
+      const float* kr = reinterpret_cast<const float*>(kp + t * ks);
+      const float* vr = reinterpret_cast<const float*>(vp + t * vs);
+      uint16_t* kd = reinterpret_cast<uint16_t*>(kc + slot * row_bytes);
+      uint16_t* vd = reinterpret_cast<uint16_t*>(vc + slot * row_bytes);
+      if (bf16) {
+        narrow<true>(kr, kd, n);
+        narrow<true>(vr, vd, n);
+      } else {
+        narrow<false>(kr, kd, n);
+        narrow<false>(vr, vd, n);
+      }
     }
   });
 }

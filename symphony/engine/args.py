@@ -35,6 +35,7 @@ class EngineArgs:
     kv_memory_mb: int = 256
     page_size: int = 16
     dtype: Optional[str] = None          # a key of DTYPES; None: the device's default
+    kv_dtype: str = "auto"               # a key of DTYPES, or "auto" (`kv_dtype_name`)
     weights: str = "auto"
     quantize: Optional[str] = None
     activations: str = "auto"            # "int8": the int8-activation CPU kernels
@@ -69,6 +70,11 @@ class EngineArgs:
         p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
         p.add_argument("--dtype", default=None, choices=list(DTYPE_NAMES),
                        help="weights, activations and KV pool (default float32 on a CPU, bfloat16 on a GPU)")
+        p.add_argument("--kv-dtype", default="auto", choices=["auto", *DTYPE_NAMES],
+                       help="the KV pool's dtype (default auto: bfloat16 with --activations int8 on a CPU, "
+                            "--dtype's otherwise); on a CPU a float32 engine may keep a bfloat16 or float16 pool: "
+                            "half the memory a token's K and V take and half the bytes a decode step's attention "
+                            "reads, with K and V rounded as they are written")
         p.add_argument("--weights", default="auto", choices=["auto", "quantized", "float"],
                        help="quantized GGUF tensors: keep them quantized in memory and compute on their "
                             "bits, or dequantize them to --dtype at load (default auto: quantized on a CPU, "
@@ -80,7 +86,8 @@ class EngineArgs:
                             "of 16 on CPUs with AVX-512 VNNI or AVX2 without AVX-512, float32 otherwise: "
                             "logits within ~1/2000 of their scale) or int8 (faster for batches, but logits "
                             "move by ~4%% of their scale, as llama.cpp's do; on AMX CPUs products of 64 rows and "
-                            "more, prefills, multiply in bfloat16, and so does a prompt chunk's attention)")
+                            "more, prefills, multiply in bfloat16, and so does a prompt chunk's attention; the KV pool is "
+                            "bfloat16 unless --kv-dtype says otherwise)")
         p.add_argument("--kv-commit", default="background", choices=["background", "lazy"],
                        help="the KV pool's memory in host RAM: background (default) commits all of it on a "
                             "thread of its own once the engine serves, so that no step pays for a page's first "
@@ -173,10 +180,22 @@ class EngineArgs:
         from .config import DTYPES, EngineConfig
         sim = self.sim_profile() is not None
         dtype = self.dtype or ("bfloat16" if sim else None)     # a simulated GPU's pool: bfloat16, in host memory
+        kv = self.kv_dtype_name(dtype, sim)
         return EngineConfig(device=self.device(), dtype=DTYPES[dtype] if dtype else None,
-                            page_size=self.page_size, kv_memory_bytes=self.kv_memory_mb * 2**20,
+                            kv_dtype=DTYPES[kv] if kv else None, page_size=self.page_size,
+                            kv_memory_bytes=self.kv_memory_mb * 2**20,
                             cuda_graphs=False if self.no_cuda_graphs or sim else None,
                             weights=self.weights, quantize=self.quantize, kv_commit=self.kv_commit)
+
+    def kv_dtype_name(self, dtype: Optional[str], sim: bool) -> Optional[str]:
+        """--kv-dtype resolved (None: the engine's dtype). auto: bfloat16 for ``--activations
+        int8`` on a CPU with float32 activations, whose logits already move by a few percent
+        (bfloat16 K and V move them by ~0.3 % of their scale; perf/RESULTS.md), else the engine's."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        if self.activations == "int8" and not self.gpus and not sim and (dtype or "float32") == "float32":
+            return "bfloat16"
+        return None
 
     def load(self, cfg: "Optional[EngineConfig]" = None):
         """Select the CPU kernels ``--activations`` asks for and load the model into an `Engine`

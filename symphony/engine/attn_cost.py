@@ -36,10 +36,12 @@ QUERIES = 16                # the wide sample: enough tokens for the kernel's ti
 
 def read_pairs(attend: Callable, n_heads: int, layer_cache: torch.Tensor, n_layers: int,
                budget: int = 8 << 20, rounds: int = 5,
-               measure: Optional[Callable[[dict], dict]] = None) -> float:
+               measure: Optional[Callable[[dict], dict]] = None,
+               q_dtype: Optional[torch.dtype] = None) -> float:
     """Query-key pairs that reading one key costs ``attend`` (`ops.paged_attention`'s
     signature) on caches shaped like ``layer_cache`` (one layer's K cache, [pages, page_size,
-    n_kv_heads, head_dim], whose dtype and device the samples take), within [0, MAX_READ_PAIRS].
+    n_kv_heads, head_dim], whose dtype and device the samples take; ``q_dtype``: the queries'
+    dtype, default the cache's), within [0, MAX_READ_PAIRS].
     ``measure``: {"one": fn, "wide": fn} -> {key: [seconds a call]} (default: `_measure`)."""
     if rounds < 1 or n_heads < 1 or n_layers < 1 or layer_cache.dim() != 4:
         raise ValueError("read_pairs needs rounds, n_heads and n_layers >= 1 and a [pages, page, heads, dim] cache")
@@ -57,7 +59,7 @@ def read_pairs(attend: Callable, n_heads: int, layer_cache: torch.Tensor, n_laye
     scale = head_dim ** -0.5
 
     def sample(n: int) -> Callable[[], None]:
-        q = torch.randn(n, n_heads, head_dim, generator=g).to(device, dtype)
+        q = torch.randn(n, n_heads, head_dim, generator=g).to(device, q_dtype or dtype)
         cu = torch.tensor([0, n], dtype=torch.int32, device=device)
 
         def run() -> None:

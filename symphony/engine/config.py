@@ -112,6 +112,9 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: Optional[torch.dtype] = None  # float32 / bfloat16 / float16; None: default_dtype(device)
+    # The KV pool's dtype; None: `dtype`'s. On the CPU a float32 engine may keep a bfloat16 or
+    # float16 pool (half the bytes a decode step's attention reads; K and V rounded as written).
+    kv_dtype: Optional[torch.dtype] = None
     page_size: int = 16
     num_pages: Optional[int] = None
     kv_memory_bytes: int = 512 * 1024 * 1024
@@ -172,6 +175,18 @@ class EngineConfig:
             raise ConfigError(f"engine config: kv_commit must be one of {', '.join(KV_COMMIT)}, got {self.kv_commit!r}")
         if self.dtype is not None and self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"engine config: dtype must be float32, float16 or bfloat16, got {self.dtype}")
+        if self.kv_dtype is not None and self.kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"engine config: kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
+        kv, act = self.torch_kv_dtype, self.torch_dtype
+        if kv != act:
+            name = lambda t: str(t).replace("torch.", "")  # noqa: E731
+            if dev.type != "cpu":
+                raise ConfigError(f"engine config: a KV pool of {name(kv)} beside {name(act)} activations "
+                                  "runs on the CPU only; on a GPU the pool has the engine's dtype")
+            if act != torch.float32:
+                raise ConfigError(f"engine config: a KV pool of {name(kv)} needs float32 activations, not "
+                                  f"{name(act)} (the pool may be narrower than the activations, not wider "
+                                  "or of another 16-bit kind)")
 
     @property
     def torch_device(self) -> torch.device:
@@ -201,9 +216,14 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return self.dtype or default_dtype(self.torch_device)
 
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: ``kv_dtype``, else the engine's."""
+        return self.kv_dtype or self.torch_dtype
+
     def page_bytes(self, model: ModelConfig) -> int:
         """Bytes of one page: K and V of page_size positions for every layer."""
-        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
+        elem = torch.tensor([], dtype=self.torch_kv_dtype).element_size()
         return 2 * model.n_layers * self.page_size * model.kv_size * elem
 
     def resolve_num_pages(self, model: ModelConfig) -> int:

@@ -149,7 +149,7 @@ class Engine:
         from .attn_cost import read_pairs
         c, k_cache = self.model.config, self.kv.layer(0)[0]
         heads = k_cache.shape[2] * (c.n_heads // c.n_kv_heads)     # a tensor-parallel rank's own
-        return read_pairs(self.model.kernels.paged_attention, heads, k_cache, c.n_layers)
+        return read_pairs(self.model.kernels.paged_attention, heads, k_cache, c.n_layers, q_dtype=self.dtype)
 
     def close(self) -> None:
         """Release what outlives the process's memory: the other tensor-parallel

@@ -30,7 +30,7 @@ class KVPool:
         self.allocator = PageAllocator(self.num_pages)
         shape = (model.n_layers, 2, self.num_pages, self.page_size, model.n_kv_heads, model.head_dim)
         # [n_layers, 2, num_pages, page_size, n_kv_heads, head_dim]
-        self.pool = zeros_lazy(shape, config.torch_dtype, config.torch_device)
+        self.pool = zeros_lazy(shape, config.torch_kv_dtype, config.torch_device)
         self.page_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self.kv_commit = config.kv_commit
         self.committer: Optional[Committer] = None

@@ -25,11 +25,14 @@ class ReferenceCache:
 
 
 class ReferenceLlama:
-    def __init__(self, weights: ModelWeights, device="cpu", dtype=torch.float32):
+    def __init__(self, weights: ModelWeights, device="cpu", dtype=torch.float32, kv_dtype=None):
+        """``kv_dtype``: the cache's dtype (default ``dtype``); a narrower one rounds K and V as
+        they are stored, as the engine's narrower KV pool does."""
         self.config = weights.config
         weights = weights.dequantized()   # quantized matrices: the same values, as float32
         self.w = weights.to(torch.device(device), dtype)
         self.device, self.dtype = torch.device(device), dtype
+        self.kv_dtype = kv_dtype or dtype
         # float32 final norm and head in every dtype, and a float32 residual stream for a 16-bit
         # model (the norms' outputs, the matrices' inputs, in dtype), as the paged model does
         self.residual_dtype = residual_dtype(dtype)
@@ -39,8 +42,8 @@ class ReferenceLlama:
     def new_cache(self, max_len: int) -> ReferenceCache:
         c = self.config
         shape = (c.n_layers, max_len, c.n_kv_heads, c.head_dim)
-        return ReferenceCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return ReferenceCache(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [n, heads, head_dim]; pairs (2i, 2i+1) rotate by pos * inv_freq[i]
@@ -79,8 +82,8 @@ class ReferenceLlama:
             k = self._rope(k.view(n, c.n_kv_heads, c.head_dim), positions)
             cache.k[i, start:total] = k
             cache.v[i, start:total] = v.view(n, c.n_kv_heads, c.head_dim)
-            kk = cache.k[i, :total].repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, total, d]
-            vv = cache.v[i, :total].repeat_interleave(rep, dim=1).transpose(0, 1)
+            kk = cache.k[i, :total].to(self.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, total, d]
+            vv = cache.v[i, :total].to(self.dtype).repeat_interleave(rep, dim=1).transpose(0, 1)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)  # [heads, n, d]
             x = x + o.transpose(0, 1).reshape(n, c.q_size) @ lw.wo.t()
             h = F.rms_norm(x, (c.hidden_size,), lw.mlp_norm.to(x.dtype), c.rms_eps).to(self.dtype)

@@ -251,7 +251,7 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
     dtype = str(kv.dtype).replace("torch.", "")
     if header.get("dtype") != dtype:
         raise CorruptFile(f"{file}: KV data is {header.get('dtype')} but this kernel runs {dtype} "
-                          f"(written by a kernel with another --dtype)")
+                          f"(written by a kernel with another --dtype or --kv-dtype)")
     n = header.get("length")
     shape = header.get("page_shape")
     want = [L, 2, H, D]

@@ -26,7 +26,10 @@ q, k and v may be strided along the token dimension (slices of a fused qkv proje
 as each token's ``[heads, head_dim]`` block is contiguous.
 
 Dtypes: float32, float16 and bfloat16, on the CPU and on CUDA; q, k, v and the caches share
-one dtype. ``write_kv`` copies rows bit-exactly. ``paged_attention`` computes the softmax and
+one dtype, except that on the CPU a float32 q, k and v may go with float16 / bfloat16 caches (a
+KV pool narrower than the activations, ``--kv-dtype``): ``write_kv`` then rounds each row to
+the cache's dtype (nearest even, as ``.to()``) and ``paged_attention`` returns float32.
+Otherwise ``write_kv`` copies rows bit-exactly. ``paged_attention`` computes the softmax and
 its accumulations in float32 and rounds the output to q's dtype once. On the CPU, with float16 /
 bfloat16 caches the decode kernel (sequences with at most 8 query rows per KV head) reads the
 cache directly, widening a vector at a time; for the other (prefill-like) sequences the pages
@@ -151,9 +154,10 @@ def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """`paged_attention` (same arguments and checks) with bfloat16 products where they pay (CPU
     only): on a CPU with AMX-BF16, the sequences of 32 or more query rows (tokens x GQA group)
     and rows x kv_len of at least 8,192 (prompt chunks) round q, K, V and the softmax weights to
-    bfloat16 and multiply on the AMX tiles, with float32 sums, softmax and output (csrc/cpu/attention_amx.cpp); the other
-    sequences, and every call with 16-bit caches, a head_dim not a multiple of 32 or on a CPU
-    without AMX, run `paged_attention`. The attention of ``--activations int8``."""
+    bfloat16 and multiply on the AMX tiles, with float32 sums, softmax and output (csrc/cpu/attention_amx.cpp;
+    float32, bfloat16 or float16 caches); the other sequences, and every call with a q that is
+    not float32, a head_dim not a multiple of 32 or on a CPU without AMX, run
+    `paged_attention`. The attention of ``--activations int8``."""
     if not _loaded:
         load()
     return torch.ops.symphony.paged_attention_bf16(q, k_cache, v_cache, page_table, cu_q_lens,

@@ -7,11 +7,12 @@ from ..page_allocator import pages_for
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Reference write_kv: scatter rows into the flattened [num_pages * page_size] slot axis."""
+    """Reference write_kv: scatter rows into the flattened [num_pages * page_size] slot axis
+    (rounded by ``.to()`` into a narrower cache)."""
     keep = slots >= 0
     idx = slots[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[idx] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[idx] = v[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[idx] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[idx] = v[keep].to(v_cache.dtype)
 
 
 def qdequant_reference(qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: int,

@@ -11,16 +11,18 @@ from ..config import EngineConfig
 
 
 def config_json(cfg: EngineConfig, num_pages: int) -> str:
-    """The engine config every rank runs, as JSON (dtype by name, the pool's page count fixed)."""
+    """The engine config every rank runs, as JSON (dtypes by name, the pool's page count fixed)."""
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    d["dtype"] = None if cfg.dtype is None else str(cfg.dtype).replace("torch.", "")
+    for f in ("dtype", "kv_dtype"):
+        d[f] = None if d[f] is None else str(d[f]).replace("torch.", "")
     d["num_pages"] = num_pages
     return json.dumps(d)
 
 
 def config_from_json(text: str, device: str) -> EngineConfig:
     d = json.loads(text)
-    if d.get("dtype") is not None:
-        d["dtype"] = getattr(torch, d["dtype"])
+    for f in ("dtype", "kv_dtype"):
+        if d.get(f) is not None:
+            d[f] = getattr(torch, d[f])
     d["device"] = device
     return EngineConfig(**d)

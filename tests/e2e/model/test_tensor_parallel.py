@@ -92,6 +92,15 @@ def test_float_ranks_give_the_logits_of_one(tmp_path, engines, tp):
     assert_close(mixed_batches(engines(path, tp)), want, FLOAT_TOL)
 
 
+def test_ranks_keep_a_bfloat16_pool_as_one_engine_does(tmp_path, engines):
+    """``kv_dtype`` travels to every rank (each rounds its heads' K and V alike)."""
+    path = tiny_file(tmp_path)
+    want = mixed_batches(engines(path, kv_dtype=torch.bfloat16))
+    eng = engines(path, 2, kv_dtype=torch.bfloat16)
+    assert eng.kv.dtype == torch.bfloat16
+    assert_close(mixed_batches(eng), want, FLOAT_TOL)
+
+
 @pytest.mark.parametrize("quant,tp", [("Q4_0", 2)])
 def test_quantized_ranks_give_the_logits_of_one(tmp_path, engines, quant, tp):
     path = tiny_file(tmp_path, quant, **WIDE)                 # 4 query heads of 32: 2 KV heads, replicated at 4

@@ -286,8 +286,12 @@ def test_half_dtypes_must_match():
         ops.paged_attention(q.half(), kc, vc, pt, cu, kvl, 0.2)
     with pytest.raises(RuntimeError, match="v_cache dtype"):
         ops.paged_attention(q, kc, vc.float(), pt, cu, kvl, 0.2)
+    with pytest.raises(RuntimeError, match="must equal the cache dtype"):   # float32 into 16 bits is
+        ops.write_kv(torch.zeros(1, 2, 32).half(), torch.zeros(1, 2, 32).half(), kc, vc,  # rounded;
+                     torch.tensor([0]))                                   # float16 into bfloat16 not
     with pytest.raises(RuntimeError, match="must equal the cache dtype"):
-        ops.write_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), kc, vc, torch.tensor([0]))
+        ops.write_kv(kc[:1, :1, :, :].reshape(1, 2, 32), kc[:1, :1].reshape(1, 2, 32),
+                     kc.float(), vc.float(), torch.tensor([0]))           # nor 16 bits into float32
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,7 +238,7 @@ def test_llama_layers_opcheck_and_kv_written():
 
 @pytest.mark.parametrize("change, match", [
     (dict(kv_pool=torch.zeros(2, 4, 4, 1, 32)), "kv_pool must be"),
-    (dict(kv_pool=torch.zeros(1, 2, 4, 4, 1, 32, dtype=torch.bfloat16)), "kv_pool must be float32"),
+    (dict(kv_pool=torch.zeros(1, 2, 4, 4, 1, 32, dtype=torch.float64)), "kv_pool must be float32, bfloat16 or float16"),
     (dict(x=torch.randn(3, 64, dtype=torch.float64)), "x must be a float32"),
     (dict(norms=[torch.rand(64)]), "expected 2L norms"),
     (dict(kinds=[-1] * 3), "expected 2L norms"),
