@@ -12,8 +12,8 @@ and reports medians with the per-round spread:
   * single-stream decode tokens/s, batch-N decode tokens/s (N sequences, one forward pass per
     step) and prefill tokens/s of one --prefill-token prompt, for
       - the engine on the GGUF's quantized bits (--weights quantized, the CPU default),
-      - the same with int8-rounded activations (quant.set_int8_activations, opt-in; not with
-        --no-int8),
+      - the same with int8-rounded activations and a bfloat16 KV pool, as ``--activations int8``
+        runs (quant.set_int8_activations, opt-in; not with --no-int8),
       - the engine on the same weights dequantized to each --dtypes dtype (--weights float;
         --dtypes none skips them and the plain PyTorch loop: a 3B model's float32 copy is 12 GB),
       - llama.cpp's library (llama-cpp-python's low-level API, in this process: multi-sequence
@@ -405,7 +405,7 @@ def main(argv=None):
     if calib is not None:
         print(f"# qlinear calibration: {calib.describe()}", flush=True)
     if not args.no_int8:                          # the same weights (shared), its own KV pool
-        engines["int8"] = Engine(weights, tok, cfg(weights="quantized"))
+        engines["int8"] = Engine(weights, tok, cfg(weights="quantized", kv_dtype=torch.bfloat16))  # as --activations int8
     ref = None
     if dnames:
         dense = weights.dequantized()
@@ -472,7 +472,7 @@ def main(argv=None):
     print(f"\n| contender | single-stream tok/s | batch-{b} tok/s | prefill {len(pre)} tok/s |")
     print("|---|---|---|---|")
     label = {"quantized": "symphony, quantized weights (GGUF bits)",
-             "int8": "symphony, quantized weights + int8 activations"}
+             "int8": "symphony, quantized weights + int8 activations, bfloat16 KV"}
     for n in names:
         print(f"| {label.get(n, f'symphony, dequantized {n}')} | {spread(res[f'one_{n}'])} | "
               f"{spread(res[f'batch_{n}'])} | {spread(res[f'prefill_{n}']) if has_pre else '-'} |")

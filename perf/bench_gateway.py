@@ -40,7 +40,7 @@ kernel, for (c)). Reports medians and the per-round spread (min..max) of:
       --ours float adds a second kernel on the same weights dequantized to float32 (--weights
       float): the comparison at equal weights with vLLM; --ours int8 a kernel with --activations
       int8 (x rounded to int8 as llama.cpp's kernels round it; products of 64 rows and more,
-      prefills, in bfloat16 on AMX CPUs): the comparison at the peers' precision (llama-server's
+      prefills, in bfloat16 on AMX CPUs; a bfloat16 KV pool): the comparison at the peers' precision (llama-server's
       int8 activations, vLLM's --vllm-dtype bfloat16). --extras llama-cpp-python adds
       llama-cpp-python's OpenAI server, which serves one request at a time (a labelled extra,
       not a peer for concurrency).
@@ -258,7 +258,8 @@ def symphony_contender(name: str, sym: Symphony) -> Contender:
     if "--activations" in sym.argv:
         weights += ", activations rounded to int8 (--activations int8; bfloat16 from 64 rows on AMX CPUs)"
     info = {"name": name, "version": f"symphony {_git_commit()}", "weights": weights, "argv": sym.argv,
-            "kv": f"--kv-memory-mb {sym.kv_memory_mb} (float32 pages, shared prefixes forked)",
+            "kv": f"--kv-memory-mb {sym.kv_memory_mb} ({'bfloat16' if '--activations' in sym.argv else 'float32'} "
+                  "pages, shared prefixes forked)",
             "startup_s": round(sym.startup_s, 1)}
     return Contender(name, sym.url, sym.model, info, sym.pids, counters=sym.counters, parts=sym.parts)
 

@@ -473,10 +473,36 @@ static inline void key_pointers_e(const Problem& P, int b, int g, int64_t j0, in
   }
 }
 
+#if SYM_VEC_WIDTH == 16
+// Sixteen dot products at once: a[x] holds the 16 lane-wise partial sums of slot x; returns the
+// 16 full sums, output lane 4 L + m holding slot L + 4 m (four levels of pairwise shuffles and
+// adds: 45 instructions where 16 horizontal reductions take ~130); permuted by kReduce16Order,
+// lane x holds slot x.
+static inline __m512 reduce16(const vf* a) {
+  __m512 c[8], g[4], i[2];
+  for (int p = 0; p < 8; ++p) {  // lanes 0-7: slot 2p's halves summed, 8-15: slot 2p + 1's
+    const __m512 x = reinterpret_cast<const __m512&>(a[2 * p]);
+    const __m512 y = reinterpret_cast<const __m512&>(a[2 * p + 1]);
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int p = 0; p < 4; ++p)    // 128-bit lane L: slot 4p + L's four partial sums
+    g[p] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * p], c[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * p], c[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p) {  // lane L: (slot 8p + L, slot 8p + 4 + L), two partials each
+    const __m512d x = _mm512_castps_pd(g[2 * p]), y = _mm512_castps_pd(g[2 * p + 1]);
+    i[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(i[0], i[1], 0x88), _mm512_shuffle_ps(i[0], i[1], 0xDD));
+}
+static const __m512i kReduce16Order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#endif
+
 // ------------------------------------------------------------------------------------------
 // "lanes" kernel: head_dim across the vector lanes, for items with few query rows (decode).
 // E is the cache element type: float32 rows, or float16 / bfloat16 rows widened one vector at
-// a time (half the bytes; decode is memory-bound).
+// a time (half the bytes; decode is memory-bound). Per tile of keys: each row's scores (with
+// AVX-512, 16 keys' dot products reduced together by reduce16), its online softmax, then P V
+// for blocks of rows at once, so that each V row is read and widened once per block.
 // ------------------------------------------------------------------------------------------
 constexpr int kTKL = 64;  // keys per tile
 
@@ -486,6 +512,8 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
   // vectors per 64-byte cache line
   constexpr int kVecsPerLine = int(64 / sizeof(S)) >= W ? int(64 / sizeof(S)) / W : 1;
   constexpr int64_t D = int64_t(DV) * W;
+  // rows of a P V block: their accumulators (RB x DV vectors) stay in registers
+  constexpr int RB = DV >= 16 ? 1 : (16 / DV > kLanesMaxRows ? kLanesMaxRows : 16 / DV);
   const int64_t G = P.group;
   const int nq = it.i1 - it.i0;
   const int R = nq * int(G);
@@ -500,7 +528,8 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
   const S** vp = kp + kTKL;
   const S** kpn = vp + kTKL;  // next tile's rows, prefetched while this tile is processed
   const S** vpn = kpn + kTKL;
-  float m[kLanesMaxRows], l[kLanesMaxRows];
+  float m[kLanesMaxRows], l[kLanesMaxRows], alpha[kLanesMaxRows];
+  int n_vis_r[kLanesMaxRows];
   int64_t lim[kLanesMaxRows];
 
   for (int r = 0; r < R; ++r) {
@@ -512,12 +541,21 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
     l[r] = 0.0f;
   }
 
+  auto prefetch_next = [&](int jj) {
+#pragma GCC unroll 16
+    for (int c = 0; c < DV; c += kVecsPerLine) {
+      __builtin_prefetch(kpn[jj] + c * W, 0, 2);
+      __builtin_prefetch(vpn[jj] + c * W, 0, 2);
+    }
+  };
+
   if (it.kb < it.ke) key_pointers_e<E>(P, it.b, it.g, it.kb, int(std::min<int64_t>(kTKL, it.ke - it.kb)), kp, vp);
   for (int64_t j0 = it.kb; j0 < it.ke; j0 += kTKL) {
     const int nk = int(std::min<int64_t>(kTKL, it.ke - j0));
     const int nkp = (nk + W - 1) / W * W;
     const int nk_next = int(std::max<int64_t>(0, std::min<int64_t>(kTKL, it.ke - j0 - kTKL)));
     if (nk_next > 0) key_pointers_e<E>(P, it.b, it.g, j0 + kTKL, nk_next, kpn, vpn);
+    int prefetched = 0;  // keys of the next tile prefetched so far (by row 0)
     for (int r = 0; r < R; ++r) {
       vf qv[DV];
 #pragma GCC unroll 16
@@ -525,17 +563,27 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
       float* s = sc + r * kTKL;
       // Keys past the row's causal limit (and the padding up to a whole vector) get -inf.
       const int n_vis = int(std::max<int64_t>(0, std::min<int64_t>(nk, lim[r] + 1 - j0)));
+      n_vis_r[r] = n_vis;
       int jj = 0;
-      for (; jj + 2 <= n_vis; jj += 2) {
-        if (r == 0 && jj + 2 <= nk_next) {
+#if SYM_VEC_WIDTH == 16
+      for (; jj + 16 <= n_vis; jj += 16) {
+        const int pf = r == 0 ? std::min(jj + 16, nk_next) : 0;  // prefetch keys below pf
+        vf a[16];
 #pragma GCC unroll 16
-          for (int c = 0; c < DV; c += kVecsPerLine) {
-            __builtin_prefetch(kpn[jj] + c * W, 0, 2);
-            __builtin_prefetch(vpn[jj] + c * W, 0, 2);
-            __builtin_prefetch(kpn[jj + 1] + c * W, 0, 2);
-            __builtin_prefetch(vpn[jj + 1] + c * W, 0, 2);
-          }
+        for (int x = 0; x < 16; ++x) {
+          if (jj + x < pf) prefetch_next(jj + x);
+          const S* k = kp[jj + x];
+          a[x] = qv[0] * E::load(k);
+#pragma GCC unroll 16
+          for (int c = 1; c < DV; ++c) a[x] += qv[c] * E::load(k + c * W);
         }
+        if (pf > prefetched) prefetched = pf;
+        _mm512_storeu_ps(s + jj, _mm512_permutexvar_ps(kReduce16Order, reduce16(a)));
+      }
+#endif
+      for (; jj + 2 <= n_vis; jj += 2) {
+        if (r == 0)
+          for (; prefetched < std::min(jj + 2, nk_next); ++prefetched) prefetch_next(prefetched);
         const S* k0 = kp[jj];
         const S* k1 = kp[jj + 1];
         vf a0 = qv[0] * E::load(k0), a1 = qv[0] * E::load(k1);
@@ -556,7 +604,7 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
       }
       for (; jj < nkp; ++jj) s[jj] = kNegInf;
 
-      // Online softmax.
+      // Online softmax: s becomes the weights, alpha the rescaling of the row's output so far.
       vf mxv = vsplat(m[r]);
       for (int c = 0; c < nkp; c += W) mxv = vmax(mxv, vload(s + c));
       const float mx = vhmax(mxv);
@@ -570,19 +618,40 @@ static void lanes_kernel(const Problem& P, const Item& it, float* scratch, Parti
       }
       l[r] = l[r] * a + vhsum(sumv);
       m[r] = mx;
+      alpha[r] = a;
+    }
+    for (; prefetched < nk_next; ++prefetched) prefetch_next(prefetched);   // past row 0's causal limit
 
-      // O_r = a * O_r + sum_j p_j V_j
-      vf acc[DV];
+    // O_r = alpha_r * O_r + sum_j p_rj V_j, RB rows at a time: each V row read once per block
+    // (a row's weights past its causal limit are 0).
+    for (int r0 = 0; r0 < R; r0 += RB) {
+      const int rb = std::min(RB, R - r0);
+      int nv = 0;
+      for (int r = r0; r < r0 + rb; ++r) nv = std::max(nv, n_vis_r[r]);
+      vf acc[RB][DV];
 #pragma GCC unroll 16
-      for (int c = 0; c < DV; ++c) acc[c] = vload(O + r * D + c * W) * a;
-      for (int j = 0; j < n_vis; ++j) {
-        const vf p = vsplat(s[j]);
+      for (int rr = 0; rr < RB; ++rr)
+        if (rr < rb)
+#pragma GCC unroll 16
+          for (int c = 0; c < DV; ++c) acc[rr][c] = vload(O + (r0 + rr) * D + c * W) * alpha[r0 + rr];
+      for (int j = 0; j < nv; ++j) {
         const S* v = vp[j];
+        vf vv[DV];
 #pragma GCC unroll 16
-        for (int c = 0; c < DV; ++c) acc[c] += p * E::load(v + c * W);
+        for (int c = 0; c < DV; ++c) vv[c] = E::load(v + c * W);
+#pragma GCC unroll 16
+        for (int rr = 0; rr < RB; ++rr)
+          if (rr < rb) {
+            const vf p = vsplat(sc[(r0 + rr) * kTKL + j]);
+#pragma GCC unroll 16
+            for (int c = 0; c < DV; ++c) acc[rr][c] += p * vv[c];
+          }
       }
 #pragma GCC unroll 16
-      for (int c = 0; c < DV; ++c) vstore(O + r * D + c * W, acc[c]);
+      for (int rr = 0; rr < RB; ++rr)
+        if (rr < rb)
+#pragma GCC unroll 16
+          for (int c = 0; c < DV; ++c) vstore(O + (r0 + rr) * D + c * W, acc[rr][c]);
     }
     std::swap(kp, kpn);
     std::swap(vp, vpn);
