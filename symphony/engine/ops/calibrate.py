@@ -10,8 +10,9 @@ it runs on: never worse than the rule's choice, and the fastest where the rule i
   and bfloat16), forced, on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 /
   Q8_0 keep them; random but seeded; `COPIES` of it called in turn, so that, as in a decode
   step, a call does not find its weight in the core's caches), at the row count of each bucket of
-  rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-31, 32-63, 64-127, 128 and more,
-  timed at 1, 2, 8, 48, 96 and 128 rows), with the calling thread's torch thread count.
+  rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-31, 32-63, 64-127, 128-255, 256
+  and more, timed at 1, 2, 8, 48, 96, 128 and 512 rows), with the calling thread's torch thread
+  count.
 * **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in
   interleaved rounds (one sample of each path a round, in a new order each round; a sample is
   several calls at 1-8 rows, and as many times `MIN_CLEAN` samples are kept), each sample the
@@ -33,9 +34,10 @@ it runs on: never worse than the rule's choice, and the fastest where the rule i
   rule's choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all
   pairs of their samples), the one with the lowest median; the rule's choice if none does, or
   if it was not measured: noise does not move a choice, and a path measured slower than the
-  rule's is never taken. In the open-ended last bucket a dense rule choice (a GEMM) is left
-  only for another dense path: 128 rows stand for 1,500 there, where a GEMM leads more. Each
-  path is first called on every copy (no sample pays first touches, or path 13's copy).
+  rule's is never taken. From 128 rows on (the open-ended range: a GEMM's lead grows with the
+  rows) a dense rule choice is left for a path that is not a GEMM only where that path beats the
+  rule's at 128 and at 512 rows alike. Each path is first called on every copy (no sample pays
+  first touches, or path 13's copy).
 * **The box's load.** The CPU time other processes used meanwhile (/proc/stat less this
   process) is recorded. A calibration on a busy box (others above `QUIET_CORES` cores on
   average) or with unfinished buckets is used, and cached marked provisional: the next start
@@ -84,7 +86,8 @@ KINDS = (0, 1)                          # u4, i8 (csrc/quant.h)
 KIND_NAMES = {0: "u4", 1: "i8"}
 DENSE_PATHS = (3, 13)           # the dense GEMMs, float32 and bfloat16: more rows amortize their dequantization
 # (first row of the bucket, rows timed for it, calls a sample)
-BUCKETS = ((1, 1, 4), (2, 2, 4), (4, 8, 2), (32, 48, 1), (64, 96, 1), (128, 128, 1))
+BUCKETS = ((1, 1, 4), (2, 2, 4), (4, 8, 2), (32, 48, 1), (64, 96, 1), (128, 128, 1), (256, 512, 1))
+TAIL = (128, 512)                       # rows timed for the open-ended range (`_choose`)
 SHAPE = (1536, 576)                     # [N, K] of the weights timed
 COPIES = 8                              # of it, called in turn: 3.5-7 MiB, beyond a core's L2
 MIN_CLEAN = 5                           # samples kept per path and bucket
@@ -95,9 +98,9 @@ MARGIN = 0.02
 PROXY_MARGIN = 0.15                     # where the rows were timed at one thread instead
 WIN = 0.75
 QUIET_CORES = 0.3                       # other processes' load (cores) below which the box is quiet
-BUDGET_S = 4.0                          # CPU seconds of the calling thread
+BUDGET_S = 5.0                          # CPU seconds of the calling thread
 WALL_S = 15.0
-VERSION = 3
+VERSION = 4
 
 
 @dataclasses.dataclass
@@ -139,15 +142,13 @@ class Calibration:
         cells = "; ".join(f"{mode} {KIND_NAMES[kind]}: " + ", ".join(
             f"{s} {p}" for s, p in zip(spans, self.choices[(mode, kind)]))
             for mode in MODES for kind in KINDS)
-        how = (f"calibrated in {self.seconds:.2f} s" if self.source == "calibrated"
-               else f"from the cache {self.cache}")
-        load = "unknown" if self.load is None else f"{self.load:.1f} cores"
-        how += f", other processes' load {load}, {self.kept:.0%} of samples kept"
+        how = f"calibrated in {self.seconds:.2f} s" if self.source == "calibrated" else f"from the cache {self.cache}"
+        how += f", other processes' load {'unknown' if self.load is None else f'{self.load:.1f} cores'}, " \
+               f"{self.kept:.0%} of samples kept"
         if self.one_thread:
             how += f", rows {', '.join(map(str, self.one_thread))} timed at one thread (the cores were taken)"
         if not self.complete:
-            how += (", budget spent: buckets not measured (" + ", ".join(self.unmeasured) +
-                    ") keep the rule's choice")
+            how += f", budget spent: buckets not measured ({', '.join(self.unmeasured)}) keep the rule's choice"
         if self.provisional:
             how += ", provisional (measured again once the box is quiet)"
         return f"qlinear paths by rows ({how}): {cells}; {self.why()}"
@@ -158,10 +159,10 @@ class Calibration:
         for (mode, kind), paths in self.choices.items():
             for b, p in enumerate(paths):
                 r = self.rules.get((mode, kind), paths)[b]
-                if p == r:
-                    continue
                 m = BUCKETS[b][1] if b < len(BUCKETS) else None
                 tp, tr = self.times.get((kind, m, p)), self.times.get((kind, m, r))
+                if p == r:
+                    continue
                 by = f", {tp / tr - 1:+.0%}" if tp and tr else ""
                 moved.append(f"{mode} {KIND_NAMES[kind]} from {self.rows[b]} rows: {p} for {r}{by}")
         return ("left the rule: " + "; ".join(moved)) if moved else "the rule's choice in every cell"
@@ -171,8 +172,7 @@ class Calibration:
 # Public API
 # --------------------------------------------------------------------------------------------
 def setting() -> str:
-    """``$SYMPHONY_QLINEAR_CALIBRATION``: auto (also when unset), force or off; ValueError
-    naming the variable for anything else."""
+    """``$SYMPHONY_QLINEAR_CALIBRATION``: auto (also when unset), force or off; else ValueError."""
     value = os.environ.get(ENV, "").strip().lower() or "auto"
     if value not in SETTINGS:
         raise ValueError(f"{ENV} must be one of {', '.join(SETTINGS)}, got {value!r}")
@@ -180,8 +180,7 @@ def setting() -> str:
 
 
 def ensure_for(device: torch.device, quantized: bool) -> Optional[Calibration]:
-    """`ensure` for a model on ``device`` whose weights are ``quantized`` or not: only quantized
-    weights on the CPU take qlinear's automatic choices; None otherwise."""
+    """`ensure` for quantized weights on the CPU (which take qlinear's automatic choices); else None."""
     return ensure() if device.type == "cpu" and quantized else None
 
 
@@ -206,8 +205,7 @@ def ensure() -> Calibration:
             try:
                 calib = read_cache(path, key) if mode == "auto" else None
                 if calib is not None and calib.provisional and _is_quiet(timing.box_load()):
-                    logger.info("qlinear calibration cache %s is provisional and the box is quiet "
-                                "now: calibrating again", path)
+                    logger.info("qlinear calibration cache %s is provisional and the box is quiet now: again", path)
                     calib = None
                 calib = calib or measure()
             except RuntimeError as e:
@@ -258,8 +256,7 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
                         got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
                     total += more
                     proxied.add(m if _measured(got, rules) else None)
-                n_all += total
-                n_kept += sum(len(s) for s in got.values())
+                n_all, n_kept = n_all + total, n_kept + sum(len(s) for s in got.values())
                 for p, s in got.items():
                     bucket.setdefault(p, []).extend(s)
                 if not _measured(got, rules):
@@ -267,10 +264,10 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
                     unmeasured.append(f"{KIND_NAMES[kind]} at {m} rows ({'int8' if mode == -2 else 'float'})")
             got = bucket
             samples.update({(kind, m, p): s for p, s in got.items()})
-            med = {p: statistics.median(s) for p, s in got.items() if len(s) >= MIN_CLEAN}
-            if med:
-                best = min(med.values())
-                alive = [p for p in alive if p in DENSE_PATHS or med.get(p, 0.0) <= PRUNE * best]
+            fast = {p: min(s) for p, s in got.items() if s}  # (a path dropped after a round has one)
+            best = {mode: min([fast[q] for q in allowed[mode] if q in fast], default=0.0) for mode in MODES}
+            alive = [p for p in alive if p in DENSE_PATHS or p not in fast or any(    # vs its modes' fastest
+                     fast[p] <= PRUNE * best[mode] for mode in MODES if p in allowed[mode])]
     choices = {(mode, kind): [_choose(mode, kind, m, allowed[mode], samples,
                                       PROXY_MARGIN if m in proxied else MARGIN) for _, m, _ in BUCKETS]
                for mode in MODES for kind in KINDS}
@@ -459,19 +456,22 @@ def _choose(mode: int, kind: int, m: int, allowed: list[int],
             samples: dict[tuple[int, int, int], list[float]], margin: float = MARGIN) -> int:
     """The path ``mode`` takes at ``m`` rows: among the measured paths (`MIN_CLEAN` samples)
     that beat the rule's choice clearly (median more than ``margin`` lower, faster in `WIN` of
-    the pairs), the one with the lowest median; the rule's if none does or it was not
-    measured."""
-    rule = _rule(mode, m, kind)
-    if m == BUCKETS[-1][0] and rule in DENSE_PATHS:   # the open-ended bucket (module docstring)
-        allowed = [p for p in allowed if p in DENSE_PATHS]
-    timed = {p: samples[(kind, m, p)] for p in allowed
-             if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}
-    if rule not in timed:
-        return rule
-    med = {p: statistics.median(s) for p, s in timed.items()}
-    better = [p for p in timed if p != rule and med[p] * (1 + margin) < med[rule]
-              and timing.wins(timed[p], timed[rule]) >= WIN]
-    return min(better, key=lambda p: (med[p], p)) if better else rule
+    the pairs), the one with the lowest median; the rule's if none does or it was not measured.
+    In the `TAIL`, a dense rule choice only for a GEMM or a path that beats it at every `TAIL`
+    row count."""
+    def better(m: int) -> dict:
+        rule = _rule(mode, m, kind)
+        timed = {p: samples[(kind, m, p)] for p in allowed if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}
+        if rule not in timed:
+            return {}
+        med = {p: statistics.median(s) for p, s in timed.items()}
+        return {p: med[p] for p in timed if p != rule and med[p] * (1 + margin) < med[rule]
+                and timing.wins(timed[p], timed[rule]) >= WIN}
+    rule, got = _rule(mode, m, kind), better(m)
+    if m in TAIL and rule in DENSE_PATHS:                 # the open-ended range (module docstring)
+        everywhere = set.intersection(*(set(better(t)) for t in TAIL))
+        got = {p: t for p, t in got.items() if p in DENSE_PATHS or p in everywhere}
+    return min(got, key=lambda p: (got[p], p)) if got else rule
 
 
 def _time_bucket(fns, calls: int, rules: set, limits) -> tuple[dict, int]:

@@ -165,24 +165,33 @@ def test_choose_needs_a_clear_win_over_the_rule():
     assert calibrate._choose(-1, U4, 1, allowed, {(U4, 1, other): [1.0] * 5}) == rule    # no baseline
 
 
-def test_the_open_ended_bucket_keeps_a_dense_choice_against_tiles():
-    """The last bucket's 128 rows stand for every larger step (a 1,500-token prefill), where a
-    GEMM's lead over the tile kernels is larger than at 128: a dense rule choice there is left
-    only for another dense path, however the tiles timed; the bucket before it stays free."""
-    last = calibrate.BUCKETS[-1][0]
+def test_the_open_ended_range_leaves_a_dense_choice_only_for_a_path_that_wins_throughout():
+    """From 128 rows on (timed at 128 and 512 rows, standing for every larger step, a 1,500-token
+    prefill say, where a GEMM's lead over the tile kernels grows): a dense rule choice is left
+    for tiles only where the tiles beat it at both; for another GEMM freely; the bucket before
+    the range stays free."""
+    lo, hi = calibrate.TAIL
+    assert [b[1] for b in calibrate.BUCKETS[-2:]] == [lo, hi]
     for mode in (-1, -2):
         allowed = calibrate.auto_paths(mode)
-        rule = ops.qlinear_path_for(mode, last, *calibrate.SHAPE, U4)
-        if rule not in calibrate.DENSE_PATHS:
+        rules = [ops.qlinear_path_for(mode, m, *calibrate.SHAPE, U4) for m in (lo, hi)]
+        if any(r not in calibrate.DENSE_PATHS for r in rules):
             continue                                      # (no dense rule here on this CPU)
         tiles = [p for p in allowed if p not in calibrate.DENSE_PATHS][0]
-        s = {(U4, last, rule): [10.0] * 5, (U4, last, tiles): [5.0] * 5}
-        assert calibrate._choose(mode, U4, last, allowed, s) == rule
-        other = [p for p in allowed if p in calibrate.DENSE_PATHS and p != rule]
-        if other:                                         # another GEMM may still win it
-            s[(U4, last, other[0])] = [4.0] * 5
-            assert calibrate._choose(mode, U4, last, allowed, s) == other[0]
-        below = calibrate.BUCKETS[-2][1]                  # the bucket before: measured freely
+        s = {(U4, lo, rules[0]): [10.0] * 5, (U4, lo, tiles): [5.0] * 5,     # tiles win at 128 ...
+             (U4, hi, rules[1]): [40.0] * 5, (U4, hi, tiles): [45.0] * 5}    # ... not at 512
+        assert calibrate._choose(mode, U4, lo, allowed, s) == rules[0]
+        assert calibrate._choose(mode, U4, hi, allowed, s) == rules[1]
+        s[(U4, hi, tiles)] = [30.0] * 5                   # at both: the tiles, in both buckets
+        assert calibrate._choose(mode, U4, lo, allowed, s) == tiles
+        assert calibrate._choose(mode, U4, hi, allowed, s) == tiles
+        s.pop((U4, hi, tiles))                            # not timed at 512: not shown to win there
+        assert calibrate._choose(mode, U4, lo, allowed, s) == rules[0]
+        other = [p for p in allowed if p in calibrate.DENSE_PATHS and p != rules[0]]
+        if other:                                         # another GEMM may win a bucket alone
+            s[(U4, lo, other[0])] = [4.0] * 5
+            assert calibrate._choose(mode, U4, lo, allowed, s) == other[0]
+        below = calibrate.BUCKETS[-3][1]                  # the bucket before: measured freely
         rule_below = ops.qlinear_path_for(mode, below, *calibrate.SHAPE, U4)
         s = {(U4, below, rule_below): [10.0] * 5, (U4, below, tiles): [5.0] * 5}
         assert calibrate._choose(mode, U4, below, allowed, s) in (tiles, rule_below)
@@ -235,7 +244,7 @@ def test_cache_round_trips(fake_build, caplog):
     caplog.set_level(logging.INFO, logger="symphony.ops")
     first = calibrate.ensure()
     assert calls and first.source == "calibrated" and first.cache == path and path.is_file()
-    assert "calibrated in" in caplog.text and "-1 u4: 1 3, 2-3 3, 4-31 3, 32-63 3, 64-127 3, 128+ 3" in caplog.text
+    assert "calibrated in" in caplog.text and "-1 u4: 1 3, 2-3 3, 4-31 3, 32-63 3, 64-127 3, 128-255 3, 256+ 3" in caplog.text
     assert calibrate.ensure() is first and len(calls) == 1                  # once per process
     calibrate.clear()
     caplog.clear()
@@ -403,3 +412,36 @@ def test_measure_records_the_load_and_is_provisional_on_a_busy_box(monkeypatch):
     calib = calibrate.measure(budget_s=30.0, wall_s=120.0)
     assert calib.load == 1.7 and not calib.quiet and calib.provisional
     assert "other processes' load 1.7 cores" in calib.describe() and "provisional" in calib.describe()
+
+
+def test_a_path_dropped_after_one_round_is_not_timed_in_larger_buckets(monkeypatch):
+    """A path far slower than its mode's fastest is dropped within a bucket after one sample;
+    the larger buckets must not time it again (a scalar kernel at 512 rows took seconds of the
+    budget, and left buckets unmeasured). The pruning is per mode: the float-accurate paths are
+    weighed against the fastest float path, not against the int8 kernels."""
+    timed: dict[int, set] = {}
+    slow, fast_float, fast_int8, other_float = 101, 102, 103, 104
+
+    def fake_bucket(fns, calls, rules, limits):
+        m = current["m"]
+        timed.setdefault(m, set()).update(fns)
+        cost = {slow: 50.0, fast_float: 2.0, fast_int8: 0.5, other_float: 3.0}
+        got = {p: [cost.get(p, 1.0)] * (1 if p == slow else calibrate.MIN_CLEAN) for p in fns}
+        return got, sum(len(s) for s in got.values())
+
+    current = {"m": 0}
+
+    def cycling(x, ws, kind, p):
+        current["m"] = x.shape[0]
+        return lambda: None
+    monkeypatch.setattr(calibrate, "_time_bucket", fake_bucket)
+    monkeypatch.setattr(calibrate, "qlinear_cycling", cycling)
+    monkeypatch.setattr(calibrate, "auto_paths", lambda mode: [slow, fast_float, other_float] if mode == -1
+                        else [fast_int8])
+    monkeypatch.setattr(calibrate, "_rule", lambda mode, m, kind: fast_float if mode == -1 else fast_int8)
+    monkeypatch.setattr(calibrate, "SHAPE", (64, 64))
+    calibrate.measure(budget_s=30.0, wall_s=60.0)
+    first = calibrate.BUCKETS[0][1]
+    assert slow in timed[first]                                   # timed once, 25x the float path
+    assert all(slow not in timed[b[1]] for b in calibrate.BUCKETS[1:])
+    assert all(other_float in timed[b[1]] for b in calibrate.BUCKETS)  # 6x int8's, 1.5x float's: kept
