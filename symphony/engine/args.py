@@ -190,7 +190,7 @@ class EngineArgs:
     def kv_dtype_name(self, dtype: Optional[str], sim: bool) -> Optional[str]:
         """--kv-dtype resolved (None: the engine's dtype). auto: bfloat16 for ``--activations
         int8`` on a CPU with float32 activations, whose logits already move by a few percent
-        (bfloat16 K and V move them by ~0.3 % of their scale; perf/RESULTS.md), else the engine's."""
+        (bfloat16 K and V move them by up to ~0.6 % of their scale; perf/RESULTS.md), else the engine's."""
         if self.kv_dtype != "auto":
             return self.kv_dtype
         if self.activations == "int8" and not self.gpus and not sim and (dtype or "float32") == "float32":
