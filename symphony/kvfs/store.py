@@ -13,7 +13,10 @@ File format (one file per KV file, named by a hash of its path)::
     32 bytes                        SHA-256 of header + data
 
 A file whose hash, magic or layout does not match is refused as corrupt; one
-written by another model (different fingerprint) is refused as foreign.
+written by another model (different fingerprint, which covers --dtype) is
+refused as foreign. One of the same model with KV data of another dtype (a
+kernel with another --kv-dtype) is converted as it is read: 16-bit data into a
+float32 pool exactly, float32 into a 16-bit pool rounded to nearest even.
 Refused files are logged and left in place, never loaded.
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .namespace import ADVICE, ROOT_USER, Block, Directory, Inode, split_path
 log = logging.getLogger("symphony.kvfs.store")
 
 MAGIC = b"SYMKV001"
+KV_DTYPES = ("float32", "bfloat16", "float16")   # what a file's KV data may be (converted on reading)
 
 
 def model_fingerprint(engine) -> str:
@@ -247,27 +251,31 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
         raise CorruptFile(f"{file}: unreadable header: {e}") from None
     kv = fs.engine.kv
     L, _, _, H, D = kv.page_shape
-    # dtype and layout first: the fingerprint covers them too, but this says what differs
-    dtype = str(kv.dtype).replace("torch.", "")
-    if header.get("dtype") != dtype:
-        raise CorruptFile(f"{file}: KV data is {header.get('dtype')} but this kernel runs {dtype} "
-                          f"(written by a kernel with another --dtype or --kv-dtype)")
+    # dtype and layout first: the fingerprint covers them too, but this says what differs. A file
+    # of the same model and activations with another KV dtype (--kv-dtype) is converted as read.
+    dtype, stored = str(kv.dtype).replace("torch.", ""), header.get("dtype")
+    same_model = header.get("model") == model_fingerprint(fs.engine)
+    if stored != dtype and not (same_model and stored in KV_DTYPES):
+        raise CorruptFile(f"{file}: KV data is {stored} but this kernel runs {dtype} "
+                          f"(written by a kernel with another --dtype)")
+    file_dtype = getattr(torch, stored)                      # one of KV_DTYPES
     n = header.get("length")
     shape = header.get("page_shape")
     want = [L, 2, H, D]
     if shape != want:
         raise CorruptFile(f"{file}: KV layout {shape} does not match this kernel's {want}")
-    if header.get("model") != model_fingerprint(fs.engine):
+    if not same_model:
         raise CorruptFile(f"{file}: written by a different model or KV layout (foreign file)")
     raw = body[hlen:]
-    per_slot = L * 2 * H * D * torch.empty((), dtype=kv.dtype).element_size()
+    per_slot = L * 2 * H * D * torch.empty((), dtype=file_dtype).element_size()
     if not isinstance(n, int) or len(raw) != n * per_slot or len(header.get("positions", [])) != n:
         raise CorruptFile(f"{file}: data length does not match {n} tokens")
     _check_header(header, file, getattr(fs.engine, "max_seq_len", None) or 1 << 30, fs.page_size)
     if not n:
         data = torch.empty(0, dtype=kv.dtype)
     else:                                                     # a writable buffer is used in place
-        data = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8).view(kv.dtype)
+        data = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8).view(file_dtype)
+        data = data.to(kv.dtype)                              # (16 bits widened exactly; float32 rounded)
     return header, data.view(L, 2, n, H, D)
 
 

@@ -146,7 +146,9 @@ def test_int8_activations_on_a_bfloat16_pool(tmp_path):
     assert 0 < (a - b).abs().max() <= 0.02 * scale and ta == tb
 
 
-def test_kvfs_swaps_and_durable_files_keep_the_pool_dtype(tmp_path):
+def test_kvfs_swaps_and_durable_files_across_kv_dtypes(tmp_path):
+    """Swaps keep the pool's bits; a durable file restores in a kernel of the same KV dtype, and
+    one with another --kv-dtype (the same model and activations) converts it as it reads it."""
     w = random_weights(tiny_config(), seed=0)
 
     def fs_(kv_dtype, **kw):
@@ -171,9 +173,23 @@ def test_kvfs_swaps_and_durable_files_keep_the_pool_dtype(tmp_path):
     assert os.path.getsize(os.path.join(d, f)) < 21 * c.n_layers * 2 * c.kv_size * 4  # 2 bytes an element
     again = fs_(torch.bfloat16, durable_dir=d)
     assert again.restore_report["restored"] == ["/home/alice/a.kv"]
-    wide = fs_(None, durable_dir=d)                           # a float32 pool refuses it, saying why
-    [(_, why)] = wide.restore_report["refused"]
-    assert "KV data is bfloat16 but this kernel runs float32" in why and "--kv-dtype" in why
+    saved = pages_of(again, again.open(ALICE, "/home/alice/a.kv", "r"))
+    # a kernel with another --kv-dtype converts the file as it reads it: widened exactly ...
+    wide = fs_(None, durable_dir=d)
+    assert wide.restore_report["restored"] == ["/home/alice/a.kv"] and not wide.restore_report["refused"]
+    h = wide.open(ALICE, "/home/alice/a.kv", "rw")
+    assert torch.equal(pages_of(wide, h), saved.float())
+    close(wide.pred(ALICE, h, [2])[None], w, toks(20, seed=2) + [1, 2], torch.bfloat16)
+    wide.sync(ALICE, h)                                        # ... and a float32 file rounded back
+    narrow = fs_(torch.float16, durable_dir=d)
+    assert narrow.restore_report["restored"] == ["/home/alice/a.kv"]
+    got = pages_of(narrow, narrow.open(ALICE, "/home/alice/a.kv", "r"))
+    assert got.dtype == torch.float16 and torch.equal(got, pages_of(wide, h).to(torch.float16))
+
+
+def pages_of(fs, hid):
+    ino = fs.handles[hid].inode
+    return torch.cat([fs.pager.read(b) for b in ino.blocks], dim=2)[:, :, :ino.length]
 
 
 def test_the_flag():
