@@ -250,9 +250,10 @@ def _build(cfg: KernelConfig, log: logging.Logger, engine, compute_threads: int)
     from .kernel.daemon import Kernel
     from .kernel.syscall.proc import ServedLips
     from .kvfs import KVFS, KVFSConfig
+    from .engine.config import dtype_name
     host_pages = auto_host_pages(engine) if cfg.host_pages == "auto" else cfg.host_pages
     log.info("KV tiers: %d device pages (%.0f MiB, %s), host tier up to %d pages, %s", engine.kv.allocator.capacity,
-             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, str(engine.kv.dtype).replace("torch.", ""),
+             engine.kv.allocator.capacity * engine.kv.page_bytes / 2**20, dtype_name(engine.kv.dtype),
              host_pages,
              f"disk tier in {cfg.swap_dir}" if cfg.swap_dir else "no disk tier")
     user_pages = cfg.user_quota

@@ -1031,9 +1031,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
 // the float32 kernels take) on the AMX tiles with bfloat16 products (attention_amx.cpp), the
 // others by the kernels above (float32, or attention_half for float16 / bfloat16 caches); all of
 // it by paged_attention where the CPU has no AMX-BF16, q is not float32 or the head_dim is not a
-// multiple of 32. Below that many
-// rows the float32 kernels cost about what rounding the sequence's whole context to bfloat16
-// costs, which every AMX call pays first.
+// multiple of 32. Below that many rows the float32 kernels cost about what rounding the
+// sequence's whole context to bfloat16 costs, which every AMX call pays first.
 constexpr int64_t kAmxMinRows = 32, kAmxMinWork = 8192;
 
 at::Tensor paged_attention_bf16_cpu(const at::Tensor& q, const at::Tensor& k_cache,

@@ -88,6 +88,11 @@ KV_COMMIT = ("lazy", "background")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name as DTYPES, the flags and files spell it: ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """float32 on the CPU, bfloat16 on a GPU.
 
@@ -179,13 +184,12 @@ class EngineConfig:
             raise ConfigError(f"engine config: kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
         kv, act = self.torch_kv_dtype, self.torch_dtype
         if kv != act:
-            name = lambda t: str(t).replace("torch.", "")  # noqa: E731
             if dev.type != "cpu":
-                raise ConfigError(f"engine config: a KV pool of {name(kv)} beside {name(act)} activations "
+                raise ConfigError(f"engine config: a KV pool of {dtype_name(kv)} beside {dtype_name(act)} activations "
                                   "runs on the CPU only; on a GPU the pool has the engine's dtype")
             if act != torch.float32:
-                raise ConfigError(f"engine config: a KV pool of {name(kv)} needs float32 activations, not "
-                                  f"{name(act)} (the pool may be narrower than the activations, not wider "
+                raise ConfigError(f"engine config: a KV pool of {dtype_name(kv)} needs float32 activations, not "
+                                  f"{dtype_name(act)} (the pool may be narrower than the activations, not wider "
                                   "or of another 16-bit kind)")
 
     @property

@@ -33,6 +33,7 @@ from stat import S_ISDIR, S_ISREG
 import orjson
 import torch
 
+from symphony.engine.config import DTYPES, dtype_name
 from symphony.engine.page_allocator import pages_for
 
 from .chains import MAX_KEYS
@@ -42,7 +43,6 @@ from .namespace import ADVICE, ROOT_USER, Block, Directory, Inode, split_path
 log = logging.getLogger("symphony.kvfs.store")
 
 MAGIC = b"SYMKV001"
-KV_DTYPES = ("float32", "bfloat16", "float16")   # what a file's KV data may be (converted on reading)
 
 
 def model_fingerprint(engine) -> str:
@@ -99,7 +99,7 @@ def snapshot(fs, inode: Inode, **extra) -> SyncSnapshot:
     header = orjson.dumps({
         "version": 1, "path": inode.path, "owner": inode.owner, "mode": inode.mode,
         "ctime": inode.ctime, "mtime": inode.mtime, "advice": inode.advice, "length": n,
-        "positions": inode.positions, "dtype": str(kv.dtype).replace("torch.", ""),
+        "positions": inode.positions, "dtype": dtype_name(kv.dtype),
         "page_shape": [L, 2, H, D],
         "model": model_fingerprint(fs.engine), "data_bytes": n * per_slot,
         "chain": fs.chains.record(inode), **extra})
@@ -253,12 +253,12 @@ def decode(fs, blob: bytes, file: str) -> tuple[dict, torch.Tensor]:
     L, _, _, H, D = kv.page_shape
     # dtype and layout first: the fingerprint covers them too, but this says what differs. A file
     # of the same model and activations with another KV dtype (--kv-dtype) is converted as read.
-    dtype, stored = str(kv.dtype).replace("torch.", ""), header.get("dtype")
+    dtype, stored = dtype_name(kv.dtype), header.get("dtype")
     same_model = header.get("model") == model_fingerprint(fs.engine)
-    if stored != dtype and not (same_model and stored in KV_DTYPES):
+    if stored != dtype and not (same_model and stored in DTYPES):
         raise CorruptFile(f"{file}: KV data is {stored} but this kernel runs {dtype} "
                           f"(written by a kernel with another --dtype)")
-    file_dtype = getattr(torch, stored)                      # one of KV_DTYPES
+    file_dtype = DTYPES[stored]
     n = header.get("length")
     shape = header.get("page_shape")
     want = [L, 2, H, D]

@@ -159,10 +159,10 @@ class Calibration:
         for (mode, kind), paths in self.choices.items():
             for b, p in enumerate(paths):
                 r = self.rules.get((mode, kind), paths)[b]
-                m = BUCKETS[b][1] if b < len(BUCKETS) else None
-                tp, tr = self.times.get((kind, m, p)), self.times.get((kind, m, r))
                 if p == r:
                     continue
+                m = BUCKETS[b][1] if b < len(BUCKETS) else None
+                tp, tr = self.times.get((kind, m, p)), self.times.get((kind, m, r))
                 by = f", {tp / tr - 1:+.0%}" if tp and tr else ""
                 moved.append(f"{mode} {KIND_NAMES[kind]} from {self.rows[b]} rows: {p} for {r}{by}")
         return ("left the rule: " + "; ".join(moved)) if moved else "the rule's choice in every cell"
@@ -205,7 +205,8 @@ def ensure() -> Calibration:
             try:
                 calib = read_cache(path, key) if mode == "auto" else None
                 if calib is not None and calib.provisional and _is_quiet(timing.box_load()):
-                    logger.info("qlinear calibration cache %s is provisional and the box is quiet now: again", path)
+                    logger.info("qlinear calibration cache %s is provisional and the box is quiet now: "
+                                "calibrating again", path)
                     calib = None
                 calib = calib or measure()
             except RuntimeError as e:
@@ -457,8 +458,7 @@ def _choose(mode: int, kind: int, m: int, allowed: list[int],
     """The path ``mode`` takes at ``m`` rows: among the measured paths (`MIN_CLEAN` samples)
     that beat the rule's choice clearly (median more than ``margin`` lower, faster in `WIN` of
     the pairs), the one with the lowest median; the rule's if none does or it was not measured.
-    In the `TAIL`, a dense rule choice only for a GEMM or a path that beats it at every `TAIL`
-    row count."""
+    In the `TAIL` a dense rule choice yields only to a GEMM or a path winning at every TAIL row."""
     def better(m: int) -> dict:
         rule = _rule(mode, m, kind)
         timed = {p: samples[(kind, m, p)] for p in allowed if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}

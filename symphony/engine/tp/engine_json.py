@@ -5,16 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import torch
-
-from ..config import EngineConfig
+from ..config import DTYPES, EngineConfig, dtype_name
 
 
 def config_json(cfg: EngineConfig, num_pages: int) -> str:
     """The engine config every rank runs, as JSON (dtypes by name, the pool's page count fixed)."""
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for f in ("dtype", "kv_dtype"):
-        d[f] = None if d[f] is None else str(d[f]).replace("torch.", "")
+        d[f] = None if d[f] is None else dtype_name(d[f])
     d["num_pages"] = num_pages
     return json.dumps(d)
 
@@ -23,6 +21,6 @@ def config_from_json(text: str, device: str) -> EngineConfig:
     d = json.loads(text)
     for f in ("dtype", "kv_dtype"):
         if d.get(f) is not None:
-            d[f] = getattr(torch, d[f])
+            d[f] = DTYPES[d[f]]
     d["device"] = device
     return EngineConfig(**d)
