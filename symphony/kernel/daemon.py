@@ -61,6 +61,7 @@ from symphony.ipc.wait import WaitSet
 from symphony.kvfs import KVFS
 from symphony.sched.admission import AdmissionLimits
 
+from symphony.kernel import heap
 from symphony.kernel.loop.admission import AdmissionControl
 from symphony.kernel.loop.bounds import FD_RESERVE, ClientBounds, Connections, open_file_limit
 from symphony.kernel.capabilities import Capabilities, CapPolicy
@@ -209,6 +210,7 @@ class Kernel:
         sup.supervise("admission queue", self.admission.watch)
         if self.cpu.busy:
             sup.supervise("LIP CPU governor", self._watch_cpu)
+        heap.settle("kernel", heap.KERNEL_YOUNG)        # start-up is over: no full collection walks it again
         self.sys.thread.start()
         sup.watchdog("syscall thread watchdog", self.sys.thread.is_alive, "the syscall thread died")
         if getattr(self.engine, "tp", None) is not None:

@@ -62,6 +62,8 @@ import traceback  # noqa: E402
 
 import orjson  # noqa: E402
 
+from symphony.kernel import heap  # noqa: E402
+
 # Modules a LIP may import (no file system access after the sandbox is on).
 PRELOAD = ["json", "re", "math", "cmath", "random", "itertools", "functools", "collections",
            "collections.abc", "dataclasses", "typing", "time", "string", "heapq", "bisect",
@@ -236,6 +238,7 @@ def main() -> None:
     def report(obj):
         chan.sendall(orjson.dumps(obj))
 
+    heap.settle("zygote")                   # its workers inherit the frozen heap (shared, never walked)
     report({"ready": me})
     try:
         while True:

@@ -43,6 +43,21 @@ def test_sibling_threads_are_batched_not_serialized(kernel):
     assert calls / batches >= 2.5, (calls, batches)     # serialized would be 1.0; ideal 41/11
 
 
+def test_kernel_and_lip_heaps_are_frozen_after_start_up(kernel):
+    """The kernel froze its start-up heap before serving (no full collection walks it again) and
+    raised its young threshold; a LIP worker inherits the zygote's frozen heap, Python's thresholds."""
+    import gc
+    from symphony.kernel import heap
+    log = kernel.read_log()
+    line = next(l for l in log.splitlines() if "kernel heap settled" in l)
+    assert int(line.split("settled: ")[1].split()[0]) > 10_000, line
+    assert f"thresholds ({heap.KERNEL_YOUNG}, " in line, line
+    r = kernel.run(REPO / "tests/e2e/lips/heapinfo.py")
+    assert r.returncode == 0, r.stderr
+    frozen, young, _, _ = (int(x) for x in r.stdout.split())
+    assert frozen > 10_000 and young == gc.get_threshold()[0], r.stdout     # (this process's: Python's)
+
+
 def test_syscall_errors_are_typed(kernel):
     r = kernel.run(REPO / "tests/e2e/lips/errors.py")
     assert r.returncode == 0, r.stderr
