@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import functools
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -128,11 +129,11 @@ class Data:
                           f"{len(toks)} new at {S} tokens a page); the device pool holds {cap} pages: "
                           f"{need - cap} too many")
         try:
-            self.quotas.check({(who.user, who.pid): new + cow})
+            self.quotas.check_one(who.user, who.pid, new + cow)
         except QuotaExceeded:                      # the user's own cache files go first
             if not self.memory.make_quota_room(who.user, new + cow):
                 raise
-            self.quotas.check({(who.user, who.pid): new + cow})
+            self.quotas.check_one(who.user, who.pid, new + cow)
         self.quotas.check_refs(inode.owner, new)
         return toks, pos
 
@@ -222,11 +223,11 @@ class Data:
         """The call's page table: its blocks resident, a shared partial last
         block copied (copy-on-write), fresh blocks for the new slots, charged to
         the caller.  Raises (changing nothing) when pages or quota run out."""
-        toks = list(c.tokens)
+        toks = c.tokens if type(c.tokens) is list else list(c.tokens)   # (a call's chunk: a list of its own)
         n, length, S = len(toks), inode.length, self.page_size
         if c.positions is None:
-            start = _next_position(inode)
-            pos = list(range(start, start + n))
+            start = inode.positions[-1] + 1 if inode.positions else 0
+            pos = [start] if n == 1 else list(range(start, start + n))
         else:
             pos = list(c.positions)
         # the file may have grown since the call was checked (earlier calls on it)
@@ -235,10 +236,13 @@ class Data:
                             f"{pos[-1]}, past the limit {self.engine.max_seq_len}")
         new, cow = append_growth(inode, n, S)
         who = c.who
-        self.quotas.check({(who.user, who.pid): new + cow})
+        self.quotas.check_one(who.user, who.pid, new + cow)
         self.quotas.check_refs(inode.owner, new)
         self._make_resident([inode], extra=new + cow, protect=protect)
-        fresh = self.refs.new(who, inode.owner, new + cow) if new + cow else []
+        if not new + cow:                 # a decode within its last page: the page table as it is
+            return Placement(inode, inode.blocks, [], None,
+                             StepCall([b.device for b in inode.blocks], length, toks, pos, c.all_logits, c.want))
+        fresh = self.refs.new(who, inode.owner, new + cow)
         blocks, replaced = list(inode.blocks), None
         if cow:
             replaced = blocks[-1]
@@ -436,6 +440,4 @@ def _next_position(inode: Inode) -> int:
     return inode.positions[-1] + 1 if inode.positions else 0
 
 
-def _now() -> float:
-    import time
-    return time.time()
+_now = time.time

@@ -57,13 +57,17 @@ class Memory:
         self.lru_drop: "OrderedDict[int, Inode]" = OrderedDict()
         self.lru_normal: "OrderedDict[int, Inode]" = OrderedDict()
         self.lru_cache: "OrderedDict[int, Inode]" = OrderedDict()   # advice "cache": may be deleted
+        self._lru_of = {"drop_first": self.lru_drop, "normal": self.lru_normal, "cache": self.lru_cache}
 
     def touch(self, inode: Inode) -> None:
         """The file was used (or its advice changed): last in its LRU list."""
+        lru = self._lru_of.get(inode.advice)
+        if lru is not None and lru.get(inode.ino) is inode:   # in its list already (a file in use): last
+            lru.move_to_end(inode.ino)
+            return
         self.forget(inode)
-        lru = {"drop_first": self.lru_drop, "normal": self.lru_normal, "cache": self.lru_cache}
-        if inode.advice in lru:
-            lru[inode.advice][inode.ino] = inode
+        if lru is not None:
+            lru[inode.ino] = inode
 
     def forget(self, inode: Inode) -> None:
         """The file is gone (or "keep"): in no LRU list."""

@@ -52,20 +52,24 @@ class Quotas:
         """The pages ``user`` may hold in all tiers (None: no limit; root is exempt)."""
         return None if user == ROOT_USER else self.per_user.get(user, self.user_pages)
 
+    def check_one(self, user: str, pid: int, n: int) -> None:
+        """`check` for one caller: ``n`` pages charged to ``user``'s process ``pid``."""
+        lim = self.limit_for(user)
+        if lim is not None and self.by_user[user] + n > lim:
+            raise QuotaExceeded(f"user {user!r} would hold {self.by_user[user] + n} KV pages, "
+                                f"quota {lim} ({self.by_user[user] + n - lim} over)")
+        if (self.process_pages is not None and user != ROOT_USER and pid
+                and self.by_pid[pid] + n > self.process_pages):
+            held = self.by_pid[pid] + n
+            raise QuotaExceeded(f"process {pid} would hold {held} KV pages, quota "
+                                f"{self.process_pages} ({held - self.process_pages} over)")
+
     def check(self, need: dict[tuple[str, int], int]) -> None:
         """Raise `QuotaExceeded` if charging ``need[(user, pid)]`` pages would
         pass a limit; charges nothing."""
         if len(need) == 1:                          # one caller (every pred): no tallies to build
             (user, pid), n = next(iter(need.items()))
-            lim = self.limit_for(user)
-            if lim is not None and self.by_user[user] + n > lim:
-                raise QuotaExceeded(f"user {user!r} would hold {self.by_user[user] + n} KV pages, "
-                                    f"quota {lim} ({self.by_user[user] + n - lim} over)")
-            if (self.process_pages is not None and user != ROOT_USER and pid
-                    and self.by_pid[pid] + n > self.process_pages):
-                held = self.by_pid[pid] + n
-                raise QuotaExceeded(f"process {pid} would hold {held} KV pages, quota "
-                                    f"{self.process_pages} ({held - self.process_pages} over)")
+            self.check_one(user, pid, n)
             return
         users, pids = Counter(), Counter()
         for (user, pid), n in need.items():

@@ -112,7 +112,8 @@ class BatchScheduler:
         self.served_lip: dict[int, int] = defaultdict(int)
         self.last_step_keys: dict = {}                    # callers of the last step: key -> lip
         self._gather_deadline: Optional[float] = None
-        self.held: set[int] = set()                       # LIPs whose calls wait (memory)
+        self._held: set[int] = set()                      # LIPs whose calls wait (memory): `held`
+        self._missing: Optional[set] = set()              # last step's keys not queued again (None: recount)
         self.credit: dict[tuple, float] = {}              # seconds a sitting-out user has earned
 
     # ------------------------------------------------------------------ queue
@@ -120,6 +121,8 @@ class BatchScheduler:
         if call.n_tokens < 1:
             raise ValueError("a call needs at least one token")
         self.queue.append(call)
+        if self._missing:
+            self._missing.discard(call.key)
 
     def drop_lip(self, lip: int) -> list[Call]:
         """Forget a LIP's calls (it exited); returns them."""
@@ -127,6 +130,7 @@ class BatchScheduler:
         self.served_lip.pop(lip, None)
         self.held.discard(lip)
         self.last_step_keys = {k: l for k, l in self.last_step_keys.items() if l != lip}
+        self._missing = None
         return gone
 
     def fail_lip(self, lip: int) -> list[Call]:
@@ -135,16 +139,30 @@ class BatchScheduler:
         gone = [c for c in self.queue if c.lip == lip]
         if gone:
             self.queue = [c for c in self.queue if c.lip != lip]
+            self._missing = None
         return gone
 
     def drop(self, call: Call) -> None:
         """Take one call out (it failed: its remaining chunks never run)."""
         self.queue = [c for c in self.queue if c is not call]
+        self._missing = None
+
+    @property
+    def held(self) -> set:
+        """The LIPs whose calls wait this step (`hold`)."""
+        return self._held
+
+    @held.setter
+    def held(self, lips: set) -> None:
+        self._held = lips
+        self._missing = None
 
     def hold(self, lips) -> None:
         """The LIPs whose calls wait this step (memory: sched/memory.py decides);
         every other LIP is released."""
-        self.held = set(lips)
+        lips = set(lips)
+        if lips != self._held:
+            self.held = lips
 
     def took(self, seconds: float) -> None:
         """The last step's forward pass took ``seconds``: the cost model learns
@@ -221,9 +239,10 @@ class BatchScheduler:
         if not self.queue:
             self._gather_deadline = None
             return False
-        queued = {c.key for c in self.queue}
-        back = {k for k, lip in self.last_step_keys.items() if lip not in self.held}
-        if back <= queued:
+        if self._missing is None:          # recounted after the queue lost calls or the holds changed;
+            queued = {c.key for c in self.queue}      # else kept by `add` (once a call: not per poll)
+            self._missing = {k for k, lip in self.last_step_keys.items() if lip not in self.held and k not in queued}
+        if not self._missing:
             self._gather_deadline = None
             return False
         if self._gather_deadline is None:
@@ -264,6 +283,7 @@ class BatchScheduler:
         # the callers worth waiting for: those of users whose share took all their ready calls
         # (a user cut short has calls left for the next step; its stragglers hold nothing up)
         self.last_step_keys = {c.key: c.lip for c, _, _ in items if (c.priority, c.user) not in cut}
+        self._missing = None
         self._last_size = (sum(n for _, _, n in items), len(items),
                            sum(attention_pairs(c.context + start, n) for c, start, n in items),
                            sum(attention_reads(c.context + start, n) for c, start, n in items))

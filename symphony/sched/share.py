@@ -43,6 +43,7 @@ Pure functions of plain values: `Demand` per user in, tokens per user out.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -72,7 +73,7 @@ class Demand:
 
     @property
     def tokens(self) -> int:
-        return sum(self.items)
+        return self._sums()[0][-1]
 
     def calls(self, tokens: int) -> int:
         """Calls that the user's first ``tokens`` tokens reach into."""
@@ -80,17 +81,34 @@ class Demand:
 
     def work(self, tokens: int) -> tuple[int, float, float]:
         """(calls, thousand query-key pairs, thousand keys read) of the attention of the user's
-        first ``tokens`` tokens."""
-        n, pairs, reads = 0, 0.0, 0.0
+        first ``tokens`` tokens: whole calls from running sums, the last one cut (O(log calls):
+        the scheduler asks this many times a step)."""
+        if tokens <= 0:
+            return 0, 0.0, 0.0
+        toks, pairs, reads = self._sums()
+        n = len(self.items)
+        i = bisect_left(toks, tokens, 1)        # calls 0..i-2 whole, call i-1 reaches ``tokens``
+        if i > n:                                # more than all: every call whole
+            return n, pairs[n], reads[n]
+        ctx = self.contexts[i - 1] if i - 1 < len(self.contexts) else 0
+        part = tokens - toks[i - 1]
+        return i, pairs[i - 1] + attention_pairs(ctx, part), reads[i - 1] + attention_reads(ctx, part)
+
+    def _sums(self) -> tuple[list, list, list]:
+        """Running sums over the calls (tokens, pairs, reads; element i: the first i calls),
+        made once: a Demand is built per step and its items are not changed after."""
+        key = (len(self.items), len(self.contexts))
+        cached = self.__dict__.get("_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        toks, pairs, reads = [0], [0.0], [0.0]
         for i, size in enumerate(self.items):
-            if tokens <= 0:
-                break
-            n += 1
             ctx = self.contexts[i] if i < len(self.contexts) else 0
-            pairs += attention_pairs(ctx, min(size, tokens))
-            reads += attention_reads(ctx, min(size, tokens))
-            tokens -= size
-        return n, pairs, reads
+            toks.append(toks[-1] + size)
+            pairs.append(pairs[-1] + attention_pairs(ctx, size))
+            reads.append(reads[-1] + attention_reads(ctx, size))
+        self.__dict__["_cache"] = (key, (toks, pairs, reads))
+        return toks, pairs, reads
 
 
 def step_seconds(cost: StepCost, parts: list[tuple["Demand", int]]) -> float:

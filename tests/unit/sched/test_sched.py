@@ -244,3 +244,29 @@ def test_admission_counts_another_users_pages_beyond_its_share_as_free():
     assert m.free_for(0, "bob") == 16 and m.free_for(0, "alice") == 0
     assert m.free_for(1, "bob") == 32                             # a higher class: all of it, as before
     assert m.free_for(-1, "bob") == 0                             # a lower class: nothing of hers
+
+
+def test_gathering_counts_again_when_a_queued_caller_is_taken_out():
+    """The callers still missing are kept as calls arrive; a call taken out (failed, its LIP
+    gone) or a hold that changes makes the scheduler count them again."""
+    s = BatchScheduler(token_budget=64, chunk_tokens=32, gather_s=10.0)
+    for key, lip in (("a", 1), ("b", 2), ("c", 3)):
+        s.add(Call(key, lip=lip, user="u", n_tokens=1))
+    s.schedule()
+    s.add(Call("a", lip=1, user="u", n_tokens=1))
+    assert s.should_wait(0.0)                              # b and c are coming back
+    b = Call("b", lip=2, user="u", n_tokens=1)
+    s.add(b)
+    s.add(Call("c", lip=3, user="u", n_tokens=1))
+    assert not s.should_wait(0.0)                          # all back: launch
+    s.drop(b)                                              # b's call failed: b's LIP may call again
+    assert s.should_wait(0.0)
+    s.hold({2})                                            # ...unless it is held
+    assert not s.should_wait(0.0)
+    s.hold(set())
+    assert s.should_wait(0.0)
+    s.fail_lip(3)
+    s.add(Call("b", lip=2, user="u", n_tokens=1))
+    assert s.should_wait(0.0)                              # c's call was taken out: missing again
+    s.drop_lip(3)
+    assert not s.should_wait(0.0)                          # c's LIP is gone: nobody to wait for

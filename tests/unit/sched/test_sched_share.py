@@ -398,3 +398,32 @@ def test_sitting_out_follows_the_priority_classes():
     bob = Demand("bob", 0, [1], 0, [40])
     assert deferred([bob, Demand("alice", -1, [48], 0, [2800])], cost, 1.5) == {(-1, "alice")}
     assert deferred([bob, Demand("alice", 1, [48], 0, [2800])], cost, 1.5) == set()
+
+
+def _work_by_loop(d: Demand, tokens: int):
+    """What `Demand.work` means, written out: the calls ``tokens`` reach into, the last one cut."""
+    from symphony.sched.cost import attention_reads
+    n, pairs, reads = 0, 0.0, 0.0
+    for i, size in enumerate(d.items):
+        if tokens <= 0:
+            break
+        ctx = d.contexts[i] if i < len(d.contexts) else 0
+        n += 1
+        pairs += attention_pairs(ctx, min(size, tokens))
+        reads += attention_reads(ctx, min(size, tokens))
+        tokens -= size
+    return n, pairs, reads
+
+
+def test_demand_work_from_running_sums_equals_the_loop():
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        k = rng.randint(1, 12)
+        items = [rng.choice([0, 1, 1, 1, rng.randint(1, 600)]) for _ in range(k)]
+        contexts = [rng.randint(0, 4000) for _ in range(rng.randint(0, k))]     # fewer contexts: 0 for the rest
+        d = Demand("u", 0, items, 0, contexts)
+        assert d.tokens == sum(items)
+        for t in {-3, 0, 1, 2, sum(items) - 1, sum(items), sum(items) + 5, rng.randint(0, sum(items) + 1)}:
+            assert d.work(t) == _work_by_loop(d, t), (items, contexts, t)
+            assert d.calls(t) == _work_by_loop(d, t)[0]
