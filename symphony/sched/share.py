@@ -125,6 +125,8 @@ def split(demands: list[Demand], capacity: int) -> dict[tuple, int]:
     """Weighted max-min shares of ``capacity`` tokens: ``{demand.key: tokens}``,
     each at most the user's demand, summing to min(capacity, all demands)."""
     want = {d.key: d.tokens for d in demands}
+    if sum(want.values()) <= capacity:                 # room for all: water-filling gives each its all
+        return want
     w = {d.key: weight(d.priority) for d in demands}
     share: dict[str, float] = {}
     left, pending = float(capacity), sorted(demands, key=lambda d: want[d.key] / w[d.key])

@@ -427,3 +427,14 @@ def test_demand_work_from_running_sums_equals_the_loop():
         for t in {-3, 0, 1, 2, sum(items) - 1, sum(items), sum(items) + 5, rng.randint(0, sum(items) + 1)}:
             assert d.work(t) == _work_by_loop(d, t), (items, contexts, t)
             assert d.calls(t) == _work_by_loop(d, t)[0]
+
+
+def test_split_with_room_for_all_gives_each_its_demand():
+    import random
+    rng = random.Random(3)
+    for _ in range(100):
+        ds = [Demand(f"u{i}", rng.randint(-1, 1), [rng.randint(0, 40) for _ in range(rng.randint(1, 5))])
+              for i in range(rng.randint(1, 6))]
+        total = sum(d.tokens for d in ds)
+        for cap in (total, total + rng.randint(1, 100)):
+            assert split(ds, cap) == {d.key: d.tokens for d in ds}
