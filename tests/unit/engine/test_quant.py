@@ -18,6 +18,7 @@ below 32 on AVX2 ones without AVX-512): the same,
 with d = max|x_block| / 16383: half a step is 1/32766 of the block's largest value, so it is
 within 3.1e-5 * (|x| @ |W|^T) of the float product (measured: 1.6e-5).
 """
+import os
 import re
 
 import gguf
@@ -56,6 +57,7 @@ def _cpu_flags() -> set[str]:
 
 
 FLAGS = _cpu_flags()
+IS_AMD = "AuthenticAMD" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
 HAS_AVX2 = {"avx2", "fma"} <= FLAGS
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
 HAS_AVX_VNNI = "avx_vnni" in FLAGS and HAS_AVX2
@@ -359,7 +361,7 @@ def expected_auto(path: int, m: int, qw: QWeight) -> int:
             return 7 if m < 2 else 8
         return ((10 if m >= 4 else 5) if t8 else Q8_BEST) if m < 32 or (m < 64 and qw.numel() >= 3 << 18) else 3
     if HAS_AVX512_VNNI:
-        return 3 if m >= 64 else 12 if m == 1 and qw.kind == U4 else 9
+        return 3 if m >= 64 else 12 if m == 1 and qw.kind == U4 and not IS_AMD else 9
     if m >= 32:
         return 3
     if t8 and not HAS_AVX512:
