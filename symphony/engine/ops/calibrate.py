@@ -40,9 +40,10 @@ it runs on: never worse than the rule's choice, and the fastest where the rule i
   first touches, or path 13's copy).
 * **The box's load.** The CPU time other processes used meanwhile (/proc/stat less this
   process) is recorded. A calibration on a busy box (others above `QUIET_CORES` cores on
-  average) or with unfinished buckets is used, and cached marked provisional: the next start
-  uses it only while the box is still busy, and measures again (caching the result) once it
-  is quiet (`timing.box_load` over 0.2 s).
+  average), with unfinished buckets, or timed at one thread for a team (its cores taken) is
+  used, and cached marked provisional: the next start uses it only while the box is still busy,
+  and measures again (caching the result) once it is quiet (`timing.box_load` over 0.2 s); a
+  team timed at one thread twice running is kept (``retried``).
 * **Where it goes.** `torch.ops.symphony.qlinear_set_auto`: a table the automatic choices read
   (``QWeight.linear`` and ``llama_layers`` alike); ``ops.qlinear_path_for`` reports them.
 * **Cache.** ``qlinear-calibration-<threads>t.json`` in the ops build directory, keyed by the
@@ -79,10 +80,8 @@ from . import build, timing
 
 logger = logging.getLogger("symphony.ops")
 
-ENV = "SYMPHONY_QLINEAR_CALIBRATION"
-SETTINGS = ("auto", "force", "off")
-MODES = (-1, -2)                        # float-accurate, int8 activations
-KINDS = (0, 1)                          # u4, i8 (csrc/quant.h)
+ENV, SETTINGS = "SYMPHONY_QLINEAR_CALIBRATION", ("auto", "force", "off")
+MODES, KINDS = (-1, -2), (0, 1)         # float-accurate, int8 activations; u4, i8 (csrc/quant.h)
 KIND_NAMES = {0: "u4", 1: "i8"}
 DENSE_PATHS = (3, 13)           # the dense GEMMs, float32 and bfloat16: more rows amortize their dequantization
 # (first row of the bucket, rows timed for it, calls a sample)
@@ -93,13 +92,10 @@ COPIES = 8                              # of it, called in turn: 3.5-7 MiB, beyo
 MIN_CLEAN = 5                           # samples kept per path and bucket
 MAX_ROUNDS = 40                         # rounds per bucket at most
 CLEAN = 0.1                             # share of a sample the other threads may wait for a core
-PRUNE = 2.0
-MARGIN = 0.02
+PRUNE, MARGIN, WIN = 2.0, 0.02, 0.75
 PROXY_MARGIN = 0.15                     # where the rows were timed at one thread instead
-WIN = 0.75
 QUIET_CORES = 0.3                       # other processes' load (cores) below which the box is quiet
-BUDGET_S = 5.0                          # CPU seconds of the calling thread
-WALL_S = 15.0
+BUDGET_S, WALL_S = 5.0, 15.0            # CPU seconds of the calling thread; wall seconds
 VERSION = 4
 
 
@@ -111,7 +107,8 @@ class Calibration:
     aside); ``source`` "calibrated", "cache", "off" or "failed" (the last two: the rule, no
     choices); ``complete`` whether every bucket was measured, ``load`` the other processes' CPU
     use meanwhile (cores; None where unknown), ``kept`` the share of samples kept, ``quiet``
-    whether the box was quiet (`QUIET_CORES`). Not complete or not quiet: ``provisional``."""
+    whether the box was quiet (`QUIET_CORES`). Not complete, not quiet, or rows timed at one thread
+    for a team (``one_thread``) but not ``retried``: ``provisional``."""
 
     rows: tuple[int, ...]
     choices: dict[tuple[int, int], list[int]]
@@ -126,10 +123,11 @@ class Calibration:
     kept: float = 1.0
     one_thread: tuple[int, ...] = ()
     unmeasured: tuple[str, ...] = ()
+    retried: bool = False                        # timed at one thread again after a cache that was
 
     @property
     def provisional(self) -> bool:
-        return not (self.complete and self.quiet)
+        return not (self.complete and self.quiet) or (bool(self.one_thread) and not self.retried)
 
     def describe(self) -> str:
         """The choices as one line: ``-1 u4: 1 12, 2-3 12, 4-31 11, ...; ...``, then each cell
@@ -204,11 +202,13 @@ def ensure() -> Calibration:
             path, key = cache_path(threads), cache_key(threads)
             try:
                 calib = read_cache(path, key) if mode == "auto" else None
+                old = calib
                 if calib is not None and calib.provisional and _is_quiet(timing.box_load()):
                     logger.info("qlinear calibration cache %s is provisional and the box is quiet now: "
                                 "calibrating again", path)
                     calib = None
                 calib = calib or measure()
+                calib.retried = calib.retried or bool(old is not calib and old and old.one_thread and calib.one_thread)
             except RuntimeError as e:
                 logger.warning("qlinear calibration failed (%s): the built-in rule decides", e)
                 calib = Calibration((), {}, {}, "failed")
@@ -375,7 +375,7 @@ def read_cache(path: Path, key: dict) -> Optional[Calibration]:
         load = data.get("load_cores")
         how = dict(complete=bool(data.get("complete", True)), quiet=bool(data.get("quiet", True)),
                    load=None if load is None else float(load), kept=float(data.get("kept", 1.0)),
-                   one_thread=tuple(int(m) for m in data.get("one_thread", ())))
+                   one_thread=tuple(int(m) for m in data.get("one_thread", ())), retried=data.get("retried") is True)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         logger.warning("qlinear calibration cache %s is corrupt (%s): ignored, calibrating again",
                        path, e)
@@ -397,10 +397,9 @@ def write_cache(path: Path, key: dict, calib: Calibration) -> Optional[Path]:
     for (kind, m, p), t in sorted(calib.times.items()):
         times.setdefault(str(kind), {}).setdefault(str(m), {})[str(p)] = t
     data = {"key": key, "rows": list(calib.rows),
-            "choices": {str(mode): {str(kind): calib.choices[(mode, kind)] for kind in KINDS}
-                        for mode in MODES},
-            "times_s": times, "complete": calib.complete, "quiet": calib.quiet,
-            "load_cores": calib.load, "kept": calib.kept, "one_thread": list(calib.one_thread)}
+            "choices": {str(mode): {str(kind): calib.choices[(mode, kind)] for kind in KINDS} for mode in MODES},
+            "times_s": times, "complete": calib.complete, "quiet": calib.quiet, "load_cores": calib.load,
+            "kept": calib.kept, "one_thread": list(calib.one_thread), "retried": calib.retried}
     if calib.rules:
         data["rules"] = {str(mode): {str(kind): calib.rules[(mode, kind)] for kind in KINDS} for mode in MODES}
     tmp = None

@@ -445,3 +445,33 @@ def test_a_path_dropped_after_one_round_is_not_timed_in_larger_buckets(monkeypat
     assert slow in timed[first]                                   # timed once, 25x the float path
     assert all(slow not in timed[b[1]] for b in calibrate.BUCKETS[1:])
     assert all(other_float in timed[b[1]] for b in calibrate.BUCKETS)  # 6x int8's, 1.5x float's: kept
+
+
+@pytest.mark.parametrize("again_one_thread", [False, True])
+def test_a_team_timed_at_one_thread_is_measured_again_once(fake_build, monkeypatch, caplog, again_one_thread):
+    """A calibration whose rows were timed at one thread for a team (its cores taken), on a box
+    that was quiet, is cached provisional: the next start on a quiet box measures again. If that
+    one is timed at one thread too, it is kept (``retried``): later starts use it, however many."""
+    path, calls = fake_build
+    _valid_cache(path)
+    data = json.loads(path.read_text())
+    data.update(quiet=True, load_cores=0.03, one_thread=[1, 2, 8])
+    path.write_text(json.dumps(data))
+    assert calibrate.read_cache(path, calibrate.cache_key(torch.get_num_threads())).provisional
+    monkeypatch.setattr(timing, "box_load", lambda window_s=0.2: 0.0)
+    measured = calibrate.measure
+
+    def measure_proxied(budget_s=calibrate.BUDGET_S):
+        calib = measured(budget_s)
+        calib.one_thread = (1, 2, 8) if again_one_thread else ()
+        return calib
+    monkeypatch.setattr(calibrate, "measure", measure_proxied)
+    caplog.set_level(logging.INFO, logger="symphony.ops")
+    calib = calibrate.ensure()
+    assert calib.source == "calibrated" and len(calls) == 1 and "provisional and the box is quiet" in caplog.text
+    cached = json.loads(path.read_text())
+    assert cached["retried"] is again_one_thread and cached["one_thread"] == ([1, 2, 8] if again_one_thread else [])
+    assert not calib.provisional
+    for _ in range(3):                                   # every later start: the cache, not measured again
+        calibrate.clear()
+        assert calibrate.ensure().source == "cache" and len(calls) == 1
