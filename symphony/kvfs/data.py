@@ -226,8 +226,8 @@ class Data:
         toks = c.tokens if type(c.tokens) is list else list(c.tokens)   # (a call's chunk: a list of its own)
         n, length, S = len(toks), inode.length, self.page_size
         if c.positions is None:
-            start = inode.positions[-1] + 1 if inode.positions else 0
-            pos = [start] if n == 1 else list(range(start, start + n))
+            start = _next_position(inode)
+            pos = list(range(start, start + n))
         else:
             pos = list(c.positions)
         # the file may have grown since the call was checked (earlier calls on it)
@@ -239,11 +239,9 @@ class Data:
         self.quotas.check_one(who.user, who.pid, new + cow)
         self.quotas.check_refs(inode.owner, new)
         self._make_resident([inode], extra=new + cow, protect=protect)
-        if not new + cow:                 # a decode within its last page: the page table as it is
-            return Placement(inode, inode.blocks, [], None,
-                             StepCall([b.device for b in inode.blocks], length, toks, pos, c.all_logits, c.want))
-        fresh = self.refs.new(who, inode.owner, new + cow)
-        blocks, replaced = list(inode.blocks), None
+        fresh = self.refs.new(who, inode.owner, new + cow) if new + cow else []
+        # a decode within its last page keeps the page table as it is: no copy of its blocks
+        blocks, replaced = list(inode.blocks) if fresh else inode.blocks, None
         if cow:
             replaced = blocks[-1]
             self.engine.kv.copy_page(replaced.device, fresh[0].device, length % S)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from .cost import StepCost, attention_pairs, attention_reads
@@ -73,7 +74,7 @@ class Demand:
 
     @property
     def tokens(self) -> int:
-        return self._sums()[0][-1]
+        return self._sums[0][-1]
 
     def calls(self, tokens: int) -> int:
         """Calls that the user's first ``tokens`` tokens reach into."""
@@ -85,7 +86,7 @@ class Demand:
         the scheduler asks this many times a step)."""
         if tokens <= 0:
             return 0, 0.0, 0.0
-        toks, pairs, reads = self._sums()
+        toks, pairs, reads = self._sums
         n = len(self.items)
         i = bisect_left(toks, tokens, 1)        # calls 0..i-2 whole, call i-1 reaches ``tokens``
         if i > n:                                # more than all: every call whole
@@ -94,20 +95,16 @@ class Demand:
         part = tokens - toks[i - 1]
         return i, pairs[i - 1] + attention_pairs(ctx, part), reads[i - 1] + attention_reads(ctx, part)
 
+    @cached_property
     def _sums(self) -> tuple[list, list, list]:
         """Running sums over the calls (tokens, pairs, reads; element i: the first i calls),
         made once: a Demand is built per step and its items are not changed after."""
-        key = (len(self.items), len(self.contexts))
-        cached = self.__dict__.get("_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
         toks, pairs, reads = [0], [0.0], [0.0]
         for i, size in enumerate(self.items):
             ctx = self.contexts[i] if i < len(self.contexts) else 0
             toks.append(toks[-1] + size)
             pairs.append(pairs[-1] + attention_pairs(ctx, size))
             reads.append(reads[-1] + attention_reads(ctx, size))
-        self.__dict__["_cache"] = (key, (toks, pairs, reads))
         return toks, pairs, reads
 
 

@@ -201,14 +201,14 @@ def ensure() -> Calibration:
         if mode != "off":
             path, key = cache_path(threads), cache_key(threads)
             try:
-                calib = read_cache(path, key) if mode == "auto" else None
-                old = calib
+                calib, proxied = read_cache(path, key) if mode == "auto" else None, False
                 if calib is not None and calib.provisional and _is_quiet(timing.box_load()):
                     logger.info("qlinear calibration cache %s is provisional and the box is quiet now: "
                                 "calibrating again", path)
-                    calib = None
-                calib = calib or measure()
-                calib.retried = calib.retried or bool(old is not calib and old and old.one_thread and calib.one_thread)
+                    calib, proxied = None, bool(calib.one_thread)
+                if calib is None:               # a team timed at one thread twice running: kept
+                    calib = measure()
+                    calib.retried = proxied and bool(calib.one_thread)
             except RuntimeError as e:
                 logger.warning("qlinear calibration failed (%s): the built-in rule decides", e)
                 calib = Calibration((), {}, {}, "failed")

@@ -18,7 +18,6 @@ below 32 on AVX2 ones without AVX-512): the same,
 with d = max|x_block| / 16383: half a step is 1/32766 of the block's largest value, so it is
 within 3.1e-5 * (|x| @ |W|^T) of the float product (measured: 1.6e-5).
 """
-import os
 import re
 
 import gguf
@@ -45,19 +44,20 @@ def _ops_loaded():
     calibrate.clear()
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first CPU's ``field`` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
 
 
-FLAGS = _cpu_flags()
-IS_AMD = "AuthenticAMD" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+FLAGS = set(_cpuinfo("flags").split())
+IS_AMD = _cpuinfo("vendor_id") == "AuthenticAMD"
 HAS_AVX2 = {"avx2", "fma"} <= FLAGS
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS and HAS_AVX2
 HAS_AVX_VNNI = "avx_vnni" in FLAGS and HAS_AVX2
