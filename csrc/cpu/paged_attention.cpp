@@ -173,6 +173,13 @@ constexpr int kTileRows = kNR * W;  // target query rows (tokens x group heads) 
 constexpr int kTK = 64;             // keys per online-softmax tile (multiple of kNJ and W)
 constexpr int kLanesMaxRows = 8;    // items with at most this many rows use the lanes kernel
 constexpr int64_t kSplitMinKeys = 256;  // smallest key chunk when splitting an item's keys
+// ... for a decode (lanes) item: one key tile. A decode of one sequence has a handful of items (its
+// kv heads: 3 for SmolLM2) and its keys' loads miss the caches as the weights stream through
+// them: splitting them over the threads took a layer's attention from 22-26 to 16-18 us in the
+// engine's decode at a context of 50-120 (AMD EPYC Zen 4, 2 threads).
+constexpr int64_t kSplitMinKeysLanes = kTK;
+// Below this total cost (attention_core's units) one thread does all: waking the others costs more.
+constexpr double kSerialCost = 5e4;
 
 struct Scratch {
   explicit Scratch(int64_t floats) {
@@ -775,7 +782,7 @@ static void attention_core(const AttnDims& dims, const Problem& P, CacheKind lan
     const int64_t per_item = (want + int64_t(items.size()) - 1) / int64_t(items.size());
     for (const Item& it : items) {
       const int64_t keys = it.ke - it.kb;
-      int64_t n = std::min<int64_t>(per_item, keys / kSplitMinKeys);
+      int64_t n = std::min<int64_t>(per_item, keys / (it.lanes ? kSplitMinKeysLanes : kSplitMinKeys));
       if (n <= 1) {
         work.push_back(it);
         merges.emplace_back(-1, 0);
@@ -832,7 +839,7 @@ static void attention_core(const AttnDims& dims, const Problem& P, CacheKind lan
       else rows_kernel(P, it, s.base, parts);
     }
   };
-  if (n_threads <= 1 || n_work <= 1 || total_cost < 2e5) {
+  if (n_threads <= 1 || n_work <= 1 || total_cost < kSerialCost) {
     worker(0, 1);
   } else {
     at::parallel_for(0, std::min(n_threads, n_work), 1, worker);

@@ -12,9 +12,10 @@
 namespace symphony {
 namespace qcpu {
 
-// A quantized weight, as raw pointers (see csrc/quant.h for the layout). The kernels read float32
+// A quantized weight, as raw pointers (see csrc/quant.h for the layout). Most kernels read float32
 // scales and mins; a weight with float16 ones (scales16 set) reaches them through qlinear.cpp's
-// with_float_scales, which widens a block of rows at a time into `scales` / `mins`.
+// with_float_scales, which widens a block of rows at a time into `scales` / `mins`. The row
+// kernels rows_q8_avx512vnni and rows_q8_r4_avx2 read float16 ones as they are.
 struct QView {
   const uint8_t* qs;     // [N, row_bytes]
   const float* scales;   // [N, n_groups]
@@ -95,6 +96,8 @@ void rows_q8_scalar(const QView& w, const QAct& a, int64_t M, float* out, int64_
 #if defined(__x86_64__) || defined(_M_X64)
 void rows_q8_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                      int64_t n1);
+// (path 7, and 9 at one row: reads float16 scales and mins (w.scales16 / w.mins16) and a u4
+// weight's implied mins as they are, with the same results as widened ones)
 void rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo,
                         int64_t n0, int64_t n1);
 // quantize_act (lo null: the same bits as the scalar code) or its 15-bit variant (lo not null)

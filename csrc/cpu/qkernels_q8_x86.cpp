@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "qkernels.h"
 
@@ -116,9 +117,24 @@ inline void rows_avxvnni(const QView& w, const QAct& a, int64_t M, float* out, i
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
 
+// Up to 16 scales or mins from p (mask k) as float32 lanes 0..15: float32 as they are, float16
+// (a GGUF file's own, S = uint16_t) widened exactly as they are loaded.
+inline __m512 load16_ps(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16_ps(const uint16_t* p, __mmask16 k) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+
+// The weight scales as S: float32 (w.scales) or float16 (w.scales16).
+template <class S>
+inline const S* scales512(const QView& w) {
+  if constexpr (std::is_same_v<S, float>) return w.scales;
+  else return w.scales16;
+}
+
 // KIND 0: u4, 1: i8 groups of 32, 2: i8 groups of 16. SPLIT: 15-bit x (a.q = hi, biased for
 // i8 like 8-bit x; a.lo = lo, 0..127, never biased: it is the unsigned operand for i8 weights).
-template <int NB, int MB, bool TAIL, int KIND, bool SPLIT>
+// S: the scales' type (float, or uint16_t for float16 ones read as they are).
+template <int NB, int MB, bool TAIL, int KIND, bool SPLIT, class S>
 inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_t st,
                      __m512 (&acc)[NB][MB]) {
   const __m512i zero = _mm512_setzero_si512();
@@ -133,7 +149,7 @@ inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_
   __m512i wv[NB], nwc[NB];
   __m512 ws[NB];
   for (int b = 0; b < NB; ++b) {
-    const float* sc = w.scales + (n + b) * G;
+    const S* sc = scales512<S>(w) + (n + b) * G;
     if constexpr (KIND == 0) {
       const uint8_t* p = w.qs + (n + b) * w.row_bytes + st * 32;
       if ((st & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
@@ -142,16 +158,16 @@ inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_
       const __m256i mask = _mm256_set1_epi8(0x0F);
       wv[b] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
-      ws[b] = _mm512_permutexvar_ps(idx_u4, _mm512_maskz_loadu_ps(TAIL ? 1 : 3, sc + 2 * st));
+      ws[b] = _mm512_permutexvar_ps(idx_u4, load16_ps(sc + 2 * st, TAIL ? 1 : 3));
     } else {
       const uint8_t* p = w.qs + (n + b) * w.row_bytes + st * 64;
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
       wv[b] = TAIL ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p) : _mm512_loadu_si512(p);
       nwc[b] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(char(0x80)), wv[b]));
       if constexpr (KIND == 1)
-        ws[b] = _mm512_permutexvar_ps(idx_g32, _mm512_maskz_loadu_ps(TAIL ? 1 : 3, sc + 2 * st));
+        ws[b] = _mm512_permutexvar_ps(idx_g32, load16_ps(sc + 2 * st, TAIL ? 1 : 3));
       else
-        ws[b] = _mm512_permutexvar_ps(idx_g16, _mm512_maskz_loadu_ps(TAIL ? 3 : 15, sc + 4 * st));
+        ws[b] = _mm512_permutexvar_ps(idx_g16, load16_ps(sc + 4 * st, TAIL ? 3 : 15));
     }
   }
   for (int j = 0; j < MB; ++j) {
@@ -170,21 +186,31 @@ inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_
   }
 }
 
-template <int NB, int MB, int KIND, bool SPLIT>
+// n (mask k) mins of weight row r from group g on: stored (float32 or float16), or a u4 weight's
+// implied -8 * scale (exact, as with_float_scales in qlinear.cpp writes them out).
+template <class S>
+inline __m512 mins16(const QView& w, int64_t r, int64_t g, __mmask16 k) {
+  const int64_t at = r * w.n_groups + g;
+  if (w.mins) return load16_ps(w.mins + at, k);
+  if (w.mins16) return load16_ps(w.mins16 + at, k);
+  return _mm512_mul_ps(load16_ps(scales512<S>(w) + at, k), _mm512_set1_ps(-8.f));
+}
+
+template <int NB, int MB, int KIND, bool SPLIT, class S>
 inline void tile_kind_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n,
                           int64_t m) {
   __m512 acc[NB][MB];
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < MB; ++j) acc[b][j] = _mm512_setzero_ps();
   const int64_t full = w.K / 64;
-  for (int64_t st = 0; st < full; ++st) step_512<NB, MB, false, KIND, SPLIT>(w, a, n, m, st, acc);
-  if (w.K % 64) step_512<NB, MB, true, KIND, SPLIT>(w, a, n, m, full, acc);
+  for (int64_t st = 0; st < full; ++st) step_512<NB, MB, false, KIND, SPLIT, S>(w, a, n, m, st, acc);
+  if (w.K % 64) step_512<NB, MB, true, KIND, SPLIT, S>(w, a, n, m, full, acc);
   const int64_t G = w.n_groups;
-  if (w.mins)  // + sum_g mins[n, g] * s[m, g], into the same accumulators
+  if (KIND == 0 || w.mins || w.mins16)  // + sum_g mins[n, g] * s[m, g] (u4: stored or implied)
     for (int64_t g = 0; g < G; g += 16) {
       const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
       __m512 mv[NB];
-      for (int b = 0; b < NB; ++b) mv[b] = _mm512_maskz_loadu_ps(k, w.mins + (n + b) * G + g);
+      for (int b = 0; b < NB; ++b) mv[b] = mins16<S>(w, n + b, g, k);
       for (int j = 0; j < MB; ++j) {
         const __m512 sv = _mm512_maskz_loadu_ps(k, a.s + (m + j) * G + g);
         for (int b = 0; b < NB; ++b) acc[b][j] = _mm512_fmadd_ps(mv[b], sv, acc[b][j]);
@@ -194,22 +220,36 @@ inline void tile_kind_512(const QView& w, const QAct& a, float* out, int64_t ldo
     for (int b = 0; b < NB; ++b) out[(m + j) * ldo + n + b] = _mm512_reduce_add_ps(acc[b][j]);
 }
 
-template <int NB, int MB, bool SPLIT>
+template <int NB, int MB, bool SPLIT, class S>
 inline void tile_split_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n, int64_t m) {
   if (w.kind == kQU4)
-    tile_kind_512<NB, MB, 0, SPLIT>(w, a, out, ldo, n, m);
+    tile_kind_512<NB, MB, 0, SPLIT, S>(w, a, out, ldo, n, m);
   else if (w.group == 32)
-    tile_kind_512<NB, MB, 1, SPLIT>(w, a, out, ldo, n, m);
+    tile_kind_512<NB, MB, 1, SPLIT, S>(w, a, out, ldo, n, m);
   else
-    tile_kind_512<NB, MB, 2, SPLIT>(w, a, out, ldo, n, m);
+    tile_kind_512<NB, MB, 2, SPLIT, S>(w, a, out, ldo, n, m);
 }
 
-template <int NB, int MB>
+template <int NB, int MB, class S>
 inline void tile_512(const QView& w, const QAct& a, float* out, int64_t ldo, int64_t n, int64_t m) {
   if (a.lo)
-    tile_split_512<NB, MB, true>(w, a, out, ldo, n, m);
+    tile_split_512<NB, MB, true, S>(w, a, out, ldo, n, m);
   else
-    tile_split_512<NB, MB, false>(w, a, out, ldo, n, m);
+    tile_split_512<NB, MB, false, S>(w, a, out, ldo, n, m);
+}
+
+template <class S>
+inline void rows_512(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
+                     int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile_512<4, 4, S>(w, a, out, ldo, n, m);
+    for (; m + 2 <= M; m += 2) tile_512<4, 2, S>(w, a, out, ldo, n, m);
+    for (; m < M; ++m) tile_512<4, 1, S>(w, a, out, ldo, n, m);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) tile_512<1, 1, S>(w, a, out, ldo, n, m);
 }
 
 #pragma GCC pop_options
@@ -226,15 +266,10 @@ __attribute__((target("avx2,fma,avxvnni"))) void rows_q8_avxvnni(const QView& w,
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))) void
 rows_q8_avx512vnni(const QView& w, const QAct& a, int64_t M, float* out, int64_t ldo, int64_t n0,
                    int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_512<4, 4>(w, a, out, ldo, n, m);
-    for (; m + 2 <= M; m += 2) tile_512<4, 2>(w, a, out, ldo, n, m);
-    for (; m < M; ++m) tile_512<4, 1>(w, a, out, ldo, n, m);
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) tile_512<1, 1>(w, a, out, ldo, n, m);
+  if (w.scales16)
+    rows_512<uint16_t>(w, a, M, out, ldo, n0, n1);
+  else
+    rows_512<float>(w, a, M, out, ldo, n0, n1);
 }
 
 }  // namespace qcpu

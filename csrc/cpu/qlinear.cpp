@@ -29,8 +29,10 @@
 // (symphony/engine/ops/calibrate.py), the fastest it measured (qlinear_set_auto).
 // Rows are split across threads with at::parallel_for (torch's thread pool and thread count).
 // A weight with float16 scales and mins, or a u4 one with implied mins (csrc/quant.h), runs the
-// same kernels: each thread widens the scales of 64 rows at a time into float32 buffers of its
-// own, and writes out the implied mins (with_float_scales), exactly.
+// same kernels: the row kernels (paths 5, 7, 12, and 9 at one row) read them as they are
+// (float16 widened as loaded, -8 * scale computed in registers); for the others each thread
+// widens the scales of 64 rows at a time into float32 buffers of its own, and writes out the
+// implied mins (with_float_scales), exactly. Both give the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -311,10 +313,10 @@ void qlinear_q8(const at::Tensor& x, const QView& w, int64_t path, float* out) {
       for_row_blocks(w, M, 16, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
         rows_q8_t16_avx512vnni(v, a, xcorr, M, o, w.N, n0, n1);
       });
-    else
+    else  // (the row kernel reads float16 scales and implied mins as they are: no widening pass)
       for_row_blocks(w, M, 4, out, [&](const QView& v, int64_t n0, int64_t n1, float* o) {
         rows_q8_avx512vnni(v, a, M, o, w.N, n0, n1);
-      });
+      }, true);
     return;
   }
   if (path == kQ8Avx2 || path == kQ15RowsAvx2 || path == kQ8T8Avx2 || path == kQ15T8Avx2) {
