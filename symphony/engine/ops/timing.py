@@ -16,7 +16,9 @@ the machine (/proc/stat less this process).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import platform
 import random
 import statistics
 import threading
@@ -147,3 +149,25 @@ def others_load(a, b) -> Optional[float]:
     if a is None or b is None or b[0] <= a[0]:
         return None
     return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0]))
+
+
+def cpu_identity() -> dict:
+    """The CPU's model name, vendor, family, model, stepping and a hash of its flags (Linux's
+    /proc/cpuinfo, first processor; elsewhere what `platform` says)."""
+    want = {"model name": "model_name", "vendor_id": "vendor", "cpu family": "family",
+            "model": "model", "stepping": "stepping", "flags": "flags", "features": "flags"}
+    out = {"machine": platform.machine()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break                                     # the first processor's block
+                k, _, v = line.partition(":")
+                name = want.get(k.strip().lower())
+                if name:
+                    out[name] = v.strip()
+    except OSError:
+        out["model_name"] = platform.processor()
+    if "flags" in out:
+        out["flags"] = hashlib.sha256(" ".join(sorted(out["flags"].split())).encode()).hexdigest()[:16]
+    return out
