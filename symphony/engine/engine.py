@@ -131,11 +131,11 @@ class Engine:
         """With quantized weights on the CPU: install qlinear's automatic choices as measured on
         this CPU for the calling thread's torch thread count (`ops.calibrate.ensure`: from the
         cache or a calibration of a few seconds, 15 at most on a busy box; once per process and
-        thread count; timed on a weight as wide as the model's from 576 on) and log them and the kernels a matrix then takes by rows. Call it on the thread that runs the
+        thread count) and log them and the kernels a matrix then takes by rows. Call it on the thread that runs the
         model. Returns the `ops.calibrate.Calibration`, or None (nothing to do)."""
         from .ops import calibrate
         from .quant import describe_cpu_kernels
-        calib = calibrate.ensure_for(self.device, self.model.w.is_quantized(), self.model.config.hidden_size)
+        calib = calibrate.ensure_for(self.device, self.model.w.is_quantized())
         if calib is not None:
             log.info("quantized weights: %s", describe_cpu_kernels())
         return calib

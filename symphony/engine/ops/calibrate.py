@@ -1,59 +1,61 @@
 """qlinear's automatic choices (paths -1, -2) by measured speed: a short calibration at start-up.
 
-`resolve_path` (csrc/cpu/qlinear.cpp) has a rule for which kernel an automatic choice takes, written
-from micro-benchmarks on one CPU. `ensure` replaces it by what it measures on the CPU it runs on:
-never worse than the rule's choice, and the fastest where the rule is wrong:
+`resolve_path` (csrc/cpu/qlinear.cpp) has a rule for which kernel an automatic choice takes,
+written from micro-benchmarks on one CPU. `ensure` replaces it by what it measures on the CPU
+it runs on: never worse than the rule's choice, and the fastest where the rule is wrong:
 
 * **What is timed.** Every path an automatic choice may take on this CPU
   (``torch.ops.symphony.qlinear_auto_paths``: for -1 the float32 register kernels, the 15-bit
-  kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMMs, float32 and
-  bfloat16), forced, on a ``[1536, 576]`` weight per kind (a model wider than 576: `shape_for`; u4,
-  i8; float16 scales as Q4_1 / Q8_0 keep them; random but seeded; `COPIES` of it called in turn, so
-  that, as in a decode step, a call does not find its weight in the core's caches), at the row count
-  of each bucket of rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-15, 16-31, 32-63,
-  64-127, 128-255, 256 and more, timed at 1, 2, 8, 24, 48, 96, 128 and 512 rows: 16-31 apart
-  from 4-15, where the 15-bit tiles overtake the float kernel), with the calling thread's torch
-  thread count.
-* **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in interleaved
-  rounds (one sample of each path a round, in a new order each round; a sample is several calls at
-  1-8 rows, and as many times `MIN_CLEAN` samples are kept), each sample the CPU time of the calling
-  thread: the time another process held the core is not in it, what that cost the kernel (cooled
-  caches) is. With a thread team, a sample in which the team's other threads waited for a core more
-  than `CLEAN` of it is set aside (the calling thread waited for them at a barrier), and so are
-  outliers (beyond 3 median absolute deviations); a path's time is the median of the rest. Rounds go
-  on until every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest
-  sample is more than `PRUNE` times slower than the fastest is dropped from the bucket and larger
-  ones (the dense GEMMs excepted: more rows amortize their dequantization); the rule's choices never
-  are (they are the baselines below). The whole is bounded by `BUDGET_S` of the calling thread's CPU
-  time and `WALL_S` of wall time, each bucket by its share of what is left; a bucket not finished
-  keeps the rule's choice. Where the cores are so taken that a bucket gets too few kept samples with
-  half its share, it and the buckets after it are timed at one thread instead (the kernels split
-  rows alike across threads), and a path must then beat the rule's by `PROXY_MARGIN`.
-* **The choice.** Per (mode, kind, bucket), among the paths the mode may take that beat the rule's
-  choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all pairs of
-  their samples), the one with the lowest median; the rule's choice if none does, or if it was not
-  measured: noise does not move a choice, and a path measured slower than the rule's is never taken.
-  From 128 rows on (the open-ended range: a GEMM's lead grows with the rows) a dense rule choice is
-  left for a path that is not a GEMM only where that path beats the rule's at 128 and at 512 rows
-  alike. Each path is first called on every copy (no sample pays first touches, or path 13's copy).
-* **The box's load.** The CPU time other processes used meanwhile (/proc/stat less this process) is
-  recorded. A calibration on a busy box (others above `QUIET_CORES` cores on average), with
-  unfinished buckets, or timed at one thread for a team (its cores taken) is used, and cached marked
-  provisional: the next start uses it only while the box is still busy, and measures again (caching
-  the result) once it is quiet (`timing.box_load` over 0.2 s); a team timed at one thread twice
-  running is kept (``retried``).
+  kernels and the dense GEMM; for -2 the int8-activation kernels and the dense GEMMs, float32
+  and bfloat16), forced, on a ``[1536, 576]`` weight per kind (u4, i8; float16 scales as Q4_1 /
+  Q8_0 keep them; random but seeded; `COPIES` of it called in turn, so that, as in a decode
+  step, a call does not find its weight in the core's caches), at the row count of each bucket of
+  rows (`BUCKETS`, from the rule's thresholds: 1 row, 2-3, 4-15, 16-31, 32-63, 64-127, 128-255,
+  256 and more, timed at 1, 2, 8, 24, 48, 96, 128 and 512 rows: 16-31 apart from 4-15, where the
+  15-bit tiles overtake the float kernel), with the calling thread's torch thread count.
+* **How, on a busy CPU** (`timing.interleaved`). The paths of a bucket are timed in
+  interleaved rounds (one sample of each path a round, in a new order each round; a sample is
+  several calls at 1-8 rows, and as many times `MIN_CLEAN` samples are kept), each sample the
+  CPU time of the calling thread: the time another process held the core is not in it, what
+  that cost the kernel (cooled caches) is. With a thread team, a sample in which the team's
+  other threads waited for a core more than `CLEAN` of it is set aside (the calling thread
+  waited for them at a barrier), and so are outliers (beyond 3 median absolute deviations);
+  a path's time is the median of the rest. Rounds go on until
+  every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest sample
+  is more than `PRUNE` times slower than the fastest is dropped from the bucket and larger ones
+  (the dense GEMMs excepted: more rows amortize their dequantization); the rule's choices
+  never are (they are the baselines below). The whole is bounded by `BUDGET_S` of the calling
+  thread's CPU time and `WALL_S` of wall time, each bucket by its share of what is left; a
+  bucket not finished keeps the rule's choice. Where the cores are so taken that a bucket gets
+  too few kept samples with half its share, it and the buckets after it are timed at one
+  thread instead (the kernels split rows alike across threads), and a path must then beat the
+  rule's by `PROXY_MARGIN`.
+* **The choice.** Per (mode, kind, bucket), among the paths the mode may take that beat the
+  rule's choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all
+  pairs of their samples), the one with the lowest median; the rule's choice if none does, or
+  if it was not measured: noise does not move a choice, and a path measured slower than the
+  rule's is never taken. From 128 rows on (the open-ended range: a GEMM's lead grows with the
+  rows) a dense rule choice is left for a path that is not a GEMM only where that path beats the
+  rule's at 128 and at 512 rows alike. Each path is first called on every copy (no sample pays
+  first touches, or path 13's copy).
+* **The box's load.** The CPU time other processes used meanwhile (/proc/stat less this
+  process) is recorded. A calibration on a busy box (others above `QUIET_CORES` cores on
+  average), with unfinished buckets, or timed at one thread for a team (its cores taken) is
+  used, and cached marked provisional: the next start uses it only while the box is still busy,
+  and measures again (caching the result) once it is quiet (`timing.box_load` over 0.2 s); a
+  team timed at one thread twice running is kept (``retried``).
 * **Where it goes.** `torch.ops.symphony.qlinear_set_auto`: a table the automatic choices read
   (``QWeight.linear`` and ``llama_layers`` alike); ``ops.qlinear_path_for`` reports them.
-* **Cache.** ``qlinear-calibration-<threads>t[-<N>x<K>].json`` in the ops build directory, keyed by
-  the CPU (model name, vendor, family, model, stepping, a hash of its flags), the thread count, the
-  ops build (`build.build_hash`) and this module's plan (shape, buckets, thresholds). A cache that
-  is unreadable or corrupt, whose key is another's, or whose choices name a path this CPU cannot
-  take, is ignored with one log line and the CPU calibrated again. Written atomically.
+* **Cache.** ``qlinear-calibration-<threads>t.json`` in the ops build directory, keyed by the
+  CPU (model name, vendor, family, model, stepping, a hash of its flags), the thread count, the
+  ops build (`build.build_hash`) and this module's plan (shape, buckets, thresholds). A cache
+  that is unreadable or corrupt, whose key is another's, or whose choices name a path this CPU
+  cannot take, is ignored with one log line and the CPU calibrated again. Written atomically.
 * **Control.** ``SYMPHONY_QLINEAR_CALIBRATION``: ``auto`` (default: the cache, else calibrate),
   ``force`` (calibrate, rewrite the cache), ``off`` (the rule). `ensure` logs one line (logger
-  ``symphony.ops``): each choice, every cell where it left the rule's and by how much, the share of
-  samples set aside, the other processes' load, and whether it came from the cache, a fresh
-  calibration (with its time) or is provisional, or that calibration is off.
+  ``symphony.ops``): each choice, every cell where it left the rule's and by how much, the
+  share of samples set aside, the other processes' load, and whether it came from the cache,
+  a fresh calibration (with its time) or is provisional, or that calibration is off.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ DENSE_PATHS = (3, 13)           # the dense GEMMs, float32 and bfloat16: more ro
 # (first row of the bucket, rows timed for it, calls a sample)
 BUCKETS = ((1, 1, 4), (2, 2, 4), (4, 8, 2), (16, 24, 1), (32, 48, 1), (64, 96, 1), (128, 128, 1), (256, 512, 1))
 TAIL = (128, 512)                       # rows timed for the open-ended range (`_choose`)
-SHAPE = (1536, 576)                     # [N, K] of the weights timed (`shape_for`: a wider model's)
+SHAPE = (1536, 576)                     # [N, K] of the weights timed
 COPIES = 8                              # of it, called in turn: 3.5-7 MiB, beyond a core's L2
 MIN_CLEAN = 5                           # samples kept per path and bucket
 MAX_ROUNDS = 40                         # rounds per bucket at most
@@ -99,13 +101,13 @@ VERSION = 4
 @dataclasses.dataclass
 class Calibration:
     """qlinear's automatic choices: ``choices[(mode, kind)]`` one path per bucket (``rows``: the
-    buckets' first rows), ``rules`` the same for the rule of resolve_path; ``times[(kind, rows timed,
-    path)]`` the median seconds a call measured (samples that waited for a core set aside);
-    ``source`` "calibrated", "cache", "off" or "failed" (the last two: the rule, no choices);
-    ``complete`` whether every bucket was measured, ``load`` the other processes' CPU use meanwhile
-    (cores; None where unknown), ``kept`` the share of samples kept, ``quiet`` whether the box was
-    quiet (`QUIET_CORES`). Not complete, not quiet, or rows timed at one thread for a team
-    (``one_thread``) but not ``retried``: ``provisional``."""
+    buckets' first rows), ``rules`` the same for the rule of resolve_path; ``times[(kind, rows
+    timed, path)]`` the median seconds a call measured (samples that waited for a core set
+    aside); ``source`` "calibrated", "cache", "off" or "failed" (the last two: the rule, no
+    choices); ``complete`` whether every bucket was measured, ``load`` the other processes' CPU
+    use meanwhile (cores; None where unknown), ``kept`` the share of samples kept, ``quiet``
+    whether the box was quiet (`QUIET_CORES`). Not complete, not quiet, or rows timed at one thread
+    for a team (``one_thread``) but not ``retried``: ``provisional``."""
 
     rows: tuple[int, ...]
     choices: dict[tuple[int, int], list[int]]
@@ -174,37 +176,29 @@ def setting() -> str:
     return value
 
 
-def shape_for(width: Optional[int]) -> tuple[int, int]:
-    """[N, K] timed for a model ``width`` (hidden size) wide: `SHAPE`, or as wide as a wider model
-    (as many weights), whose rows of x fill the caches otherwise (perf/RESULTS.md, a 1B model)."""
-    if not width or width <= SHAPE[1]:
-        return SHAPE
-    return -(-SHAPE[0] * SHAPE[1] // width // 64) * 64, int(width)
+def ensure_for(device: torch.device, quantized: bool) -> Optional[Calibration]:
+    """`ensure` for quantized weights on the CPU (which take qlinear's automatic choices); else None."""
+    return ensure() if device.type == "cpu" and quantized else None
 
 
-def ensure_for(device: torch.device, quantized: bool, width: Optional[int] = None) -> Optional[Calibration]:
-    """`ensure` on `shape_for` ``width`` for quantized weights on the CPU (which take qlinear's automatic choices); else None."""
-    return ensure(shape_for(width)) if device.type == "cpu" and quantized else None
-
-
-def ensure(shape: Optional[tuple[int, int]] = None) -> Calibration:
-    """Install qlinear's automatic choices for this CPU and the calling thread's torch thread count
-    (call it on the thread that runs the model), as `setting` says, and log them. Once per process,
-    setting, thread count and ``shape`` (default `SHAPE`): later calls return the same `Calibration`
-    without measuring or logging. ValueError for an unknown setting. A calibration that fails (an op
+def ensure() -> Calibration:
+    """Install qlinear's automatic choices for this CPU and the calling thread's torch thread
+    count (call it on the thread that runs the model), as `setting` says, and log them. Once
+    per process, setting and thread count: later calls return the same `Calibration` without
+    measuring or logging. ValueError for an unknown setting. A calibration that fails (an op
     raising) is logged and leaves the rule."""
     from . import load
     mode = setting()
     load()
-    threads, shape = torch.get_num_threads(), tuple(shape or SHAPE)
+    threads = torch.get_num_threads()
     with _lock:
-        done = _installed.get((mode, threads, shape))
+        done = _installed.get((mode, threads))
         if done is not None:
             return done
         clear()                                  # the rule, while measuring and if off
         calib = Calibration((), {}, {}, "off")
         if mode != "off":
-            path, key = cache_path(threads, shape), cache_key(threads, shape)
+            path, key = cache_path(threads), cache_key(threads)
             try:
                 calib, proxied = read_cache(path, key) if mode == "auto" else None, False
                 if calib is not None and calib.provisional and _is_quiet(timing.box_load()):
@@ -212,7 +206,7 @@ def ensure(shape: Optional[tuple[int, int]] = None) -> Calibration:
                                 "calibrating again", path)
                     calib, proxied = None, bool(calib.one_thread)
                 if calib is None:               # a team timed at one thread twice running: kept
-                    calib = measure(shape=shape)
+                    calib = measure()
                     calib.retried = proxied and bool(calib.one_thread)
             except RuntimeError as e:
                 logger.warning("qlinear calibration failed (%s): the built-in rule decides", e)
@@ -222,15 +216,13 @@ def ensure(shape: Optional[tuple[int, int]] = None) -> Calibration:
             install(calib)
         logger.info("%s", calib.describe())
         _installed.clear()
-        _installed[(mode, threads, shape)] = calib
+        _installed[(mode, threads)] = calib
         return calib
 
 
-def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S, shape: Optional[tuple[int, int]] = None) -> Calibration:
-    """Time the paths (module docstring) on ``shape`` (default `SHAPE`) and pick per mode, kind and
-    bucket; the ops' table must hold no choices meanwhile (`clear`), as the rule fills unmeasured
-    cells."""
-    shape = tuple(shape or SHAPE)
+def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
+    """Time the paths (module docstring) and pick per mode, kind and bucket; the ops' table must
+    hold no choices meanwhile (`clear`), as the rule fills unmeasured cells."""
     t0, c0, load0 = time.perf_counter(), time.thread_time(), timing.cpu_ticks()
     allowed = {mode: auto_paths(mode) for mode in MODES}
     candidates = sorted(set().union(*allowed.values()))        # (pruned as the buckets go)
@@ -240,17 +232,17 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S, shape: Optional[
     proxied: set = set()                                      # rows timed at one thread instead
     unmeasured: list[str] = []
     for kind in KINDS:
-        ws = [_weight(kind, gen, shape) for _ in range(COPIES)]
+        ws = [_weight(kind, gen) for _ in range(COPIES)]
         alive = list(candidates)
         for b, (_, m, calls) in enumerate(BUCKETS):
-            x = torch.randn(m, shape[1], generator=gen)       # [M, K]
+            x = torch.randn(m, SHAPE[1], generator=gen)       # [M, K]
             bucket: dict = {}
             # each mode's paths in rounds of their own: a float kernel is timed beside the others
             # the float choice weighs it against, not after an int8 kernel that left other data
             # in the caches (which moved the 1-row choice between two kernels within 10 %)
             for i, mode in enumerate(MODES):
                 left = (len(BUCKETS) * (len(KINDS) - kind) - b) * len(MODES) - i   # groups to go: each its share
-                rules = {_rule(mode, m, kind, shape)}         # always timed: the baseline
+                rules = {_rule(mode, m, kind)}                # always timed: the baseline
                 fns = {p: qlinear_cycling(x, ws, kind, p) for p in allowed[mode]   # (a path the mode before
                        if p in rules or (p in alive and p not in bucket)}             # timed is not timed again)
                 for fn in [f for f in fns.values() for _ in range(COPIES)]:
@@ -277,9 +269,9 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S, shape: Optional[
             alive = [p for p in alive if p in DENSE_PATHS or p not in fast or any(    # vs its modes' fastest
                      fast[p] <= PRUNE * best[mode] for mode in MODES if p in allowed[mode])]
     choices = {(mode, kind): [_choose(mode, kind, m, allowed[mode], samples,
-                                      PROXY_MARGIN if m in proxied else MARGIN, shape) for _, m, _ in BUCKETS]
+                                      PROXY_MARGIN if m in proxied else MARGIN) for _, m, _ in BUCKETS]
                for mode in MODES for kind in KINDS}
-    rules = {(mode, kind): [_rule(mode, m, kind, shape) for _, m, _ in BUCKETS] for mode in MODES for kind in KINDS}
+    rules = {(mode, kind): [_rule(mode, m, kind) for _, m, _ in BUCKETS] for mode in MODES for kind in KINDS}
     times = {c: statistics.median(s) for c, s in samples.items() if s}
     load = timing.others_load(load0, timing.cpu_ticks())
     return Calibration(tuple(b[0] for b in BUCKETS), choices, times, "calibrated", complete,
@@ -308,23 +300,21 @@ def auto_paths(mode: int) -> list[int]:
     return [int(p) for p in torch.ops.symphony.qlinear_auto_paths(int(mode))]
 
 
-def cache_path(threads: int, shape: Optional[tuple[int, int]] = None) -> Path:
-    """The cache file for ``threads`` torch threads (and a ``shape`` other than `SHAPE`), in the
-    loaded ops' build directory."""
+def cache_path(threads: int) -> Path:
+    """The cache file for ``threads`` torch threads, in the loaded ops' build directory."""
     loaded = build.loaded_build
     if loaded is None:
         raise RuntimeError("symphony: the ops are not loaded yet (ops.load())")
-    wide = f"-{shape[0]}x{shape[1]}" if shape and tuple(shape) != tuple(SHAPE) else ""
-    return loaded[0] / f"qlinear-calibration-{threads}t{wide}.json"
+    return loaded[0] / f"qlinear-calibration-{threads}t.json"
 
 
-def cache_key(threads: int, shape: Optional[tuple[int, int]] = None) -> dict:
+def cache_key(threads: int) -> dict:
     """What a cached calibration is valid for: this CPU, ``threads``, this ops build and this
     module's plan."""
     loaded = build.loaded_build
     return {"version": VERSION, "cpu": cpu_identity(), "threads": threads,
             "build": loaded[1] if loaded else None,
-            "plan": {"shape": list(shape or SHAPE), "copies": COPIES, "scales": "float16", "buckets": [list(b) for b in BUCKETS],
+            "plan": {"shape": list(SHAPE), "copies": COPIES, "scales": "float16", "buckets": [list(b) for b in BUCKETS],
                      "min_clean": MIN_CLEAN, "max_rounds": MAX_ROUNDS, "clean": CLEAN,
                      "prune": PRUNE, "margin": MARGIN, "win": WIN}}
 
@@ -410,7 +400,7 @@ def write_cache(path: Path, key: dict, calib: Calibration) -> Optional[Path]:
 # Helpers
 # --------------------------------------------------------------------------------------------
 _lock = threading.Lock()
-_installed: dict[tuple[str, int, tuple], Calibration] = {}
+_installed: dict[tuple[str, int], Calibration] = {}
 
 
 def qlinear_cycling(x: torch.Tensor, ws: list, kind: int, path: int):
@@ -425,10 +415,10 @@ def qlinear_cycling(x: torch.Tensor, ws: list, kind: int, path: int):
     return call
 
 
-def _weight(kind: int, gen: torch.Generator, shape: Optional[tuple] = None) -> tuple[torch.Tensor, ...]:
-    """A random quantized ``shape`` (`SHAPE`) weight of ``kind``, groups of 32: (qs, scales, mins, group),
-    float16 scales (and mins for u4) as GGUF's Q4_1 and Q8_0 keep them."""
-    n, k = shape or SHAPE
+def _weight(kind: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A random quantized ``SHAPE`` weight of ``kind``, groups of 32: (qs, scales, mins, group),
+    float16 scales (and mins for u4) as GGUF's Q4_1 and Q8_0 keep them (widening costs here too)."""
+    n, k = SHAPE
     scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001).half()     # [N, K/32]
     if kind == 0:
         qs = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
@@ -439,21 +429,21 @@ def _weight(kind: int, gen: torch.Generator, shape: Optional[tuple] = None) -> t
     return qs, scales, mins, 32
 
 
-def _choose(mode: int, kind: int, m: int, allowed: list[int], samples: dict[tuple[int, int, int], list[float]],
-            margin: float = MARGIN, shape: Optional[tuple[int, int]] = None) -> int:
+def _choose(mode: int, kind: int, m: int, allowed: list[int],
+            samples: dict[tuple[int, int, int], list[float]], margin: float = MARGIN) -> int:
     """The path ``mode`` takes at ``m`` rows: among the measured paths (`MIN_CLEAN` samples)
     that beat the rule's choice clearly (median more than ``margin`` lower, faster in `WIN` of
     the pairs), the one with the lowest median; the rule's if none does or it was not measured.
     In the `TAIL` a dense rule choice yields only to a GEMM or a path winning at every TAIL row."""
     def better(m: int) -> dict:
-        rule = _rule(mode, m, kind, shape)
+        rule = _rule(mode, m, kind)
         timed = {p: samples[(kind, m, p)] for p in allowed if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}
         if rule not in timed:
             return {}
         med = {p: statistics.median(s) for p, s in timed.items()}
         return {p: med[p] for p in timed if p != rule and med[p] * (1 + margin) < med[rule]
                 and timing.wins(timed[p], timed[rule]) >= WIN}
-    rule, got = _rule(mode, m, kind, shape), better(m)
+    rule, got = _rule(mode, m, kind), better(m)
     if m in TAIL and rule in DENSE_PATHS:                 # the open-ended range (module docstring)
         everywhere = set.intersection(*(set(better(t)) for t in TAIL))
         got = {p: t for p, t in got.items() if p in DENSE_PATHS or p in everywhere}
@@ -480,7 +470,7 @@ def _is_quiet(load: Optional[float]) -> bool:
     return load is None or load < QUIET_CORES
 
 
-def _rule(mode: int, m: int, kind: int, shape: Optional[tuple[int, int]] = None) -> int:
-    """The rule's choice (resolve_path with no table) for ``m`` rows of the timed ``shape`` (`SHAPE`)."""
+def _rule(mode: int, m: int, kind: int) -> int:
+    """The rule's choice (resolve_path with no table) for ``m`` rows of the timed shape."""
     from . import qlinear_path_for
-    return qlinear_path_for(mode, m, *(shape or SHAPE), kind)
+    return qlinear_path_for(mode, m, SHAPE[0], SHAPE[1], kind)

@@ -93,7 +93,7 @@ def serve_rank(path, cfg, *, rank: int, size: int, init: str, threads: int, time
         model = PagedLlama(weights, cfg.torch_device, cfg.torch_dtype, cfg.use_float32_head, tp=group)
         kv = KVPool(weights.config, cfg)
         from ..ops import calibrate
-        calibrate.ensure_for(cfg.torch_device, weights.is_quantized(), weights.config.hidden_size)   # timed here: this thread computes
+        calibrate.ensure_for(cfg.torch_device, weights.is_quantized())   # timed here: this thread computes
         kv.start_commit()
     except Exception as e:
         print(f"symphony tp rank {rank}: cannot start: {type(e).__name__}: {e}", file=sys.stderr)

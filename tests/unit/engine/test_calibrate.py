@@ -231,8 +231,8 @@ def fake_build(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "loaded_build", (tmp_path, build.loaded_build[1]))
     calls = []
 
-    def fake_measure(budget_s=calibrate.BUDGET_S, shape=None):
-        calls.append(shape or calibrate.SHAPE)
+    def fake_measure(budget_s=calibrate.BUDGET_S):
+        calls.append(budget_s)
         choices = {(md, k): [3] * len(ROWS) for md in calibrate.MODES for k in calibrate.KINDS}
         return calibrate.Calibration(ROWS, choices, {(U4, 1, 3): 1e-4}, "calibrated", True, True, 0.01)
     monkeypatch.setattr(calibrate, "measure", fake_measure)
@@ -382,49 +382,6 @@ def test_engine_calibrates_only_quantized_cpu_models(fake_build, caplog):
     assert "quantized weights: automatic choice (--activations auto): any number of rows: dense" in caplog.text
 
 
-def test_a_model_wider_than_the_timed_shape_is_calibrated_on_its_own_width(fake_build, monkeypatch):
-    """A model up to SHAPE's width is timed on SHAPE (one cache for all of them); a wider one on a
-    weight as wide as its matrices with as many weights, cached in a file of its own with its
-    shape in the key, so that models of two widths on one box each keep theirs."""
-    path, calls = fake_build
-    assert calibrate.shape_for(None) == calibrate.shape_for(64) == calibrate.shape_for(576) == calibrate.SHAPE
-    assert calibrate.shape_for(2048) == (448, 2048) and calibrate.shape_for(3072) == (320, 3072)
-    assert all(n % 64 == 0 and n * k >= 1536 * 576 for n, k in map(calibrate.shape_for, (600, 2048, 5120)))
-    threads = torch.get_num_threads()
-    narrow = calibrate.ensure_for(torch.device("cpu"), True, 576)
-    wide = calibrate.ensure_for(torch.device("cpu"), True, 2048)
-    assert calls == [calibrate.SHAPE, (448, 2048)] and narrow.cache == path
-    assert wide.cache == path.with_name(f"qlinear-calibration-{threads}t-448x2048.json") and wide.cache.is_file()
-    assert json.loads(wide.cache.read_text())["key"]["plan"]["shape"] == [448, 2048]
-    assert json.loads(path.read_text())["key"]["plan"]["shape"] == list(calibrate.SHAPE)
-    assert calibrate.ensure_for(torch.device("cpu"), True, 2048) is wide and len(calls) == 2   # once a process
-    calibrate.clear()
-    assert calibrate.ensure_for(torch.device("cpu"), True, 2048).source == "cache" and len(calls) == 2
-    assert calibrate.ensure_for(torch.device("cpu"), False, 2048) is None
-
-
-def test_measure_times_the_shape_it_is_given(monkeypatch):
-    """measure(shape=...) times weights and x of that shape, and the rule it weighs against is the
-    rule for that shape."""
-    seen, rules = set(), set()
-    monkeypatch.setattr(calibrate, "_time_bucket", lambda fns, calls, r, limits: (
-        {p: [1e-4] * calibrate.MIN_CLEAN for p in fns}, calibrate.MIN_CLEAN * len(fns)))
-
-    def cycling(x, ws, kind, p):
-        seen.add((tuple(ws[0][0].shape), x.shape[1]))
-        return lambda: None
-    real_rule = calibrate._rule
-
-    def rule(mode, m, kind, shape=None):
-        rules.add(shape)
-        return real_rule(mode, m, kind, shape)
-    monkeypatch.setattr(calibrate, "qlinear_cycling", cycling)
-    monkeypatch.setattr(calibrate, "_rule", rule)
-    calibrate.measure(budget_s=30.0, wall_s=60.0, shape=(128, 256))
-    assert seen == {((128, 128), 256), ((128, 256), 256)}                    # u4 [N, K/2], i8 [N, K]
-    assert rules == {(128, 256)}
-
-
 @pytest.mark.parametrize("load, recalibrated", [(1.5, False), (0.0, True)])
 def test_provisional_cache_is_measured_again_once_the_box_is_quiet(fake_build, monkeypatch, caplog, load,
                                                                    recalibrated):
@@ -481,7 +438,7 @@ def test_a_path_dropped_after_one_round_is_not_timed_in_larger_buckets(monkeypat
     monkeypatch.setattr(calibrate, "qlinear_cycling", cycling)
     monkeypatch.setattr(calibrate, "auto_paths", lambda mode: [slow, fast_float, other_float] if mode == -1
                         else [fast_int8])
-    monkeypatch.setattr(calibrate, "_rule", lambda mode, m, kind, shape=None: fast_float if mode == -1 else fast_int8)
+    monkeypatch.setattr(calibrate, "_rule", lambda mode, m, kind: fast_float if mode == -1 else fast_int8)
     monkeypatch.setattr(calibrate, "SHAPE", (64, 64))
     calibrate.measure(budget_s=30.0, wall_s=60.0)
     first = calibrate.BUCKETS[0][1]
@@ -504,8 +461,8 @@ def test_a_team_timed_at_one_thread_is_measured_again_once(fake_build, monkeypat
     monkeypatch.setattr(timing, "box_load", lambda window_s=0.2: 0.0)
     measured = calibrate.measure
 
-    def measure_proxied(budget_s=calibrate.BUDGET_S, shape=None):
-        calib = measured(budget_s, shape=shape)
+    def measure_proxied(budget_s=calibrate.BUDGET_S):
+        calib = measured(budget_s)
         calib.one_thread = (1, 2, 8) if again_one_thread else ()
         return calib
     monkeypatch.setattr(calibrate, "measure", measure_proxied)
