@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../quant.h"
 
@@ -25,6 +26,14 @@ struct QView {
   const uint16_t* scales16 = nullptr;  // float16 [N, n_groups] (then scales / mins are unset)
   const uint16_t* mins16 = nullptr;    // float16 [N, n_groups] or nullptr
 };
+
+// A weight's scales as S: float32 (w.scales) or float16 (w.scales16, raw bits): for the kernels
+// that read float16 ones as they are.
+template <class S>
+inline const S* scales_of(const QView& w) {
+  if constexpr (std::is_same_v<S, float>) return w.scales;
+  else return w.scales16;
+}
 
 // x: float32 [M, K] (row stride ldx); out: float32 [M, ldo], columns n0..n1 written.
 using RowsFn = void (*)(const QView& w, const float* x, int64_t ldx, int64_t M, float* out,

@@ -8,7 +8,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "qkernels.h"
 
@@ -124,13 +123,6 @@ inline __m512 load16_ps(const uint16_t* p, __mmask16 k) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
 }
 
-// The weight scales as S: float32 (w.scales) or float16 (w.scales16).
-template <class S>
-inline const S* scales512(const QView& w) {
-  if constexpr (std::is_same_v<S, float>) return w.scales;
-  else return w.scales16;
-}
-
 // KIND 0: u4, 1: i8 groups of 32, 2: i8 groups of 16. SPLIT: 15-bit x (a.q = hi, biased for
 // i8 like 8-bit x; a.lo = lo, 0..127, never biased: it is the unsigned operand for i8 weights).
 // S: the scales' type (float, or uint16_t for float16 ones read as they are).
@@ -149,7 +141,7 @@ inline void step_512(const QView& w, const QAct& a, int64_t n, int64_t m, int64_
   __m512i wv[NB], nwc[NB];
   __m512 ws[NB];
   for (int b = 0; b < NB; ++b) {
-    const S* sc = scales512<S>(w) + (n + b) * G;
+    const S* sc = scales_of<S>(w) + (n + b) * G;
     if constexpr (KIND == 0) {
       const uint8_t* p = w.qs + (n + b) * w.row_bytes + st * 32;
       if ((st & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows * w.row_bytes), _MM_HINT_T0);
@@ -193,7 +185,7 @@ inline __m512 mins16(const QView& w, int64_t r, int64_t g, __mmask16 k) {
   const int64_t at = r * w.n_groups + g;
   if (w.mins) return load16_ps(w.mins + at, k);
   if (w.mins16) return load16_ps(w.mins16 + at, k);
-  return _mm512_mul_ps(load16_ps(scales512<S>(w) + at, k), _mm512_set1_ps(-8.f));
+  return _mm512_mul_ps(load16_ps(scales_of<S>(w) + at, k), _mm512_set1_ps(-8.f));
 }
 
 template <int NB, int MB, int KIND, bool SPLIT, class S>

@@ -139,13 +139,6 @@ inline void step_u4(const QView& w, const QAct& a, const uint8_t* const (&row)[N
   }
 }
 
-// The weight scales as S: float32 (w.scales) or float16 (w.scales16).
-template <class S>
-inline const S* scales_of(const QView& w) {
-  if constexpr (std::is_same_v<S, float>) return w.scales;
-  else return w.scales16;
-}
-
 // n (1..8) mins of weight row r from group g on: stored (float32 or float16), or a u4 weight's
 // implied -8 * scale (exact, as with_float_scales in qlinear.cpp writes them out).
 template <class S>
