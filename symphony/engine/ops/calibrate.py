@@ -26,10 +26,11 @@ it runs on: never worse than the rule's choice, and the fastest where the rule i
   (the dense GEMMs excepted: more rows amortize their dequantization); the rule's choices
   never are (they are the baselines below). The whole is bounded by `BUDGET_S` of the calling
   thread's CPU time and `WALL_S` of wall time, each bucket by its share of what is left; a
-  bucket not finished keeps the rule's choice. Where the cores are so taken that a bucket gets
-  too few kept samples with half its share, it and the buckets after it are timed at one
-  thread instead (the kernels split rows alike across threads), and a path must then beat the
-  rule's by `PROXY_MARGIN`.
+  bucket not finished keeps the rule's choice. Where a bucket gets too few kept samples with half
+  its share: if most of its samples were kept (the share ran out: slow paths at many rows) the
+  team goes on in the other half; else the cores are taken, and it and the buckets after it are
+  timed at one thread instead (the kernels split rows alike across threads), and a path must
+  then beat the rule's by `PROXY_MARGIN`.
 * **The choice.** Per (mode, kind, bucket), among the paths the mode may take that beat the
   rule's choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all
   pairs of their samples), the one with the lowest median; the rule's choice if none does, or
@@ -251,12 +252,18 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
                 if not proxied:                               # (once the cores were taken: one thread; half
                     parts = 2 * left if threads > 1 else left     # the share is kept for that, with a team)
                     got, total = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, parts))
+                    if not _measured(got, rules) and threads > 1 and _kept(got) * 4 >= total * 3:
+                        # few samples set aside: the share ran out (slow paths, many rows), not the
+                        # cores: the team goes on in the half kept for one thread
+                        more_got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
+                        got = {p: got.get(p, []) + more_got.get(p, []) for p in {*got, *more_got}}
+                        total += more
                 if not _measured(got, rules) and threads > 1:  # the cores are taken: the same on one
                     with timing.torch_threads(1):
                         got, more = _time_bucket(fns, calls, rules, _share(c0 + budget_s, t0 + wall_s, left))
                     total += more
                     proxied.add(m if _measured(got, rules) else None)
-                n_all, n_kept = n_all + total, n_kept + sum(len(s) for s in got.values())
+                n_all, n_kept = n_all + total, n_kept + _kept(got)
                 for p, s in got.items():
                     bucket.setdefault(p, []).extend(s)
                 if not _measured(got, rules):
@@ -460,6 +467,10 @@ def _share(cpu_end: float, wall_end: float, parts: int) -> tuple[float, float]:
     """Limits (thread CPU, wall) of one of ``parts`` equal shares of what is left until the ends."""
     c, t = time.thread_time(), time.perf_counter()
     return c + (cpu_end - c) / max(1, parts), t + (wall_end - t) / max(1, parts)
+
+
+def _kept(got: dict) -> int:
+    return sum(len(s) for s in got.values())
 
 
 def _measured(got: dict, rules: set) -> bool:

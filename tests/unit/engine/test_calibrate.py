@@ -7,6 +7,7 @@ is ignored with one log line and never trusted, and switching calibration off re
 Tolerances, logits of the tiny quantized model vs the same model dequantized (test_quant_engine's
 docstring): float paths 1e-4 of their scale, 15-bit paths (9, 11, 12) 1e-3, int8 paths 0.1.
 """
+import contextlib
 import json
 import logging
 import statistics
@@ -445,6 +446,43 @@ def test_a_path_dropped_after_one_round_is_not_timed_in_larger_buckets(monkeypat
     assert slow in timed[first]                                   # timed once, 25x the float path
     assert all(slow not in timed[b[1]] for b in calibrate.BUCKETS[1:])
     assert all(other_float in timed[b[1]] for b in calibrate.BUCKETS)  # 6x int8's, 1.5x float's: kept
+
+
+@pytest.mark.parametrize("set_aside", [False, True])
+def test_a_share_run_out_is_not_taken_for_cores_taken(monkeypatch, set_aside):
+    """A bucket whose team timing ends short of MIN_CLEAN samples with nearly all of them kept ran
+    out of its share (slow paths at many rows: 4 samples of ~6 ms each in a 115 ms share on a Zen
+    4): the team goes on in the half kept for one thread, and the rows are not timed at one thread.
+    Short because samples were set aside (the team waited for cores): one thread, as before."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    calls = {"team": 0, "one": 0}
+    in_one = {"on": False}
+
+    @contextlib.contextmanager
+    def one_thread(n):
+        in_one["on"] = True
+        yield
+        in_one["on"] = False
+
+    def fake_bucket(fns, n_calls, rules, limits):
+        if in_one["on"]:
+            calls["one"] += 1
+            return {p: [1e-4] * calibrate.MIN_CLEAN for p in fns}, calibrate.MIN_CLEAN * len(fns)
+        calls["team"] += 1
+        short = calibrate.MIN_CLEAN - 2                  # the first try of every bucket ends short
+        got = {p: [1e-4] * (short if calls["team"] % 2 else calibrate.MIN_CLEAN) for p in fns}
+        kept = sum(map(len, got.values()))
+        return got, kept * (3 if set_aside and calls["team"] % 2 else 1)
+    monkeypatch.setattr(calibrate, "_time_bucket", fake_bucket)
+    monkeypatch.setattr(calibrate.timing, "torch_threads", one_thread)
+    monkeypatch.setattr(calibrate, "qlinear_cycling", lambda x, ws, kind, p: (lambda: None))
+    monkeypatch.setattr(calibrate, "SHAPE", (64, 64))
+    calib = calibrate.measure(budget_s=30.0, wall_s=60.0)
+    if set_aside:
+        assert calib.one_thread and calls["one"] > 0
+    else:
+        assert calib.one_thread == () and calls["one"] == 0 and calib.complete
+        assert calls["team"] == 2 * len(calibrate.BUCKETS) * len(calibrate.MODES) * len(calibrate.KINDS)
 
 
 @pytest.mark.parametrize("again_one_thread", [False, True])
