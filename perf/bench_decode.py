@@ -310,7 +310,8 @@ def bench_paths(eng, ids, pre, steps, rounds, batch):
 
 def print_paths(res, shape):
     print("\nThe default's choice against every path it may take (tok/s, median of the rounds; "
-          "'default' resolved for a %d x %d u4 matrix):" % shape)
+          "'default' resolved for a %d x %d u4 matrix; default / fastest: per round, then the "
+          "median, min..max):" % shape)
     print("| rows | default (path) | fastest path | default / fastest | every path |")
     print("|---|---|---|---|---|")
     for m, by in res.items():
@@ -318,8 +319,9 @@ def print_paths(res, shape):
         best = max((k for k in med if k != "default"), key=med.get)
         chosen = qlinear_path_for(-1, m, *shape, 0)
         others = ", ".join(f"{k} {med[k]:.1f}" for k in med if k != "default")
+        ratios = [d / b for d, b in zip(by["default"], by[best])]   # each round's pair, timed side by side
         print(f"| {m if m != 128 else '128 (prefill)'} | {med['default']:.1f} ({chosen}) | {med[best]:.1f} ({best}) | "
-              f"{med['default'] / med[best]:.2f} | {others} |")
+              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | {others} |")
 
 
 def spread(v):
