@@ -11,7 +11,8 @@ calling thread also waits at its barriers for the others, so a sample in which t
 threads of this process waited, runnable, for a core (Linux's per-thread run-queue wait,
 /proc/self/task/*/schedstat) for more than ``clean`` of its cost (plus 5 us) is set aside
 (`kept`), as are outliers among the rest. `box_load` says how busy the other processes keep
-the machine (/proc/stat less this process).
+the machine (/proc/stat less this process); `cpu_identity` names the CPU the timings hold for
+(what a cached calibration is keyed by).
 """
 from __future__ import annotations
 
