@@ -61,8 +61,11 @@ inline void transpose16(const uint8_t* const* rp, int64_t off, __m512i (&t)[4]) 
 // Where run_block gets a tile's weights, a group at a time: wk[4 bb + d] (bb < group / 16 blocks
 // of the group, d = 0..3: k 16 bb + 4d .. +3 of the 16 rows as unsigned bytes), and the 16
 // rows' scale (sv) and min (mv) of the group.
-//   Direct: straight from the rows (transposed, split, flipped as it goes): for M <= kMB,
-//           where each weight is used by one block of activation rows.
+//   Direct: straight from the rows (transposed, split, flipped as it goes): for M < kMB,
+//           where each weight is used by one block of activation rows. Not for a whole block of
+//           kMB: with the transposition's registers beside its 8 accumulators and 8 partial sums
+//           it spills (1536 x 576 Q4_1, 8 rows, one thread on a Zen 4: 271 us direct, 169 us
+//           buffered; 250 us at 12 rows).
 //   Buffered: from a tile prepared once by `prepare` into an L1-resident buffer, for larger M.
 struct Direct {
   const QView& w;
@@ -209,7 +212,7 @@ template <bool I8, bool MINS, bool SPLIT>
 inline void run_tile(const QView& w, const QAct& a, const int32_t* xcorr, int64_t M, float* out,
                      int64_t ldo, int64_t n, int64_t rows, uint8_t* buf) {
   const __mmask16 keep = rows == 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-  if (M <= kMB) {  // each weight used once: no buffer
+  if (M < kMB) {  // each weight used once: no buffer
     run_rows<I8, MINS, SPLIT>(w, a, xcorr, Direct(w, n, rows), 0, M, out, ldo, n, keep);
     return;
   }
@@ -284,11 +287,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void quan
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"))) void
 rows_q8_t16_avx512vnni(const QView& w, const QAct& a, const int32_t* xcorr, int64_t M, float* out,
                        int64_t ldo, int64_t n0, int64_t n1) {
-  // the prepared tile (M > kMB): K bytes of weights (as 64-byte registers) and 2 x G x 16
+  // the prepared tile (M >= kMB): K bytes of weights (as 64-byte registers) and 2 x G x 16
   // floats, per thread, in one 64-byte-aligned buffer
   static thread_local std::vector<uint8_t> buf;
   uint8_t* base = nullptr;
-  if (M > kMB) {
+  if (M >= kMB) {
     buf.resize(size_t(w.K) / 16 * 4 * 64 + 2 * size_t(w.n_groups) * 16 * 4 + 64);
     base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
   }

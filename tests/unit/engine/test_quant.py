@@ -164,7 +164,8 @@ def test_qlinear_matches_dequantized_reference(qtype, path):
     for n in (1, 7, 37):                    # odd N: the 4-row blocks' remainders
         qw, want = gguf_weight(qtype, n, k, seed=n)
         w = torch.from_numpy(want)
-        for m in (1, 2, 3, 5, 9, 33):       # the m-blocks' remainders, and the dense-tile size
+        for m in (1, 2, 3, 5, 7, 8, 9, 33):  # the m-blocks' remainders, the tiles' direct and buffered
+                                            # sides (7, 8 rows), and the dense-tile size
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
             assert y.shape == (m, n) and y.dtype == torch.float32
@@ -181,7 +182,7 @@ def test_qlinear_int8_activations(qtype, path):
         for n in (1, 7, 37):
             qw, want = gguf_weight(qtype, n, k, seed=n + k)
             w = torch.from_numpy(want)
-            for m in (1, 2, 3, 4, 5, 9, 33):
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 33):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
                 x[0, :16] = 0                                # an all-zero block: d = 0
                 y = ops.qlinear(x, qw.qs, qw.scales, qw.mins, qw.kind, qw.group, path)
