@@ -60,8 +60,8 @@ import posix_ipc
 from . import abi
 from .layout import (ARENA_DTYPES, BUSY, CLOSED_OFF, HDR, MAGIC, MAX_ARENA_BYTES, MAX_SLOT_BYTES, MAX_SLOTS,
                      NO_TOKENS, REQ_BODY_OFF, REQ_HDR, REQUEST_WORD, RESP_BODY_OFF, RESP_HDR, RESPONSE,
-                     STATES_OFF, U32, U32_MAX, U64_MASK, VERSION, Request, RingError, TopK, align, check_prefix,
-                     close_sems, geometry, map_segment, new_name, new_request, unlink_sem, unlink_shm, unmap)
+                     STATES_OFF, U32, U32_MAX, U64, U64_MASK, VERSION, Request, RingError, TopK, align, check_prefix,
+                     close_sems, geometry, hints_off, map_segment, new_name, new_request, unlink_sem, unlink_shm, unmap)
 from .wait import WaitSet, new_bell
 
 __all__ = ["KernelSide"]
@@ -101,6 +101,7 @@ class KernelSide:
         self._sems: list[posix_ipc.Semaphore] = []
         self._closed = False
         self._inflight = [False] * n_slots
+        self._hinted = [False] * n_slots   # a hint is set (`hint`), cleared by the answer
         self._seg_name = new_name(prefix)
         self._seg_created = False          # unlink only what this instance created
         self._sem_names: list[str] = []
@@ -125,6 +126,7 @@ class KernelSide:
         self._states = np.ndarray((n_slots,), dtype="<u4", buffer=self._mm, offset=STATES_OFF)
         self._u8 = np.ndarray((total,), dtype=np.uint8, buffer=self._mm)
         self._st_lo, self._st_hi = STATES_OFF, STATES_OFF + 4 * n_slots
+        self._hints_off = hints_off(n_slots)
         self._req_room = slot_bytes - REQ_BODY_OFF
         self._resp_room = slot_bytes - RESP_BODY_OFF
         if waitset is not None:
@@ -267,12 +269,38 @@ class KernelSide:
         if n:
             mm[off + RESP_BODY_OFF:off + RESP_BODY_OFF + n] = json
         RESP_HDR.pack_into(mm, off, call_id & U64_MASK, status, n, arena_kind, rows, cols)
+        if self._hinted[slot]:                 # the slot's next call starts with no hint
+            self._hinted[slot] = False
+            U64.pack_into(mm, self._hints_off + 8 * slot, 0)
         U32.pack_into(mm, self._st_lo + 4 * slot, RESPONSE)   # after the payload (TSO order)
         self._inflight[slot] = False
         try:
             self._sems[slot].release()         # full barrier; wakes the waiter if it blocks
         except OSError:
             pass                               # EOVERFLOW: the LIP saturated its own semaphore
+
+    def hint(self, slot: int, eta_ns: int) -> bool:
+        """Tell the LIP waiting on ``slot`` (BUSY: its call is on the device) that its answer is
+        expected at ``eta_ns`` (CLOCK_MONOTONIC nanoseconds); `wake` it then, once, to read that:
+        it waits actively from shortly before (layout.py, "hints").  False: the slot is not the
+        kernel's (answered already) or the ring is gone."""
+        if type(slot) is not int or not 0 <= slot < self.n_slots:
+            slot = self._check_slot(slot)
+        if not self._inflight[slot] or self._mm is None:
+            return False
+        U64.pack_into(self._mm, self._hints_off + 8 * slot, eta_ns & U64_MASK)
+        self._hinted[slot] = True
+        return True
+
+    def wake(self, slot: int) -> None:
+        """Post ``slot``'s semaphore while its call is still the kernel's (its waiter re-checks
+        the state word, finds no answer, and reads its hint)."""
+        slot = self._check_slot(slot)
+        if self._inflight[slot] and self._sems:
+            try:
+                self._sems[slot].release()
+            except (posix_ipc.Error, OSError):
+                pass
 
     # ------------------------------------------------------------ teardown
     def mark_closed(self) -> None:

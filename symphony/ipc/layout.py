@@ -31,7 +31,7 @@ Memory layout (all integers little-endian)
     offset                      size                 contents
     0                           64                   header
     | 0   magic        8s   b"SYMRING\\0"
-    | 8   version      u32  1
+    | 8   version      u32  2
     | 12  n_slots      u32
     | 16  slot_bytes   u32  (multiple of 64)
     | 20  closed       u32  0, or 1 once the kernel tears the LIP down
@@ -41,7 +41,9 @@ Memory layout (all integers little-endian)
     | 48  arena_off    u64
     | 56  total_bytes  u64
     64                          4 * n_slots          state array: one u32 per slot
-    slots_off = align64(64 + 4*n_slots)
+    hints_off = align8(64 + 4*n_slots)
+                                8 * n_slots          hints: one u64 per slot (below)
+    slots_off = align64(hints_off + 8*n_slots)
                                 n_slots * slot_bytes slots; slot i at slots_off + i*slot_bytes
     arena_off = align64(slots_off + n_slots*slot_bytes)
                                 n_slots * arena_bytes arena; region i (owned by slot i)
@@ -65,6 +67,17 @@ A slot holds a request, and later the response written over it::
 A request fits iff ``24 + align8(json_len) + 4*n_tokens <= slot_bytes``; a
 response body iff ``32 + json_len <= slot_bytes``; an arena result iff
 ``rows*cols*4 <= arena_bytes``.
+
+A slot's hint is written by the kernel alone, while the slot is BUSY: when it
+hands the slot's call to the device in a step it expects to end at a known time
+and cores are spare for a LIP to wait actively, it stores that time (u64
+nanoseconds of CLOCK_MONOTONIC, which every process on the machine shares) and
+posts the slot's semaphore once.  A waiting LIP woken so reads the hint and
+sleeps (a timed wait on the same semaphore, so an early response still wakes
+it) until shortly before that time, then polls its state word: the response is
+read without a wake-up on its path.  The kernel clears a hint with the answer
+(before the state word); a LIP also ignores one older than its call.  The
+kernel never reads hints back.
 
 Slot state machine
 ------------------
@@ -111,7 +124,7 @@ __all__ = [
 
 # ----------------------------------------------------------------- constants
 MAGIC = b"SYMRING\0"
-VERSION = 1
+VERSION = 2
 
 FREE, REQUEST, BUSY, RESPONSE = 0, 1, 2, 3
 
@@ -129,6 +142,7 @@ RESP_BODY_OFF = 32
 CLOSED_OFF = 20
 REQUEST_WORD = struct.pack("<I", REQUEST)
 U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
 
 MAX_SLOTS = 4096
 MAX_SLOT_BYTES = 1 << 30
@@ -143,9 +157,14 @@ def align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def hints_off(n_slots: int) -> int:
+    """Where the slots' hints (one u64 each) start."""
+    return align(STATES_OFF + 4 * n_slots, 8)
+
+
 def geometry(n_slots: int, slot_bytes: int, arena_bytes: int) -> tuple[int, int, int]:
     """(slots_off, arena_off, total_bytes)."""
-    slots_off = align(STATES_OFF + 4 * n_slots, 64)
+    slots_off = align(hints_off(n_slots) + 8 * n_slots, 64)
     arena_off = align(slots_off + n_slots * slot_bytes, 64)
     return slots_off, arena_off, arena_off + n_slots * arena_bytes
 

@@ -27,13 +27,19 @@ import posix_ipc
 from . import abi
 from .layout import (ARENA_DTYPES, CLOSED_OFF, FREE, HDR, HEADER_BYTES, MAGIC, MAX_SLOT_BYTES, MAX_SLOTS,
                      REQ_BODY_OFF, REQ_HDR, REQUEST, RESP_BODY_OFF, RESP_HDR, RESPONSE, STATES_OFF, U32,
-                     U32_MAX, VERSION, Response, RingClosed, RingError, TopK, align, close_sems, geometry, map_segment,
+                     U32_MAX, U64, VERSION, Response, RingClosed, RingError, TopK, align, close_sems, geometry, hints_off, map_segment,
                      new_response, unmap)
 from .wait import Spin
 
 __all__ = ["LipSide"]
 
+_sched_yield = getattr(os, "sched_yield", lambda: None)   # releases the GIL, too
 _BLOCK_CHUNK_S = 0.5   # a blocked LIP re-checks `closed` at least this often
+# A hinted wait (layout.py, "hints"): wake this long before the expected answer, and poll until
+# this long after it before blocking again (a fixed part for the timer's and the step's jitter,
+# and a share of the wait, since a longer step varies more)
+HINT_LEAD_NS, HINT_LEAD_SHARE = 150_000, 1 / 20
+HINT_GRACE_NS, HINT_GRACE_SHARE = 250_000, 1 / 8
 _eventfd_write = os.eventfd_write
 
 
@@ -94,6 +100,7 @@ class LipSide:
         self.n_slots, self.slot_bytes, self.arena_bytes = n_slots, slot_bytes, arena_bytes
         self._arena_off = arena_off
         self._slots = [_Slot(i, slots_off + i * slot_bytes, STATES_OFF + 4 * i) for i in range(n_slots)]
+        self._hints_off = hints_off(n_slots)
         self._by_owner: dict[int, _Slot] = {}
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -265,20 +272,37 @@ class LipSide:
                 yld()
         sem = self._sems[s.idx]
         deadline = None if timeout is None else t0 + int(timeout * 1e9)
+        hint_off, hinted = self._hints_off + 8 * s.idx, False
         while unpack(mm, st_off)[0] != RESPONSE:  # re-checked after every wakeup: stale posts
             if self.closed:
                 raise RingClosed("ring closed")
             chunk = _BLOCK_CHUNK_S
+            now = pc()
             if deadline is not None:
-                left = (deadline - pc()) / 1e9
+                left = (deadline - now) / 1e9
                 if left <= 0:
                     with self._lock:
                         s.lost = True
                     raise TimeoutError(f"no answer to the call in slot {s.idx} after {timeout} s")
                 chunk = min(chunk, left)
+            if solo:
+                eta = U64.unpack_from(mm, hint_off)[0]
+                if eta > t0:                     # the kernel's hint for this call (older: stale)
+                    wake = eta - HINT_LEAD_NS - int((eta - t0) * HINT_LEAD_SHARE)
+                    if now < wake:               # until shortly before it, a timed wait (an early
+                        chunk = min(chunk, (wake - now) / 1e9)    # answer's post still wakes it)
+                    elif now < eta + HINT_GRACE_NS + int((eta - t0) * HINT_GRACE_SHARE):
+                        hinted = True            # then poll, leaving the core to others meanwhile
+                        _sched_yield()
+                        continue
             try:
                 sem.acquire(chunk)
             except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass
+        if hinted and sem.value > 0:             # the answer's post, when polling saw it first
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
                 pass
         if solo:
             spin.blocked(budget, pc() - t0, True)

@@ -174,6 +174,13 @@ class BatchScheduler:
             self.cost.observe(tokens, calls, seconds, pairs, reads)
             self._last_size = None
 
+    def predicted_seconds(self) -> Optional[float]:
+        """What the cost model predicts the step just scheduled takes on the device (None: no
+        step scheduled since the last `took`, or too few steps observed to predict)."""
+        if self._last_size is None:
+            return None
+        return self.cost.seconds(*self._last_size)
+
     def next_chunk(self, c: Call) -> int:
         """Tokens of call ``c``'s next chunk, before any user's share: its last token alone, or
         what is left of its prompt within `chunk_cap` and the token budget. The memory planner

@@ -279,6 +279,7 @@ class SyscallServer:
         while not self.stop.is_set():
             idle = self._serve_once()
             if idle is not None:
+                self.stepper.wake_hinted()
                 self.door.wait(*idle)
         log.info("syscall thread stopped")
 
@@ -308,8 +309,7 @@ class SyscallServer:
             t0 = time.perf_counter()
             if self.slow.run():
                 lane_s = time.perf_counter() - t0
-        if busy or lane_s:
-            self._dirty = True
+        self._dirty = self._dirty or busy or bool(lane_s)
         if self._dirty and time.monotonic() - self.snapshot.at >= PUBLISH_EVERY_S:
             self._publish()
         if not flight and len(self.sched):

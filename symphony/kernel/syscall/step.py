@@ -19,6 +19,7 @@ new length): replies go out the moment the step's results are on the host.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -37,6 +38,23 @@ from symphony.kernel.syscall.residency import Residency
 
 log = logging.getLogger("symphony.syscalls")
 
+MAX_HINT_S = 1.0        # a step predicted longer gets no hints: its callers block as usual
+
+
+def hint_calls(engine, overlap: bool) -> int:
+    """In a step of at most this many calls the callers are told when it should end (step.py's
+    `Stepper.hint`), so that they wait actively: where the forward pass leaves the host's cores
+    free (a GPU, the simulated device) and steps run on the device thread, one core each beyond
+    the syscall and device threads' two (one at least); never where the model runs on the CPU
+    (a waiting LIP would take cores from the forward pass)."""
+    if not overlap or (engine.device.type == "cpu" and not getattr(engine, "simulated", False)):
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores - 2)
+
 
 class Stepper:
     """Runs steps: given the engine (the vocabulary), KVFS, the scheduler, residency, the answers and the device (`device.Device` or
@@ -44,6 +62,11 @@ class Stepper:
 
     def __init__(self, engine, fs: KVFS, sched: BatchScheduler, residency: Residency, answers: Answers, device):
         self.fs, self.sched, self.residency, self.answers, self.device = fs, sched, residency, answers, device
+        # in a step of at most this many calls, each caller is told when it should end (`hint`)
+        self.hint_calls = hint_calls(engine, not isinstance(device, InlineDevice))
+        self._hinted: list = []                 # (ring, slot) told by `hint`, not yet woken
+        self._shape = None                      # (calls, tokens) of the step in flight, if `hint` saw it
+        self._timed = (None, 0.0)               # ... and of the last step back, with its seconds
         self.vocab = engine.model_config.vocab_size
         self.read_pairs = engine.attention_read_pairs
         self.batches = 0
@@ -76,10 +99,43 @@ class Stepper:
         plan = self.fs.prepare([c.chunk(start, n) for c, start, n in items])
         sinks = self._sinks(items, plan)
         self.device.launch(Job(plan.step, sinks, plan=(items, plan)))
+        if len(items) <= self.hint_calls:
+            self.hint(items)
         self.batches += 1
         self.batch_calls += len(items)
         self.max_batch = max(self.max_batch, len(items))
         return True
+
+    def hint(self, items: list) -> None:
+        """Tell each caller answered by the step just launched when the cost model expects it
+        back (ipc/layout.py, "hints"): with a core spare, a LIP then waits actively from shortly
+        before, and its answer reaches it without a wake-up (~50 us a call on a VM)."""
+        shape = (len(items), sum(n for _, _, n in items))
+        if shape == self._timed[0]:                     # as the last step: what it took (a decode loop)
+            predicted = self._timed[1]
+        else:                                           # else the cost model (a fit: ~10 us)
+            predicted = self.sched.predicted_seconds()
+        self._shape = shape
+        if predicted is None or not 0.0 < predicted < MAX_HINT_S:
+            return
+        eta = time.perf_counter_ns() + int(predicted * 1e9)       # CLOCK_MONOTONIC, as the LIPs read it
+        for c, start, n in items:
+            if start + n == c.n_tokens:                 # its last chunk: answered when the step is back
+                try:
+                    if c.proc.ring.hint(c.slot, eta):
+                        self._hinted.append((c.proc.ring, c.slot))
+                except Exception:                       # noqa: BLE001 - a ring gone: its call fails on landing
+                    pass
+
+    def wake_hinted(self) -> None:
+        """Wake the callers `hint` told, to read their hints: called once the thread has nothing
+        else to do, so that their wake-ups do not delay the step's start on the device."""
+        hinted, self._hinted = self._hinted, []
+        for ring, slot in hinted:
+            try:
+                ring.wake(slot)
+            except Exception:                           # noqa: BLE001 - a ring gone meanwhile
+                pass
 
     def step(self) -> bool:
         """One whole step on this thread (an `InlineDevice`); False if nothing could be scheduled."""
@@ -96,6 +152,7 @@ class Stepper:
         """The step ``job`` is back from the device: commit it and answer its calls."""
         items, plan = job.plan
         self.sched.took(job.seconds)
+        self._timed, self._shape = (self._shape, job.seconds), None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %.1f ms, %s; cost model (ms: base, token, call, kpair, kread) %s", self.batches,
                       1e3 * job.seconds, _composition(items),
@@ -167,7 +224,7 @@ class Stepper:
         return out
 
 
-__all__ = ["Stepper"]
+__all__ = ["Stepper", "hint_calls"]
 
 
 def _composition(items: list) -> str:

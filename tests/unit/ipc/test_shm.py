@@ -225,6 +225,39 @@ def test_stale_posts_are_not_responses(ring):
         assert time.monotonic() - t0 >= 0.09
 
 
+def test_a_hint_wakes_the_waiter_early_and_never_passes_for_an_answer(ring):
+    """The kernel's hint (layout.py, "hints"): the waiter woken by it goes on waiting until the
+    answer; polls around the expected time (CPU time spent near it, not all along); an answer
+    well before the expected time still wakes it at once; and the answer clears the hint, so
+    the slot's next call, unhinted, blocks as usual (no CPU while waiting)."""
+    _, db, k, lip = ring
+
+    def serve(k, slot):
+        req = k.read_request(slot)
+        if req.json in (b"late", b"early"):
+            ahead = 0.06 if req.json == b"late" else 2.0
+            assert k.hint(slot, time.perf_counter_ns() + int(ahead * 1e9))
+            k.wake(slot)
+        time.sleep(0.06 if req.json in (b"late", b"plain") else 0.02)
+        k.respond(slot, req.call_id, 0, req.json)
+
+    with KernelThread(k, db, serve):
+        for _ in range(3):                      # the adaptive spin gives up on long calls
+            lip.call(0, b"plain")
+        t0, c0 = time.monotonic(), time.thread_time()
+        assert lip.call(0, b"late").json == b"late"
+        wall, cpu = time.monotonic() - t0, time.thread_time() - c0
+        assert wall >= 0.055 and cpu < 0.04, (wall, cpu)     # woken by the hint, slept, then polled
+        t0 = time.monotonic()
+        assert lip.call(0, b"early").json == b"early"       # expected in 2 s, answered in 20 ms
+        assert time.monotonic() - t0 < 1.0
+        assert set(np.frombuffer(lip.buffer, dtype="<u8", count=k.n_slots, offset=shm.hints_off(k.n_slots))) == {0}
+        c0 = time.thread_time()
+        assert lip.call(0, b"plain").json == b"plain"       # no stale hint: blocks, no polling
+        assert time.thread_time() - c0 < 0.02
+    assert not k.hint(0, 1)                     # a slot not in the kernel's hands takes none
+
+
 # ------------------------------------------------------------------ two processes
 def _lip_child(names, bell_fd, conn, n_threads, n_calls):
     try:

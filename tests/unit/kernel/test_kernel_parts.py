@@ -10,6 +10,7 @@
     and starts when a LIP exits; a queued LIP that leaves gets its exit event.
 """
 import asyncio
+import os
 from types import SimpleNamespace
 
 from symphony.ipc.protocol import encode_frame
@@ -123,3 +124,19 @@ def test_admission_starts_what_fits_queues_the_rest_and_admits_it_when_a_lip_exi
         assert events[-1][0] == 3 and events[-1][1]["event"] == "started" and "waited_s" in events[-1][1]
         assert adm.estimate("alice", "print(1)", None)[1] == 3   # its program's peak is the next estimate
     asyncio.run(go())
+
+
+def test_hints_only_where_the_forward_pass_leaves_the_cores_free():
+    """`hint_calls` (kernel/syscall/step.py): callers of a step are told when it should end only
+    on a device that is not the host's CPU (a GPU, the simulated device) with steps on the
+    device thread, at most one caller a core beyond the kernel's two threads (one at least)."""
+    import torch
+
+    from symphony.kernel.syscall.step import hint_calls
+
+    cores = len(os.sched_getaffinity(0))
+    cpu = SimpleNamespace(device=torch.device("cpu"), simulated=False)
+    sim = SimpleNamespace(device=torch.device("cpu"), simulated=True)
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    assert hint_calls(cpu, True) == 0 and hint_calls(sim, False) == hint_calls(gpu, False) == 0
+    assert hint_calls(sim, True) == hint_calls(gpu, True) == max(1, cores - 2)
