@@ -110,6 +110,7 @@ class Stepper:
         """Tell each caller answered by the step just launched when the cost model expects it
         back (ipc/layout.py, "hints"): with a core spare, a LIP then waits actively from shortly
         before, and its answer reaches it without a wake-up (~50 us a call on a VM)."""
+        self._hinted = []                               # (the last step's, if never woken: answered by now)
         shape = (len(items), sum(n for _, _, n in items))
         if shape == self._timed[0]:                     # as the last step: what it took (a decode loop)
             predicted = self._timed[1]
