@@ -38,7 +38,7 @@ _BLOCK_CHUNK_S = 0.5   # a blocked LIP re-checks `closed` at least this often
 # A hinted wait (layout.py, "hints"): wake this long before the expected answer, and poll until
 # this long after it before blocking again (a fixed part for the timer's and the step's jitter,
 # and a share of the wait, since a longer step varies more)
-HINT_LEAD_NS, HINT_LEAD_SHARE = 150_000, 1 / 20
+HINT_LEAD_NS, HINT_LEAD_SHARE = 100_000, 1 / 32
 HINT_GRACE_NS, HINT_GRACE_SHARE = 250_000, 1 / 8
 _eventfd_write = os.eventfd_write
 

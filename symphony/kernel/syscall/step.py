@@ -66,7 +66,8 @@ class Stepper:
         self.hint_calls = hint_calls(engine, not isinstance(device, InlineDevice))
         self._hinted: list = []                 # (ring, slot) told by `hint`, not yet woken
         self._shape = None                      # (calls, tokens) of the step in flight, if `hint` saw it
-        self._timed = (None, 0.0)               # ... and of the last step back, with its seconds
+        self._timed = (None, 0.0)               # ... and of the last step back, launch to answers (s)
+        self._around = 0.0                      # ... of which not its forward pass (handing over, commit)
         self.vocab = engine.model_config.vocab_size
         self.read_pairs = engine.attention_read_pairs
         self.batches = 0
@@ -112,10 +113,11 @@ class Stepper:
         before, and its answer reaches it without a wake-up (~50 us a call on a VM)."""
         self._hinted = []                               # (the last step's, if never woken: answered by now)
         shape = (len(items), sum(n for _, _, n in items))
-        if shape == self._timed[0]:                     # as the last step: what it took (a decode loop)
+        if shape == self._timed[0]:                     # as the last step: launch to answers (a decode loop)
             predicted = self._timed[1]
-        else:                                           # else the cost model (a fit: ~10 us)
-            predicted = self.sched.predicted_seconds()
+        else:                                           # else the cost model (a fit: ~10 us) and the
+            predicted = self.sched.predicted_seconds()  # last step's time beside its pass
+            predicted = None if predicted is None else predicted + self._around
         self._shape = shape
         if predicted is None or not 0.0 < predicted < MAX_HINT_S:
             return
@@ -153,7 +155,6 @@ class Stepper:
         """The step ``job`` is back from the device: commit it and answer its calls."""
         items, plan = job.plan
         self.sched.took(job.seconds)
-        self._timed, self._shape = (self._shape, job.seconds), None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %.1f ms, %s; cost model (ms: base, token, call, kpair, kread) %s", self.batches,
                       1e3 * job.seconds, _composition(items),
@@ -168,6 +169,8 @@ class Stepper:
             log.error("a step of %d calls failed: %s: %s", len(items), type(job.error).__name__, job.error)
             return
         self.deliver(items, plan, self.fs.commit(plan, job.out), job.landed)
+        took = time.perf_counter() - job.launched       # launch to answers: what a hint predicts
+        self._timed, self._shape, self._around = (self._shape, took), None, max(0.0, took - job.seconds)
 
     def deliver(self, items: list, plan, results: list, landed: list) -> None:
         """Fail what failed, advance what has more chunks, reply to the rest.  ``landed``: per
