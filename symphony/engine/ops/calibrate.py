@@ -20,7 +20,11 @@ it runs on: never worse than the rule's choice, and the fastest where the rule i
   that cost the kernel (cooled caches) is. With a thread team, a sample in which the team's
   other threads waited for a core more than `CLEAN` of it is set aside (the calling thread
   waited for them at a barrier), and so are outliers (beyond 3 median absolute deviations);
-  a path's time is the median of the rest. Rounds go on until
+  a path's time is the lower quartile of the rest (another process only adds to a sample:
+  a core taken away, caches it cooled; a kernel that keeps a tile in L1 suffers that more
+  than one that streams, so on a busy box its median says more about the neighbour than about
+  the kernel: 165-301 us against a steady 211-258 for the float kernel at 8 rows, where it
+  takes 169 against 209 on a quiet box). Rounds go on until
   every path has `MIN_CLEAN` such samples (at most `MAX_ROUNDS`); a path whose fastest sample
   is more than `PRUNE` times slower than the fastest is dropped from the bucket and larger ones
   (the dense GEMMs excepted: more rows amortize their dequantization); the rule's choices
@@ -32,8 +36,8 @@ it runs on: never worse than the rule's choice, and the fastest where the rule i
   timed at one thread instead (the kernels split rows alike across threads), and a path must
   then beat the rule's by `PROXY_MARGIN`.
 * **The choice.** Per (mode, kind, bucket), among the paths the mode may take that beat the
-  rule's choice clearly (median more than `MARGIN` lower, and faster in at least `WIN` of all
-  pairs of their samples), the one with the lowest median; the rule's choice if none does, or
+  rule's choice clearly (time more than `MARGIN` lower, and faster in at least `WIN` of all
+  pairs of their samples), the one with the lowest time; the rule's choice if none does, or
   if it was not measured: noise does not move a choice, and a path measured slower than the
   rule's is never taken. From 128 rows on (the open-ended range: a GEMM's lead grows with the
   rows) a dense rule choice is left for a path that is not a GEMM only where that path beats the
@@ -66,7 +70,6 @@ import itertools
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -96,15 +99,15 @@ PRUNE, MARGIN, WIN = 2.0, 0.02, 0.75
 PROXY_MARGIN = 0.15                     # where the rows were timed at one thread instead
 QUIET_CORES = 0.3                       # other processes' load (cores) below which the box is quiet
 BUDGET_S, WALL_S = 5.0, 15.0            # CPU seconds of the calling thread; wall seconds
-VERSION = 4
+VERSION = 5
 
 
 @dataclasses.dataclass
 class Calibration:
     """qlinear's automatic choices: ``choices[(mode, kind)]`` one path per bucket (``rows``: the
     buckets' first rows), ``rules`` the same for the rule of resolve_path; ``times[(kind, rows
-    timed, path)]`` the median seconds a call measured (samples that waited for a core set
-    aside); ``source`` "calibrated", "cache", "off" or "failed" (the last two: the rule, no
+    timed, path)]`` the seconds a call measured (`low`: the lower quartile, samples that waited
+    for a core set aside); ``source`` "calibrated", "cache", "off" or "failed" (the last two: the rule, no
     choices); ``complete`` whether every bucket was measured, ``load`` the other processes' CPU
     use meanwhile (cores; None where unknown), ``kept`` the share of samples kept, ``quiet``
     whether the box was quiet (`QUIET_CORES`). Not complete, not quiet, or rows timed at one thread
@@ -279,7 +282,7 @@ def measure(budget_s: float = BUDGET_S, wall_s: float = WALL_S) -> Calibration:
                                       PROXY_MARGIN if m in proxied else MARGIN) for _, m, _ in BUCKETS]
                for mode in MODES for kind in KINDS}
     rules = {(mode, kind): [_rule(mode, m, kind) for _, m, _ in BUCKETS] for mode in MODES for kind in KINDS}
-    times = {c: statistics.median(s) for c, s in samples.items() if s}
+    times = {c: low(s) for c, s in samples.items() if s}
     load = timing.others_load(load0, timing.cpu_ticks())
     return Calibration(tuple(b[0] for b in BUCKETS), choices, times, "calibrated", complete,
                        _is_quiet(load), time.perf_counter() - t0, rules=rules, load=load,
@@ -439,15 +442,16 @@ def _weight(kind: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
 def _choose(mode: int, kind: int, m: int, allowed: list[int],
             samples: dict[tuple[int, int, int], list[float]], margin: float = MARGIN) -> int:
     """The path ``mode`` takes at ``m`` rows: among the measured paths (`MIN_CLEAN` samples)
-    that beat the rule's choice clearly (median more than ``margin`` lower, faster in `WIN` of
-    the pairs), the one with the lowest median; the rule's if none does or it was not measured.
+    that beat the rule's choice clearly (lower quartile, `low`, more than ``margin`` lower,
+    faster in `WIN` of the pairs), the one with the lowest; the rule's if none does or it was not
+    measured.
     In the `TAIL` a dense rule choice yields only to a GEMM or a path winning at every TAIL row."""
     def better(m: int) -> dict:
         rule = _rule(mode, m, kind)
         timed = {p: samples[(kind, m, p)] for p in allowed if len(samples.get((kind, m, p), ())) >= MIN_CLEAN}
         if rule not in timed:
             return {}
-        med = {p: statistics.median(s) for p, s in timed.items()}
+        med = {p: low(s) for p, s in timed.items()}
         return {p: med[p] for p in timed if p != rule and med[p] * (1 + margin) < med[rule]
                 and timing.wins(timed[p], timed[rule]) >= WIN}
     rule, got = _rule(mode, m, kind), better(m)
@@ -455,6 +459,11 @@ def _choose(mode: int, kind: int, m: int, allowed: list[int],
         everywhere = set.intersection(*(set(better(t)) for t in TAIL))
         got = {p: t for p, t in got.items() if p in DENSE_PATHS or p in everywhere}
     return min(got, key=lambda p: (got[p], p)) if got else rule
+
+
+def low(samples: list[float]) -> float:
+    """A path's time from its kept samples: their lower quartile (the module's docstring)."""
+    return sorted(samples)[len(samples) // 4]
 
 
 def _time_bucket(fns, calls: int, rules: set, limits) -> tuple[dict, int]:

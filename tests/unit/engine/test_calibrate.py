@@ -110,8 +110,8 @@ def test_table_choice_reaches_the_layer_stack(quantize):
 # ------------------------------------------------------------------ calibration
 def test_calibration_gives_a_valid_table(monkeypatch):
     """A short calibration (smaller shape and fewer samples) times only paths a choice may take,
-    picks per cell one the mode may take, the rule's or one whose median beats the rule's by the
-    margin, and installed, qlinear's choices follow it bucket by bucket."""
+    picks per cell one the mode may take, the rule's or one whose time (`calibrate.low`) beats the
+    rule's by the margin, and installed, qlinear's choices follow it bucket by bucket."""
     monkeypatch.setattr(calibrate, "SHAPE", (256, 128))
     monkeypatch.setattr(calibrate, "MIN_CLEAN", 3)
     calib = calibrate.measure(budget_s=30.0, wall_s=120.0)
@@ -142,8 +142,9 @@ def expected_auto_at(mode: int, m: int, kind: int) -> int:
 
 
 def test_choose_needs_a_clear_win_over_the_rule():
-    """A path replaces the rule's only if its median beats the rule's by the margin and it is
-    the faster in `WIN` of the pairs of their samples; among several such, the lowest median;
+    """A path replaces the rule's only if its time (the lower quartile of its samples) beats the
+    rule's by the margin and it is the faster in `WIN` of the pairs of their samples; among
+    several such, the lowest;
     otherwise (a near tie, an overlap, a slower path, the rule's not timed or too few samples)
     the rule's."""
     allowed = calibrate.auto_paths(-1)

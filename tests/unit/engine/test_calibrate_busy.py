@@ -9,12 +9,12 @@ thread and says so, and a team's speed cannot be measured here to check it again
 "Fastest" is measured apart from the calibration, on other random data, as the calibration
 times a bucket (samples of as many calls, the weights called in turn): at one thread by the
 lower quartile of the calling thread's CPU time over 31 rounds (no samples set aside); with a
-thread team by `timing.interleaved` with three times the samples the calibration keeps. Where
+thread team by `timing.interleaved` with three times the samples the calibration keeps, and
+their lower quartile (`calibrate.low`, as the calibration's choice reads them). Where
 the chosen path seems more than 5 % behind, the two are timed again head to head with three
 times the calls a sample, and that decides."""
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -73,7 +73,7 @@ def _thread_cpu_times(fns, calls, reps=31):
 def _team_times(fns, calls):
     got, _ = timing.interleaved(fns, calls=calls, min_kept=3 * calibrate.MIN_CLEAN, max_rounds=400,
                                 clean=calibrate.CLEAN)
-    return {k: statistics.median(v) for k, v in got.items() if len(v) >= calibrate.MIN_CLEAN}
+    return {k: calibrate.low(v) for k, v in got.items() if len(v) >= calibrate.MIN_CLEAN}
 
 
 @pytest.mark.parametrize("threads", sorted({1, torch.get_num_threads()}), indirect=True)
