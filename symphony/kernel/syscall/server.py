@@ -22,8 +22,8 @@ Loop (never blocks on a LIP, never waits for the device):
        ps/stats/admission: at most every PUBLISH_EVERY_S, and at once after every command
        the event loop awaits (`call_future`: a reclaim, kv ls/rm), so a snapshot is at
        most PUBLISH_EVERY_S old, and exact when a LIP's exit event goes out
-    6. nothing to do: wait on the LIPs' doorbells and the device's (spin briefly, then block);
-       the next pass polls the rings whose doorbells rang (every ring every FULL_POLL_S)
+    6. nothing to do: wait on the LIPs' and the device's doorbells (spin, then block; no spin while
+       the CPU computes a step); the next pass polls the rings rung (all every FULL_POLL_S)
 
 With ``overlap=False`` (``--serial-steps``) the step runs on this thread, start to end.
 
@@ -330,7 +330,7 @@ class SyscallServer:
         wait = 0.05                        # short: muted LIP bells are polled
         if self._dirty:                    # wake in time to publish what was done (and to count the reclaimable)
             wait = min(wait, max(0.0, self.publisher.due(PUBLISH_EVERY_S) - time.monotonic()))
-        return wait, self._has_work
+        return wait, (None if flight and self.stepper.host_pass else self._has_work)   # None: no spin
 
     def _handle_safely(self, lip: LipProc, slot: int) -> None:
         """`_handle`, contained: an error it could not answer (a reply that does

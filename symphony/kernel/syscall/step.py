@@ -64,6 +64,9 @@ class Stepper:
         self.fs, self.sched, self.residency, self.answers, self.device = fs, sched, residency, answers, device
         # in a step of at most this many calls, each caller is told when it should end (`hint`)
         self.hint_calls = hint_calls(engine, not isinstance(device, InlineDevice))
+        # the forward pass computes on the host's cores: a thread that spins while it runs takes
+        # a core from its thread team, which then waits for it at every barrier
+        self.host_pass = engine.device.type == "cpu" and not getattr(engine, "simulated", False)
         self._hinted: list = []                 # (ring, slot) told by `hint`, not yet woken
         self._shape = None                      # (calls, tokens) of the step in flight, if `hint` saw it
         self._timed = (None, 0.0)               # ... and of the last step back, launch to answers (s)
