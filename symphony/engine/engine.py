@@ -107,12 +107,17 @@ class Engine:
         self.simulated = False            # a simulated device (engine/sim.py) says so
 
     @property
+    def computes_on_host(self) -> bool:
+        """Whether the forward pass computes on this host's CPU cores (not on a GPU, not on a
+        simulated device, which leave them free)."""
+        return self.device.type == "cpu" and not self.simulated
+
+    @property
     def step_tokens(self) -> int:
         """Tokens a kernel step should carry by default: on a CPU a prefill token costs ~100x a
         decode step's share, so a small budget keeps every step (and every decoder) short; a
         device (or a simulated one) takes more."""
-        small = self.device.type == "cpu" and not self.simulated
-        return min(256 if small else 2048, self.config.max_batch_tokens)
+        return min(256 if self.computes_on_host else 2048, self.config.max_batch_tokens)
 
     @classmethod
     def load(cls, path=None, config: EngineConfig = EngineConfig(), progress: bool = True,

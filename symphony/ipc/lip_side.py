@@ -33,7 +33,6 @@ from .wait import Spin
 
 __all__ = ["LipSide"]
 
-_sched_yield = getattr(os, "sched_yield", lambda: None)   # releases the GIL, too
 _BLOCK_CHUNK_S = 0.5   # a blocked LIP re-checks `closed` at least this often
 # A hinted wait (layout.py, "hints"): wake this long before the expected answer, and poll until
 # this long after it before blocking again (a fixed part for the timer's and the step's jitter,
@@ -272,7 +271,7 @@ class LipSide:
                 yld()
         sem = self._sems[s.idx]
         deadline = None if timeout is None else t0 + int(timeout * 1e9)
-        hint_off, hinted = self._hints_off + 8 * s.idx, False
+        hint_off, hinted, yld = self._hints_off + 8 * s.idx, False, spin.yielder()
         while unpack(mm, st_off)[0] != RESPONSE:  # re-checked after every wakeup: stale posts
             if self.closed:
                 raise RingClosed("ring closed")
@@ -293,7 +292,7 @@ class LipSide:
                         chunk = min(chunk, (wake - now) / 1e9)    # answer's post still wakes it)
                     elif now < eta + HINT_GRACE_NS + int((eta - t0) * HINT_GRACE_SHARE):
                         hinted = True            # then poll, leaving the core to others meanwhile
-                        _sched_yield()
+                        yld()
                         continue
             try:
                 sem.acquire(chunk)

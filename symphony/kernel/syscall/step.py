@@ -41,13 +41,14 @@ log = logging.getLogger("symphony.syscalls")
 MAX_HINT_S = 1.0        # a step predicted longer gets no hints: its callers block as usual
 
 
-def hint_calls(engine, overlap: bool) -> int:
+def hint_calls(on_host: bool, overlap: bool) -> int:
     """In a step of at most this many calls the callers are told when it should end (step.py's
     `Stepper.hint`), so that they wait actively: where the forward pass leaves the host's cores
     free (a GPU, the simulated device) and steps run on the device thread, one core each beyond
-    the syscall and device threads' two (one at least); never where the model runs on the CPU
-    (a waiting LIP would take cores from the forward pass)."""
-    if not overlap or (engine.device.type == "cpu" and not getattr(engine, "simulated", False)):
+    the syscall and device threads' two (one at least); never where the model computes on the
+    host's cores (``on_host``: `Engine.computes_on_host`; a waiting LIP would take cores from
+    the forward pass)."""
+    if on_host or not overlap:
         return 0
     try:
         cores = len(os.sched_getaffinity(0))
@@ -62,14 +63,13 @@ class Stepper:
 
     def __init__(self, engine, fs: KVFS, sched: BatchScheduler, residency: Residency, answers: Answers, device):
         self.fs, self.sched, self.residency, self.answers, self.device = fs, sched, residency, answers, device
-        # in a step of at most this many calls, each caller is told when it should end (`hint`)
-        self.hint_calls = hint_calls(engine, not isinstance(device, InlineDevice))
         # the forward pass computes on the host's cores: a thread that spins while it runs takes
         # a core from its thread team, which then waits for it at every barrier
-        self.host_pass = engine.device.type == "cpu" and not getattr(engine, "simulated", False)
+        self.host_pass = engine.computes_on_host
+        # in a step of at most this many calls, each caller is told when it should end (`hint`)
+        self.hint_calls = hint_calls(self.host_pass, not isinstance(device, InlineDevice))
         self._hinted: list = []                 # (ring, slot) told by `hint`, not yet woken
-        self._shape = None                      # (calls, tokens) of the step in flight, if `hint` saw it
-        self._timed = (None, 0.0)               # ... and of the last step back, launch to answers (s)
+        self._timed = (None, 0.0)               # (calls, tokens) of the last step back, launch to answers (s)
         self._around = 0.0                      # ... of which not its forward pass (handing over, commit)
         self.vocab = engine.model_config.vocab_size
         self.read_pairs = engine.attention_read_pairs
@@ -115,13 +115,11 @@ class Stepper:
         back (ipc/layout.py, "hints"): with a core spare, a LIP then waits actively from shortly
         before, and its answer reaches it without a wake-up (~50 us a call on a VM)."""
         self._hinted = []                               # (the last step's, if never woken: answered by now)
-        shape = (len(items), sum(n for _, _, n in items))
-        if shape == self._timed[0]:                     # as the last step: launch to answers (a decode loop)
+        if _shape(items) == self._timed[0]:             # as the last step: launch to answers (a decode loop)
             predicted = self._timed[1]
         else:                                           # else the cost model (a fit: ~10 us) and the
             predicted = self.sched.predicted_seconds()  # last step's time beside its pass
             predicted = None if predicted is None else predicted + self._around
-        self._shape = shape
         if predicted is None or not 0.0 < predicted < MAX_HINT_S:
             return
         eta = time.perf_counter_ns() + int(predicted * 1e9)       # CLOCK_MONOTONIC, as the LIPs read it
@@ -136,6 +134,8 @@ class Stepper:
     def wake_hinted(self) -> None:
         """Wake the callers `hint` told, to read their hints: called once the thread has nothing
         else to do, so that their wake-ups do not delay the step's start on the device."""
+        if not self._hinted:
+            return
         hinted, self._hinted = self._hinted, []
         for ring, slot in hinted:
             try:
@@ -173,7 +173,7 @@ class Stepper:
             return
         self.deliver(items, plan, self.fs.commit(plan, job.out), job.landed)
         took = time.perf_counter() - job.launched       # launch to answers: what a hint predicts
-        self._timed, self._shape, self._around = (self._shape, took), None, max(0.0, took - job.seconds)
+        self._timed, self._around = (_shape(items), took), max(0.0, took - job.seconds)
 
     def deliver(self, items: list, plan, results: list, landed: list) -> None:
         """Fail what failed, advance what has more chunks, reply to the rest.  ``landed``: per
@@ -232,6 +232,11 @@ class Stepper:
 
 
 __all__ = ["Stepper", "hint_calls"]
+
+
+def _shape(items: list) -> tuple[int, int]:
+    """A step's (calls, tokens): steps of one shape take alike (a decode loop's)."""
+    return len(items), sum(n for _, _, n in items)
 
 
 def _composition(items: list) -> str:

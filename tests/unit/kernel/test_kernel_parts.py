@@ -132,11 +132,14 @@ def test_hints_only_where_the_forward_pass_leaves_the_cores_free():
     device thread, at most one caller a core beyond the kernel's two threads (one at least)."""
     import torch
 
+    from symphony.engine.engine import Engine
     from symphony.kernel.syscall.step import hint_calls
 
+    def on_host(device, simulated=False):
+        return Engine.computes_on_host.fget(SimpleNamespace(device=torch.device(device), simulated=simulated))
+
     cores = len(os.sched_getaffinity(0))
-    cpu = SimpleNamespace(device=torch.device("cpu"), simulated=False)
-    sim = SimpleNamespace(device=torch.device("cpu"), simulated=True)
-    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    cpu, sim, gpu = on_host("cpu"), on_host("cpu", True), on_host("cuda")
+    assert (cpu, sim, gpu) == (True, False, False)
     assert hint_calls(cpu, True) == 0 and hint_calls(sim, False) == hint_calls(gpu, False) == 0
     assert hint_calls(sim, True) == hint_calls(gpu, True) == max(1, cores - 2)
