@@ -22,8 +22,8 @@ tool names.  A tool input ends at ``]`` or a newline; a bad input becomes an
 error observation, not a crash.
 
 Sends the transcript line by line, then one JSON line: the answer, the
-actions with their observations, the KV length after each step and the
-tokens fed to pred.
+actions with their observations, the KV length after each step, the
+tokens fed to pred and the tokens the model decoded (``generated``).
 """
 from symphony.lip import kv, send, tokenizer
 from symphony.lip.agents import Writer, calc, http_get, run_tool, search_files
@@ -83,4 +83,4 @@ def main(question, *_):
             actions.append({"tool": name, "input": arg, "observation": obs})
             lengths.append(len(f))
         send({"answer": answer, "actions": actions, "kv_lengths": lengths + [len(f)],
-              "tokens_fed": a.fed})                          # == len(f): nothing was recomputed
+              "tokens_fed": a.fed, "generated": a.generated})                          # == len(f): nothing was recomputed

@@ -39,10 +39,11 @@ miss compute it both; the first to name it wins, the other goes on with its own 
 ``--no-cache`` computes the preamble in the run, fed with the first user message.
 
 Sends each turn's record as it ends, then one JSON line: the answers, the turns (agent,
-moves, the conversation's length when the turn forked it, tokens fed in the fork), the
-handoffs, ``conversation_tokens`` (the file's length), ``conversation_fed`` (tokens fed
-to it in this run), ``fork_fed``, ``tokens_fed`` (all pred input in this run: what the
-kernel counts for this LIP),
+moves, the conversation's length when the turn forked it, tokens fed and decoded in the
+fork), the handoffs, ``generated`` (the tokens the model decoded, all turns),
+``conversation_tokens`` (the file's length), ``conversation_fed`` (tokens fed to it in this
+run), ``fork_fed``, ``tokens_fed`` (all pred input in this run: what the kernel counts for
+this LIP),
 ``conversation_recomputed_without_forks`` (the conversation tokens a per-turn prompt
 would have computed again), and the preamble's cost: ``preamble_tokens``,
 ``preamble_reused`` (the cache file's length as the kernel reports it: tokens not fed),
@@ -198,7 +199,7 @@ def start_conversation(tok, text: str, cache: bool):
 
 def take_turn(agent: Agent, conv, tok, history: list, o, may_transfer: bool):
     """One agent's turn on a fork of the conversation: (moves, transfer target or None,
-    answer or None, tokens fed in the fork)."""
+    answer or None, the fork's Writer: what it fed and decoded)."""
     private = chat_piece(tok, history, [{"role": "system", "content": agent.instructions}], True)
     with conv.fork() as f:
         w = Writer(f, tok, private + f"{agent.name}: ")
@@ -211,11 +212,11 @@ def take_turn(agent: Agent, conv, tok, history: list, o, may_transfer: bool):
             move = w.choose(options)
             if move.startswith("transfer to "):
                 moves.append(move)
-                return moves, move[len("transfer to "):], None, w.fed
+                return moves, move[len("transfer to "):], None, w
             if move == "answer:":
                 answer = w.until("\n", o.max_tokens).strip()
                 moves.append(f"answer: {answer}")
-                return moves, None, answer, w.fed
+                return moves, None, answer, w
             tool = move[:-1]
             arg = w.until("]\n", 64, close="]").strip()
             result = run_tool(TOOLS, tool, arg)
@@ -239,10 +240,10 @@ def main(*args):
             while True:
                 cw.flush()                                   # the conversation as it stands
                 recomputable += len(conv)
-                moves, target, answer, fed = take_turn(agent, conv, tok, history, o,
-                                                       may_transfer=handed < o.max_handoffs)
+                moves, target, answer, w = take_turn(agent, conv, tok, history, o,
+                                                     may_transfer=handed < o.max_handoffs)
                 turns.append({"agent": agent.name, "moves": moves, "conversation_len": len(conv),
-                              "fed": fed})
+                              "fed": w.fed, "generated": w.generated})
                 record = [{"role": "assistant", "content": f"{agent.name}: " + "\n".join(moves)}]
                 cw.write(chat_piece(tok, history, record, False))
                 history += record
@@ -257,4 +258,5 @@ def main(*args):
         send({"answers": answers, "turns": turns, "handoffs": handoffs,
               "conversation_tokens": len(conv), "conversation_fed": cw.fed, "fork_fed": fork_fed,
               "tokens_fed": cw.fed + fork_fed, "conversation_recomputed_without_forks": recomputable,
+              "generated": sum(t["generated"] for t in turns),
               **preamble})

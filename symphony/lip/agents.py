@@ -87,11 +87,12 @@ def run_tool(tools: dict, name: str, arg: str, max_chars: int = 400) -> str:
 
 class Writer:
     """One KV file, and the tokens not yet fed to it (`pending`).  `fed` counts
-    the tokens this writer fed to the model (each once: nothing is recomputed)."""
+    the tokens this writer fed to the model (each once: nothing is recomputed);
+    `generated` the tokens the model decoded for it (free text and choices)."""
 
     def __init__(self, f: KVFile, tok, text: str = ""):
         self.f, self.tok, self.eos = f, tok, set(tok.eos_ids)
-        self.pending, self.fed = tok.encode(text) if text else [], 0
+        self.pending, self.fed, self.generated = tok.encode(text) if text else [], 0, 0
 
     def _pred(self, **kw) -> int:
         t = pred(self.f, self.pending, output="argmax", **kw)
@@ -113,6 +114,7 @@ class Writer:
         ids: list[int] = []
         while len(ids) < limit:
             t = self._pred()
+            self.generated += 1
             if t in self.eos:
                 break
             ids.append(t)
@@ -139,6 +141,7 @@ class Writer:
         while True:
             live = [s for s in seqs if s[:len(done)] == done]
             done.append(self._pred(mask=sorted({s[len(done)] for s in live})))
+            self.generated += 1
             self.pending = [done[-1]]
             if done in seqs:
                 return options[seqs.index(done)]

@@ -191,4 +191,19 @@ def test_got_scores_merges_and_concludes(kernel):
     assert sorted(out["kept"]) == sorted(t["thought"] for t in best)
     assert len(out["merged_parts"]) == 3
     assert out["merged_length"] == sum(out["merged_parts"])
+    assert out["answer"].strip() and not out["exact"]
+    assert out["generated"] >= len(out["thoughts"]) + 1
+
+
+def test_got_exact_feeds_the_kept_thoughts_as_text(kernel, smollm):
+    """--exact: the conclusion is decoded after the kept thoughts written out in order on a fork of
+    the problem (what a prompt listing them computes), not after their merged KV."""
+    problem = "A box holds 6 eggs. How many boxes do 48 eggs fill?"
+    out = json.loads(run_ok(kernel, GOT, problem, "--thoughts", "2", "--keep", "2", "--max-tokens", "16",
+                            "--exact").stdout)
+    assert out["exact"] and sorted(out["kept"]) == [1, 2]
+    text = "".join(f"Thought {t['thought']}: {t['text']}\n" for t in out["thoughts"]) + "\nFinal answer:"
+    P, rest = out["merged_parts"]
+    assert rest == len(smollm.tokenizer.encode(text))       # the kept thoughts' tokens, fed after the problem
+    assert out["merged_length"] == P + rest
     assert out["answer"].strip()
