@@ -130,7 +130,9 @@ class Writer:
         return self.tok.decode(ids)
 
     def choose(self, options: Sequence[str]) -> str:
-        """The model picks one of ``options``, constrained token by token with a mask."""
+        """The model picks one of ``options``, constrained token by token with a mask where
+        the options still alive differ; a token they all share next is written without a
+        forward pass (it is fed with the next step)."""
         if not options:
             raise ValueError("choose needs at least one option")
         seqs = [self.tok.encode(o) for o in options]
@@ -140,8 +142,13 @@ class Writer:
         done: list[int] = []
         while True:
             live = [s for s in seqs if s[:len(done)] == done]
-            done.append(self._pred(mask=sorted({s[len(done)] for s in live})))
-            self.generated += 1
-            self.pending = [done[-1]]
+            allowed = sorted({s[len(done)] for s in live})
+            if len(allowed) == 1:                            # forced: nothing for the model to decide
+                done.append(allowed[0])
+                self.pending = self.pending + allowed
+            else:
+                done.append(self._pred(mask=allowed))
+                self.generated += 1
+                self.pending = [done[-1]]
             if done in seqs:
                 return options[seqs.index(done)]
