@@ -5,7 +5,7 @@ as a client program of the OpenAI API, against Symphony's gateway, vLLM and llam
                               [--programs 20] [--rounds 2] [--contenders lip,gateway,vllm,llama-server]
                               [--vllm-dtype bfloat16] [--json OUT] [--plot PNG]
     python perf/paper/apps.py --agents 1,8,32 [--apps react,swarm] [--rounds 2] ...
-    python perf/paper/apps.py --report OUT.json      # the tables again from a run's raw data
+    python perf/paper/apps.py --report OUT.json [--plot PNG]   # the tables (and plot) from a run's raw data
 
 Each application is written twice over the same model and prompts:
   lip       the stock program through the kernel's socket (userland/generate.py, got.py,
@@ -29,7 +29,8 @@ others are paused (SIGSTOP: vLLM spins a core while idle).
               after a verification question), the best 2 merged, a greedy conclusion (got.py: the
               kept thoughts' KV merged side by side, each at its own positions: an approximation
               of the prompt that lists them; the client: the thoughts in parallel requests, the
-              score from ``logprobs``, the conclusion over the problem and both thoughts);
+              score from ``logprobs``, the conclusion over the problem and both thoughts; the
+              thoughts' requests carry seeds, except to vLLM, whose CPU engine dies on them);
   got-exact   the same with ``got.py --exact``: the LIP feeds the kept thoughts as text on a
               fork of the problem, as the client's prompt has them (exact; the client is got's);
   react       a calc question (react.py: a greedy thought, the line opening forced to Action: or
@@ -251,14 +252,18 @@ def client_swarm(http, url, model, tok, i, o, swarm=None):
         agent, handed = swarm.AGENTS[target], handed + 1
 
 
-def client_got(http, url, model, tok, i, o, got=None):
+def client_got(http, url, model, tok, i, o, got=None, seeded=True):
+    """``seeded``: each thought's request carries its seed (not to vLLM 0.32's CPU build, whose
+    engine dies on a seeded request whose sampled token it discards: "CPU Generator does not
+    use offset")."""
     problem = PROBLEMS[i % len(PROBLEMS)][0]
     base = tok.apply_chat_template([{"role": "user", "content": problem}])
     yes = tok.encode("Yes")[0]
 
     def think(j):
         r = Remote(http, url, model, tok, base + f"Thought {j + 1}:")
-        text = r.complete(o.max_tokens, temperature=0.8, top_p=0.95, seed=j * 100, stop=["\n"])["text"]
+        text = r.complete(o.max_tokens, temperature=0.8, top_p=0.95, stop=["\n"],
+                          **({"seed": j * 100} if seeded else {}))["text"]
         judge = Remote(http, url, model, tok, r.text + text + got.reply_then_ask(tok, got.VERIFY))
         lp = judge.complete(1, logprobs=20).get("logprobs") or {}
         tops = (lp.get("top_logprobs") or [{}])[0] or {}
@@ -370,7 +375,8 @@ def measure(servers: Servers, app: str, c: str, conc: int, programs: int, o, tok
                 generated, answer = run_lip(servers.sym.sock, app, i, o, tok)
             else:
                 url, model = servers.target(c)
-                generated, answer = CLIENTS[app](http, url, model, tok, i, o, mods.get(app.split("-")[0]))
+                kw = {"seeded": False} if app.startswith("got") and c == "vllm" else {}
+                generated, answer = CLIENTS[app](http, url, model, tok, i, o, mods.get(app.split("-")[0]), **kw)
         except Exception as e:                                   # counted, not fatal
             runs.append({"i": i, "error": f"{type(e).__name__}: {e}"[:300],
                          "latency": time.perf_counter() - t0})
@@ -416,12 +422,16 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="the plot's file (default apps.png, with --agents "
                                                  "apps_agents.png, beside this script)")
     ap.add_argument("--json", default=None, help="every program of every point, with the run's setup")
-    ap.add_argument("--report", default=None, metavar="JSON", help="print the tables of a run's --json")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="print the tables of a run's --json (and draw its plot with --plot)")
     o = ap.parse_args()
     if o.report:
         data = json.loads(Path(o.report).read_text())
         print("\n".join(data.get("setup", [])))
-        print_table(data["res"], data["apps"], data["concs"], data["contenders"], data["many"])
+        res = {a: {c: {int(n): v for n, v in row.items()} for c, row in r.items()} for a, r in data["res"].items()}
+        print_table(res, data["apps"], data["concs"], data["contenders"], data["many"])
+        if o.plot:
+            (plot_agents if data["many"] else plot_apps)(res, data["apps"], data["concs"], data["contenders"], o.plot)
         return 0
     many = o.agents is not None
     apps = [x for x in (o.apps or ",".join(AGENT_APPS if many else APPS)).split(",") if x]
@@ -498,7 +508,6 @@ def print_table(res: dict, apps, concs, contenders, many: bool) -> None:
     """The markdown tables: programs/s and the LIP's gains (median and per-round spread), latency
     p50 and p99; then the tokens generated a program, the share of correct answers and failures."""
     others = [c for c in contenders if c != "lip"]
-    res = {a: {c: {int(n): v for n, v in row.items()} for c, row in r.items()} for a, r in res.items()}
     print("\nprograms/s, median (per-round spread); gain = lip / client per round; latency p50 / p99 s (medians)")
     print(f"| app | {'agents' if many else 'concurrency'} | " + " | ".join(contenders) + " | "
           + " | ".join(f"gain vs {c}" for c in others) + " | "
