@@ -302,9 +302,23 @@ class Peer:
     def cpu_seconds(self) -> float:
         return sum(_cpu(p) for p in self.pids())
 
-    def pause(self) -> None:
+    def busy(self) -> float | None:
+        """Requests it reports running or waiting (its metrics), None when it reports none."""
+        m = self.metrics()
+        keys = [k for k in m if k.endswith(("num_requests_running", "num_requests_waiting",
+                                             "requests_processing", "requests_deferred"))]
+        return sum(m[k] for k in keys) if keys else None
+
+    def pause(self, settle: float = 30.0) -> None:
         """SIGSTOP every process, and wait (up to 5 s) until each has stopped: a paused peer takes
-        no CPU from the contender measured next."""
+        no CPU from the contender measured next.  First waits (up to ``settle`` seconds) until it
+        reports no request running or waiting, then a moment more: a request its client has
+        stopped reading (a stop string found) may still be in its engine, and vLLM's engine dies
+        when stopped in the middle of a step (its timed waits on the workers expire)."""
+        deadline = time.time() + settle
+        while time.time() < deadline and (self.busy() or 0) > 0:
+            time.sleep(0.05)
+        time.sleep(0.3)
         pids = self.pids()
         for p in pids:
             _signal(p, signal.SIGSTOP)

@@ -3,6 +3,7 @@
     symphony run userland/react.py "What is 37 * 91?"
     symphony run --grant read:/srv/notes userland/react.py "What is the codename of project Zephyr?"
     symphony run --grant http:127.0.0.1:8000 userland/react.py "What does http://127.0.0.1:8000/motd say?"
+    options: --no-cache (compute the few-shot prompt in this run, as if no run came before)
 
 The model writes ``Thought: ...`` / ``Action: tool[input]`` lines; at each
 action the LIP runs the tool itself and appends ``Observation: ...`` to the
@@ -14,6 +15,13 @@ Tools: ``calc`` (arithmetic, evaluated over the `ast`, never `eval`),
 read:DIR``), ``http`` (GET through the kernel, hosts granted with ``--grant
 http:HOST[:PORT]``).
 
+The few-shot prompt is the same in every run: its KV is found, block by
+block, in a prefix cache in the user's private KV directory
+(``/home/<user>/react``, symphony.lip.prefixcache, the cache the gateway's
+serving program keeps for prompts), forked copy-on-write, and only what
+follows it is computed; a run that computes it leaves it there for the next
+(runs that arrive while it is being computed wait for it and fork it).
+
 SmolLM2-135M drifts from the ReAct format, so the program keeps it there: the
 model writes the free text (thoughts, tool inputs, the answer) greedily, but
 the line openings are forced choices: after each thought a token mask lets it
@@ -23,10 +31,15 @@ error observation, not a crash.
 
 Sends the transcript line by line, then one JSON line: the answer, the
 actions with their observations, the KV length after each step, the
-tokens fed to pred and the tokens the model decoded (``generated``).
+tokens fed to pred, the prompt tokens forked from the cache (``reused``:
+``tokens_fed + reused`` is the final KV length: nothing was computed twice)
+and the tokens the model decoded (``generated``).
 """
-from symphony.lip import kv, send, tokenizer
+import sys
+
+from symphony.lip import InvalidPath, info, kv, send, tokenizer
 from symphony.lip.agents import Writer, calc, http_get, run_tool, search_files
+from symphony.lip.prefixcache import PrefixCache
 
 FEW_SHOT = """You answer questions with tools. Tools:
 calc[expression]: computes arithmetic
@@ -60,10 +73,30 @@ MAX_ACTIONS = 4
 TOOLS = {"calc": calc, "search": search_files, "http": http_get}
 
 
-def main(question, *_):
+def start(tok, prompt: list, cache: bool):
+    """The KV file the run writes in and the prompt tokens it already holds: with
+    ``cache``, the longest cached prefix of the prompt (whole blocks), the file
+    promising the prompt's blocks to runs that arrive meanwhile."""
+    if not cache:
+        return kv.create(), 0
+    me = info()
+    pc = PrefixCache(f"/home/{me['user']}/react", block=int(me.get("page_size") or 16), user=me["user"])
+    try:
+        return pc.open(prompt, limit=len(prompt) - 1, promise=len(prompt))
+    except InvalidPath as e:                                 # no cache: compute it all
+        print(f"react: no prefix cache: {e}", file=sys.stderr, flush=True)
+        return kv.create(), 0
+
+
+def main(*args):
+    cache = "--no-cache" not in args
+    question = " ".join(a for a in args if a != "--no-cache")
     tok = tokenizer()
-    with kv.create() as f:
-        a = Writer(f, tok, FEW_SHOT + f"Question: {question}\nThought:")
+    prompt = tok.encode(FEW_SHOT + f"Question: {question}\nThought:")
+    f, reused = start(tok, prompt, cache)
+    with f:
+        a = Writer(f, tok)
+        a.pending = prompt[reused:]
         actions, lengths, answer = [], [], ""
         send(f"Question: {question}\n")
         while True:
@@ -83,4 +116,4 @@ def main(question, *_):
             actions.append({"tool": name, "input": arg, "observation": obs})
             lengths.append(len(f))
         send({"answer": answer, "actions": actions, "kv_lengths": lengths + [len(f)],
-              "tokens_fed": a.fed, "generated": a.generated})                          # == len(f): nothing was recomputed
+              "tokens_fed": a.fed, "reused": reused, "generated": a.generated})   # fed + reused == len(f)

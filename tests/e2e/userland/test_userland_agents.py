@@ -85,7 +85,26 @@ def test_react_tools_results_in_answers_one_kv(kernel, tmp_path):
         # one KV file all along: it only grows, and every token was fed exactly once
         lengths = out["kv_lengths"]
         assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
-        assert out["tokens_fed"] == lengths[-1] == finished(kernel, [question])["tokens"]
+        assert out["tokens_fed"] + out["reused"] == lengths[-1]
+        assert out["tokens_fed"] == finished(kernel, [question])["tokens"]
+
+
+def test_react_forks_its_few_shot_prompt_from_the_prefix_cache(kernel, smollm):
+    """A run finds the few-shot prompt's blocks that an earlier run computed, forks them and
+    computes only the rest; the answer is the one computed without the cache."""
+    q = "What is 125 + 349?"
+    first = json.loads(run_ok(kernel, REACT, q).stdout.splitlines()[-1])
+    again = json.loads(run_ok(kernel, REACT, q).stdout.splitlines()[-1])
+    alone = json.loads(run_ok(kernel, REACT, q, "--no-cache").stdout.splitlines()[-1])
+    spec = importlib.util.spec_from_file_location("react_lip", REACT)
+    react = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(react)
+    few_shot = len(smollm.tokenizer.encode(react.FEW_SHOT))
+    assert alone["reused"] == 0 and alone["tokens_fed"] == alone["kv_lengths"][-1]
+    assert again["reused"] >= few_shot - 16 and again["reused"] % 16 == 0
+    assert again["tokens_fed"] + again["reused"] == again["kv_lengths"][-1]
+    assert again["tokens_fed"] == finished(kernel, [q])["tokens"]      # what the kernel counted
+    assert again["answer"] == first["answer"] == alone["answer"] and "474" in alone["answer"]
 
 
 def test_react_calculator_is_safe():
