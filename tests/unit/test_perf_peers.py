@@ -41,6 +41,13 @@ STAND_IN = textwrap.dedent('''\
     port = int(sys.argv[sys.argv.index("--port") + 1])
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            busy = os.environ.get("STAND_IN_BUSY")
+            if self.path == "/metrics" and busy:
+                self.send_response(200)
+                self.end_headers()
+                n = open(busy).read().strip() or "0"
+                self.wfile.write(f"llamacpp:requests_processing {{n}}\\n".encode())
+                return
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
             self.wfile.write(b'{{"status": "ok"}}')
@@ -110,6 +117,24 @@ def test_a_started_peer_is_paused_resumed_and_stopped_with_its_children(stand_in
     while time.time() < deadline and (_state(server) not in (None, "Z") or _state(child) not in (None, "Z")):
         time.sleep(0.1)
     assert _state(server) in (None, "Z") and _state(child) in (None, "Z")
+
+
+def test_a_peer_is_paused_only_once_it_reports_no_request_in_flight(stand_in, tmp_path, monkeypatch):
+    import threading
+    busy = tmp_path / "busy"
+    busy.write_text("2")
+    monkeypatch.setenv("STAND_IN_BUSY", str(busy))
+    with peers.peer("llama-server", slots=2, log_dir=tmp_path / "logs") as p:
+        server, _ = (int(x) for x in stand_in.read_text().split())
+        assert p.busy() == 2
+        t = threading.Thread(target=p.pause)
+        t.start()
+        time.sleep(0.6)
+        assert t.is_alive() and _state(server) != "T"          # requests in flight: not stopped
+        busy.write_text("0")
+        t.join(10)
+        assert not t.is_alive() and _state(server) == "T"
+        p.resume()
 
 
 def test_a_peer_that_dies_or_never_answers_is_unavailable_and_gone(stand_in, tmp_path, monkeypatch):
