@@ -44,8 +44,8 @@ others are paused (SIGSTOP: vLLM spins a core while idle).
 Per point (app, contender, concurrency C): max(--programs, C) programs, C at a time, over the
 same questions; programs/s, latency p50 and p99, the tokens the model generated per program
 (the LIP's own count of what it decoded; the client's ``usage.completion_tokens``), the share
-of correct answers (the number asked for appears in the final answer: react, swarm, got; the
-completion has no right answer), failures; each a median over rounds with the per-round
+of correct answers (the final answer's last number is the number asked for: react, swarm, got;
+the completion has no right answer), failures; each a median over rounds with the per-round
 spread, and the LIP's gain over each client (lip programs/s / client programs/s per round).
 The contenders alternate within each round.  --json keeps every program's latency, tokens,
 answer and verdict.  The plot shows programs/s per app and contender at the highest
@@ -110,16 +110,15 @@ def expected(app: str, i: int):
 
 
 def correct(answer: str, want) -> bool | None:
-    """Whether the number ``want`` appears in ``answer`` (3,367 and 11.0 count)."""
+    """Whether the last number in ``answer`` is ``want`` (3,367 and 11.0 count; "36 + 36 = 72"
+    answers 72)."""
     if want is None:
         return None
-    for m in re.findall(r"-?\d[\d,]*(?:\.\d+)?", answer or ""):
-        try:
-            if abs(float(m.replace(",", "")) - want) < 1e-6:
-                return True
-        except ValueError:
-            pass
-    return False
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", answer or "")
+    try:
+        return bool(numbers) and abs(float(numbers[-1].replace(",", "").rstrip(",")) - want) < 1e-6
+    except ValueError:
+        return False
 
 
 # ---------------------------------------------------------------- the client side
@@ -532,7 +531,8 @@ def print_table(res: dict, apps, concs, contenders, many: bool) -> None:
             toks = [f"{statistics.median(x['generated'] for x in row[c][n]):.1f}" for c in contenders]
             right = []
             for c in contenders:
-                v = [p["correct"] for x in row[c][n] for p in x.get("programs", []) if p.get("correct") is not None]
+                v = [correct(p["answer"], expected(app, p["i"])) for x in row[c][n] for p in x.get("programs", [])
+                     if "answer" in p and expected(app, p["i"]) is not None]
                 right.append(f"{sum(v)}/{len(v)}" if v else "-")
             failed = ", ".join(f"{c} {sum(x['failed'] for x in row[c][n])}" for c in contenders
                                if sum(x["failed"] for x in row[c][n]))

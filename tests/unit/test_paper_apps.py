@@ -17,8 +17,9 @@ from tests.modelfiles import tiny_tokenizer  # noqa: E402
 
 def test_an_answer_is_right_when_the_number_asked_for_is_in_it():
     assert apps.correct("The answer is 3,367.", 3367) and apps.correct("11.0", 11)
-    assert apps.correct("64 / 8 + 3 = 11", 11)
+    assert apps.correct("64 / 8 + 3 = 11", 11) and apps.correct("3367\n\nSo 3367 it is", 3367)
     assert not apps.correct("about 3366", 3367) and not apps.correct("", 8)
+    assert not apps.correct("36 + 36 = 72 cows.", 36)                    # the answer is its last number
     assert apps.correct("anything", None) is None
     assert apps.expected("completion", 3) is None
     assert apps.expected("react", 1) == apps.QUESTIONS[1][1] and apps.expected("got-exact", 1) == apps.PROBLEMS[1][1]
@@ -55,8 +56,10 @@ def test_a_forced_choice_is_one_request_a_branching_point_with_the_allowed_token
 
 
 def _point(pps, correct):
+    """A point of one ReAct program (question 0: 3367), its answer right or wrong."""
     return {"pps": pps, "wall": 10.0, "p50": 1.0, "p99": 2.0, "generated": 30.0, "correct": None, "failed": 0,
-            "programs": [{"i": 0, "latency": 1.0, "generated": 30, "answer": "x", "correct": correct}]}
+            "programs": [{"i": 0, "latency": 1.0, "generated": 30, "answer": "3367" if correct else "12",
+                          "correct": not correct}]}          # the verdict is recomputed from the answer
 
 
 def test_report_recomputes_the_tables_and_the_plot(tmp_path):
