@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO / "perf" / "paper"))
 sys.path.insert(0, str(REPO / "perf"))
 
 import apps  # noqa: E402
-from tests.modelfiles import tiny_tokenizer  # noqa: E402
+from modelfiles import tiny_tokenizer  # noqa: E402
 
 
 def test_an_answer_is_right_when_the_number_asked_for_is_in_it():

@@ -3,7 +3,7 @@ token written reaches the KV file once, in order."""
 import pytest
 
 from symphony.lip import agents
-from tests.modelfiles import tiny_tokenizer
+from modelfiles import tiny_tokenizer
 
 
 class FakeFile:
