@@ -73,7 +73,7 @@ MAX_ACTIONS = 4
 TOOLS = {"calc": calc, "search": search_files, "http": http_get}
 
 
-def start(tok, prompt: list, cache: bool):
+def start(prompt: list, cache: bool):
     """The KV file the run writes in and the prompt tokens it already holds: with
     ``cache``, the longest cached prefix of the prompt (whole blocks), the file
     promising the prompt's blocks to runs that arrive meanwhile."""
@@ -93,7 +93,7 @@ def main(*args):
     question = " ".join(a for a in args if a != "--no-cache")
     tok = tokenizer()
     prompt = tok.encode(FEW_SHOT + f"Question: {question}\nThought:")
-    f, reused = start(tok, prompt, cache)
+    f, reused = start(prompt, cache)
     with f:
         a = Writer(f, tok)
         a.pending = prompt[reused:]
